@@ -1,0 +1,1 @@
+"""Evaluations, benchmarks and the `kvjax` command line."""

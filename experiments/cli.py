@@ -1,0 +1,131 @@
+"""The `kvjax` command line.
+
+    kvjax generate --prompt "Why is the sky blue?" --chat
+    kvjax generate --context-file book.txt --prompt "Who is the hero?" --chat --method full
+    kvjax ppl --text experiments/data/devils_dictionary.txt --context 512 --max-tokens 4096
+
+Every command takes `--model smollm2|PATH` (a .gguf file or a Hugging Face
+directory), `--method NAME[:k=v,...]` and `--json` (one JSON object on stdout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2",
+                   help="'smollm2' (default; fetched once) or a .gguf file / HF model directory")
+    p.add_argument("--method", default="full", help="cache method spec, e.g. 'full'")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvjax", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (greedy by default)")
+    _common(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--context-file", type=Path,
+                   help="text placed before the prompt (the part a method compresses)")
+    g.add_argument("--chat", action="store_true", help="wrap in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("ppl", help="perplexity of a text file with sliding windows")
+    _common(p)
+    p.add_argument("--text", type=Path, required=True, help="UTF-8 text file")
+    p.add_argument("--context", type=int, required=True, help="window length N in tokens")
+    p.add_argument("--stride", type=int, help="window advance S (default N)")
+    p.add_argument("--max-tokens", type=int, help="use only the first M tokens of the text")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward batch")
+    return parser
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise FileNotFoundError(f"text file not found: {path}")
+    return path.read_text(encoding="utf-8")
+
+
+def build_prompt(tokenizer, prompt: str, context: str | None, chat: bool) -> str:
+    """The full prompt text: context first, then the prompt (inside the chat template)."""
+    user = prompt if context is None else f"{context.rstrip()}\n\n{prompt}"
+    if not chat:
+        return user
+    return tokenizer.apply_chat_template([{"role": "user", "content": user}],
+                                         add_generation_prompt=True)
+
+
+def cmd_generate(args, model, tokenizer) -> dict:
+    from models.sampler import Sampling, generate
+
+    context = _read_text(args.context_file) if args.context_file else None
+    ids = tokenizer.encode(build_prompt(tokenizer, args.prompt, context, args.chat))
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    start = time.perf_counter()
+    out = generate(model, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                   transform=_transform(args.method), seed=args.seed)
+    seconds = time.perf_counter() - start
+    tokens = out.tokens[0, :out.num_tokens[0]].tolist()
+    return {"text": tokenizer.decode(tokens), "tokens": tokens, "prompt_tokens": len(ids),
+            "method": args.method, "seconds": round(seconds, 3)}
+
+
+def cmd_ppl(args, model, tokenizer) -> dict:
+    from experiments.ppl import perplexity
+
+    if args.method != "full":
+        _transform(args.method)  # validates the spec
+        raise ValueError("kvjax ppl supports only --method full until the eviction issue lands")
+    ids = tokenizer.encode(_read_text(args.text))[:args.max_tokens]
+    start = time.perf_counter()
+    result = perplexity(model, ids, args.context, args.stride, batch_size=args.batch_size)
+    return {"ppl": result.ppl, "nll": result.nll, "tokens_scored": result.tokens_scored,
+            "text_tokens": len(ids), "context": args.context,
+            "stride": args.stride or args.context, "method": args.method,
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _transform(spec: str):
+    from kvjax import parse_method
+    return parse_method(spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from models.loading import load_model
+
+    try:
+        _transform(args.method)
+        model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
+        result = {"generate": cmd_generate, "ppl": cmd_ppl}[args.command](args, model, tokenizer)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"kvjax: error: {e}", file=sys.stderr)
+        return 2
+    result["model"] = args.model
+    if args.json:
+        print(json.dumps(result))
+    elif args.command == "generate":
+        print(result["text"])
+    else:
+        print(f"perplexity {result['ppl']:.4f} over {result['tokens_scored']} tokens "
+              f"(context {result['context']}, stride {result['stride']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

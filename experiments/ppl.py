@@ -1,0 +1,81 @@
+"""Fixed-length-model perplexity over sliding windows, batched.
+
+Windows of `context` tokens start at 0, stride, 2*stride, ... until one
+reaches the end of the text. In each window only the tokens that no earlier
+window scored are scored, each conditioned on the tokens before it in its
+window; the first token of the text is never scored. With stride == context
+this is plain chunked perplexity; with a smaller stride every scored token
+sees at least `context - stride` tokens of context.
+
+Example:
+    >>> result = perplexity(model, ids, context=512, stride=256)
+    >>> result.ppl, result.tokens_scored
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from kvjax.cache import EMPTY
+from models.llama import Llama
+from models.scoring import token_logprobs
+
+
+class Window(NamedTuple):
+    start: int  # first token of the window
+    end: int  # one past its last token
+    first_scored: int  # first token this window scores (earlier ones were scored before)
+
+
+class Perplexity(NamedTuple):
+    ppl: float
+    nll: float  # summed negative log-likelihood (nats)
+    tokens_scored: int
+
+
+def sliding_windows(num_tokens: int, context: int, stride: int | None = None) -> list[Window]:
+    """The windows `perplexity` scores (see module docstring)."""
+    stride = context if stride is None else stride
+    if context < 2 or not 1 <= stride <= context:
+        raise ValueError(f"need context >= 2 and 1 <= stride <= context, got {context}, {stride}")
+    windows, scored_until = [], 1
+    for start in range(0, max(num_tokens - 1, 1), stride):
+        end = min(start + context, num_tokens)
+        first = max(scored_until, start + 1)
+        if first < end:
+            windows.append(Window(start, end, first))
+        scored_until = end
+        if end == num_tokens:
+            break
+    return windows
+
+
+def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | None = None,
+               *, batch_size: int = 8, chunk: int = 256) -> Perplexity:
+    """Perplexity of `ids` under `model` with sliding windows; windows run batched."""
+    ids = np.asarray(ids, np.int32)
+    if ids.ndim != 1 or len(ids) < 2:
+        raise ValueError(f"need a 1-D sequence of at least 2 token ids, got shape {ids.shape}")
+    windows = sliding_windows(len(ids), context, stride)
+    width = max(w.end - w.start for w in windows)
+    nll, scored = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        group = windows[i:i + batch_size]
+        tokens = np.zeros((len(group), width), np.int32)
+        positions = np.full((len(group), width), EMPTY, np.int32)
+        targets = np.zeros((len(group), width), np.int32)
+        score = np.zeros((len(group), width), bool)
+        for row, w in enumerate(group):
+            n, off = w.end - w.start, width - (w.end - w.start)  # left-pad short windows
+            tokens[row, off:] = ids[w.start:w.end]
+            positions[row, off:] = np.arange(n)
+            targets[row, off:-1] = ids[w.start + 1:w.end]
+            # the logit at window offset j predicts token start + j + 1
+            score[row, off + (w.first_scored - w.start) - 1: width - 1] = True
+        lp = np.asarray(token_logprobs(model, tokens, positions, targets, chunk=chunk), np.float64)
+        nll -= float(lp[score].sum())
+        scored += int(score.sum())
+    return Perplexity(math.exp(nll / scored), nll, scored)

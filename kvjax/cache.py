@@ -1,0 +1,175 @@
+"""Explicit KV-cache state: fixed capacity, static shapes, pure updates.
+
+A model's cache is a tuple with one `TokenCache` per layer. Every slot of a
+layer cache holds one token's key and value for each KV head, together with
+the absolute position of that token (`pos`); a slot whose `pos` is `EMPTY`
+holds nothing and is masked by attention. Eviction empties slots or compacts
+them; writes append at the shared write cursor `length`.
+
+Example:
+    >>> cache = init_cache(batch=2, kv_heads=3, capacity=16, head_dim=64)
+    >>> k = v = jnp.ones((2, 3, 4, 64))           # four new tokens
+    >>> cache = write(cache, k, v, jnp.arange(4)[None].repeat(2, 0))
+    >>> int(cache.length), nbytes(cache)
+    (4, 49348)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+EMPTY = -1
+"""`pos` value of a slot that holds no token (never written, padding, or evicted)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenCache:
+    """One layer's token cache.
+
+    Slots `[0, length)` have been written; slots at or after `length` are free
+    and have `pos == EMPTY`. Within the written range a slot may still be
+    `EMPTY` (left padding of a shorter prompt, or a token a policy evicted).
+    Keys are stored after RoPE, at their original absolute positions.
+    """
+
+    k: jax.Array  # [B, KVH, C, D] keys (after RoPE)
+    v: jax.Array  # [B, KVH, C, D] values
+    pos: jax.Array  # [B, KVH, C] int32 absolute token position, EMPTY for a free slot
+    length: jax.Array  # [] int32 write cursor shared by the batch
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k.shape[3]
+
+    def replace(self, **changes: Any) -> "TokenCache":
+        return dataclasses.replace(self, **changes)
+
+
+Cache = tuple[TokenCache, ...]
+"""A model's cache: one `TokenCache` per decoder layer."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """What a model needs from its cache: layer count and per-layer KV shape."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def init_cache(batch: int, kv_heads: int, capacity: int, head_dim: int,
+               dtype: Any = jnp.float32) -> TokenCache:
+    """An empty layer cache: all slots EMPTY, zero keys and values."""
+    for name, value in (("batch", batch), ("kv_heads", kv_heads),
+                        ("capacity", capacity), ("head_dim", head_dim)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"init_cache: {name} must be a positive int, got {value!r}")
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"init_cache: dtype must be floating, got {dtype}")
+    shape = (batch, kv_heads, capacity, head_dim)
+    return TokenCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        pos=jnp.full((batch, kv_heads, capacity), EMPTY, jnp.int32),
+        length=jnp.zeros((), jnp.int32),
+    )
+
+
+def init_model_cache(spec: CacheSpec, batch: int, capacity: int,
+                     dtype: Any = jnp.float32) -> Cache:
+    """An empty cache for every layer of a model described by `spec`.
+
+    Example:
+        >>> cache = init_model_cache(CacheSpec(30, 3, 64), batch=1, capacity=2048)
+        >>> len(cache), cache[0].k.shape
+        (30, (1, 3, 2048, 64))
+    """
+    return tuple(init_cache(batch, spec.kv_heads, capacity, spec.head_dim, dtype)
+                 for _ in range(spec.num_layers))
+
+
+def write(cache: TokenCache, k_new: jax.Array, v_new: jax.Array,
+          pos_new: jax.Array) -> TokenCache:
+    """Append `T` tokens for every sequence at the write cursor.
+
+    Args:
+      cache: the layer cache; `cache.length + T` must not exceed its capacity
+        (callers check this on the host: under jit an overflow cannot raise).
+      k_new, v_new: [B, KVH, T, D] keys (after RoPE) and values.
+      pos_new: [B, T] int32 absolute positions; `EMPTY` (or any negative
+        value) marks a padding token, whose slot stays masked.
+    """
+    b, h, t, d = k_new.shape
+    if (b, h, d) != (cache.batch, cache.kv_heads, cache.head_dim) or v_new.shape != k_new.shape:
+        raise ValueError(
+            f"write: new keys {k_new.shape} / values {v_new.shape} do not fit a cache "
+            f"of [batch={cache.batch}, kv_heads={cache.kv_heads}, capacity, head_dim={cache.head_dim}]")
+    if t > cache.capacity:
+        raise ValueError(f"write: {t} new tokens exceed the cache capacity {cache.capacity}")
+    if pos_new.shape != (b, t):
+        raise ValueError(f"write: positions have shape {pos_new.shape}, expected {(b, t)}")
+    start = cache.length
+    pos_new = jnp.where(pos_new < 0, EMPTY, pos_new).astype(jnp.int32)
+    pos_rows = jnp.broadcast_to(pos_new[:, None, :], (b, h, t))
+    zero = jnp.zeros((), jnp.int32)
+    return cache.replace(
+        k=jax.lax.dynamic_update_slice(cache.k, k_new.astype(cache.k.dtype), (zero, zero, start, zero)),
+        v=jax.lax.dynamic_update_slice(cache.v, v_new.astype(cache.v.dtype), (zero, zero, start, zero)),
+        pos=jax.lax.dynamic_update_slice(cache.pos, pos_rows, (zero, zero, start)),
+        length=start + t,
+    )
+
+
+def nbytes(tree: Any) -> int:
+    """Exact bytes held by every array leaf of `tree` (arrays or shape structs).
+
+    Example:
+        >>> nbytes(init_cache(1, 3, 2048, 64))   # k + v + pos + length
+        3170308
+    """
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
+def num_valid(cache: TokenCache) -> jax.Array:
+    """[B, KVH] number of slots that hold a token."""
+    return jnp.sum(cache.pos != EMPTY, axis=-1)
+
+
+def check_cache(cache: Sequence[TokenCache], spec: CacheSpec, batch: int) -> None:
+    """Raise a ValueError naming the mismatch if `cache` does not fit a model."""
+    if not isinstance(cache, (tuple, list)) or len(cache) != spec.num_layers:
+        n = len(cache) if isinstance(cache, (tuple, list)) else type(cache).__name__
+        raise ValueError(f"cache has {n} layers, the model has {spec.num_layers}")
+    for i, layer in enumerate(cache):
+        if not isinstance(layer, TokenCache):
+            raise ValueError(f"cache layer {i} is a {type(layer).__name__}, expected TokenCache")
+        want = (batch, spec.kv_heads, layer.capacity, spec.head_dim)
+        if layer.k.shape != want or layer.v.shape != want:
+            raise ValueError(
+                f"cache layer {i} has k {layer.k.shape} / v {layer.v.shape}; the model needs "
+                f"[batch={batch}, kv_heads={spec.kv_heads}, capacity, head_dim={spec.head_dim}]")
+        if layer.pos.shape != want[:3] or layer.pos.dtype != jnp.int32:
+            raise ValueError(f"cache layer {i} has pos {layer.pos.shape} {layer.pos.dtype}, "
+                             f"expected {want[:3]} int32")

@@ -1,0 +1,1 @@
+"""Flax NNX decoders, weight loaders, tokenizer and sampler."""

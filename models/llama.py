@@ -1,0 +1,252 @@
+"""A Llama-family decoder in Flax NNX that takes and returns its KV cache.
+
+Covers Llama 2/3, SmolLM/SmolLM2, Mistral-style and Qwen2 checkpoints:
+RMSNorm, RoPE (optionally with Llama-3 frequency scaling), grouped-query
+attention, SwiGLU MLP, tied or untied embeddings, optional q/k/v biases.
+
+The residual stream and all normalisation run in float32; weights may be
+bfloat16, in which case matmuls run as `dot(bf16, bf16) -> f32`.
+
+Example:
+    >>> cfg = LlamaConfig.tiny()
+    >>> model = Llama(cfg, rngs=nnx.Rngs(0))
+    >>> cache = kvjax.init_model_cache(cfg.cache_spec, batch=1, capacity=32)
+    >>> tokens = jnp.array([[1, 2, 3]]); positions = jnp.arange(3)[None]
+    >>> logits, cache = model(tokens, positions, cache)   # [1, 3, vocab]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kvjax
+from kvjax.cache import Cache, CacheSpec, TokenCache
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style RoPE frequency scaling (`rope_type: llama3`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """Static, hashable architecture description."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None  # GGUF `rope_freqs`: divides inv_freq
+    rms_norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    attention_bias: bool = False
+    max_position: int = 2048
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"LlamaConfig: num_heads {self.num_heads} is not a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig: head_dim {self.head_dim} must be even for RoPE")
+
+    @property
+    def cache_spec(self) -> CacheSpec:
+        return CacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def smollm2_135m(cls) -> "LlamaConfig":
+        """SmolLM2-135M(-Instruct): 30 layers, 9 query / 3 KV heads of 64."""
+        return cls(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                   num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100_000.0,
+                   rms_norm_eps=1e-5, tie_embeddings=True, max_position=8192,
+                   bos_id=1, eos_ids=(2,))
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "LlamaConfig":
+        """A few-kilobyte config of the same architecture, for fast tests."""
+        base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                    num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                    max_position=512, bos_id=1, eos_ids=(2,))
+        return cls(**{**base, **overrides})
+
+
+@functools.lru_cache(maxsize=64)
+def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, with Llama-3 scaling if set."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    s = cfg.rope_scaling
+    if s is not None:
+        low_wavelen = s.original_max_position / s.low_freq_factor
+        high_wavelen = s.original_max_position / s.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
+        smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+            s.high_freq_factor - s.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    if cfg.rope_freq_factors is not None:
+        if len(cfg.rope_freq_factors) != d // 2:
+            raise ValueError(f"rope_freq_factors has {len(cfg.rope_freq_factors)} entries, "
+                             f"expected head_dim/2 = {d // 2}")
+        inv = inv / np.asarray(cfg.rope_freq_factors, np.float64)
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate `x` [B, T, N, D] by `positions` [B, T] (the rotate-half convention)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., In] @ w [In, Out] in w's dtype, accumulated and returned in float32."""
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+class Dense(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out]."""
+
+    def __init__(self, d_in: int, d_out: int, *, bias: bool = False, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        self.kernel = nnx.Param(jax.random.normal(rngs.params(), (d_in, d_out), dtype)
+                                * (d_in ** -0.5))
+        self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = matmul(x, self.kernel[...])
+        return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # x: [..., dim] float32
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return x * self.weight[...].astype(jnp.float32)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Dense(cfg.hidden_size, h * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Dense(cfg.hidden_size, kvh * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Dense(cfg.hidden_size, kvh * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Dense(h * d, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.shape = (h, kvh, d)
+        self.config = cfg
+
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: TokenCache,
+                 impl: str) -> tuple[jax.Array, TokenCache]:
+        b, t, _ = x.shape  # x: [B, T, hidden] float32
+        h, kvh, d = self.shape
+        inv_freq = rope_frequencies(self.config)
+        q = apply_rope(self.q_proj(x).reshape(b, t, h, d), positions, inv_freq)
+        k = apply_rope(self.k_proj(x).reshape(b, t, kvh, d), positions, inv_freq)
+        v = self.v_proj(x).reshape(b, t, kvh, d)
+        cache = kvjax.write(cache, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)
+        out = kvjax.attend(q.astype(cache.k.dtype), positions, cache, impl=impl)  # [B, T, H, D]
+        return self.o_proj(out.reshape(b, t, h * d)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.gate_proj = Dense(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.up_proj = Dense(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.down_proj = Dense(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, cache, impl):
+        a, cache = self.attn(self.input_norm(x), positions, cache, impl)
+        x = x + a
+        return x + self.mlp(self.post_attn_norm(x)), cache
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer; `__call__(tokens, positions, cache) -> (logits, cache)`.
+
+    Positions are absolute token indices per sequence; a negative position
+    marks a padding token, which is neither cached as visible nor attended.
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
+                                                 dtype) * 0.02)
+        self.layers = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_embeddings else Dense(
+            cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
+
+    def hidden(self, tokens: jax.Array, positions: jax.Array, cache: Cache, *,
+               impl: str = "xla") -> tuple[jax.Array, Cache]:
+        """Final-norm hidden states [B, T, hidden] float32 and the updated cache."""
+        b, t = tokens.shape
+        if positions.shape != (b, t):
+            raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
+        kvjax.check_cache(cache, self.config.cache_spec, b)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
+        new_cache = []
+        for layer, layer_cache in zip(self.layers, cache):
+            x, layer_cache = layer(x, positions, layer_cache, impl)
+            new_cache.append(layer_cache)
+        return self.norm(x), tuple(new_cache)
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """[..., hidden] float32 -> [..., vocab] float32."""
+        if self.lm_head is not None:
+            return self.lm_head(h)
+        emb = self.embed[...]
+        return jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb,
+                          preferred_element_type=jnp.float32)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, *,
+                 impl: str = "xla") -> tuple[jax.Array, Cache]:
+        """tokens, positions: [B, T] int32 -> logits [B, T, vocab] float32, cache."""
+        h, cache = self.hidden(tokens, positions, cache, impl=impl)
+        return self.logits(h), cache
+
+
+def new_cache(cfg: LlamaConfig, batch: int, capacity: int, dtype=jnp.float32) -> Cache:
+    """An empty cache of `capacity` slots per layer for `cfg`."""
+    return kvjax.init_model_cache(cfg.cache_spec, batch, capacity, dtype)

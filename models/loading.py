@@ -1,0 +1,280 @@
+"""Load Llama-family weights into `models.llama.Llama`.
+
+Two formats:
+  * a GGUF file (llama.cpp), dequantized with the `gguf` package; the
+    Q/K row permutation llama.cpp's converter applies for its RoPE layout is
+    undone, so the model uses the Hugging Face rotate-half convention;
+  * a Hugging Face checkpoint directory (config.json + *.safetensors) of a
+    Llama, Mistral (full attention) or Qwen2 model.
+
+Example:
+    >>> model, tokenizer = load_model("smollm2")            # the default model
+    >>> model, tokenizer = load_model("/path/to/model.gguf", dtype=jnp.bfloat16)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.llama import Llama, LlamaConfig, RopeScaling
+
+Params = dict[tuple[Any, ...], np.ndarray]
+"""Flat weights keyed by the model's state path, e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')."""
+
+GGUF_ARCHS = ("llama", "qwen2")
+HF_ARCHS = ("llama", "mistral", "qwen2")
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def build_model(cfg: LlamaConfig, params: Params, dtype: Any = jnp.float32) -> Llama:
+    """A `Llama` whose every parameter comes from `params` (cast to `dtype`).
+
+    Raises ValueError naming any missing, unexpected or mis-shaped tensor.
+    """
+    abstract = nnx.eval_shape(lambda: Llama(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat = dict(nnx.to_flat_state(state))
+    missing = sorted(set(flat) - set(params), key=str)
+    unexpected = sorted(set(params) - set(flat), key=str)
+    if missing or unexpected:
+        raise ValueError(f"weights do not match the architecture: missing {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+                         f"{'...' if len(unexpected) > 5 else ''}")
+    for path, var in flat.items():
+        array = params[path]
+        if tuple(array.shape) != tuple(var.shape):
+            raise ValueError(f"weight {'.'.join(map(str, path))} has shape {array.shape}, "
+                             f"the config needs {var.shape}")
+        var.set_value(jnp.asarray(array, dtype=dtype))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _layer_params(i: int, get, transpose) -> Iterable[tuple[tuple, np.ndarray]]:
+    """Yield one decoder layer's weights given `get(name) -> array | None` by our names."""
+    prefix = ("layers", i)
+    for ours in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+        path = prefix + tuple(ours.split("."))
+        yield path + ("kernel",), transpose(get(ours + ".weight"))
+        bias = get(ours + ".bias")
+        if bias is not None:
+            yield path + ("bias",), bias
+    yield prefix + ("input_norm", "weight"), get("input_norm.weight")
+    yield prefix + ("post_attn_norm", "weight"), get("post_attn_norm.weight")
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v",
+    "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_norm": "attn_norm", "post_attn_norm": "ffn_norm",
+}
+
+
+def _gguf_value(reader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader) -> LlamaConfig:
+    """The architecture a GGUF file describes; ValueError for an unsupported one."""
+    arch = _gguf_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; kvjax loads {GGUF_ARCHS}")
+    get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    tensors = {t.name: t for t in reader.tensors}
+    vocab = get("vocab_size") or len(_gguf_value(reader, "tokenizer.ggml.tokens"))
+    freq_factors = None
+    if "rope_freqs.weight" in tensors:
+        freq_factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data))
+    eos = _gguf_value(reader, "tokenizer.ggml.eos_token_id")
+    eot = _gguf_value(reader, "tokenizer.ggml.eot_token_id")
+    bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
+    return LlamaConfig(
+        vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")), num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rope_theta=float(get("rope.freq_base", 10_000.0)),
+        rope_freq_factors=freq_factors,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_embeddings="output.weight" not in tensors,
+        attention_bias=f"blk.0.attn_q.bias" in tensors,
+        max_position=int(get("context_length", 2048)),
+        bos_id=None if bos is None else int(bos),
+        eos_ids=tuple(int(x) for x in dict.fromkeys((eos, eot)) if x is not None),
+    )
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation ([out, ...] rows, interleaved -> halves)."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
+    """Read and dequantize a GGUF file: (config, float32 weights by state path)."""
+    import gguf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises assorted errors on garbage
+        raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+    cfg = gguf_config(reader)
+    arch = _gguf_value(reader, "general.architecture")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def tensor(name: str) -> np.ndarray | None:
+        t = tensors.get(name)
+        if t is None:
+            return None
+        return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+    def required(name: str) -> np.ndarray:
+        x = tensor(name)
+        if x is None:
+            raise ValueError(f"{path.name}: tensor {name!r} is missing")
+        return x
+
+    params: Params = {("embed",): required("token_embd.weight"),
+                      ("norm", "weight"): required("output_norm.weight")}
+    if not cfg.tie_embeddings:
+        params[("lm_head", "kernel")] = required("output.weight").T
+    for i in range(cfg.num_layers):
+        def get(ours: str, i=i) -> np.ndarray | None:
+            base, _, kind = ours.rpartition(".")
+            name = f"blk.{i}.{_GGUF_LAYER_NAMES[base]}.{kind}"
+            x = tensor(name) if kind == "bias" else required(name)
+            if arch == "llama" and base in ("attn.q_proj", "attn.k_proj") and x is not None:
+                x = unpermute_rope_rows(x, cfg.num_heads if base == "attn.q_proj" else cfg.num_kv_heads)
+            return x
+        params.update(_layer_params(i, get, transpose=lambda w: w.T))
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------- HF directory
+
+_HF_LAYER_NAMES = {
+    "attn.q_proj": "self_attn.q_proj", "attn.k_proj": "self_attn.k_proj",
+    "attn.v_proj": "self_attn.v_proj", "attn.o_proj": "self_attn.o_proj",
+    "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj",
+    "mlp.down_proj": "mlp.down_proj", "input_norm": "input_layernorm",
+    "post_attn_norm": "post_attention_layernorm",
+}
+
+
+def hf_config(raw: dict) -> LlamaConfig:
+    """LlamaConfig from a Hugging Face config.json dict; ValueError if unsupported."""
+    model_type = raw.get("model_type")
+    if model_type not in HF_ARCHS:
+        raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
+                         f"kvjax loads {HF_ARCHS}")
+    if model_type == "mistral" and raw.get("sliding_window"):
+        raise ValueError("Mistral with sliding_window attention is not supported yet")
+    heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"unsupported rope scaling {rope_type!r}; kvjax supports default and llama3")
+    scaling = None if rope_type != "llama3" else RopeScaling(
+        factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
+        high_freq_factor=rope["high_freq_factor"],
+        original_max_position=rope["original_max_position_embeddings"])
+    eos = raw.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return LlamaConfig(
+        vocab_size=raw["vocab_size"], hidden_size=hidden,
+        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10_000.0))),
+        rope_scaling=scaling, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+        max_position=raw.get("max_position_embeddings", 2048),
+        bos_id=raw.get("bos_token_id"), eos_ids=eos_ids)
+
+
+def load_hf_dir(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
+    """Read a Hugging Face checkpoint directory: (config, float32 weights by state path)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    cfg = hf_config(json.loads((path / "config.json").read_text()))
+    raw: dict[str, np.ndarray] = {}
+    for f in files:
+        with safe_open(str(f), framework="flax") as sf:
+            for name in sf.keys():
+                raw[name] = np.asarray(sf.get_tensor(name).astype(jnp.float32))
+
+    def required(name: str) -> np.ndarray:
+        if name not in raw:
+            raise ValueError(f"{path}: tensor {name!r} is missing")
+        return raw.pop(name)
+
+    params: Params = {("embed",): required("model.embed_tokens.weight"),
+                      ("norm", "weight"): required("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        params[("lm_head", "kernel")] = required("lm_head.weight").T
+    raw.pop("lm_head.weight", None)  # a tied checkpoint may store the copy
+    for i in range(cfg.num_layers):
+        def get(ours: str, i=i) -> np.ndarray | None:
+            base, _, kind = ours.rpartition(".")
+            name = f"model.layers.{i}.{_HF_LAYER_NAMES[base]}.{kind}"
+            return raw.pop(name, None) if kind == "bias" else required(name)
+        params.update(_layer_params(i, get, transpose=lambda w: w.T))
+    leftover = [k for k in raw if "rotary_emb" not in k]
+    if leftover:
+        raise ValueError(f"{path}: unexpected tensors {leftover[:5]}")
+    return cfg, params
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
+    """`smollm2` -> the default GGUF (found or fetched); otherwise an existing path."""
+    if str(name_or_path) == "smollm2":
+        from models.hub import find_smollm2
+        return find_smollm2()
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {str(name_or_path)!r} not found: pass 'smollm2', "
+                                f"a .gguf file or a Hugging Face model directory")
+    return path
+
+
+def load_weights(name_or_path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
+    """(config, float32 weights) from 'smollm2', a .gguf file or an HF directory."""
+    path = resolve_model_path(name_or_path)
+    return load_hf_dir(path) if path.is_dir() else load_gguf(path)
+
+
+def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.float32):
+    """(Llama, Tokenizer) from 'smollm2', a .gguf file or an HF directory."""
+    from models.tokenizer import load_tokenizer
+
+    path = resolve_model_path(name_or_path)
+    cfg, params = load_hf_dir(path) if path.is_dir() else load_gguf(path)
+    return build_model(cfg, params, dtype), load_tokenizer(path)

@@ -1,0 +1,473 @@
+"""Byte-level BPE tokenizer for Llama-family models, built on `tokenizers`.
+
+Two sources are supported, both producing the same `Tokenizer` wrapper:
+
+* a GGUF file: the vocabulary, merges, special tokens and chat template are
+  read from its metadata (``tokenizer.ggml.*``) with ``gguf.GGUFReader`` and a
+  ``tokenizers.Tokenizer`` is assembled from them;
+* a Hugging Face directory holding ``tokenizer.json`` (and optionally
+  ``tokenizer_config.json`` / ``chat_template.jinja``).
+
+Example::
+
+    tok = load_tokenizer("SmolLM2-135M-Instruct.Q4_1.gguf")
+    ids = tok.encode("Hello world")          # [19556, 905]
+    tok.decode(ids)                          # 'Hello world'
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+
+Only byte-level BPE (GGUF ``tokenizer.ggml.model == "gpt2"``) is supported;
+SentencePiece vocabularies (``"llama"``) raise a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import gguf
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _HFTokenizer
+
+__all__ = ["Tokenizer", "load_tokenizer"]
+
+# GGUF token types (llama.cpp `llama_token_type`).
+TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_CONTROL = 3  # special tokens: <|im_start|>, <|endoftext|>, ...
+TOKEN_TYPE_USER_DEFINED = 4  # added tokens matched whole, but not "special"
+
+GGUF_MAGIC = b"GGUF"
+
+# Split regexes of the pre-tokenizers that are not plain GPT-2 ByteLevel
+# (copied from the models' own tokenizer.json files).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+# ----------------------------------------------------------------------------
+# The wrapper
+# ----------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the model's special ids and chat template.
+
+    Attributes:
+      backend: the wrapped ``tokenizers.Tokenizer`` (e.g. ``backend.save(path)``
+        writes a ``tokenizer.json``).
+      bos_id, eos_id, pad_id: special token ids, or None when unknown.
+      chat_template: Jinja2 chat template source, or None.
+      vocab_size: number of ids, added tokens included (49152 for SmolLM2).
+
+    Example::
+
+        tok = Tokenizer.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+        tok.encode("12")                     # [33, 34]: digits split one by one
+        tok.encode("<|im_start|>")           # [1]: special strings are parsed
+    """
+
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        *,
+        bos_id: int | None = None,
+        eos_id: int | None = None,
+        pad_id: int | None = None,
+        chat_template: str | None = None,
+    ):
+        self.backend = backend
+        self.bos_id = bos_id
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.chat_template = chat_template
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "
+            f"eos_id={self.eos_id}, pad_id={self.pad_id}, "
+            f"chat_template={'yes' if self.chat_template else 'no'})"
+        )
+
+    # -- constructors --------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike | gguf.GGUFReader) -> "Tokenizer":
+        """Builds the tokenizer from a GGUF file's ``tokenizer.*`` metadata.
+
+        `path` may also be an open ``gguf.GGUFReader``: parsing the metadata
+        takes seconds (98k strings for SmolLM2), so a weight loader that
+        already has a reader can share it.
+
+        Example::
+
+            tok = Tokenizer.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
+            tok.bos_id, tok.eos_id                # (1, 2)
+        """
+        if isinstance(path, gguf.GGUFReader):
+            reader = path
+            path = Path(getattr(reader.data, "filename", None) or "<GGUFReader>")
+        else:
+            path = Path(path)
+            _check_gguf_file(path)
+            reader = gguf.GGUFReader(path)
+        meta = _read_tokenizer_metadata(reader)
+
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"{path}: tokenizer.ggml.model={kind!r} is unsupported; only "
+                "byte-level BPE ('gpt2') is implemented ('llama' means a "
+                "SentencePiece vocabulary)."
+            )
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ValueError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        merges: list[str] = meta.get("tokenizer.ggml.merges", [])
+        types = meta.get("tokenizer.ggml.token_type")  # int32[vocab] or None
+        pre = meta.get("tokenizer.ggml.pre", "default")
+
+        backend = _build_bpe(tokens, merges, pre)
+        _register_added_tokens(backend, tokens, types)
+        return cls(
+            backend,
+            bos_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+            eos_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
+            pad_id=_opt_int(meta.get("tokenizer.ggml.padding_token_id")),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "Tokenizer":
+        """Loads ``tokenizer.json`` (+ ``tokenizer_config.json``) from a directory.
+
+        ``tokenizer_config.json`` supplies ``chat_template`` and the
+        ``bos_token`` / ``eos_token`` / ``pad_token`` strings; a separate
+        ``chat_template.jinja`` file is used when the config has no template.
+
+        Example::
+
+            tok = Tokenizer.from_hf_dir("checkpoints/SmolLM2-135M-Instruct")
+        """
+        path = Path(path)
+        tokenizer_json = path / "tokenizer.json"
+        if not tokenizer_json.is_file():
+            raise FileNotFoundError(f"{path}: no tokenizer.json in this directory")
+        backend = _HFTokenizer.from_file(str(tokenizer_json))
+
+        config = _read_json(path / "tokenizer_config.json")
+        template = _hf_chat_template(config.get("chat_template"))
+        if template is None and (path / "chat_template.jinja").is_file():
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        return cls(
+            backend,
+            bos_id=_hf_token_id(backend, config, "bos_token"),
+            eos_id=_hf_token_id(backend, config, "eos_token"),
+            pad_id=_hf_token_id(backend, config, "pad_token"),
+            chat_template=template,
+        )
+
+    # -- encoding / decoding -------------------------------------------------
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Text -> ids (int[n]). Special-token strings in `text` become one id.
+
+        Example::
+
+            tok.encode("<|im_start|>user")       # [1, 4093]
+            tok.encode("Hi", add_bos=True)       # [tok.bos_id, ...]
+        """
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        return self._maybe_bos(ids, add_bos)
+
+    def encode_batch(self, texts: Iterable[str], add_bos: bool = False) -> list[list[int]]:
+        """[text] -> [ids]; a ragged list (no padding), one list per text."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        return [self._maybe_bos(e.ids, add_bos) for e in encodings]
+
+    def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+        """ids (int[n], list or 1-D array) -> text.
+
+        Example::
+
+            tok.decode([1, 4093])                              # 'user'
+            tok.decode([1, 4093], skip_special_tokens=False)   # '<|im_start|>user'
+        """
+        ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _maybe_bos(self, ids: list[int], add_bos: bool) -> list[int]:
+        if not add_bos:
+            return list(ids)
+        if self.bos_id is None:
+            raise ValueError("add_bos=True but this tokenizer has no bos_id")
+        return [self.bos_id, *ids]
+
+    # -- chat ----------------------------------------------------------------
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Renders `messages` ([{"role": ..., "content": ...}]) to a prompt string.
+
+        The template is rendered the way Hugging Face does (sandboxed Jinja2,
+        ``trim_blocks``/``lstrip_blocks``). Encode the result with `encode`:
+        the special-token strings in it map to their ids.
+
+        Example (SmolLM2, no system message -> the template adds its default)::
+
+            tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+            # '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM,
+            #  trained by Hugging Face<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>
+            #  \\n<|im_start|>assistant\\n'
+        """
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        template = _compile_chat_template(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_str(self.bos_id),
+            eos_token=self._token_str(self.eos_id),
+            pad_token=self._token_str(self.pad_id),
+        )
+
+    def _token_str(self, token_id: int | None) -> str:
+        if token_id is None:
+            return ""
+        return self.backend.id_to_token(token_id) or ""
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Loads a tokenizer from a GGUF file or a Hugging Face directory.
+
+    Also accepts the path of a ``tokenizer.json`` file (its directory is used).
+
+    Example::
+
+        tok = load_tokenizer(os.environ["KVJAX_SMOLLM2"])
+    """
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path does not exist: {path}")
+    if path.is_dir():
+        return Tokenizer.from_hf_dir(path)
+    if path.name == "tokenizer.json":
+        return Tokenizer.from_hf_dir(path.parent)
+    if _has_gguf_magic(path):
+        return Tokenizer.from_gguf(path)
+    raise ValueError(
+        f"{path}: not a GGUF file (no 'GGUF' magic) nor a directory with tokenizer.json"
+    )
+
+
+# ----------------------------------------------------------------------------
+# GGUF metadata
+# ----------------------------------------------------------------------------
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def _check_gguf_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    if not _has_gguf_magic(path):
+        raise ValueError(f"{path}: not a GGUF file (no 'GGUF' magic)")
+
+
+def _read_tokenizer_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """All ``tokenizer.*`` fields as Python values (str, int, list, int array)."""
+    return {
+        name: _field_value(field)
+        for name, field in reader.fields.items()
+        if name.startswith("tokenizer.")
+    }
+
+
+def _field_value(field: gguf.ReaderField) -> Any:
+    """Decodes one GGUF metadata field.
+
+    `field.parts` holds every raw piece of the record (name, type tags, lengths,
+    payloads); `field.data` indexes the payload pieces: one per array element,
+    or a single one for a scalar. Strings are uint8 arrays of UTF-8.
+    """
+    types = field.types
+    if types[0] == gguf.GGUFValueType.ARRAY:
+        if types[-1] == gguf.GGUFValueType.STRING:
+            return [_decode_str(field.parts[i]) for i in field.data]  # list[str]
+        if not field.data:
+            return np.zeros((0,), dtype=np.int64)
+        return np.concatenate([field.parts[i] for i in field.data])  # [n] numbers
+    payload = field.parts[field.data[0]]
+    if types[0] == gguf.GGUFValueType.STRING:
+        return _decode_str(payload)
+    return payload[0].item()  # int / float / bool
+
+
+def _decode_str(raw: np.ndarray) -> str:
+    return bytes(raw).decode("utf-8")
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+# ----------------------------------------------------------------------------
+# Building a byte-level BPE `tokenizers.Tokenizer`
+# ----------------------------------------------------------------------------
+
+
+def _build_bpe(tokens: list[str], merges: list[str], pre: str) -> _HFTokenizer:
+    """BPE model + pre-tokenizer + ByteLevel decoder from GGUF vocab/merges."""
+    vocab = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)  # keep the first id if a string repeats
+    pre_tokenizer, ignore_merges = _pre_tokenizer(pre)
+    model = models.BPE(
+        vocab=vocab,
+        merges=[_split_merge(m) for m in merges],
+        fuse_unk=False,
+        byte_fallback=False,
+        ignore_merges=ignore_merges,
+    )
+    backend = _HFTokenizer(model)
+    if pre == "qwen2":
+        backend.normalizer = normalizers.NFC()  # as in Qwen2's tokenizer.json
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _split_merge(merge: str) -> tuple[str, str]:
+    """'Ġ t' -> ('Ġ', 't'). Searches from index 1, as llama.cpp does."""
+    cut = merge.find(" ", 1)
+    if cut < 0:
+        raise ValueError(f"malformed BPE merge (no space): {merge!r}")
+    return merge[:cut], merge[cut + 1 :]
+
+
+def _pre_tokenizer(pre: str) -> tuple[pre_tokenizers.PreTokenizer, bool]:
+    """Maps ``tokenizer.ggml.pre`` to (pre-tokenizer, BPE ignore_merges).
+
+    * "gpt-2", "default": GPT-2 ByteLevel regex split.
+    * "smollm": each digit on its own first, then GPT-2 ByteLevel (as in
+      SmolLM2's tokenizer.json; "12345" -> 5 tokens).
+    * "llama-bpe", "llama3": Llama-3 regex (digits in runs of <= 3), and BPE
+      with ignore_merges (a word found in the vocab is taken whole).
+    * "qwen2": Qwen2 regex (single digits); `_build_bpe` adds NFC.
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("gpt-2", "default"):
+        return byte_level, False
+    if pre == "smollm":
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        return pre_tokenizers.Sequence([digits, byte_level]), False
+    if pre in ("llama-bpe", "llama3"):
+        return _regex_then_bytes(_LLAMA3_PATTERN), True
+    if pre == "qwen2":
+        return _regex_then_bytes(_QWEN2_PATTERN), False
+    raise ValueError(
+        f"unsupported tokenizer.ggml.pre={pre!r}; known: gpt-2, default, "
+        "smollm, llama-bpe, llama3, qwen2"
+    )
+
+
+def _regex_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
+    split = pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return pre_tokenizers.Sequence([split, byte_level])
+
+
+def _register_added_tokens(
+    backend: _HFTokenizer, tokens: list[str], types: np.ndarray | None
+) -> None:
+    """CONTROL tokens become special tokens, USER_DEFINED ones added tokens.
+
+    Both are then matched whole in input text; only special ones are dropped
+    by ``decode(skip_special_tokens=True)``.
+    """
+    if types is None:
+        return
+    control = [tokens[i] for i in np.flatnonzero(types == TOKEN_TYPE_CONTROL)]
+    user = [tokens[i] for i in np.flatnonzero(types == TOKEN_TYPE_USER_DEFINED)]
+    backend.add_special_tokens([_added(t, special=True) for t in control])
+    backend.add_tokens([_added(t, special=False) for t in user])
+
+
+def _added(content: str, special: bool) -> AddedToken:
+    return AddedToken(content, special=special, normalized=False)
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face directory helpers
+# ----------------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _hf_token_id(backend: _HFTokenizer, config: dict[str, Any], key: str) -> int | None:
+    """Id of ``config[key]`` (a string or ``{"content": ...}``), None if unset."""
+    token = config.get(key)
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token is None:
+        return None
+    token_id = backend.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"tokenizer_config.json: {key}={token!r} is not in the vocabulary")
+    return token_id
+
+
+def _hf_chat_template(value: Any) -> str | None:
+    """A template string, or the "default" one of a list of named templates."""
+    if value is None or isinstance(value, str):
+        return value
+    named = {t["name"]: t["template"] for t in value}
+    return named.get("default")
+
+
+# ----------------------------------------------------------------------------
+# Chat templates
+# ----------------------------------------------------------------------------
+
+
+def _raise_exception(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False) -> str:
+    # Like HF's override: jinja2's own `tojson` HTML-escapes '<', '>', '&'.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_chat_template(source: str):
+    """Compiles a chat template in a sandbox, with HF's environment settings."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)

@@ -1,0 +1,107 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvjax
+from kvjax import EMPTY
+
+
+def naive_attention(q, q_pos, k, v, kv_pos, window=None, softcap=None):
+    """float64 loops over batch, query head and query: the textbook definition."""
+    b, t, h, d = q.shape
+    kvh = k.shape[1]
+    g = h // kvh
+    out = np.zeros((b, t, h, d))
+    for bi in range(b):
+        for hi in range(h):
+            kh = hi // g
+            for ti in range(t):
+                if q_pos[bi, ti] < 0:
+                    continue
+                visible = [s for s in range(k.shape[2]) if kv_pos[bi, kh, s] != EMPTY
+                           and kv_pos[bi, kh, s] <= q_pos[bi, ti]
+                           and (window is None or q_pos[bi, ti] - kv_pos[bi, kh, s] < window)]
+                if not visible:
+                    continue
+                s = np.array([q[bi, ti, hi] @ k[bi, kh, j] for j in visible]) / np.sqrt(d)
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                out[bi, ti, hi] = p @ v[bi, kh, visible]
+    return out
+
+
+def _case(rng, b, t, h, kvh, c, d):
+    q = rng.standard_normal((b, t, h, d))
+    k = rng.standard_normal((b, kvh, c, d))
+    v = rng.standard_normal((b, kvh, c, d))
+    kv_pos = np.where(rng.random((b, kvh, c)) < 0.3, EMPTY, rng.integers(0, 12, (b, kvh, c)))
+    q_pos = rng.integers(-1, 12, (b, t))
+    return q, q_pos.astype(np.int32), k, v, kv_pos.astype(np.int32)
+
+
+def _cache(k, v, kv_pos):
+    return kvjax.TokenCache(k=jnp.asarray(k, jnp.float32), v=jnp.asarray(v, jnp.float32),
+                            pos=jnp.asarray(kv_pos), length=jnp.int32(k.shape[2]))
+
+
+@pytest.mark.parametrize("h, kvh", [(1, 1), (4, 2), (6, 1), (9, 3)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (3, None), (None, 5.0)])
+def test_reference_matches_float64_loops(h, kvh, window, softcap):
+    rng = np.random.default_rng(h * 10 + kvh)
+    q, q_pos, k, v, kv_pos = _case(rng, b=2, t=3, h=h, kvh=kvh, c=10, d=8)
+    got = kvjax.attend(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos), _cache(k, v, kv_pos),
+                       window=window, softcap=softcap)
+    want = naive_attention(q, q_pos, k, v, kv_pos, window, softcap)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), t=st.integers(1, 4), c=st.integers(1, 9),
+       g=st.sampled_from([1, 2, 3]))
+def test_reference_property_random_holes(seed, t, c, g):
+    rng = np.random.default_rng(seed)
+    q, q_pos, k, v, kv_pos = _case(rng, b=2, t=t, h=2 * g, kvh=2, c=c, d=4)
+    got = kvjax.attend(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos), _cache(k, v, kv_pos))
+    np.testing.assert_allclose(np.asarray(got), naive_attention(q, q_pos, k, v, kv_pos),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_hand_computed_two_keys():
+    # one query [1, 0] sees keys [1, 0] (pos 0) and [0, 1] (pos 1); scores 1/sqrt2 and 0.
+    k = np.array([[[[1.0, 0.0], [0.0, 1.0], [5.0, 5.0]]]])
+    v = np.array([[[[1.0, 0.0], [0.0, 1.0], [9.0, 9.0]]]])
+    cache = _cache(k, v, np.array([[[0, 1, EMPTY]]]))
+    out = kvjax.attend(jnp.array([[[[1.0, 0.0]]]]), jnp.array([[1]]), cache)
+    w = np.exp(1 / np.sqrt(2)) / (np.exp(1 / np.sqrt(2)) + 1)
+    np.testing.assert_allclose(np.asarray(out)[0, 0, 0], [w, 1 - w], rtol=1e-6)
+
+
+def test_padding_query_and_empty_cache_give_zeros_not_nan():
+    cache = kvjax.init_cache(1, 1, 4, 2)
+    out = kvjax.attend(jnp.ones((1, 2, 1, 2)), jnp.array([[EMPTY, 3]]), cache)
+    assert np.all(np.asarray(out) == 0)
+
+
+def test_future_and_empty_slots_do_not_leak():
+    rng = np.random.default_rng(0)
+    q, q_pos, k, v, kv_pos = _case(rng, b=1, t=2, h=2, kvh=1, c=8, d=4)
+    base = kvjax.attend(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos), _cache(k, v, kv_pos))
+    hidden = (kv_pos == EMPTY) | (kv_pos > q_pos.max())
+    v2 = np.where(hidden[..., None], 1e6, v)  # poison what must not be read
+    k2 = np.where(hidden[..., None], 1e3, k)
+    poisoned = kvjax.attend(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos), _cache(k2, v2, kv_pos))
+    np.testing.assert_allclose(np.asarray(poisoned), np.asarray(base), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_shapes_and_impl_raise():
+    cache = kvjax.init_cache(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        kvjax.attend(jnp.ones((1, 1, 3, 8)), jnp.zeros((1, 1), jnp.int32), cache)
+    with pytest.raises(ValueError, match="q_pos"):
+        kvjax.attend(jnp.ones((1, 1, 2, 8)), jnp.zeros((1, 2), jnp.int32), cache)
+    with pytest.raises(ValueError, match="unknown impl"):
+        kvjax.attend(jnp.ones((1, 1, 2, 8)), jnp.zeros((1, 1), jnp.int32), cache, impl="cuda")

@@ -1,0 +1,90 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import EMPTY
+
+
+def test_init_cache_is_empty_and_sized():
+    c = kvjax.init_cache(batch=2, kv_heads=3, capacity=16, head_dim=8)
+    assert c.k.shape == c.v.shape == (2, 3, 16, 8)
+    assert c.pos.shape == (2, 3, 16) and c.pos.dtype == jnp.int32
+    assert bool(jnp.all(c.pos == EMPTY)) and int(c.length) == 0
+    assert np.all(np.asarray(kvjax.num_valid(c)) == 0)
+
+
+def test_nbytes_is_exact():
+    c = kvjax.init_cache(batch=2, kv_heads=3, capacity=16, head_dim=8, dtype=jnp.bfloat16)
+    want = 2 * (2 * 3 * 16 * 8 * 2) + 2 * 3 * 16 * 4 + 4
+    assert kvjax.nbytes(c) == want
+    assert kvjax.nbytes(jax.eval_shape(lambda: c)) == want  # works on shape structs too
+    model_cache = kvjax.init_model_cache(kvjax.CacheSpec(5, 3, 8), batch=2, capacity=16)
+    assert kvjax.nbytes(model_cache) == 5 * (2 * (2 * 3 * 16 * 8 * 4) + 2 * 3 * 16 * 4 + 4)
+
+
+def test_write_appends_at_cursor_and_marks_padding_empty():
+    c = kvjax.init_cache(batch=2, kv_heads=1, capacity=6, head_dim=2)
+    k = jnp.arange(2 * 1 * 3 * 2, dtype=jnp.float32).reshape(2, 1, 3, 2)
+    pos = jnp.array([[0, 1, 2], [EMPTY, 0, 1]])
+    c = kvjax.write(c, k, -k, pos)
+    c = kvjax.write(c, k[:, :, :1] + 100, k[:, :, :1], jnp.array([[3], [2]]))
+    assert int(c.length) == 4
+    np.testing.assert_array_equal(c.pos[:, 0], [[0, 1, 2, 3, EMPTY, EMPTY], [EMPTY, 0, 1, 2, EMPTY, EMPTY]])
+    np.testing.assert_array_equal(c.k[:, :, :3], k)
+    np.testing.assert_array_equal(c.v[:, :, :3], -k)
+    np.testing.assert_array_equal(c.k[:, :, 3], k[:, :, 0] + 100)
+    np.testing.assert_array_equal(c.k[:, :, 4:], 0)
+
+
+def test_write_jits_without_recompiling_per_cursor():
+    c = kvjax.init_cache(batch=1, kv_heads=2, capacity=8, head_dim=4)
+    step = jax.jit(kvjax.write, donate_argnums=0)
+    for t in range(5):
+        c = step(c, jnp.ones((1, 2, 1, 4)), jnp.ones((1, 2, 1, 4)), jnp.array([[t]]))
+    assert step._cache_size() == 1
+    np.testing.assert_array_equal(c.pos[0, 0], [0, 1, 2, 3, 4, EMPTY, EMPTY, EMPTY])
+
+
+@pytest.mark.parametrize("bad", [
+    dict(k=(1, 2, 1, 4), v=(1, 2, 1, 4), pos=(1, 2)),   # positions wrong length
+    dict(k=(1, 3, 1, 4), v=(1, 3, 1, 4), pos=(1, 1)),   # wrong kv heads
+    dict(k=(1, 2, 1, 5), v=(1, 2, 1, 5), pos=(1, 1)),   # wrong head_dim
+    dict(k=(1, 2, 9, 4), v=(1, 2, 9, 4), pos=(1, 9)),   # more tokens than capacity
+    dict(k=(1, 2, 1, 4), v=(1, 2, 2, 4), pos=(1, 1)),   # k/v mismatch
+])
+def test_write_rejects_bad_shapes(bad):
+    c = kvjax.init_cache(batch=1, kv_heads=2, capacity=8, head_dim=4)
+    with pytest.raises(ValueError, match="write"):
+        kvjax.write(c, jnp.ones(bad["k"]), jnp.ones(bad["v"]), jnp.zeros(bad["pos"], jnp.int32))
+
+
+@pytest.mark.parametrize("kwargs", [dict(capacity=0), dict(head_dim=-1), dict(dtype=jnp.int8)])
+def test_init_cache_rejects_bad_arguments(kwargs):
+    args = dict(batch=1, kv_heads=1, capacity=4, head_dim=4) | kwargs
+    with pytest.raises(ValueError, match="init_cache"):
+        kvjax.init_cache(**args)
+
+
+def test_check_cache_names_the_mismatch():
+    spec = kvjax.CacheSpec(num_layers=2, kv_heads=3, head_dim=8)
+    good = kvjax.init_model_cache(spec, batch=2, capacity=4)
+    kvjax.check_cache(good, spec, batch=2)
+    with pytest.raises(ValueError, match="layers"):
+        kvjax.check_cache(good[:1], spec, batch=2)
+    with pytest.raises(ValueError, match="kv_heads=3"):
+        kvjax.check_cache(kvjax.init_model_cache(kvjax.CacheSpec(2, 2, 8), 2, 4), spec, batch=2)
+    with pytest.raises(ValueError, match="batch=1"):
+        kvjax.check_cache(good, spec, batch=1)
+
+
+def test_cache_is_a_pytree_that_vmaps_and_round_trips():
+    c = kvjax.init_cache(batch=2, kv_heads=1, capacity=4, head_dim=2)
+    leaves, treedef = jax.tree_util.tree_flatten(c)
+    assert len(leaves) == 4
+    rebuilt = jax.tree_util.tree_unflatten(treedef, [x + 1 for x in leaves])
+    assert isinstance(rebuilt, kvjax.TokenCache) and int(rebuilt.length) == 1
+    counts = jax.vmap(lambda cache: jnp.sum(cache.pos != EMPTY),
+                      in_axes=(kvjax.TokenCache(0, 0, 0, None),))(c)
+    assert counts.shape == (2,)

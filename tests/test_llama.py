@@ -1,0 +1,107 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax
+from models.llama import Llama, LlamaConfig, RopeScaling, apply_rope, new_cache, rope_frequencies
+
+
+def full_forward(model, tokens):
+    """One pass over the whole sequence in a fresh cache: the uncached reference."""
+    b, t = tokens.shape
+    logits, _ = model(tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), new_cache(model.config, b, t))
+    return logits
+
+
+@pytest.mark.parametrize("cfg", [
+    LlamaConfig.tiny(),
+    LlamaConfig.tiny(num_kv_heads=4, tie_embeddings=False, attention_bias=True),
+    LlamaConfig.tiny(num_kv_heads=1, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 64)),
+], ids=["gqa-tied", "mha-untied-bias", "mqa-llama3-rope"])
+def test_decode_step_by_step_equals_full_forward(cfg):
+    model = Llama(cfg, rngs=nnx.Rngs(1))
+    tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, cfg.vocab_size)
+    want = full_forward(model, tokens)
+    cache = new_cache(cfg, 2, 16)
+    got = []
+    for start, end in [(0, 5), (5, 6), (6, 7), (7, 12)]:  # a prefill chunk, single steps, a chunk
+        pos = jnp.broadcast_to(jnp.arange(start, end), (2, end - start))
+        logits, cache = model(tokens[:, start:end], pos, cache)
+        got.append(logits)
+    np.testing.assert_allclose(np.concatenate(got, 1), want, rtol=1e-5, atol=1e-5)
+    assert int(cache[0].length) == 12
+
+
+def test_left_padding_does_not_change_a_sequence():
+    cfg = LlamaConfig.tiny()
+    model = Llama(cfg, rngs=nnx.Rngs(2))
+    tokens = jax.random.randint(jax.random.key(1), (1, 7), 0, cfg.vocab_size)
+    want = full_forward(model, tokens)
+    padded = jnp.concatenate([jnp.full((1, 3), 9), tokens], 1)
+    pos = jnp.concatenate([jnp.full((1, 3), kvjax.EMPTY), jnp.arange(7)[None]], 1)
+    got, _ = model(padded, pos, new_cache(cfg, 1, 10))
+    np.testing.assert_allclose(got[:, 3:], want, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_weights_track_float32():
+    cfg = LlamaConfig.tiny()
+    m32 = Llama(cfg, rngs=nnx.Rngs(3))
+    graphdef, state = nnx.split(Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    state = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nnx.state(m32))
+    m16 = nnx.merge(graphdef, state)  # the same weights, rounded to bfloat16
+    assert m16.embed[...].dtype == jnp.bfloat16
+    tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, cfg.vocab_size)
+    a, b = full_forward(m32, tokens), full_forward(m16, tokens)
+    assert b.dtype == jnp.float32
+    # bf16 weights carry ~3 significant digits: logits agree to a few percent of their range
+    np.testing.assert_allclose(b, a, atol=0.03 * float(jnp.abs(a).max()))
+    assert float(jnp.mean(jnp.argmax(a, -1) == jnp.argmax(b, -1))) >= 0.9
+
+
+def test_rope_rotates_pairs_of_halves_and_keeps_norm():
+    cfg = LlamaConfig.tiny(head_dim=4, rope_theta=100.0)
+    x = jnp.array([[[[1.0, 2.0, 3.0, 4.0]]]])
+    inv = rope_frequencies(cfg)  # [1, 1/10]
+    np.testing.assert_allclose(inv, [1.0, 0.1], rtol=1e-6)
+    y = apply_rope(x, jnp.array([[3]]), inv)
+    a = 3 * inv
+    want = [1 * np.cos(a[0]) - 3 * np.sin(a[0]), 2 * np.cos(a[1]) - 4 * np.sin(a[1]),
+            3 * np.cos(a[0]) + 1 * np.sin(a[0]), 4 * np.cos(a[1]) + 2 * np.sin(a[1])]
+    np.testing.assert_allclose(np.asarray(y)[0, 0, 0], want, rtol=1e-5)
+    np.testing.assert_allclose(jnp.linalg.norm(y), jnp.linalg.norm(x), rtol=1e-6)
+
+
+def test_llama3_rope_scaling_matches_formula():
+    cfg = LlamaConfig.tiny(head_dim=64, rope_theta=500000.0,
+                           rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192))
+    inv = rope_frequencies(cfg)
+    base = 1.0 / 500000.0 ** (np.arange(0, 64, 2) / 64)
+    wavelen = 2 * np.pi / base
+    assert np.allclose(inv[wavelen < 8192 / 4], base[wavelen < 8192 / 4])  # high freq untouched
+    assert np.allclose(inv[wavelen > 8192], base[wavelen > 8192] / 8)  # low freq divided
+    mid = (wavelen >= 2048) & (wavelen <= 8192)
+    assert mid.any() and np.all(inv[mid] < base[mid]) and np.all(inv[mid] > base[mid] / 8)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        LlamaConfig.tiny(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match="even"):
+        LlamaConfig.tiny(head_dim=15)
+
+
+def test_wrong_cache_raises_at_trace_time():
+    cfg = LlamaConfig.tiny()
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.zeros((2, 3), jnp.int32)
+    pos = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match="layers"):
+        model(tokens, pos, new_cache(cfg, 2, 8)[:1])
+    with pytest.raises(ValueError, match="batch=2"):
+        model(tokens, pos, new_cache(cfg, 1, 8))
+    with pytest.raises(ValueError, match="kv_heads"):
+        model(tokens, pos, new_cache(LlamaConfig.tiny(num_kv_heads=4), 2, 8))
+    with pytest.raises(ValueError, match="positions"):
+        model(tokens, pos[:, :2], new_cache(cfg, 2, 8))

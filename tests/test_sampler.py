@@ -1,0 +1,95 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.llama import Llama, LlamaConfig, new_cache
+from models.sampler import (Sampling, _decode, _prefill, generate, pad_prompts, sample_tokens)
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15]]
+
+
+def naive_greedy(model, prompt, n):
+    """Greedy decoding by re-running the whole sequence each step (no cache reuse)."""
+    seq = list(prompt)
+    for _ in range(n):
+        t = len(seq)
+        logits, _ = model(jnp.array([seq]), jnp.arange(t)[None], new_cache(model.config, 1, t))
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    return seq[len(prompt):]
+
+
+def test_greedy_generation_equals_uncached_greedy(tiny_model):
+    out = generate(tiny_model, [PROMPTS[0]], max_new_tokens=6, eos_ids=())
+    assert out.tokens[0].tolist() == naive_greedy(tiny_model, PROMPTS[0], 6)
+
+
+@pytest.mark.parametrize("chunk", [2, 4, 256])
+def test_batch_of_ragged_prompts_equals_each_alone(tiny_model, chunk):
+    batch = generate(tiny_model, PROMPTS, max_new_tokens=8, chunk=chunk, eos_ids=())
+    for i, p in enumerate(PROMPTS):
+        alone = generate(tiny_model, [p], max_new_tokens=8, chunk=chunk, eos_ids=())
+        assert batch.tokens[i].tolist() == alone.tokens[0].tolist()
+
+
+def test_stops_at_eos_and_pads_after(tiny_model):
+    free = generate(tiny_model, PROMPTS, max_new_tokens=8, eos_ids=())
+    eos = int(free.tokens[1, 2])  # make the third token of sequence 1 an end token
+    out = generate(tiny_model, PROMPTS, max_new_tokens=8, eos_ids=(eos,), pad_id=0)
+    for i in range(3):
+        n = out.num_tokens[i]
+        row = free.tokens[i].tolist()
+        want_n = row.index(eos) + 1 if eos in row else 8
+        assert n == want_n
+        assert out.tokens[i, :n].tolist() == row[:n]
+        assert np.all(out.tokens[i, n:] == 0)
+
+
+def test_compiles_once_across_calls_with_same_shapes(tiny_model):
+    kwargs = dict(max_new_tokens=5, chunk=4, eos_ids=())
+    generate(tiny_model, [[1, 2, 3, 4, 5], [6, 7]], **kwargs)
+    sizes = (_prefill._cache_size(), _decode._cache_size())
+    generate(tiny_model, [[9, 9, 9], [8, 8, 8, 8, 8, 8]], **kwargs)  # same padded shapes
+    generate(tiny_model, [[1, 1, 1, 1, 1, 1, 1], [2]], seed=3, **kwargs)
+    assert (_prefill._cache_size(), _decode._cache_size()) == sizes
+
+
+def test_sampling_is_seeded_and_respects_top_k(tiny_model):
+    s = Sampling(temperature=1.0, top_k=3)
+    a = generate(tiny_model, PROMPTS, max_new_tokens=6, sampling=s, seed=1, eos_ids=())
+    b = generate(tiny_model, PROMPTS, max_new_tokens=6, sampling=s, seed=1, eos_ids=())
+    c = generate(tiny_model, PROMPTS, max_new_tokens=6, sampling=s, seed=2, eos_ids=())
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_sample_tokens_filters():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    keys = jax.random.split(jax.random.key(0), 2000)
+    draw = lambda s: np.array([int(sample_tokens(logits, k, s)[0]) for k in keys[:400]])
+    assert set(draw(Sampling(1.0, top_k=2))) <= {0, 1}
+    assert set(draw(Sampling(1.0, top_p=0.7))) <= {0, 1}       # 0.5 < 0.7 <= 0.8
+    assert set(draw(Sampling(1.0, top_p=0.5))) == {0}
+    assert int(sample_tokens(logits, keys[0], Sampling())[0]) == 0  # greedy
+    counts = np.bincount(draw(Sampling(1.0)), minlength=4) / 400
+    np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.08)
+
+
+def test_pad_prompts_left_pads_to_chunk_multiple():
+    p = pad_prompts([[1, 2, 3], [4]], multiple=4, pad_id=0)
+    np.testing.assert_array_equal(p.tokens, [[0, 1, 2, 3], [0, 0, 0, 4]])
+    np.testing.assert_array_equal(p.positions, [[-1, 0, 1, 2], [-1, -1, -1, 0]])
+
+
+def test_bad_requests_raise(tiny_model):
+    with pytest.raises(ValueError, match="capacity"):
+        generate(tiny_model, PROMPTS, max_new_tokens=8, capacity=10)
+    with pytest.raises(ValueError, match="context"):
+        generate(tiny_model, [[1] * 500], max_new_tokens=20)  # tiny max_position is 512
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(tiny_model, [[1], []])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(tiny_model, PROMPTS, max_new_tokens=0)
+    with pytest.raises(ValueError, match="sampling"):
+        Sampling(temperature=-1.0)
