@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         _transform(args.method)
+        for path in (getattr(args, "text", None), getattr(args, "context_file", None)):
+            if path is not None:
+                _read_text(path)  # fail before the model loads
         model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
         result = {"generate": cmd_generate, "ppl": cmd_ppl}[args.command](args, model, tokenizer)
     except (FileNotFoundError, ValueError) as e:

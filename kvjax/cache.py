@@ -64,6 +64,11 @@ class TokenCache:
         return dataclasses.replace(self, **changes)
 
 
+jax.export.register_pytree_node_serialization(
+    TokenCache, serialized_name="kvjax.TokenCache",
+    serialize_auxdata=lambda aux: b"", deserialize_auxdata=lambda data: ())
+
+
 Cache = tuple[TokenCache, ...]
 """A model's cache: one `TokenCache` per decoder layer."""
 

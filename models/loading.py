@@ -125,17 +125,24 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
-    """Read and dequantize a GGUF file: (config, float32 weights by state path)."""
+def open_gguf(path: str | os.PathLike):
+    """A `gguf.GGUFReader` for `path`, with clear errors for a missing or bad file."""
     import gguf
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except Exception as e:  # the gguf package raises assorted errors on garbage
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
+
+
+def load_gguf(path_or_reader) -> tuple[LlamaConfig, Params]:
+    """Read and dequantize a GGUF file: (config, float32 weights by state path)."""
+    import gguf
+
+    reader = path_or_reader if isinstance(path_or_reader, gguf.GGUFReader) else open_gguf(path_or_reader)
     cfg = gguf_config(reader)
     arch = _gguf_value(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}
@@ -149,7 +156,7 @@ def load_gguf(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
     def required(name: str) -> np.ndarray:
         x = tensor(name)
         if x is None:
-            raise ValueError(f"{path.name}: tensor {name!r} is missing")
+            raise ValueError(f"GGUF file lacks tensor {name!r}")
         return x
 
     params: Params = {("embed",): required("token_embd.weight"),
@@ -273,8 +280,10 @@ def load_weights(name_or_path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
 
 def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.float32):
     """(Llama, Tokenizer) from 'smollm2', a .gguf file or an HF directory."""
-    from models.tokenizer import load_tokenizer
+    from models.tokenizer import Tokenizer, load_tokenizer
 
     path = resolve_model_path(name_or_path)
-    cfg, params = load_hf_dir(path) if path.is_dir() else load_gguf(path)
-    return build_model(cfg, params, dtype), load_tokenizer(path)
+    if path.is_dir():
+        return build_model(*load_hf_dir(path), dtype), load_tokenizer(path)
+    reader = open_gguf(path)  # parsed once for weights and tokenizer
+    return build_model(*load_gguf(reader), dtype), Tokenizer.from_gguf(reader)

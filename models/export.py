@@ -1,0 +1,59 @@
+"""Export the decode step with `jax.export`: weights and cache go in, logits and cache come out.
+
+The exported function takes the weights as a plain nested dict (so it needs
+no Flax to run), a token batch, their positions and the cache pytree:
+
+    step(params, tokens [B, 1], positions [B, 1], cache) -> (logits [B, V], cache)
+
+Example:
+    >>> exported = export_decode_step(model, batch=1, capacity=2048)
+    >>> blob = exported.serialize()                      # bytes, e.g. to disk
+    >>> step = jax.export.deserialize(blob)
+    >>> logits, cache = step.call(params_dict(model), tokens, positions, cache)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import kvjax
+from models.llama import Llama
+
+
+def params_dict(model: Llama) -> dict[str, jax.Array]:
+    """The model's weights as a flat dict keyed by path, e.g. 'layers/0/attn/q_proj/kernel'."""
+    keys, leaves, _ = _flatten(nnx.state(model))
+    return dict(zip(keys, leaves))
+
+
+def _flatten(state) -> tuple[list[str], list[jax.Array], Any]:
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(state)
+    keys = ["/".join(str(k.key if hasattr(k, "key") else k.idx) for k in path
+                     if hasattr(k, "key") or hasattr(k, "idx"))
+            for path, _ in with_path]
+    return keys, [leaf for _, leaf in with_path], treedef
+
+
+def export_decode_step(model: Llama, batch: int, capacity: int, *,
+                       cache_dtype: Any = jnp.float32,
+                       platforms: Sequence[str] | None = None) -> jax.export.Exported:
+    """`jax.export` of one decode step for a fixed batch and cache capacity."""
+    graphdef, state = nnx.split(model)
+
+    keys, _, treedef = _flatten(state)
+
+    def step(params, tokens, positions, cache):
+        weights = jax.tree_util.tree_unflatten(treedef, [params[k] for k in keys])
+        logits, cache = nnx.merge(graphdef, weights)(tokens, positions, cache)
+        return logits[:, -1], cache
+
+    cache = jax.eval_shape(lambda: kvjax.init_model_cache(
+        model.config.cache_spec, batch, capacity, cache_dtype))
+    tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    params = jax.eval_shape(lambda: params_dict(model))
+    return jax.export.export(jax.jit(step, donate_argnums=3), platforms=platforms)(
+        params, tokens, tokens, cache)

@@ -1,0 +1,44 @@
+"""Generation with the cache sharded over batch and KV heads on 8 fake CPU devices."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import json
+    import jax, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from flax import nnx
+    from models.llama import Llama, LlamaConfig
+    from models.sampler import generate
+
+    assert jax.device_count() == 8, jax.devices()
+    model = Llama(LlamaConfig.tiny(num_kv_heads=2, num_heads=4), rngs=nnx.Rngs(0))
+    prompts = [[5, 6, 7, 8, 9, 10], [3, 4], [12, 13, 14], [1, 2, 3, 4, 5, 6, 7, 8]]
+    single = generate(model, prompts, max_new_tokens=8, chunk=4, eos_ids=())
+    mesh = jax.make_mesh((4, 2), ("batch", "kv"), axis_types=(AxisType.Auto, AxisType.Auto))
+    sharding = NamedSharding(mesh, P("batch", "kv", None, None))
+    sharded = generate(model, prompts, max_new_tokens=8, chunk=4, eos_ids=(),
+                       cache_sharding=sharding)
+    k = sharded.cache[0].k
+    print(json.dumps({
+        "single": single.tokens.tolist(), "sharded": sharded.tokens.tolist(),
+        "k_spec": [str(a) for a in k.sharding.spec],
+        "k_shard_shape": list(k.addressable_shards[0].data.shape),
+        "devices": len(k.sharding.device_set)}))
+""")
+
+
+def test_generation_sharded_over_batch_and_kv_heads_matches_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["sharded"] == result["single"]
+    assert result["devices"] == 8
+    assert result["k_spec"][:2] == ["batch", "kv"]
+    assert result["k_shard_shape"][:2] == [1, 1]  # each device holds one sequence, one KV head
