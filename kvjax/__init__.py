@@ -2,7 +2,7 @@
 
 from kvjax.attention import attend, attend_reference, attention_mask
 from kvjax.cache import (EMPTY, Cache, CacheSpec, TokenCache, check_cache, init_cache,
-                         init_model_cache, nbytes, num_valid, write)
+                         init_model_cache, nbytes, num_valid, shard_cache, write)
 from kvjax.methods import METHODS, parse_method, register_method
 from kvjax.transforms import CacheTransform, chain, full
 
@@ -10,5 +10,5 @@ __all__ = [
     "EMPTY", "Cache", "CacheSpec", "CacheTransform", "METHODS", "TokenCache",
     "attend", "attend_reference", "attention_mask", "chain", "check_cache", "full",
     "init_cache", "init_model_cache", "nbytes", "num_valid", "parse_method",
-    "register_method", "write",
+    "register_method", "shard_cache", "write",
 ]

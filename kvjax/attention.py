@@ -6,8 +6,9 @@ plain-jnp reference and the ground truth for tests; kernels plug in behind
 
 GQA convention (as in Llama / Hugging Face `repeat_kv`): query head `h` reads
 KV head `h // G`, where `G = num_heads // kv_heads`. Queries are grouped as
-`[B, KVH, G*T, D]` so one dot per KV head serves its whole group; KV heads are
-never repeated in memory.
+`[B*KVH, G*T, D]`, matching the cache's folded `[B*KVH, S, D]` keys, so one
+dot per KV head serves its whole group with no reshape of the cache; KV heads
+are never repeated in memory.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def attend_reference(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
       q: [B, T, H, D] queries (after RoPE); H must be a multiple of the
         cache's KV heads.
       q_pos: [B, T] int32 absolute query positions; negative = padding.
-      cache: layer cache with k, v [B, KVH, S, D] and pos [B, KVH, S].
+      cache: layer cache with k, v [B*KVH, S, D] and pos [B, KVH, S].
     Returns:
       [B, T, H, D] float32. A query that sees no key (padding) returns zeros.
     """
@@ -61,16 +62,17 @@ def attend_reference(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
         raise ValueError(f"attend: q_pos has shape {q_pos.shape}, expected {(b, t)}")
     g = h // kvh
     scale = d ** -0.5 if scale is None else scale
-    # [B, T, KVH, G, D] -> [B, KVH, G*T, D]: one matmul per KV head for its group.
-    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-    s = jnp.einsum("bkqd,bksd->bkqs", qg, cache.k, preferred_element_type=jnp.float32) * scale
+    # [B, T, KVH, G, D] -> [B*KVH, G*T, D]: one matmul per KV head for its group.
+    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
+    s = jnp.einsum("nqd,nsd->nqs", qg.astype(cache.k.dtype), cache.k,
+                   preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     mask = attention_mask(q_pos, cache.pos, window)  # [B, KVH, T, S]
-    mask = jnp.broadcast_to(mask[:, :, None], (b, kvh, g, t, mask.shape[-1])).reshape(b, kvh, g * t, -1)
+    mask = jnp.broadcast_to(mask[:, :, None], (b, kvh, g, t, mask.shape[-1])).reshape(b * kvh, g * t, -1)
     s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, axis=-1, keepdims=True)
-    out = jnp.einsum("bkqs,bksd->bkqd", p.astype(cache.v.dtype), cache.v,
+    out = jnp.einsum("nqs,nsd->nqd", p.astype(cache.v.dtype), cache.v,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 

@@ -8,7 +8,7 @@ them; writes append at the shared write cursor `length`.
 
 Example:
     >>> cache = init_cache(batch=2, kv_heads=3, capacity=16, head_dim=64)
-    >>> k = v = jnp.ones((2, 3, 4, 64))           # four new tokens
+    >>> k = v = jnp.ones((2, 3, 4, 64))           # four new tokens [B, KVH, T, D]
     >>> cache = write(cache, k, v, jnp.arange(4)[None].repeat(2, 0))
     >>> int(cache.length), nbytes(cache)
     (4, 49348)
@@ -37,28 +37,44 @@ class TokenCache:
     and have `pos == EMPTY`. Within the written range a slot may still be
     `EMPTY` (left padding of a shorter prompt, or a token a policy evicted).
     Keys are stored after RoPE, at their original absolute positions.
+
+    Logically keys and values are `[B, KVH, C, D]`; they are stored with batch
+    and KV heads folded into one leading axis, `[B*KVH, C, D]` (row
+    `b * KVH + h`), because on XLA:CPU any reshape between the cache write and
+    the attention dot copies the whole cache (docs/DECISIONS.md). `logical_k`
+    and `logical_v` give the 4-D view.
     """
 
-    k: jax.Array  # [B, KVH, C, D] keys (after RoPE)
-    v: jax.Array  # [B, KVH, C, D] values
+    k: jax.Array  # [B*KVH, C, D] keys (after RoPE), row b*KVH + h
+    v: jax.Array  # [B*KVH, C, D] values
     pos: jax.Array  # [B, KVH, C] int32 absolute token position, EMPTY for a free slot
     length: jax.Array  # [] int32 write cursor shared by the batch
 
     @property
     def batch(self) -> int:
-        return self.k.shape[0]
+        return self.pos.shape[0]
 
     @property
     def kv_heads(self) -> int:
-        return self.k.shape[1]
+        return self.pos.shape[1]
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.pos.shape[2]
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[3]
+        return self.k.shape[-1]
+
+    @property
+    def logical_k(self) -> jax.Array:
+        """[B, KVH, C, D] view of the keys."""
+        return self.k.reshape(self.pos.shape + self.k.shape[-1:])
+
+    @property
+    def logical_v(self) -> jax.Array:
+        """[B, KVH, C, D] view of the values."""
+        return self.v.reshape(self.pos.shape + self.v.shape[-1:])
 
     def replace(self, **changes: Any) -> "TokenCache":
         return dataclasses.replace(self, **changes)
@@ -92,7 +108,7 @@ def init_cache(batch: int, kv_heads: int, capacity: int, head_dim: int,
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"init_cache: dtype must be floating, got {dtype}")
-    shape = (batch, kv_heads, capacity, head_dim)
+    shape = (batch * kv_heads, capacity, head_dim)
     return TokenCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
@@ -107,8 +123,8 @@ def init_model_cache(spec: CacheSpec, batch: int, capacity: int,
 
     Example:
         >>> cache = init_model_cache(CacheSpec(30, 3, 64), batch=1, capacity=2048)
-        >>> len(cache), cache[0].k.shape
-        (30, (1, 3, 2048, 64))
+        >>> len(cache), cache[0].k.shape, cache[0].pos.shape
+        (30, (3, 2048, 64), (1, 3, 2048))
     """
     return tuple(init_cache(batch, spec.kv_heads, capacity, spec.head_dim, dtype)
                  for _ in range(spec.num_layers))
@@ -138,12 +154,36 @@ def write(cache: TokenCache, k_new: jax.Array, v_new: jax.Array,
     pos_new = jnp.where(pos_new < 0, EMPTY, pos_new).astype(jnp.int32)
     pos_rows = jnp.broadcast_to(pos_new[:, None, :], (b, h, t))
     zero = jnp.zeros((), jnp.int32)
+    fold = lambda x: x.reshape(b * h, t, d).astype(cache.k.dtype)
     return cache.replace(
-        k=jax.lax.dynamic_update_slice(cache.k, k_new.astype(cache.k.dtype), (zero, zero, start, zero)),
-        v=jax.lax.dynamic_update_slice(cache.v, v_new.astype(cache.v.dtype), (zero, zero, start, zero)),
+        k=jax.lax.dynamic_update_slice(cache.k, fold(k_new), (zero, start, zero)),
+        v=jax.lax.dynamic_update_slice(cache.v, fold(v_new), (zero, start, zero)),
         pos=jax.lax.dynamic_update_slice(cache.pos, pos_rows, (zero, zero, start)),
         length=start + t,
     )
+
+
+def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = "batch",
+                kv_axis: str | None = "kv") -> Cache:
+    """Place `cache` on `mesh`, split over sequences (`batch_axis`) and KV heads (`kv_axis`).
+
+    The folded `[B*KVH, C, D]` rows are split over both mesh axes together;
+    `pos` `[B, KVH, C]` over each. The two splits coincide when every device
+    holds one sequence or all KV heads of its sequences; otherwise XLA moves
+    the few `pos` rows it needs.
+
+    Example:
+        >>> mesh = jax.make_mesh((4, 2), ("batch", "kv"))
+        >>> cache = shard_cache(cache, mesh)
+    """
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    axes = tuple(a for a in (batch_axis, kv_axis) if a is not None)
+    rows = NamedSharding(mesh, P(axes or None, None, None))
+    pos = NamedSharding(mesh, P(batch_axis, kv_axis, None))
+    scalar = NamedSharding(mesh, P())
+    layout = TokenCache(k=rows, v=rows, pos=pos, length=scalar)
+    return jax.device_put(cache, tuple(layout for _ in cache))
 
 
 def nbytes(tree: Any) -> int:
@@ -170,11 +210,13 @@ def check_cache(cache: Sequence[TokenCache], spec: CacheSpec, batch: int) -> Non
     for i, layer in enumerate(cache):
         if not isinstance(layer, TokenCache):
             raise ValueError(f"cache layer {i} is a {type(layer).__name__}, expected TokenCache")
-        want = (batch, spec.kv_heads, layer.capacity, spec.head_dim)
+        capacity = layer.pos.shape[-1]
+        if layer.pos.shape != (batch, spec.kv_heads, capacity) or layer.pos.dtype != jnp.int32:
+            raise ValueError(
+                f"cache layer {i} has pos {layer.pos.shape} {layer.pos.dtype}; the model needs "
+                f"[batch={batch}, kv_heads={spec.kv_heads}, capacity] int32")
+        want = (batch * spec.kv_heads, capacity, spec.head_dim)
         if layer.k.shape != want or layer.v.shape != want:
             raise ValueError(
                 f"cache layer {i} has k {layer.k.shape} / v {layer.v.shape}; the model needs "
-                f"[batch={batch}, kv_heads={spec.kv_heads}, capacity, head_dim={spec.head_dim}]")
-        if layer.pos.shape != want[:3] or layer.pos.dtype != jnp.int32:
-            raise ValueError(f"cache layer {i} has pos {layer.pos.shape} {layer.pos.dtype}, "
-                             f"expected {want[:3]} int32")
+                f"[batch*kv_heads={want[0]}, capacity={capacity}, head_dim={spec.head_dim}]")

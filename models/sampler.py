@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -172,14 +172,15 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              sampling: Sampling = GREEDY, transform: CacheTransform | None = None,
              compress_every: int = 0, capacity: int | None = None, chunk: int = 256,
              seed: int = 0, eos_ids: Sequence[int] | None = None, pad_id: int = 0,
-             cache_dtype: Any = jnp.float32, cache_sharding: Any = None) -> Generation:
+             cache_dtype: Any = jnp.float32,
+             place_cache: Callable[[Cache], Cache] | None = None) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (token-id lists), batched.
 
     `transform` (default: full cache) compresses the cache after prefill and,
     if `compress_every > 0`, every that many decode steps. `capacity`
-    defaults to the padded prompt width plus `max_new_tokens`. With
-    `cache_sharding` (a pytree prefix of shardings, e.g. one NamedSharding for
-    the `[B, KVH, C, D]` arrays) the cache is placed on a device mesh.
+    defaults to the padded prompt width plus `max_new_tokens`.
+    `place_cache` puts the empty cache on devices, e.g.
+    `functools.partial(kvjax.shard_cache, mesh=mesh)`; jit follows its sharding.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -197,8 +198,8 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     transform = transform or full()
     eos_ids = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
     cache = kvjax.init_model_cache(cfg.cache_spec, len(prompts), capacity, cache_dtype)
-    if cache_sharding is not None:
-        cache = jax.device_put(cache, _cache_shardings(cache, cache_sharding))
+    if place_cache is not None:
+        cache = place_cache(cache)
     logits, cache = prefill(model, padded.tokens, padded.positions, cache, chunk)
     tstate = transform.init(cache)
     cache, tstate = transform.update(cache, tstate, None)
@@ -208,17 +209,6 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                          compress_every, eos_ids, pad_id)
     out = np.asarray(out)
     return Generation(out, _num_generated(out, eos_ids, max_new_tokens), cache)
-
-
-def _cache_shardings(cache: Cache, sharding: Any) -> Any:
-    """Shard k/v [B, KVH, C, D] and pos [B, KVH, C] alike; replicate the cursor."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    spec = sharding.spec
-    pos_sharding = NamedSharding(sharding.mesh, P(*spec[:3]))
-    scalar = NamedSharding(sharding.mesh, P())
-    return tuple(type(layer)(k=sharding, v=sharding, pos=pos_sharding, length=scalar)
-                 for layer in cache)
 
 
 def _num_generated(out: np.ndarray, eos_ids: tuple[int, ...], max_new: int) -> np.ndarray:

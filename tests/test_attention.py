@@ -44,8 +44,9 @@ def _case(rng, b, t, h, kvh, c, d):
 
 
 def _cache(k, v, kv_pos):
-    return kvjax.TokenCache(k=jnp.asarray(k, jnp.float32), v=jnp.asarray(v, jnp.float32),
-                            pos=jnp.asarray(kv_pos), length=jnp.int32(k.shape[2]))
+    """A cache holding logical [B, KVH, S, D] keys and values."""
+    fold = lambda x: jnp.asarray(x, jnp.float32).reshape(-1, *x.shape[2:])
+    return kvjax.TokenCache(k=fold(k), v=fold(v), pos=jnp.asarray(kv_pos), length=jnp.int32(k.shape[2]))
 
 
 @pytest.mark.parametrize("h, kvh", [(1, 1), (4, 2), (6, 1), (9, 3)])

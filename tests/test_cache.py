@@ -9,7 +9,8 @@ from kvjax import EMPTY
 
 def test_init_cache_is_empty_and_sized():
     c = kvjax.init_cache(batch=2, kv_heads=3, capacity=16, head_dim=8)
-    assert c.k.shape == c.v.shape == (2, 3, 16, 8)
+    assert c.k.shape == c.v.shape == (6, 16, 8)  # batch and KV heads folded
+    assert c.logical_k.shape == (2, 3, 16, 8) and (c.batch, c.kv_heads, c.capacity) == (2, 3, 16)
     assert c.pos.shape == (2, 3, 16) and c.pos.dtype == jnp.int32
     assert bool(jnp.all(c.pos == EMPTY)) and int(c.length) == 0
     assert np.all(np.asarray(kvjax.num_valid(c)) == 0)
@@ -32,10 +33,17 @@ def test_write_appends_at_cursor_and_marks_padding_empty():
     c = kvjax.write(c, k[:, :, :1] + 100, k[:, :, :1], jnp.array([[3], [2]]))
     assert int(c.length) == 4
     np.testing.assert_array_equal(c.pos[:, 0], [[0, 1, 2, 3, EMPTY, EMPTY], [EMPTY, 0, 1, 2, EMPTY, EMPTY]])
-    np.testing.assert_array_equal(c.k[:, :, :3], k)
-    np.testing.assert_array_equal(c.v[:, :, :3], -k)
-    np.testing.assert_array_equal(c.k[:, :, 3], k[:, :, 0] + 100)
-    np.testing.assert_array_equal(c.k[:, :, 4:], 0)
+    np.testing.assert_array_equal(c.logical_k[:, :, :3], k)
+    np.testing.assert_array_equal(c.logical_v[:, :, :3], -k)
+    np.testing.assert_array_equal(c.logical_k[:, :, 3], k[:, :, 0] + 100)
+    np.testing.assert_array_equal(c.logical_k[:, :, 4:], 0)
+
+
+def test_folded_rows_are_batch_major():
+    c = kvjax.init_cache(batch=2, kv_heads=3, capacity=2, head_dim=1)
+    k = jnp.arange(6, dtype=jnp.float32).reshape(2, 3, 1, 1)  # value = b * 3 + h
+    c = kvjax.write(c, k, k, jnp.zeros((2, 1), jnp.int32))
+    np.testing.assert_array_equal(c.k[:, 0, 0], np.arange(6))
 
 
 def test_write_jits_without_recompiling_per_cursor():
@@ -75,6 +83,8 @@ def test_check_cache_names_the_mismatch():
         kvjax.check_cache(good[:1], spec, batch=2)
     with pytest.raises(ValueError, match="kv_heads=3"):
         kvjax.check_cache(kvjax.init_model_cache(kvjax.CacheSpec(2, 2, 8), 2, 4), spec, batch=2)
+    with pytest.raises(ValueError, match="head_dim=8"):
+        kvjax.check_cache(kvjax.init_model_cache(kvjax.CacheSpec(2, 3, 4), 2, 4), spec, batch=2)
     with pytest.raises(ValueError, match="batch=1"):
         kvjax.check_cache(good, spec, batch=1)
 

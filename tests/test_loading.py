@@ -243,7 +243,7 @@ def test_qwen2_biases_matter_in_the_golden():
     assert np.abs(golden_forward(model, "qwen2_tied") - golden("qwen2_tied")["logits"]).max() > 1e-2
 
 
-def test_load_model_and_load_weights_on_an_hf_dir(hf_logits):
+def test_load_model_and_load_weights_on_an_hf_dir():
     """A directory goes through the HF loader (no tokenizer.json here: load_model needs one)."""
     cfg, params = load_weights(GOLDEN / "llama_tied")
     assert cfg.tie_embeddings and ("lm_head", "kernel") not in params

@@ -7,8 +7,9 @@ import sys
 import textwrap
 
 SCRIPT = textwrap.dedent("""
-    import json
+    import functools, json
     import jax, numpy as np
+    import kvjax
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     from flax import nnx
     from models.llama import Llama, LlamaConfig
@@ -19,13 +20,13 @@ SCRIPT = textwrap.dedent("""
     prompts = [[5, 6, 7, 8, 9, 10], [3, 4], [12, 13, 14], [1, 2, 3, 4, 5, 6, 7, 8]]
     single = generate(model, prompts, max_new_tokens=8, chunk=4, eos_ids=())
     mesh = jax.make_mesh((4, 2), ("batch", "kv"), axis_types=(AxisType.Auto, AxisType.Auto))
-    sharding = NamedSharding(mesh, P("batch", "kv", None, None))
     sharded = generate(model, prompts, max_new_tokens=8, chunk=4, eos_ids=(),
-                       cache_sharding=sharding)
+                       place_cache=functools.partial(kvjax.shard_cache, mesh=mesh))
     k = sharded.cache[0].k
     print(json.dumps({
         "single": single.tokens.tolist(), "sharded": sharded.tokens.tolist(),
         "k_spec": [str(a) for a in k.sharding.spec],
+        "pos_spec": [str(a) for a in sharded.cache[0].pos.sharding.spec],
         "k_shard_shape": list(k.addressable_shards[0].data.shape),
         "devices": len(k.sharding.device_set)}))
 """)
@@ -40,5 +41,5 @@ def test_generation_sharded_over_batch_and_kv_heads_matches_one_device():
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["sharded"] == result["single"]
     assert result["devices"] == 8
-    assert result["k_spec"][:2] == ["batch", "kv"]
-    assert result["k_shard_shape"][:2] == [1, 1]  # each device holds one sequence, one KV head
+    assert result["k_spec"][0] == str(("batch", "kv")) and result["pos_spec"][:2] == ["batch", "kv"]
+    assert result["k_shard_shape"][0] == 1  # each device holds one sequence's one KV head
