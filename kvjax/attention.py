@@ -18,7 +18,8 @@ import jax.numpy as jnp
 
 from kvjax.cache import EMPTY, TokenCache
 
-IMPLS = ("xla",)
+IMPLS = ("xla", "reference")
+NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
 
 
 def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None = None) -> jax.Array:
@@ -40,10 +41,45 @@ def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None = Non
     return mask
 
 
+def _group_queries(q: jax.Array, q_pos: jax.Array, cache: TokenCache) -> jax.Array:
+    """[B, T, H, D] -> [B*KVH, G*T, D]: one matmul per KV head serves its whole group."""
+    b, t, h, d = q.shape
+    kvh = cache.kv_heads
+    if h % kvh or (b, d) != (cache.batch, cache.head_dim):
+        raise ValueError(f"attend: queries {q.shape} do not fit a cache of k {cache.k.shape} "
+                         f"(need batch and head_dim equal and heads a multiple of {kvh})")
+    if q_pos.shape != (b, t):
+        raise ValueError(f"attend: q_pos has shape {q_pos.shape}, expected {(b, t)}")
+    g = h // kvh
+    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
+    return qg.astype(cache.k.dtype)
+
+
+def _ungroup(out: jax.Array, q_shape: tuple[int, ...], kvh: int) -> jax.Array:
+    """[B*KVH, G*T, D] -> [B, T, H, D]."""
+    b, t, h, d = q_shape
+    return out.reshape(b, kvh, h // kvh, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def _masked_scores(qg, k, kv_pos, q_pos, g, window, softcap, scale):
+    """Scores [B*KVH, G*T, S] float32 (masked entries NEG_INF) and the mask."""
+    b, kvh, s_len = kv_pos.shape
+    s = jnp.einsum("nqd,nsd->nqs", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    mask = attention_mask(q_pos, kv_pos, window)  # [B, KVH, T, S]
+    t = mask.shape[2]
+    mask = jnp.broadcast_to(mask[:, :, None], (b, kvh, g, t, s_len)).reshape(b * kvh, g * t, s_len)
+    return jnp.where(mask, s, NEG_INF), mask
+
+
 def attend_reference(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
                      window: int | None = None, softcap: float | None = None,
                      scale: float | None = None) -> jax.Array:
     """Masked softmax attention of `q` over every slot of `cache`, in float32.
+
+    The plain definition, one softmax over all `capacity` slots: the ground
+    truth that every faster path is tested against.
 
     Args:
       q: [B, T, H, D] queries (after RoPE); H must be a multiple of the
@@ -53,38 +89,69 @@ def attend_reference(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
     Returns:
       [B, T, H, D] float32. A query that sees no key (padding) returns zeros.
     """
-    b, t, h, d = q.shape
-    kvh = cache.kv_heads
-    if h % kvh or (b, d) != (cache.batch, cache.head_dim):
-        raise ValueError(f"attend: queries {q.shape} do not fit a cache of k {cache.k.shape} "
-                         f"(need batch and head_dim equal and heads a multiple of {kvh})")
-    if q_pos.shape != (b, t):
-        raise ValueError(f"attend: q_pos has shape {q_pos.shape}, expected {(b, t)}")
-    g = h // kvh
-    scale = d ** -0.5 if scale is None else scale
-    # [B, T, KVH, G, D] -> [B*KVH, G*T, D]: one matmul per KV head for its group.
-    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
-    s = jnp.einsum("nqd,nsd->nqs", qg.astype(cache.k.dtype), cache.k,
-                   preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    mask = attention_mask(q_pos, cache.pos, window)  # [B, KVH, T, S]
-    mask = jnp.broadcast_to(mask[:, :, None], (b, kvh, g, t, mask.shape[-1])).reshape(b * kvh, g * t, -1)
-    s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+    qg = _group_queries(q, q_pos, cache)
+    g = q.shape[2] // cache.kv_heads
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s, mask = _masked_scores(qg, cache.k, cache.pos, q_pos, g, window, softcap, scale)
     p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, axis=-1, keepdims=True)
     out = jnp.einsum("nqs,nsd->nqd", p.astype(cache.v.dtype), cache.v,
                      preferred_element_type=jnp.float32)
-    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+    return _ungroup(out, q.shape, cache.kv_heads)
+
+
+def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block: int = 256,
+                     window: int | None = None, softcap: float | None = None,
+                     scale: float | None = None) -> jax.Array:
+    """The same attention, reading only the written slots, `block` slots at a time.
+
+    An online softmax (running max and sum, as in flash attention) runs over
+    the blocks `[0, ceil(length / block))`, so the work grows with the
+    number of written slots, not the capacity: chunked prefill of a long
+    prompt does about half the work of `attend_reference`, and a large,
+    mostly empty cache costs nothing. Any capacity works: the last block is
+    shifted to end at the capacity and skips the slots an earlier block read.
+    """
+    qg = _group_queries(q, q_pos, cache)
+    g = q.shape[2] // cache.kv_heads
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    block = min(block, cache.capacity)
+    n, rows, d = qg.shape
+
+    def step(i, carry):
+        m, l, acc = carry  # [N, GT], [N, GT], [N, GT, D]
+        start = jnp.minimum(i * block, cache.capacity - block)
+        k = jax.lax.dynamic_slice_in_dim(cache.k, start, block, axis=1)
+        v = jax.lax.dynamic_slice_in_dim(cache.v, start, block, axis=1)
+        pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, block, axis=2)
+        pos = jnp.where(start + jnp.arange(block) >= i * block, pos, EMPTY)  # read once
+        s, mask = _masked_scores(qg, k, pos, q_pos, g, window, softcap, scale)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp(s - m_new[..., None]) * mask
+        correction = jnp.exp(m - m_new)
+        acc = acc * correction[..., None] + jnp.einsum(
+            "nqs,nsd->nqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return m_new, l * correction + p.sum(axis=-1), acc
+
+    init = (jnp.full((n, rows), NEG_INF), jnp.zeros((n, rows)), jnp.zeros((n, rows, d)))
+    n_blocks = (cache.length + block - 1) // block
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, step, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that saw nothing returns zeros
+    return _ungroup(out, q.shape, cache.kv_heads)
 
 
 def attend(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, impl: str = "xla",
            window: int | None = None, softcap: float | None = None) -> jax.Array:
     """Attention of queries over a layer cache; dispatches on `impl`.
 
+    `"xla"` (default) is `attend_blockwise`; `"reference"` is
+    `attend_reference`, the plain definition tests compare against.
+
     Example:
         >>> cache = write(init_cache(1, 1, 8, 4), k, v, jnp.arange(3)[None])
         >>> out = attend(q, jnp.array([[2]]), cache)   # q: [1, 1, H, 4]
     """
     if impl == "xla":
+        return attend_blockwise(q, q_pos, cache, window=window, softcap=softcap)
+    if impl == "reference":
         return attend_reference(q, q_pos, cache, window=window, softcap=softcap)
     raise ValueError(f"attend: unknown impl {impl!r}; available: {IMPLS}")

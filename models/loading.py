@@ -93,9 +93,25 @@ def gguf_config(reader) -> LlamaConfig:
     if arch not in GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; kvjax loads {GGUF_ARCHS}")
     get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+
+    def need(key: str) -> Any:
+        value = get(key)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope scaling {scaling!r}")
+    if int(get("rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError(f"partial RoPE (rope.dimension_count {get('rope.dimension_count')} "
+                         f"< head_dim {head_dim}) is not supported")
     tensors = {t.name: t for t in reader.tensors}
-    vocab = get("vocab_size") or len(_gguf_value(reader, "tokenizer.ggml.tokens"))
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF file lacks tensor 'token_embd.weight'")
+    vocab = get("vocab_size") or int(tensors["token_embd.weight"].shape[-1])
     freq_factors = None
     if "rope_freqs.weight" in tensors:
         freq_factors = tuple(float(x) for x in np.asarray(tensors["rope_freqs.weight"].data))
@@ -104,15 +120,15 @@ def gguf_config(reader) -> LlamaConfig:
     bos = _gguf_value(reader, "tokenizer.ggml.bos_token_id")
     return LlamaConfig(
         vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")), num_heads=heads,
+        intermediate_size=int(need("feed_forward_length")),
+        num_layers=int(need("block_count")), num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rope_theta=float(get("rope.freq_base", 10_000.0)),
         rope_freq_factors=freq_factors,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_embeddings="output.weight" not in tensors,
-        attention_bias=f"blk.0.attn_q.bias" in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
         max_position=int(get("context_length", 2048)),
         bos_id=None if bos is None else int(bos),
         eos_ids=tuple(int(x) for x in dict.fromkeys((eos, eot)) if x is not None),
@@ -192,8 +208,8 @@ def hf_config(raw: dict) -> LlamaConfig:
     if model_type not in HF_ARCHS:
         raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
                          f"kvjax loads {HF_ARCHS}")
-    if model_type == "mistral" and raw.get("sliding_window"):
-        raise ValueError("Mistral with sliding_window attention is not supported yet")
+    if (model_type == "mistral" and raw.get("sliding_window")) or raw.get("use_sliding_window"):
+        raise ValueError(f"{model_type} with sliding-window attention is not supported yet")
     heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -225,7 +241,11 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # sharded: read exactly the files the index names
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:  # Mistral repos also ship consolidated.safetensors in another naming scheme
+        files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
     cfg = hf_config(json.loads((path / "config.json").read_text()))

@@ -159,13 +159,14 @@ def _decode(graphdef, state, logits, cache, tstate, next_pos, key, max_new, samp
 
     carry = (jnp.int32(1), token, cache, tstate, next_pos, done, out, key)
     _, _, cache, tstate, _, done, out, _ = jax.lax.while_loop(cond, body, carry)
-    return out, cache
+    return out, cache, tstate
 
 
 class Generation(NamedTuple):
     tokens: np.ndarray  # [B, max_new_tokens] int32; pad_id after a sequence's end
     num_tokens: np.ndarray  # [B] int32 generated tokens per sequence, end token included
     cache: Cache  # the cache after generation
+    transform_state: Any  # the cache transform's final state
 
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
@@ -204,11 +205,12 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     tstate = transform.init(cache)
     cache, tstate = transform.update(cache, tstate, None)
     graphdef, state = nnx.split(model)
-    out, cache = _decode(graphdef, state, logits, cache, tstate, jnp.asarray(padded.lengths),
-                         jax.random.key(seed), max_new_tokens, sampling, transform,
-                         compress_every, eos_ids, pad_id)
+    out, cache, tstate = _decode(graphdef, state, logits, cache, tstate,
+                                 jnp.asarray(padded.lengths), jax.random.key(seed),
+                                 max_new_tokens, sampling, transform, compress_every, eos_ids,
+                                 pad_id)
     out = np.asarray(out)
-    return Generation(out, _num_generated(out, eos_ids, max_new_tokens), cache)
+    return Generation(out, _num_generated(out, eos_ids, max_new_tokens), cache, tstate)
 
 
 def _num_generated(out: np.ndarray, eos_ids: tuple[int, ...], max_new: int) -> np.ndarray:

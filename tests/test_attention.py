@@ -49,26 +49,48 @@ def _cache(k, v, kv_pos):
     return kvjax.TokenCache(k=fold(k), v=fold(v), pos=jnp.asarray(kv_pos), length=jnp.int32(k.shape[2]))
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla"])
 @pytest.mark.parametrize("h, kvh", [(1, 1), (4, 2), (6, 1), (9, 3)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (3, None), (None, 5.0)])
-def test_reference_matches_float64_loops(h, kvh, window, softcap):
+def test_attention_matches_float64_loops(impl, h, kvh, window, softcap):
     rng = np.random.default_rng(h * 10 + kvh)
     q, q_pos, k, v, kv_pos = _case(rng, b=2, t=3, h=h, kvh=kvh, c=10, d=8)
     got = kvjax.attend(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos), _cache(k, v, kv_pos),
-                       window=window, softcap=softcap)
+                       window=window, softcap=softcap, impl=impl)
     want = naive_attention(q, q_pos, k, v, kv_pos, window, softcap)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("capacity, block, length", [
+    (10, 4, 10),   # last block shifted back to end at the capacity
+    (12, 4, 5),    # written slots end inside a block; later blocks never read
+    (7, 16, 7),    # block larger than the capacity
+    (9, 3, 0),     # nothing written: every query sees nothing
+])
+def test_blockwise_equals_reference(capacity, block, length):
+    rng = np.random.default_rng(capacity + block)
+    q, q_pos, k, v, kv_pos = _case(rng, b=2, t=3, h=4, kvh=2, c=capacity, d=8)
+    kv_pos[..., length:] = EMPTY  # slots past the cursor are free
+    cache = _cache(k, v, kv_pos).replace(length=jnp.int32(length))
+    v_poisoned = np.asarray(cache.v).copy()
+    v_poisoned[:, length:] = 1e6  # free slots past the cursor must not leak into outputs
+    cache_poisoned = cache.replace(v=jnp.asarray(v_poisoned))
+    qj = jnp.asarray(q, jnp.float32)
+    want = kvjax.attend_reference(qj, jnp.asarray(q_pos), cache)
+    got = kvjax.attend_blockwise(qj, jnp.asarray(q_pos), cache_poisoned, block=block)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), t=st.integers(1, 4), c=st.integers(1, 9),
        g=st.sampled_from([1, 2, 3]))
-def test_reference_property_random_holes(seed, t, c, g):
+def test_property_random_holes(seed, t, c, g):
     rng = np.random.default_rng(seed)
     q, q_pos, k, v, kv_pos = _case(rng, b=2, t=t, h=2 * g, kvh=2, c=c, d=4)
-    got = kvjax.attend(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos), _cache(k, v, kv_pos))
-    np.testing.assert_allclose(np.asarray(got), naive_attention(q, q_pos, k, v, kv_pos),
-                               rtol=1e-5, atol=1e-5)
+    want = naive_attention(q, q_pos, k, v, kv_pos)
+    for got in (kvjax.attend_reference(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos), _cache(k, v, kv_pos)),
+                kvjax.attend_blockwise(jnp.asarray(q, jnp.float32), jnp.asarray(q_pos), _cache(k, v, kv_pos), block=3)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 def test_hand_computed_two_keys():

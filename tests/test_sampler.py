@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from kvjax import CacheTransform
 from models.llama import Llama, LlamaConfig, new_cache
 from models.sampler import (Sampling, _decode, _prefill, generate, pad_prompts, sample_tokens)
 
@@ -53,6 +54,19 @@ def test_compiles_once_across_calls_with_same_shapes(tiny_model):
     generate(tiny_model, [[9, 9, 9], [8, 8, 8, 8, 8, 8]], **kwargs)  # same padded shapes
     generate(tiny_model, [[1, 1, 1, 1, 1, 1, 1], [2]], seed=3, **kwargs)
     assert (_prefill._cache_size(), _decode._cache_size()) == sizes
+
+
+def test_transform_runs_after_prefill_and_every_n_decode_steps(tiny_model):
+    calls = CacheTransform(
+        init=lambda cache: jnp.zeros((2,), jnp.int32),  # [calls, last cache length seen]
+        update=lambda cache, state, stats=None: (
+            cache, jnp.stack([state[0] + 1, cache[0].length])))
+    out = generate(tiny_model, PROMPTS, max_new_tokens=10, chunk=4, transform=calls,
+                   compress_every=3, eos_ids=())
+    # once after prefill, then after decode steps 3, 6 and 9 (each step appends one token)
+    assert out.transform_state.tolist() == [4, 8 + 9]
+    plain = generate(tiny_model, PROMPTS, max_new_tokens=10, chunk=4, eos_ids=())
+    np.testing.assert_array_equal(out.tokens, plain.tokens)  # an identity changes nothing
 
 
 def test_sampling_is_seeded_and_respects_top_k(tiny_model):
