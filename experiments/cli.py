@@ -105,10 +105,21 @@ def _transform(spec: str):
     return parse_method(spec)
 
 
+def enable_compilation_cache() -> None:
+    """Keep compiled executables on disk so a second run skips XLA compilation."""
+    import jax
+    from models.hub import cache_dir
+
+    if jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jit"))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from models.loading import load_model
 
+    enable_compilation_cache()
     try:
         _transform(args.method)
         for path in (getattr(args, "text", None), getattr(args, "context_file", None)):

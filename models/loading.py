@@ -14,8 +14,12 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -298,12 +302,76 @@ def load_weights(name_or_path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
     return load_hf_dir(path) if path.is_dir() else load_gguf(path)
 
 
-def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.float32):
-    """(Llama, Tokenizer) from 'smollm2', a .gguf file or an HF directory."""
+def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.float32, *,
+               use_converted: bool = True):
+    """(Llama, Tokenizer) from 'smollm2', a .gguf file or an HF directory.
+
+    A GGUF file is parsed and dequantized once (about 20 s for SmolLM2 on two
+    cores); the float32 result is kept under the kvjax cache directory,
+    keyed by the file's path, size and modification time, and later loads
+    read that instead (about 1 s). `use_converted=False` skips the store.
+    """
     from models.tokenizer import Tokenizer, load_tokenizer
 
     path = resolve_model_path(name_or_path)
     if path.is_dir():
         return build_model(*load_hf_dir(path), dtype), load_tokenizer(path)
+    converted = converted_dir(path)
+    if use_converted and (converted / "config.json").is_file():
+        cfg, params = load_converted(converted)
+        return build_model(cfg, params, dtype), load_tokenizer(converted)
     reader = open_gguf(path)  # parsed once for weights and tokenizer
-    return build_model(*load_gguf(reader), dtype), Tokenizer.from_gguf(reader)
+    (cfg, params), tokenizer = load_gguf(reader), Tokenizer.from_gguf(reader)
+    if use_converted:
+        save_converted(converted, cfg, params, tokenizer)
+    return build_model(cfg, params, dtype), tokenizer
+
+
+# ----------------------------------------------------------------------------- converted store
+
+CONVERTED_FORMAT = 1  # bump when the stored layout changes
+
+
+def converted_dir(gguf_path: Path) -> Path:
+    """Where the dequantized copy of `gguf_path` lives (changes when the file does)."""
+    from models.hub import cache_dir
+
+    stat = gguf_path.stat()
+    key = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTED_FORMAT}"
+    return cache_dir() / "converted" / hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def save_converted(target: Path, cfg: LlamaConfig, params: Params, tokenizer) -> None:
+    """Store config, float32 weights and tokenizer; best effort (a full disk only warns)."""
+    from safetensors.numpy import save_file
+
+    partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
+    try:
+        partial.mkdir(parents=True)
+        tokenizer.save(partial)
+        save_file({"/".join(map(str, k)): np.ascontiguousarray(v) for k, v in params.items()},
+                  str(partial / "weights.safetensors"))
+        (partial / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    except OSError as e:
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"kvjax: could not keep the converted model ({e}); the next load converts again",
+              file=sys.stderr)
+        return
+    try:
+        partial.rename(target)  # atomic; fails if a concurrent process got there first
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def load_converted(source: Path) -> tuple[LlamaConfig, Params]:
+    """Read what `save_converted` wrote."""
+    from safetensors.numpy import load_file
+
+    raw = json.loads((source / "config.json").read_text())
+    raw["eos_ids"] = tuple(raw["eos_ids"])
+    if raw["rope_freq_factors"] is not None:
+        raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
+    if raw["rope_scaling"] is not None:
+        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+    key = lambda name: tuple(int(p) if p.isdigit() else p for p in name.split("/"))
+    return LlamaConfig(**raw), {key(k): v for k, v in load_file(str(source / "weights.safetensors")).items()}

@@ -91,6 +91,16 @@ class Tokenizer:
         self.chat_template = chat_template
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
 
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` that `from_hf_dir` reads back."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(path / "tokenizer.json"))
+        token = lambda i: None if i is None else self.backend.id_to_token(i)
+        config = {"bos_token": token(self.bos_id), "eos_token": token(self.eos_id),
+                  "pad_token": token(self.pad_id), "chat_template": self.chat_template}
+        (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+
     def __repr__(self) -> str:
         return (
             f"Tokenizer(vocab_size={self.vocab_size}, bos_id={self.bos_id}, "

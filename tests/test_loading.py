@@ -27,6 +27,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+import models.loading
 from models.llama import new_cache
 from models.loading import (build_model, gguf_config, load_gguf, load_hf_dir, load_model,
                             load_weights, open_gguf, resolve_model_path)
@@ -38,6 +39,12 @@ Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(autouse=True)
+def private_kvjax_cache(tmp_path, monkeypatch):
+    """Converted copies of the throwaway GGUFs go to a temporary cache, not ~/.cache/kvjax."""
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "kvjax-cache"))
 
 
 def forward(model, ids, positions=None) -> np.ndarray:
@@ -478,3 +485,19 @@ def test_unknown_model_path_mentions_smollm2():
     assert "no/such/path" in str(info.value)
     with pytest.raises(FileNotFoundError, match="smollm2"):
         load_model("no/such/path")
+
+
+def test_converted_store_reloads_identically(gguf_files, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "cache"))
+    path = gguf_files("llama3_untied")
+    first, tok_first = load_model(path)
+    stored = models.loading.converted_dir(Path(path))
+    assert (stored / "weights.safetensors").is_file() and (stored / "tokenizer.json").is_file()
+    monkeypatch.setattr(models.loading, "load_gguf", None)  # a second load must not parse the GGUF
+    second, tok_second = load_model(path)
+    assert second.config == first.config
+    np.testing.assert_array_equal(forward(second, [[1, 2, 3]]), forward(first, [[1, 2, 3]]))
+    text = "hello <|im_start|> world 123"
+    assert tok_second.encode(text) == tok_first.encode(text)
+    assert (tok_second.bos_id, tok_second.eos_id, tok_second.chat_template) == (
+        tok_first.bos_id, tok_first.eos_id, tok_first.chat_template)

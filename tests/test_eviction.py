@@ -1,0 +1,70 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import kvjax
+from kvjax import EMPTY
+from kvjax.eviction import compact, keep_top_k
+
+
+def random_cache(rng, b=2, kvh=2, c=9, d=3):
+    cache = kvjax.init_cache(b, kvh, c, d)
+    n = int(rng.integers(1, c + 1))
+    k = jnp.asarray(rng.standard_normal((b, kvh, n, d)), jnp.float32)
+    pos = np.tile(np.arange(n), (b, 1))
+    pos[0, : int(rng.integers(0, n))] = EMPTY  # left padding in the first sequence
+    return kvjax.write(cache, k, k + 1, jnp.asarray(pos))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), k=st.integers(0, 9), capacity=st.integers(1, 12))
+def test_compact_keeps_exactly_the_chosen_tokens_in_order(seed, k, capacity):
+    rng = np.random.default_rng(seed)
+    cache = random_cache(rng)
+    valid = cache.pos != EMPTY
+    keep = keep_top_k(jnp.asarray(rng.standard_normal(cache.pos.shape)), k, valid)
+    out = compact(cache, keep, capacity)
+    assert out.pos.shape[-1] == capacity and out.k.shape[1] == capacity
+    pos, lk, new_pos, new_k = map(np.asarray, (cache.pos, cache.logical_k, out.pos, out.logical_k))
+    for b in range(pos.shape[0]):
+        for h in range(pos.shape[1]):
+            chosen = np.flatnonzero(np.asarray(keep)[b, h])[:capacity]
+            n = len(chosen)
+            assert n == min(k, valid[b, h].sum(), capacity)
+            np.testing.assert_array_equal(new_pos[b, h, :n], pos[b, h, chosen])  # from the input, in order
+            np.testing.assert_array_equal(new_k[b, h, :n], lk[b, h, chosen])
+            assert np.all(new_pos[b, h, n:] == EMPTY) and np.all(new_k[b, h, n:] == 0)
+    assert int(out.length) == int(np.max(np.sum(new_pos != EMPTY, -1)))
+
+
+def test_attention_after_compaction_equals_masking_the_evicted_slots():
+    rng = np.random.default_rng(0)
+    cache = random_cache(rng, c=12)
+    keep = keep_top_k(jnp.asarray(rng.standard_normal(cache.pos.shape)), 5, cache.pos != EMPTY)
+    masked = cache.replace(pos=jnp.where(keep, cache.pos, EMPTY))
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 3)), jnp.float32)
+    q_pos = jnp.full((2, 1), 20)
+    want = kvjax.attend_reference(q, q_pos, masked)
+    got = kvjax.attend_reference(q, q_pos, compact(cache, keep, capacity=6))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    assert kvjax.nbytes(compact(cache, keep, capacity=6)) < kvjax.nbytes(cache)
+
+
+def test_keep_top_k_prefers_high_scores_and_never_keeps_invalid():
+    scores = jnp.array([[[0.1, 0.9, 0.5, 0.9, -3.0]]])
+    valid = jnp.array([[[True, True, True, False, True]]])
+    np.testing.assert_array_equal(keep_top_k(scores, 2, valid), [[[False, True, True, False, False]]])
+    np.testing.assert_array_equal(keep_top_k(scores, 5, valid), valid)  # fewer valid than k
+    with pytest.raises(ValueError, match="k=6"):
+        keep_top_k(scores, 6)
+
+
+def test_compact_is_jittable_and_rejects_bad_masks():
+    cache = kvjax.init_cache(1, 2, 8, 4)
+    keep = jnp.ones((1, 2, 8), bool)
+    out = jax.jit(compact, static_argnums=2)(cache, keep, 4)
+    assert out.pos.shape == (1, 2, 4)
+    with pytest.raises(ValueError, match="keep mask"):
+        compact(cache, keep[:, :1])
