@@ -145,13 +145,24 @@ def bench_hf(gguf_path: Path, dtype: str, batch: int, context: int, new_tokens: 
 _HF_MODELS: dict = {}
 
 
+def save(rows: list[dict], meta: dict, out: Path) -> None:
+    """Write `out`.json and `out`.csv."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    labels = [f"b{r['batch']} c{r['context']}\n{r['dtype'][:4]}" for r in rows]
+    short = {"float32": "f32", "bfloat16": "bf16"}
+    labels = [f"b{r['batch']} c{r['context']}\n{short[r['dtype']]}" for r in rows]
     x = np.arange(len(rows))
     ax.bar(x - 0.27, [r["decode_ms"] for r in rows], 0.27, label="kvjax")
     ax.bar(x, [r.get("hf_decode_ms") or 0 for r in rows], 0.27, label="transformers")
@@ -182,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     cfg, params = load_weights(path)
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth {bandwidth:.1f} GB/s; jax {jax.__version__} on {jax.devices()[0]}", flush=True)
+    meta = {"bandwidth_gbs": bandwidth, "jax": jax.__version__, "cpus": os.cpu_count(),
+            "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "prefill_repeats": args.prefill_repeats, "model": str(path)}
     rows = []
     for dtype in args.dtypes:
         model = build_model(cfg, params, DTYPES[dtype])
@@ -197,15 +211,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(row)
                 print(json.dumps({k: round(v, 2) if isinstance(v, float) else v
                                   for k, v in row.items()}), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"bandwidth_gbs": bandwidth, "jax": jax.__version__, "cpus": os.cpu_count(),
-            "new_tokens": args.new_tokens, "repeats": args.repeats,
-            "prefill_repeats": args.prefill_repeats, "model": str(path)}
-    args.out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    with open(args.out.with_suffix(".csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=sorted({k for r in rows for k in r}))
-        writer.writeheader()
-        writer.writerows(rows)
+                save(rows, meta, args.out)  # after every cell: an interrupted run keeps its rows
     plot(rows, args.out.with_suffix(".png"))
     print("\n| dtype | batch | context | prefill tok/s | decode ms/step | floor ms | x floor "
           "| transformers prefill tok/s | transformers decode ms/step | kvjax speed-up |")
