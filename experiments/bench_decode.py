@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32", "bfloat16"])
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3, help="timed decode runs (median)")
-    p.add_argument("--prefill-repeats", type=int, default=2, help="timed prefill runs (median)")
+    p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefill runs (median)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--out", type=Path, default=Path("experiments/out/bench_decode"))
