@@ -162,6 +162,12 @@ def _decode(graphdef, state, logits, cache, tstate, next_pos, key, max_new, samp
     return out, cache, tstate
 
 
+@functools.partial(jax.jit, static_argnames=("transform",), donate_argnames=("cache",))
+def _compress(transform: CacheTransform, cache: Cache) -> tuple[Cache, Any]:
+    """The transform's first update, right after prefill, compiled."""
+    return transform.update(cache, transform.init(cache), None)
+
+
 class Generation(NamedTuple):
     tokens: np.ndarray  # [B, max_new_tokens] int32; pad_id after a sequence's end
     num_tokens: np.ndarray  # [B] int32 generated tokens per sequence, end token included
@@ -202,8 +208,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     if place_cache is not None:
         cache = place_cache(cache)
     logits, cache = prefill(model, padded.tokens, padded.positions, cache, chunk)
-    tstate = transform.init(cache)
-    cache, tstate = transform.update(cache, tstate, None)
+    cache, tstate = _compress(transform, cache)
     graphdef, state = nnx.split(model)
     out, cache, tstate = _decode(graphdef, state, logits, cache, tstate,
                                  jnp.asarray(padded.lengths), jax.random.key(seed),
