@@ -69,3 +69,45 @@ def compact(cache: TokenCache, keep: jax.Array, capacity: int | None = None) -> 
     zero = lambda x: jnp.where(kept.reshape(b * kvh, capacity, 1), x, 0).astype(x.dtype)
     return TokenCache(k=zero(gather(cache.k)), v=zero(gather(cache.v)), pos=pos,
                       length=jnp.max(jnp.sum(kept, axis=-1)).astype(jnp.int32))
+
+
+def _per_layer(select) -> "CacheTransform":
+    """A stateless transform that compacts every layer to the slots `select(layer)` keeps."""
+    from kvjax.transforms import CacheTransform
+
+    def update(cache, state, stats=None):
+        return tuple(compact(layer, select(layer)) for layer in cache), state
+
+    return CacheTransform(init=lambda cache: (), update=update)
+
+
+def streaming_llm(sinks: int = 4, window: int = 1020) -> "CacheTransform":
+    """StreamingLLM: keep the first `sinks` tokens (attention sinks) and the last `window`.
+
+    Tokens are ranked by absolute position, so padding and holes do not
+    count: every (sequence, KV head) keeps its `sinks` earliest and `window`
+    latest tokens, `min(n, sinks + window)` in all.
+    Capacity is unchanged: kept slots move to the front and the freed slots
+    take new tokens.
+
+    Example:
+        >>> t = streaming_llm(sinks=4, window=508)
+        >>> cache, state = t.update(cache, t.init(cache), None)   # <= 512 tokens per head
+    """
+    if sinks < 0 or window < 1:
+        raise ValueError(f"streaming_llm: need sinks >= 0 and window >= 1, got {sinks}, {window}")
+
+    def select(layer):
+        valid = layer.pos != EMPTY
+        if sinks + window >= layer.capacity:
+            return valid
+        pos = layer.pos.astype(jnp.float32)
+        sink = keep_top_k(-pos, sinks, valid)
+        return sink | keep_top_k(pos, window, valid & ~sink)
+
+    return _per_layer(select)
+
+
+def sliding_window(window: int) -> "CacheTransform":
+    """Keep only the last `window` tokens of every sequence (StreamingLLM without sinks)."""
+    return streaming_llm(sinks=0, window=window)

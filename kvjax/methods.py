@@ -15,9 +15,11 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from kvjax.eviction import sliding_window, streaming_llm
 from kvjax.transforms import CacheTransform, chain, full
 
-METHODS: dict[str, Callable[..., CacheTransform]] = {"full": full}
+METHODS: dict[str, Callable[..., CacheTransform]] = {
+    "full": full, "streaming_llm": streaming_llm, "sliding_window": sliding_window}
 """Registered method factories by CLI name; extended by `register_method`."""
 
 

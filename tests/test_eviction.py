@@ -68,3 +68,57 @@ def test_compact_is_jittable_and_rejects_bad_masks():
     assert out.pos.shape == (1, 2, 4)
     with pytest.raises(ValueError, match="keep mask"):
         compact(cache, keep[:, :1])
+
+
+def _kept_positions(cache):
+    pos = np.asarray(cache.pos)
+    return [[sorted(p[p != EMPTY].tolist()) for p in row] for row in pos]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), sinks=st.integers(0, 3), window=st.integers(1, 8))
+def test_streaming_llm_keeps_sinks_and_last_window(seed, sinks, window):
+    rng = np.random.default_rng(seed)
+    layer = random_cache(rng, c=12)
+    t = kvjax.streaming_llm(sinks=sinks, window=window)
+    (out,), _ = jax.jit(t.update)((layer,), t.init((layer,)), None)
+    for before, after in zip(_kept_positions(layer), _kept_positions(out)):
+        for b, a in zip(before, after):
+            want = b if len(b) <= sinks + window else b[:sinks] + b[-window:]
+            assert a == want  # exactly the earliest sinks and the latest window, from the input
+    assert out.pos.shape == layer.pos.shape  # capacity unchanged: freed slots take new tokens
+
+
+def test_sliding_window_keeps_exactly_the_last_w_and_rows_are_independent():
+    rng = np.random.default_rng(3)
+    layer = random_cache(rng, b=2, c=10)
+    (out,), _ = kvjax.sliding_window(3).update((layer,), (), None)
+    for before, after in zip(_kept_positions(layer), _kept_positions(out)):
+        assert all(a == b[-3:] for b, a in zip(before, after))
+    alone = layer.replace(k=layer.k[2:], v=layer.v[2:], pos=layer.pos[1:])  # sequence 1 alone
+    (out_alone,), _ = kvjax.sliding_window(3).update((alone,), (), None)
+    np.testing.assert_array_equal(out_alone.pos, out.pos[1:])
+    np.testing.assert_array_equal(out_alone.k, out.k[2:])
+
+
+def test_streaming_llm_in_generation(tiny_model):
+    from models.sampler import generate
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3, 4]]
+    full = generate(tiny_model, prompts, max_new_tokens=8, chunk=4, eos_ids=())
+    roomy = generate(tiny_model, prompts, max_new_tokens=8, chunk=4, eos_ids=(),
+                     transform=kvjax.parse_method("streaming_llm:sinks=2,window=30"))
+    np.testing.assert_array_equal(roomy.tokens, full.tokens)  # nothing to evict: same tokens
+    tight = generate(tiny_model, prompts, max_new_tokens=8, chunk=4, eos_ids=(),
+                     transform=kvjax.parse_method("streaming_llm:sinks=1,window=3"),
+                     compress_every=2)
+    # after the last compression (step 6) two more tokens were written at most
+    assert int(np.max(kvjax.num_valid(tight.cache[0]))) <= 1 + 3 + 2
+    assert tight.tokens.shape == (2, 8)
+
+
+def test_streaming_llm_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="window >= 1"):
+        kvjax.streaming_llm(sinks=4, window=0)
+    with pytest.raises(ValueError, match="bad arguments"):
+        kvjax.parse_method("sliding_window:sinks=3")
