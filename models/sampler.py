@@ -207,9 +207,10 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     cache = kvjax.init_model_cache(cfg.cache_spec, len(prompts), capacity, cache_dtype)
     if place_cache is not None:
         cache = place_cache(cache)
-    logits, cache = prefill(model, padded.tokens, padded.positions, cache, chunk)
+    graphdef, state = nnx.split(model)  # once for prefill and decode
+    logits, cache = _prefill(graphdef, state, jnp.asarray(padded.tokens),
+                             jnp.asarray(padded.positions), cache, chunk)
     cache, tstate = _compress(transform, cache)
-    graphdef, state = nnx.split(model)
     out, cache, tstate = _decode(graphdef, state, logits, cache, tstate,
                                  jnp.asarray(padded.lengths), jax.random.key(seed),
                                  max_new_tokens, sampling, transform, compress_every, eos_ids,
