@@ -1,16 +1,22 @@
 """kvjax: KV-cache optimization as pure, jit-compiled transforms of an explicit cache."""
 
-from kvjax.attention import attend, attend_blockwise, attend_reference, attention_mask
+from kvjax.attention import (attend, attend_blockwise, attend_reference, attention_mask,
+                             attention_mass, attention_weights)
 from kvjax.cache import (EMPTY, Cache, CacheSpec, TokenCache, check_cache, init_cache,
                          init_model_cache, nbytes, num_valid, shard_cache, write)
-from kvjax.eviction import compact, keep_top_k, sliding_window, streaming_llm
+from kvjax.eviction import (compact, expected_attention, h2o, keep_top_k, knorm, pool_heads,
+                            pyramidkv, random, resize, scored_policy, shrink, sliding_window,
+                            snapkv, streaming_llm, tova)
 from kvjax.methods import METHODS, parse_method, register_method
-from kvjax.transforms import CacheTransform, chain, full
+from kvjax.stats import LayerStats, StatsSpec, init_stats
+from kvjax.transforms import CacheTransform, chain, full, on_layers
 
 __all__ = [
-    "EMPTY", "Cache", "CacheSpec", "CacheTransform", "METHODS", "TokenCache",
-    "attend", "attend_blockwise", "attend_reference", "compact", "keep_top_k",
-    "sliding_window", "streaming_llm", "attention_mask", "chain", "check_cache", "full",
-    "init_cache", "init_model_cache", "nbytes", "num_valid", "parse_method",
-    "register_method", "shard_cache", "write",
+    "EMPTY", "Cache", "CacheSpec", "CacheTransform", "LayerStats", "METHODS", "StatsSpec",
+    "TokenCache", "attend", "attend_blockwise", "attend_reference", "attention_mask",
+    "attention_mass", "attention_weights", "chain", "check_cache", "compact",
+    "expected_attention", "full", "h2o", "init_cache", "init_model_cache", "init_stats",
+    "keep_top_k", "knorm", "nbytes", "num_valid", "on_layers", "parse_method", "pool_heads",
+    "pyramidkv", "random", "register_method", "resize", "scored_policy", "shard_cache",
+    "shrink", "sliding_window", "snapkv", "streaming_llm", "tova", "write",
 ]

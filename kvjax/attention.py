@@ -42,7 +42,13 @@ def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None = Non
 
 
 def _group_queries(q: jax.Array, q_pos: jax.Array, cache: TokenCache) -> jax.Array:
-    """[B, T, H, D] -> [B*KVH, G*T, D]: one matmul per KV head serves its whole group."""
+    """[B, T, H, D] -> [R, (H/R')*T, D], R = the cache's key rows: one matmul per row.
+
+    Per-head layout: R = B*KVH and each row serves its group of G = H/KVH
+    query heads. Pooled layout: R = B and each row serves all H heads (the
+    mask then keeps every head to its own slots). Row order is (b, kvh, g, t)
+    in both cases.
+    """
     b, t, h, d = q.shape
     kvh = cache.kv_heads
     if h % kvh or (b, d) != (cache.batch, cache.head_dim):
@@ -50,26 +56,29 @@ def _group_queries(q: jax.Array, q_pos: jax.Array, cache: TokenCache) -> jax.Arr
                          f"(need batch and head_dim equal and heads a multiple of {kvh})")
     if q_pos.shape != (b, t):
         raise ValueError(f"attend: q_pos has shape {q_pos.shape}, expected {(b, t)}")
-    g = h // kvh
-    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
-    return qg.astype(cache.k.dtype)
+    qg = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, T, D]
+    return qg.reshape(cache.k.shape[0], -1, d).astype(cache.k.dtype)
 
 
 def _ungroup(out: jax.Array, q_shape: tuple[int, ...], kvh: int) -> jax.Array:
-    """[B*KVH, G*T, D] -> [B, T, H, D]."""
+    """[R, ., D] -> [B, T, H, D]."""
     b, t, h, d = q_shape
     return out.reshape(b, kvh, h // kvh, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
+def _row_mask(q_pos, kv_pos, g, rows, window):
+    """[R, G'*T, S] bool: `attention_mask` laid out like the grouped queries."""
+    mask = attention_mask(q_pos, kv_pos, window)  # [B, KVH, T, S]
+    b, kvh, t, s_len = mask.shape
+    return jnp.broadcast_to(mask[:, :, None], (b, kvh, g, t, s_len)).reshape(rows, -1, s_len)
+
+
 def _masked_scores(qg, k, kv_pos, q_pos, g, window, softcap, scale):
-    """Scores [B*KVH, G*T, S] float32 (masked entries NEG_INF) and the mask."""
-    b, kvh, s_len = kv_pos.shape
+    """Scores [R, G'*T, S] float32 (masked entries NEG_INF) and the mask."""
     s = jnp.einsum("nqd,nsd->nqs", qg, k, preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
-    mask = attention_mask(q_pos, kv_pos, window)  # [B, KVH, T, S]
-    t = mask.shape[2]
-    mask = jnp.broadcast_to(mask[:, :, None], (b, kvh, g, t, s_len)).reshape(b * kvh, g * t, s_len)
+    mask = _row_mask(q_pos, kv_pos, g, k.shape[0], window)
     return jnp.where(mask, s, NEG_INF), mask
 
 
@@ -97,6 +106,68 @@ def attend_reference(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
     out = jnp.einsum("nqs,nsd->nqd", p.astype(cache.v.dtype), cache.v,
                      preferred_element_type=jnp.float32)
     return _ungroup(out, q.shape, cache.kv_heads)
+
+
+def attention_weights(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
+                      window: int | None = None, softcap: float | None = None) -> jax.Array:
+    """[B, KVH, G, T, C] float32 softmax probabilities of `q` over every slot.
+
+    The probabilities `attend_reference` uses, per KV head `h`, query head
+    `h*G + g` and query `t`; a padding query's row is all zeros. Memory is
+    `B*H*T*C` floats: call it on a window or chunk of queries, not a whole
+    long prompt. Policies score slots with it (SnapKV, TOVA).
+    """
+    qg = _group_queries(q, q_pos, cache)
+    b, t, h, _ = q.shape
+    g = h // cache.kv_heads
+    s, mask = _masked_scores(qg, cache.k, cache.pos, q_pos, g, window, softcap,
+                             q.shape[-1] ** -0.5)
+    p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, axis=-1, keepdims=True)
+    return p.reshape(b, cache.kv_heads, g, t, cache.capacity)
+
+
+def attention_mass(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block: int = 256,
+                   window: int | None = None, softcap: float | None = None) -> jax.Array:
+    """[B, KVH, C] float32 attention each slot receives from `q`, summed over queries and heads.
+
+    `attention_weights(...).sum((2, 3))` computed `block` slots at a time in
+    two passes (log-sum-exp per query, then column sums), so a long prompt's
+    chunk never materialises a `T x C` matrix per head. H2O accumulates it.
+    """
+    qg = _group_queries(q, q_pos, cache)
+    g = q.shape[2] // cache.kv_heads
+    scale = q.shape[-1] ** -0.5
+    block = min(block, cache.capacity)
+    n_blocks = (cache.length + block - 1) // block
+
+    def scores(i):
+        start = jnp.minimum(i * block, cache.capacity - block)
+        k = jax.lax.dynamic_slice_in_dim(cache.k, start, block, axis=1)
+        pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, block, axis=2)
+        pos = jnp.where(start + jnp.arange(block) >= i * block, pos, EMPTY)  # read once
+        s, mask = _masked_scores(qg, k, pos, q_pos, g, window, softcap, scale)
+        return start, s, mask
+
+    def max_sum(i, carry):
+        m, l = carry
+        _, s, mask = scores(i)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        return m_new, l * jnp.exp(m - m_new) + (jnp.exp(s - m_new[..., None]) * mask).sum(-1)
+
+    rows, n_q, _ = qg.shape
+    m, l = jax.lax.fori_loop(0, n_blocks, max_sum, (jnp.full((rows, n_q), NEG_INF),
+                                                    jnp.zeros((rows, n_q))))
+    lse = m + jnp.log(jnp.where(l > 0, l, 1.0))
+
+    def column_sums(i, mass):
+        start, s, mask = scores(i)
+        col = (jnp.exp(s - lse[..., None]) * mask).sum(axis=1)  # [R, block]
+        old = jax.lax.dynamic_slice_in_dim(mass, start, block, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(mass, old + col, start, axis=1)
+
+    mass = jax.lax.fori_loop(0, n_blocks, column_sums, jnp.zeros((rows, cache.capacity)))
+    mass = mass.reshape(cache.batch, -1, cache.capacity)  # [B, KVH or 1, C]
+    return jnp.where(cache.pos != EMPTY, mass, 0.0)  # pooled: each slot to its owner head
 
 
 def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block: int = 256,

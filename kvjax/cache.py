@@ -43,12 +43,24 @@ class TokenCache:
     `b * KVH + h`), because on XLA:CPU any reshape between the cache write and
     the attention dot copies the whole cache (docs/DECISIONS.md). `logical_k`
     and `logical_v` give the 4-D view.
+
+    Pooled layout (head-wise budgets, Ada-KV): keys and values are `[B, C, D]`
+    and the KV heads of a sequence share its `C` slots; `pos[b, h, s]` is the
+    token's position for the one head `h` that owns slot `s` and `EMPTY` for
+    the others, so attention masks by head and each head holds exactly its own
+    budget. A write then takes `KVH` slots per token (`slots_per_token`).
+
+    `mass` (optional, `[B, KVH, C]` float32) is the attention each slot has
+    received so far, summed over queries and the query heads of its group; the
+    model accumulates it when present (H2O and other accumulated-attention
+    policies). It moves with its slot like `pos`.
     """
 
-    k: jax.Array  # [B*KVH, C, D] keys (after RoPE), row b*KVH + h
-    v: jax.Array  # [B*KVH, C, D] values
+    k: jax.Array  # [B*KVH, C, D] keys (after RoPE), row b*KVH + h; pooled: [B, C, D]
+    v: jax.Array  # [B*KVH, C, D] values; pooled: [B, C, D]
     pos: jax.Array  # [B, KVH, C] int32 absolute token position, EMPTY for a free slot
     length: jax.Array  # [] int32 write cursor shared by the batch
+    mass: jax.Array | None = None  # [B, KVH, C] float32 attention received, or None
 
     @property
     def batch(self) -> int:
@@ -67,14 +79,24 @@ class TokenCache:
         return self.k.shape[-1]
 
     @property
+    def pooled(self) -> bool:
+        """True when the KV heads of a sequence share slots (head-wise budgets)."""
+        return self.k.shape[0] != self.batch * self.kv_heads
+
+    @property
+    def slots_per_token(self) -> int:
+        """Slots one new token takes: 1, or `kv_heads` in the pooled layout."""
+        return self.kv_heads if self.pooled else 1
+
+    @property
     def logical_k(self) -> jax.Array:
-        """[B, KVH, C, D] view of the keys."""
-        return self.k.reshape(self.pos.shape + self.k.shape[-1:])
+        """[B, KVH, C, D] view of the keys ([B, 1, C, D] when pooled: shared by the heads)."""
+        return self.k.reshape(self.batch, -1, *self.k.shape[1:])
 
     @property
     def logical_v(self) -> jax.Array:
-        """[B, KVH, C, D] view of the values."""
-        return self.v.reshape(self.pos.shape + self.v.shape[-1:])
+        """[B, KVH, C, D] view of the values ([B, 1, C, D] when pooled)."""
+        return self.v.reshape(self.batch, -1, *self.v.shape[1:])
 
     def replace(self, **changes: Any) -> "TokenCache":
         return dataclasses.replace(self, **changes)
@@ -99,8 +121,11 @@ class CacheSpec:
 
 
 def init_cache(batch: int, kv_heads: int, capacity: int, head_dim: int,
-               dtype: Any = jnp.float32) -> TokenCache:
-    """An empty layer cache: all slots EMPTY, zero keys and values."""
+               dtype: Any = jnp.float32, track_mass: bool = False) -> TokenCache:
+    """An empty layer cache: all slots EMPTY, zero keys and values.
+
+    `track_mass=True` adds the `mass` field (attention received per slot).
+    """
     for name, value in (("batch", batch), ("kv_heads", kv_heads),
                         ("capacity", capacity), ("head_dim", head_dim)):
         if not isinstance(value, (int, np.integer)) or value < 1:
@@ -114,11 +139,12 @@ def init_cache(batch: int, kv_heads: int, capacity: int, head_dim: int,
         v=jnp.zeros(shape, dtype),
         pos=jnp.full((batch, kv_heads, capacity), EMPTY, jnp.int32),
         length=jnp.zeros((), jnp.int32),
+        mass=jnp.zeros((batch, kv_heads, capacity), jnp.float32) if track_mass else None,
     )
 
 
 def init_model_cache(spec: CacheSpec, batch: int, capacity: int,
-                     dtype: Any = jnp.float32) -> Cache:
+                     dtype: Any = jnp.float32, track_mass: bool = False) -> Cache:
     """An empty cache for every layer of a model described by `spec`.
 
     Example:
@@ -126,7 +152,7 @@ def init_model_cache(spec: CacheSpec, batch: int, capacity: int,
         >>> len(cache), cache[0].k.shape, cache[0].pos.shape
         (30, (3, 2048, 64), (1, 3, 2048))
     """
-    return tuple(init_cache(batch, spec.kv_heads, capacity, spec.head_dim, dtype)
+    return tuple(init_cache(batch, spec.kv_heads, capacity, spec.head_dim, dtype, track_mass)
                  for _ in range(spec.num_layers))
 
 
@@ -135,8 +161,9 @@ def write(cache: TokenCache, k_new: jax.Array, v_new: jax.Array,
     """Append `T` tokens for every sequence at the write cursor.
 
     Args:
-      cache: the layer cache; `cache.length + T` must not exceed its capacity
-        (callers check this on the host: under jit an overflow cannot raise).
+      cache: the layer cache; `cache.length + T * cache.slots_per_token` must
+        not exceed its capacity (callers check this on the host: under jit an
+        overflow cannot raise).
       k_new, v_new: [B, KVH, T, D] keys (after RoPE) and values.
       pos_new: [B, T] int32 absolute positions; `EMPTY` (or any negative
         value) marks a padding token, whose slot stays masked.
@@ -146,20 +173,29 @@ def write(cache: TokenCache, k_new: jax.Array, v_new: jax.Array,
         raise ValueError(
             f"write: new keys {k_new.shape} / values {v_new.shape} do not fit a cache "
             f"of [batch={cache.batch}, kv_heads={cache.kv_heads}, capacity, head_dim={cache.head_dim}]")
-    if t > cache.capacity:
-        raise ValueError(f"write: {t} new tokens exceed the cache capacity {cache.capacity}")
+    slots = t * cache.slots_per_token
+    if slots > cache.capacity:
+        raise ValueError(f"write: {t} new tokens ({slots} slots) exceed the cache capacity "
+                         f"{cache.capacity}")
     if pos_new.shape != (b, t):
         raise ValueError(f"write: positions have shape {pos_new.shape}, expected {(b, t)}")
     start = cache.length
     pos_new = jnp.where(pos_new < 0, EMPTY, pos_new).astype(jnp.int32)
-    pos_rows = jnp.broadcast_to(pos_new[:, None, :], (b, h, t))
+    pos_rows = jnp.broadcast_to(pos_new[:, None, :], (b, h, t))  # [B, KVH, T]
+    if cache.pooled:  # token t of head j goes to slot j*T + t; other heads see EMPTY there
+        own = jnp.eye(h, dtype=bool)[None, :, :, None]  # [1, KVH(head), KVH(owner), 1]
+        pos_rows = jnp.where(own, pos_rows[:, None, :, :], EMPTY).reshape(b, h, h * t)
     zero = jnp.zeros((), jnp.int32)
-    fold = lambda x: x.reshape(b * h, t, d).astype(cache.k.dtype)
+    fold = lambda x: x.reshape(cache.k.shape[0], slots, d).astype(cache.k.dtype)
+    update = lambda x, new, at: jax.lax.dynamic_update_slice(x, new, at)
+    mass = cache.mass
+    if mass is not None:
+        mass = update(mass, jnp.zeros(pos_rows.shape, mass.dtype), (zero, zero, start))
     return cache.replace(
-        k=jax.lax.dynamic_update_slice(cache.k, fold(k_new), (zero, start, zero)),
-        v=jax.lax.dynamic_update_slice(cache.v, fold(v_new), (zero, start, zero)),
-        pos=jax.lax.dynamic_update_slice(cache.pos, pos_rows, (zero, zero, start)),
-        length=start + t,
+        k=update(cache.k, fold(k_new), (zero, start, zero)),
+        v=update(cache.v, fold(v_new), (zero, start, zero)),
+        pos=update(cache.pos, pos_rows, (zero, zero, start)),
+        length=start + slots, mass=mass,
     )
 
 
@@ -178,12 +214,14 @@ def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = 
     """
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    axes = tuple(a for a in (batch_axis, kv_axis) if a is not None)
-    rows = NamedSharding(mesh, P(axes or None, None, None))
-    pos = NamedSharding(mesh, P(batch_axis, kv_axis, None))
-    scalar = NamedSharding(mesh, P())
-    layout = TokenCache(k=rows, v=rows, pos=pos, length=scalar)
-    return jax.device_put(cache, tuple(layout for _ in cache))
+    def layout(layer):
+        axes = tuple(a for a in (batch_axis, None if layer.pooled else kv_axis) if a is not None)
+        rows = NamedSharding(mesh, P(axes or None, None, None))
+        pos = NamedSharding(mesh, P(batch_axis, kv_axis, None))
+        return TokenCache(k=rows, v=rows, pos=pos, length=NamedSharding(mesh, P()),
+                          mass=None if layer.mass is None else pos)
+
+    return jax.device_put(cache, tuple(layout(layer) for layer in cache))
 
 
 def nbytes(tree: Any) -> int:
@@ -215,8 +253,13 @@ def check_cache(cache: Sequence[TokenCache], spec: CacheSpec, batch: int) -> Non
             raise ValueError(
                 f"cache layer {i} has pos {layer.pos.shape} {layer.pos.dtype}; the model needs "
                 f"[batch={batch}, kv_heads={spec.kv_heads}, capacity] int32")
-        want = (batch * spec.kv_heads, capacity, spec.head_dim)
-        if layer.k.shape != want or layer.v.shape != want:
+        rows = (batch * spec.kv_heads, batch)  # per-head or pooled layout
+        if (layer.k.shape[0] not in rows or layer.k.shape[1:] != (capacity, spec.head_dim)
+                or layer.v.shape != layer.k.shape):
             raise ValueError(
                 f"cache layer {i} has k {layer.k.shape} / v {layer.v.shape}; the model needs "
-                f"[batch*kv_heads={want[0]}, capacity={capacity}, head_dim={spec.head_dim}]")
+                f"[batch*kv_heads={rows[0]} (or batch={batch} pooled), capacity={capacity}, "
+                f"head_dim={spec.head_dim}]")
+        if layer.mass is not None and layer.mass.shape != layer.pos.shape:
+            raise ValueError(f"cache layer {i} has mass {layer.mass.shape}, expected "
+                             f"{layer.pos.shape}")

@@ -2,7 +2,10 @@
 
 A spec is one or more `NAME[:key=value,...]` parts joined by ``+``; each part
 names a registered transform factory and its keyword arguments; the parts
-are chained in order. Parsing the same spec twice returns the same
+are chained in order. Every part also accepts ``layers=A-B`` (inclusive) or
+``layers=A;B;C``: the transform then acts on those layers only, so
+``snapkv:ratio=0.5,layers=0-14+knorm:ratio=0.5,layers=15-29`` gives each half
+of the model its own policy. Parsing the same spec twice returns the same
 `CacheTransform` object, so jitted code keyed on it does not recompile.
 
 Example:
@@ -15,11 +18,21 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from kvjax.eviction import sliding_window, streaming_llm
-from kvjax.transforms import CacheTransform, chain, full
+from kvjax import eviction
+from kvjax.transforms import CacheTransform, chain, full, on_layers
 
 METHODS: dict[str, Callable[..., CacheTransform]] = {
-    "full": full, "streaming_llm": streaming_llm, "sliding_window": sliding_window}
+    "full": full,
+    "streaming_llm": eviction.streaming_llm,
+    "sliding_window": eviction.sliding_window,
+    "snapkv": eviction.snapkv,
+    "pyramidkv": eviction.pyramidkv,
+    "tova": eviction.tova,
+    "h2o": eviction.h2o,
+    "knorm": eviction.knorm,
+    "random": eviction.random,
+    "expected_attention": eviction.expected_attention,
+}
 """Registered method factories by CLI name; extended by `register_method`."""
 
 
@@ -50,10 +63,23 @@ def _parse_part(part: str) -> CacheTransform:
         if not eq:
             raise ValueError(f"method {name!r}: argument {item!r} is not key=value")
         kwargs[key.strip()] = _parse_value(value.strip())
+    layers = kwargs.pop("layers", None)
     try:
-        return METHODS[name](**kwargs)
+        transform = METHODS[name](**kwargs)
     except TypeError as e:
         raise ValueError(f"method {name!r}: bad arguments {kwargs}: {e}") from None
+    return transform if layers is None else on_layers(transform, _parse_layers(str(layers)))
+
+
+def _parse_layers(text: str) -> list[int]:
+    """"3-5" -> [3, 4, 5]; "0;2;7" -> [0, 2, 7]."""
+    try:
+        if "-" in text:
+            first, last = (int(x) for x in text.split("-"))
+            return list(range(first, last + 1))
+        return [int(x) for x in text.split(";")]
+    except ValueError:
+        raise ValueError(f"layers={text!r}: expected A-B or A;B;C") from None
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,14 +18,25 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+from kvjax.stats import NO_STATS, StatsSpec
 
 
 class CacheTransform(NamedTuple):
-    """`init(cache) -> state`; `update(cache, state, stats) -> (cache, state)`."""
+    """`init(cache) -> state`; `update(cache, state, stats) -> (cache, state)`.
+
+    `stats` declares what the model must collect for `update` (see
+    `kvjax.stats`). Numeric hyperparameters that may change between runs (a
+    compression ratio, a token budget) belong in the state that `init`
+    builds, not in `update`'s closure: jitted code is keyed on `update` and
+    `stats` only, so changing them does not recompile.
+    """
 
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
+    stats: StatsSpec = NO_STATS
 
 
 def _keep_all(cache, state, stats=None):
@@ -43,17 +54,54 @@ def full() -> CacheTransform:
     return _FULL
 
 
-def chain(*transforms: CacheTransform) -> CacheTransform:
-    """Apply `transforms` in order; the state is the tuple of their states."""
-
-    def init(cache):
-        return tuple(t.init(cache) for t in transforms)
-
+@functools.lru_cache(maxsize=None)
+def _chained_update(updates: tuple[Callable, ...]) -> Callable:
     def update(cache, state, stats=None):
         new_state = []
-        for t, s in zip(transforms, state):
-            cache, s = t.update(cache, s, stats)
+        for u, s in zip(updates, state):
+            cache, s = u(cache, s, stats)
             new_state.append(s)
         return cache, tuple(new_state)
+    return update
 
-    return CacheTransform(init, update)
+
+def chain(*transforms: CacheTransform) -> CacheTransform:
+    """Apply `transforms` in order; the state is the tuple of their states."""
+    inits = tuple(t.init for t in transforms)
+    spec = functools.reduce(StatsSpec.merge, (t.stats for t in transforms), NO_STATS)
+    return CacheTransform(lambda cache: tuple(i(cache) for i in inits),
+                          _chained_update(tuple(t.update for t in transforms)), spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _layers_update(update: Callable, layers: tuple[int, ...]) -> Callable:
+    def on_some(cache, state, stats=None):
+        if max(layers) >= len(cache):
+            raise ValueError(f"on_layers: layer {max(layers)} does not exist; the cache has "
+                             f"{len(cache)} layers")
+        pick = lambda xs: None if xs is None else tuple(xs[i] for i in layers)
+        part, state = update(pick(cache), state, pick(stats))
+        out = list(cache)
+        for i, layer in zip(layers, part):
+            out[i] = layer
+        return tuple(out), state
+    return on_some
+
+
+def on_layers(transform: CacheTransform, layers: Sequence[int]) -> CacheTransform:
+    """Apply `transform` to the given layers only; the others pass through.
+
+    The per-layer combinator: a different policy for different layers is a
+    `chain` of `on_layers`. The inner transform sees the chosen layers as its
+    whole cache (a per-layer budget schedule counts them from 0).
+
+    Example:
+        >>> t = chain(on_layers(snapkv(ratio=0.5), range(0, 15)),
+        ...           on_layers(streaming_llm(ratio=0.5), range(15, 30)))
+    """
+    layers = tuple(sorted(set(int(i) for i in layers)))
+    if not layers or layers[0] < 0:
+        raise ValueError(f"on_layers: need non-negative layer indices, got {layers}")
+    init = transform.init
+    return CacheTransform(lambda cache: init(tuple(cache[i] for i in layers)),
+                          _layers_update(transform.update, layers), transform.stats)

@@ -29,6 +29,7 @@ from flax import nnx
 
 import kvjax
 from kvjax.cache import Cache, CacheSpec, TokenCache
+from kvjax.stats import NO_STATS, LayerStats, StatsSpec, accumulate_mass, init_stats, observe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,17 +167,23 @@ class Attention(nnx.Module):
         self.shape = (h, kvh, d)
         self.config = cfg
 
-    def __call__(self, x: jax.Array, positions: jax.Array, cache: TokenCache,
-                 impl: str) -> tuple[jax.Array, TokenCache]:
+    def __call__(self, x: jax.Array, positions: jax.Array, cache: TokenCache, impl: str,
+                 stats: LayerStats | None = None, spec: StatsSpec = NO_STATS):
+        """-> (output [B, T, hidden], cache, stats)."""
         b, t, _ = x.shape  # x: [B, T, hidden] float32
         h, kvh, d = self.shape
         inv_freq = rope_frequencies(self.config)
-        q = apply_rope(self.q_proj(x).reshape(b, t, h, d), positions, inv_freq)
+        q_pre = self.q_proj(x).reshape(b, t, h, d)
+        q = apply_rope(q_pre, positions, inv_freq)
         k = apply_rope(self.k_proj(x).reshape(b, t, kvh, d), positions, inv_freq)
         v = self.v_proj(x).reshape(b, t, kvh, d)
         cache = kvjax.write(cache, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)
-        out = kvjax.attend(q.astype(cache.k.dtype), positions, cache, impl=impl)  # [B, T, H, D]
-        return self.o_proj(out.reshape(b, t, h * d)), cache
+        q = q.astype(cache.k.dtype)
+        out = kvjax.attend(q, positions, cache, impl=impl)  # [B, T, H, D]
+        cache = accumulate_mass(cache, q, positions)
+        if stats is not None:
+            stats = observe(spec, stats, q_pre, q, positions)
+        return self.o_proj(out.reshape(b, t, h * d)), cache, stats
 
 
 class MLP(nnx.Module):
@@ -196,10 +203,10 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, cache, impl):
-        a, cache = self.attn(self.input_norm(x), positions, cache, impl)
+    def __call__(self, x, positions, cache, impl, stats=None, spec=NO_STATS):
+        a, cache, stats = self.attn(self.input_norm(x), positions, cache, impl, stats, spec)
         x = x + a
-        return x + self.mlp(self.post_attn_norm(x)), cache
+        return x + self.mlp(self.post_attn_norm(x)), cache, stats
 
 
 class Llama(nnx.Module):
@@ -221,16 +228,35 @@ class Llama(nnx.Module):
     def hidden(self, tokens: jax.Array, positions: jax.Array, cache: Cache, *,
                impl: str = "xla") -> tuple[jax.Array, Cache]:
         """Final-norm hidden states [B, T, hidden] float32 and the updated cache."""
+        h, cache, _ = self.forward(tokens, positions, cache, impl=impl)
+        return h, cache
+
+    def forward(self, tokens: jax.Array, positions: jax.Array, cache: Cache,
+                stats: tuple[LayerStats, ...] | None = None, spec: StatsSpec = NO_STATS, *,
+                impl: str = "xla") -> tuple[jax.Array, Cache, tuple[LayerStats, ...] | None]:
+        """`hidden` that also folds this step into per-layer policy statistics.
+
+        `stats` comes from `init_stats(spec, ...)` (None collects nothing);
+        returns (hidden [B, T, hidden] float32, cache, stats).
+        """
         b, t = tokens.shape
         if positions.shape != (b, t):
             raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
         kvjax.check_cache(cache, self.config.cache_spec, b)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
-        new_cache = []
-        for layer, layer_cache in zip(self.layers, cache):
-            x, layer_cache = layer(x, positions, layer_cache, impl)
+        new_cache, new_stats = [], []
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            x, layer_cache, layer_stats = layer(x, positions, layer_cache, impl,
+                                                None if stats is None else stats[i], spec)
             new_cache.append(layer_cache)
-        return self.norm(x), tuple(new_cache)
+            new_stats.append(layer_stats)
+        return self.norm(x), tuple(new_cache), None if stats is None else tuple(new_stats)
+
+    def init_stats(self, spec: StatsSpec, cache: Cache) -> tuple[LayerStats, ...] | None:
+        """Empty statistics for `spec` (None when the spec needs nothing per step)."""
+        if not (spec.window or spec.query_moments):
+            return None
+        return init_stats(spec, cache, self.config.num_heads, rope_frequencies(self.config))
 
     def logits(self, h: jax.Array) -> jax.Array:
         """[..., hidden] float32 -> [..., vocab] float32."""

@@ -30,6 +30,7 @@ from flax import nnx
 
 import kvjax
 from kvjax.cache import EMPTY, Cache
+from kvjax.stats import NO_STATS
 from kvjax.transforms import CacheTransform, full
 
 from models.llama import Llama
@@ -72,6 +73,13 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _padded_width(prompts: Sequence[Sequence[int]], chunk: int) -> int:
+    """The width `pad_prompts` gives `prompts` with the chunk `generate` uses for them."""
+    longest = max(len(p) for p in prompts)
+    chunk = min(chunk, longest)
+    return -(-longest // chunk) * chunk
+
+
 class PaddedPrompts(NamedTuple):
     tokens: np.ndarray  # [B, P] int32, left-padded
     positions: np.ndarray  # [B, P] int32, EMPTY on padding
@@ -92,18 +100,19 @@ def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int, pad_id: int = 0
     return PaddedPrompts(tokens, positions, lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("cache",))
-def _prefill(graphdef, state, tokens, positions, cache, chunk):
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "spec"),
+                   donate_argnames=("cache",))
+def _prefill(graphdef, state, tokens, positions, cache, stats, chunk, spec=NO_STATS):
     model = nnx.merge(graphdef, state)
     b, width = tokens.shape
     chunks = lambda x: x.reshape(b, width // chunk, chunk).swapaxes(0, 1)  # [N, B, chunk]
 
-    def step(cache, xs):
-        h, cache = model.hidden(*xs, cache)
-        return cache, h[:, -1]
+    def step(carry, xs):
+        h, cache, stats = model.forward(*xs, *carry, spec)
+        return (cache, stats), h[:, -1]
 
-    cache, last = jax.lax.scan(step, cache, (chunks(tokens), chunks(positions)))
-    return model.logits(last[-1]), cache
+    (cache, stats), last = jax.lax.scan(step, (cache, stats), (chunks(tokens), chunks(positions)))
+    return model.logits(last[-1]), cache, stats
 
 
 def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
@@ -120,18 +129,20 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
     if width % chunk:
         raise ValueError(f"prompt width {width} is not a multiple of the chunk size {chunk}")
     kvjax.check_cache(cache, model.config.cache_spec, b)
-    if width > cache[0].capacity:
+    if width * cache[0].slots_per_token > cache[0].capacity - int(cache[0].length):
         raise ValueError(f"prompt of {width} padded tokens does not fit the cache capacity "
                          f"{cache[0].capacity}")
     graphdef, state = nnx.split(model)
-    return _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions), cache, chunk)
+    logits, cache, _ = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions),
+                                cache, None, chunk)
+    return logits, cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "sampling", "transform",
-                                             "every", "eos_ids", "pad_id"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "sampling", "update",
+                                             "spec", "every", "eos_ids", "pad_id"),
                    donate_argnames=("cache",))
-def _decode(graphdef, state, logits, cache, tstate, next_pos, key, max_new, sampling,
-            transform, every, eos_ids, pad_id):
+def _decode(graphdef, state, logits, cache, tstate, stats, next_pos, key, max_new, sampling,
+            update, spec, every, eos_ids, pad_id):
     model = nnx.merge(graphdef, state)
     b = logits.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
@@ -145,27 +156,104 @@ def _decode(graphdef, state, logits, cache, tstate, next_pos, key, max_new, samp
     token, key, done, out = emit(0, logits, key, jnp.zeros((b,), bool), out)
 
     def cond(carry):
-        step, _, _, _, _, done, _, _ = carry
+        step, done = carry[0], carry[6]
         return (step < max_new) & ~jnp.all(done)
 
     def body(carry):
-        step, token, cache, tstate, pos, done, out, key = carry
-        logits, cache = model(token[:, None], pos[:, None], cache)
+        step, token, cache, tstate, stats, pos, done, out, key = carry
+        h, cache, stats = model.forward(token[:, None], pos[:, None], cache, stats, spec)
         if every:
-            cache, tstate = jax.lax.cond(step % every == 0, transform.update,
-                                         lambda c, s, _: (c, s), cache, tstate, None)
-        token, key, done, out = emit(step, logits[:, 0], key, done, out)
-        return step + 1, token, cache, tstate, pos + 1, done, out, key
+            cache, tstate = jax.lax.cond(step % every == 0, update, lambda c, s, _: (c, s),
+                                         cache, tstate, stats)
+        token, key, done, out = emit(step, model.logits(h[:, 0]), key, done, out)
+        return step + 1, token, cache, tstate, stats, pos + 1, done, out, key
 
-    carry = (jnp.int32(1), token, cache, tstate, next_pos, done, out, key)
-    _, _, cache, tstate, _, done, out, _ = jax.lax.while_loop(cond, body, carry)
-    return out, cache, tstate
+    carry = (jnp.int32(1), token, cache, tstate, stats, next_pos, done, out, key)
+    carry = jax.lax.while_loop(cond, body, carry)
+    return carry[7], carry[2], carry[3]
 
 
-@functools.partial(jax.jit, static_argnames=("transform",), donate_argnames=("cache",))
-def _compress(transform: CacheTransform, cache: Cache) -> tuple[Cache, Any]:
-    """The transform's first update, right after prefill, compiled."""
-    return transform.update(cache, transform.init(cache), None)
+@functools.partial(jax.jit, static_argnames=("update",), donate_argnames=("cache",))
+def _compress(update, cache: Cache, tstate, stats) -> tuple[Cache, Any]:
+    """A transform update outside the decode loop (after prefill), compiled."""
+    return update(cache, tstate, stats)
+
+
+class Prefilled(NamedTuple):
+    """A batch after prefill (and compression): what decoding continues from."""
+
+    logits: jax.Array  # [B, V] float32 at each sequence's last token
+    cache: Cache
+    stats: Any  # per-layer statistics the transform asked for (or None)
+    transform_state: Any
+    next_pos: np.ndarray  # [B] int32 position of each sequence's next token
+
+
+def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
+                         transform: CacheTransform | None = None, room: int = 0,
+                         capacity: int | None = None, chunk: int = 256,
+                         cache_dtype: Any = jnp.float32, shrink: bool = True,
+                         place_cache: Callable[[Cache], Cache] | None = None) -> Prefilled:
+    """Prefill `prompts` (left-padded, batched), then apply the transform's first update.
+
+    With `shrink` (and a transform other than `full`), every layer is then cut
+    to its kept slots plus `room` tokens, so the cache really holds only the
+    budget. Without it the cache keeps `capacity` (default: padded prompt
+    width + `room`) slots.
+
+    Example:
+        >>> pre = prefill_and_compress(model, [ids], transform=snapkv(ratio=0.5), room=64)
+        >>> kvjax.nbytes(pre.cache)   # about half the full cache
+    """
+    transform = transform or full()
+    chunk = min(chunk, max(len(p) for p in prompts)) if prompts else chunk
+    padded = pad_prompts(prompts, chunk, 0)
+    width = padded.tokens.shape[1]
+    capacity = width + room if capacity is None else capacity
+    if width + room > capacity:
+        raise ValueError(f"prompt ({padded.lengths.max()} tokens, {width} padded) plus {room} "
+                         f"more tokens does not fit the cache capacity {capacity}")
+    spec = transform.stats
+    cache = kvjax.init_model_cache(model.config.cache_spec, len(prompts), capacity, cache_dtype,
+                                   track_mass=spec.attention_mass)
+    if place_cache is not None:
+        cache = place_cache(cache)
+    graphdef, state = nnx.split(model)
+    logits, cache, stats = _prefill(graphdef, state, jnp.asarray(padded.tokens),
+                                    jnp.asarray(padded.positions), cache,
+                                    model.init_stats(spec, cache), chunk, spec)
+    tstate = transform.init(cache)
+    if transform is not full():
+        cache, tstate = _compress(transform.update, cache, tstate, stats)
+        if shrink:
+            cache = kvjax.shrink(cache, room)
+    return Prefilled(logits, cache, stats, tstate, padded.lengths)
+
+
+def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
+           transform: CacheTransform | None = None, chunk: int = 256) -> Prefilled:
+    """Prefill more tokens of every sequence on top of its (compressed) cache.
+
+    `suffixes[b]` continues sequence `b` at position `pre.next_pos[b]`. This is
+    how a question meets a context compressed without it (query-agnostic).
+    """
+    spec = (transform or full()).stats
+    if len(suffixes) != len(pre.next_pos):
+        raise ValueError(f"{len(suffixes)} suffixes for a batch of {len(pre.next_pos)}")
+    chunk = min(chunk, max(len(p) for p in suffixes))
+    padded = pad_prompts(suffixes, chunk, 0)
+    width = padded.tokens.shape[1]
+    for i, layer in enumerate(pre.cache):
+        free = layer.capacity - int(layer.length)
+        if width * layer.slots_per_token > free:
+            raise ValueError(f"{width} more (padded) tokens do not fit layer {i}: {free} free "
+                             f"slots; leave room for them when prefilling")
+    positions = np.where(padded.positions == EMPTY, EMPTY,
+                         padded.positions + pre.next_pos[:, None]).astype(np.int32)
+    graphdef, state = nnx.split(model)
+    logits, cache, stats = _prefill(graphdef, state, jnp.asarray(padded.tokens),
+                                    jnp.asarray(positions), pre.cache, pre.stats, chunk, spec)
+    return Prefilled(logits, cache, stats, pre.transform_state, pre.next_pos + padded.lengths)
 
 
 class Generation(NamedTuple):
@@ -177,44 +265,52 @@ class Generation(NamedTuple):
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
              sampling: Sampling = GREEDY, transform: CacheTransform | None = None,
-             compress_every: int = 0, capacity: int | None = None, chunk: int = 256,
+             compress_every: int = 0, contexts: Sequence[Sequence[int]] | None = None,
+             capacity: int | None = None, shrink: bool = True, chunk: int = 256,
              seed: int = 0, eos_ids: Sequence[int] | None = None, pad_id: int = 0,
              cache_dtype: Any = jnp.float32,
              place_cache: Callable[[Cache], Cache] | None = None) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (token-id lists), batched.
 
     `transform` (default: full cache) compresses the cache after prefill and,
-    if `compress_every > 0`, every that many decode steps. `capacity`
-    defaults to the padded prompt width plus `max_new_tokens`.
+    if `compress_every > 0`, every that many decode steps. With `contexts`,
+    each context is prefilled and compressed first and its prompt appended
+    after (query-agnostic compression, kvpress's protocol); without, the
+    whole prompt is compressed, and a window-based policy sees the end of the
+    prompt (query-aware when the prompt ends with the question).
+    `shrink` cuts the compressed cache to its kept tokens plus the room the
+    rest of the run needs. `capacity` (only without compression) defaults to
+    the padded prompt width plus `max_new_tokens`.
     `place_cache` puts the empty cache on devices, e.g.
     `functools.partial(kvjax.shard_cache, mesh=mesh)`; jit follows its sharding.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
     cfg = model.config
-    chunk = min(chunk, max(len(p) for p in prompts)) if prompts else chunk
-    padded = pad_prompts(prompts, chunk, pad_id)
-    width = padded.tokens.shape[1]
-    capacity = width + max_new_tokens if capacity is None else capacity
-    if width + max_new_tokens > capacity:
-        raise ValueError(f"prompt ({padded.lengths.max()} tokens, {width} padded) plus "
-                         f"{max_new_tokens} new tokens does not fit the cache capacity {capacity}")
-    if int(padded.lengths.max()) + max_new_tokens > cfg.max_position:
+    transform = transform or full()
+    first = prompts if contexts is None else contexts
+    if contexts is not None and len(contexts) != len(prompts):
+        raise ValueError(f"{len(contexts)} contexts for {len(prompts)} prompts")
+    total = max(len(p) + (0 if contexts is None else len(c))
+                for p, c in zip(prompts, contexts or [()] * len(prompts)))
+    if total + max_new_tokens > cfg.max_position:
         raise ValueError(f"prompt plus new tokens exceed the model's context "
                          f"{cfg.max_position} tokens")
-    transform = transform or full()
+    suffix_room = 0 if contexts is None else _padded_width(prompts, chunk)
+    pre = prefill_and_compress(model, first, transform=transform,
+                               room=suffix_room + max_new_tokens, capacity=capacity,
+                               chunk=chunk, cache_dtype=cache_dtype, shrink=shrink,
+                               place_cache=place_cache)
+    if contexts is not None:
+        pre = extend(model, pre, prompts, transform=transform, chunk=chunk)
     eos_ids = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
-    cache = kvjax.init_model_cache(cfg.cache_spec, len(prompts), capacity, cache_dtype)
-    if place_cache is not None:
-        cache = place_cache(cache)
-    graphdef, state = nnx.split(model)  # once for prefill and decode
-    logits, cache = _prefill(graphdef, state, jnp.asarray(padded.tokens),
-                             jnp.asarray(padded.positions), cache, chunk)
-    cache, tstate = _compress(transform, cache)
-    out, cache, tstate = _decode(graphdef, state, logits, cache, tstate,
-                                 jnp.asarray(padded.lengths), jax.random.key(seed),
-                                 max_new_tokens, sampling, transform, compress_every, eos_ids,
-                                 pad_id)
+    graphdef, state = nnx.split(model)
+    out, cache, tstate = _decode(graphdef, state, pre.logits, pre.cache, pre.transform_state,
+                                 pre.stats, jnp.asarray(pre.next_pos), jax.random.key(seed),
+                                 max_new_tokens, sampling, transform.update, transform.stats,
+                                 compress_every, eos_ids, pad_id)
     out = np.asarray(out)
     return Generation(out, _num_generated(out, eos_ids, max_new_tokens), cache, tstate)
 

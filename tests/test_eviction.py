@@ -92,11 +92,12 @@ def test_streaming_llm_keeps_sinks_and_last_window(seed, sinks, window):
 def test_sliding_window_keeps_exactly_the_last_w_and_rows_are_independent():
     rng = np.random.default_rng(3)
     layer = random_cache(rng, b=2, c=10)
-    (out,), _ = kvjax.sliding_window(3).update((layer,), (), None)
+    t = kvjax.sliding_window(3)
+    (out,), _ = t.update((layer,), t.init((layer,)), None)
     for before, after in zip(_kept_positions(layer), _kept_positions(out)):
         assert all(a == b[-3:] for b, a in zip(before, after))
     alone = layer.replace(k=layer.k[2:], v=layer.v[2:], pos=layer.pos[1:])  # sequence 1 alone
-    (out_alone,), _ = kvjax.sliding_window(3).update((alone,), (), None)
+    (out_alone,), _ = t.update((alone,), t.init((alone,)), None)
     np.testing.assert_array_equal(out_alone.pos, out.pos[1:])
     np.testing.assert_array_equal(out_alone.k, out.k[2:])
 
