@@ -3,6 +3,8 @@
     kvjax generate --prompt "Why is the sky blue?" --chat
     kvjax generate --context-file book.txt --prompt "Who is the hero?" --chat --method full
     kvjax ppl --text experiments/data/devils_dictionary.txt --context 512 --max-tokens 4096
+    kvjax ppl --text experiments/data/kjv_genesis.txt --context 1024 --prefix 768 \
+        --method snapkv:ratio=0.5
 
 Every command takes `--model smollm2|PATH` (a .gguf file or a Hugging Face
 directory), `--method NAME[:k=v,...]` and `--json` (one JSON object on stdout).
@@ -44,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--compress-every", type=int, default=0,
+                   help="also apply --method every N decode steps (0 = only after prefill)")
 
     p = sub.add_parser("ppl", help="perplexity of a text file with sliding windows")
     _common(p)
@@ -52,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int, help="window advance S (default N)")
     p.add_argument("--max-tokens", type=int, help="use only the first M tokens of the text")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward batch")
+    p.add_argument("--prefix", type=int, default=0,
+                   help="P: prefill and compress each window's first P tokens with --method, "
+                        "score only the rest (needed by any method other than full)")
     return parser
 
 
@@ -70,34 +77,60 @@ def build_prompt(tokenizer, prompt: str, context: str | None, chat: bool) -> str
                                          add_generation_prompt=True)
 
 
+def split_prompt(tokenizer, prompt: str, context: str, chat: bool) -> tuple[list[int], list[int]]:
+    """(context ids, prompt ids) of `build_prompt`'s text, cut right after the context.
+
+    The context is compressed before the prompt is seen (query-agnostic). The
+    cut is a paragraph break; when the two halves tokenize differently from
+    the whole (a merge across the cut) the halves are encoded on their own.
+    """
+    full = build_prompt(tokenizer, prompt, context, chat)
+    cut = full.index(context.rstrip()) + len(context.rstrip())
+    head, ids = tokenizer.encode(full[:cut]), tokenizer.encode(full)
+    if ids[:len(head)] == head and len(ids) > len(head):
+        return head, ids[len(head):]
+    return head, tokenizer.encode(full[cut:])
+
+
 def cmd_generate(args, model, tokenizer) -> dict:
     from models.sampler import Sampling, generate
 
     context = _read_text(args.context_file) if args.context_file else None
-    ids = tokenizer.encode(build_prompt(tokenizer, args.prompt, context, args.chat))
+    if context is None:
+        ids, contexts = tokenizer.encode(build_prompt(tokenizer, args.prompt, None, args.chat)), None
+    else:
+        head, ids = split_prompt(tokenizer, args.prompt, context, args.chat)
+        contexts = [head]
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     start = time.perf_counter()
-    out = generate(model, [ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                   transform=_transform(args.method), seed=args.seed)
+    out = generate(model, [ids], contexts=contexts, max_new_tokens=args.max_new_tokens,
+                   sampling=sampling, transform=_transform(args.method), seed=args.seed,
+                   compress_every=args.compress_every)
     seconds = time.perf_counter() - start
     tokens = out.tokens[0, :out.num_tokens[0]].tolist()
-    return {"text": tokenizer.decode(tokens), "tokens": tokens, "prompt_tokens": len(ids),
+    return {"text": tokenizer.decode(tokens), "tokens": tokens,
+            "prompt_tokens": len(ids) + (len(contexts[0]) if contexts else 0),
+            "context_tokens": len(contexts[0]) if contexts else 0,
+            "cache_bytes": kvjax_nbytes(out.cache),
             "method": args.method, "seconds": round(seconds, 3)}
+
+
+def kvjax_nbytes(cache) -> int:
+    from kvjax import nbytes
+    return nbytes(cache)
 
 
 def cmd_ppl(args, model, tokenizer) -> dict:
     from experiments.ppl import perplexity
 
-    if args.method != "full":
-        _transform(args.method)  # validates the spec
-        raise ValueError("kvjax ppl supports only --method full until the eviction issue lands")
     ids = tokenizer.encode(_read_text(args.text))[:args.max_tokens]
     start = time.perf_counter()
-    result = perplexity(model, ids, args.context, args.stride, batch_size=args.batch_size)
+    result = perplexity(model, ids, args.context, args.stride, batch_size=args.batch_size,
+                        prefix=args.prefix, transform=_transform(args.method))
     return {"ppl": result.ppl, "nll": result.nll, "tokens_scored": result.tokens_scored,
             "text_tokens": len(ids), "context": args.context,
-            "stride": args.stride or args.context, "method": args.method,
-            "seconds": round(time.perf_counter() - start, 3)}
+            "stride": args.stride or args.context, "prefix": args.prefix,
+            "method": args.method, "seconds": round(time.perf_counter() - start, 3)}
 
 
 def _transform(spec: str):

@@ -7,9 +7,15 @@ window; the first token of the text is never scored. With stride == context
 this is plain chunked perplexity; with a smaller stride every scored token
 sees at least `context - stride` tokens of context.
 
+With `prefix=P` each window is split: its first P tokens are prefilled and
+compressed by a cache transform (the method under test), the rest are fed on
+top of the compressed cache and only they are scored (continuation
+perplexity; with `full` the ordinary perplexity of window positions >= P).
+
 Example:
     >>> result = perplexity(model, ids, context=512, stride=256)
     >>> result.ppl, result.tokens_scored
+    >>> perplexity(model, ids, context=1024, prefix=768, transform=snapkv(ratio=0.5))
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from kvjax.cache import EMPTY
+from kvjax.transforms import CacheTransform, full
 from models.llama import Llama
-from models.scoring import token_logprobs
+from models.scoring import continuation_logprobs, token_logprobs
 
 
 class Window(NamedTuple):
@@ -54,11 +61,16 @@ def sliding_windows(num_tokens: int, context: int, stride: int | None = None) ->
 
 
 def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | None = None,
-               *, batch_size: int = 8, chunk: int = 256) -> Perplexity:
+               *, batch_size: int = 8, chunk: int = 256, prefix: int = 0,
+               transform: CacheTransform | None = None) -> Perplexity:
     """Perplexity of `ids` under `model` with sliding windows; windows run batched."""
     ids = np.asarray(ids, np.int32)
     if ids.ndim != 1 or len(ids) < 2:
         raise ValueError(f"need a 1-D sequence of at least 2 token ids, got shape {ids.shape}")
+    transform = transform or full()
+    if prefix or transform is not full():
+        return _continuation_perplexity(model, ids, context, stride, batch_size, chunk, prefix,
+                                        transform)
     windows = sliding_windows(len(ids), context, stride)
     width = max(w.end - w.start for w in windows)
     nll, scored = 0.0, 0
@@ -78,4 +90,26 @@ def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | Non
         lp = np.asarray(token_logprobs(model, tokens, positions, targets, chunk=chunk), np.float64)
         nll -= float(lp[score].sum())
         scored += int(score.sum())
+    return Perplexity(math.exp(nll / scored), nll, scored)
+
+
+def _continuation_perplexity(model, ids, context, stride, batch_size, chunk, prefix,
+                             transform) -> Perplexity:
+    """Score window tokens after the first `prefix`, on a cache compressed by `transform`."""
+    if not 1 <= prefix < context:
+        raise ValueError(f"a compressing method needs a prefix P with 1 <= P < context "
+                         f"({context}); got {prefix}")
+    windows = [w for w in sliding_windows(len(ids), context, stride) if w.end - w.start > prefix]
+    if not windows:
+        raise ValueError(f"no window is longer than the prefix {prefix} tokens")
+    nll, scored = 0.0, 0
+    for i in range(0, len(windows), batch_size):
+        group = windows[i:i + batch_size]
+        prefixes = [ids[w.start:w.start + prefix].tolist() for w in group]
+        conts = [ids[w.start + prefix:w.end].tolist() for w in group]
+        lps = continuation_logprobs(model, prefixes, conts, transform=transform, chunk=chunk)
+        for w, lp in zip(group, lps):
+            first = max(w.first_scored, w.start + prefix) - (w.start + prefix)
+            nll -= float(np.sum(lp[first:], dtype=np.float64))
+            scored += len(lp) - first
     return Perplexity(math.exp(nll / scored), nll, scored)

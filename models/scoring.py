@@ -11,13 +11,15 @@ Example:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import kvjax
+from kvjax.transforms import CacheTransform
 from models.llama import Llama
 
 
@@ -59,3 +61,47 @@ def token_logprobs(model: Llama, tokens: jax.Array, positions: jax.Array, target
     lp, _ = _token_logprobs(graphdef, state, left(tokens, 0), left(positions, kvjax.EMPTY),
                             left(targets, 0), cache, chunk)
     return lp[:, pad:]
+
+
+def continuation_logprobs(model: Llama, prefixes: Sequence[Sequence[int]],
+                          continuations: Sequence[Sequence[int]], *,
+                          transform: CacheTransform | None = None, chunk: int = 256,
+                          cache_dtype: Any = jnp.float32) -> list[np.ndarray]:
+    """log p(cont[b][j] | prefix[b], cont[b][:j]) with the prefix's cache compressed first.
+
+    Each prefix is prefilled (batched, collecting what `transform` needs),
+    compressed by `transform` and shrunk to its budget; the continuation is
+    then fed on top of the compressed cache. The first continuation token is
+    scored from the prefix's last logits. With `full()` this is ordinary
+    teacher forcing of the continuation.
+
+    Returns:
+      one float32 array of len(cont[b]) per sequence.
+
+    Example:
+        >>> lp = continuation_logprobs(model, [ids[:512]], [ids[512:1024]],
+        ...                            transform=snapkv(ratio=0.5))
+    """
+    from models.sampler import pad_prompts, prefill_and_compress
+
+    if len(prefixes) != len(continuations) or any(len(c) == 0 for c in continuations):
+        raise ValueError("need one non-empty continuation per prefix")
+    chunk_c = min(chunk, max(len(c) for c in continuations))
+    padded = pad_prompts([list(c) for c in continuations], chunk_c, 0)  # [B, W] left-padded
+    width = padded.tokens.shape[1]
+    pre = prefill_and_compress(model, prefixes, transform=transform, room=width, chunk=chunk,
+                               cache_dtype=cache_dtype)
+    positions = np.where(padded.positions < 0, kvjax.EMPTY,
+                         padded.positions + pre.next_pos[:, None]).astype(np.int32)
+    targets = np.concatenate([padded.tokens[:, 1:], np.zeros((len(prefixes), 1), np.int32)], 1)
+    graphdef, state = nnx.split(model)
+    lp, _ = _token_logprobs(graphdef, state, jnp.asarray(padded.tokens), jnp.asarray(positions),
+                            jnp.asarray(targets), pre.cache, chunk_c)
+    first = jax.nn.log_softmax(pre.logits, axis=-1)  # [B, V]: predicts each cont[b][0]
+    lp, first = np.asarray(lp), np.asarray(first)
+    out = []
+    for b, cont in enumerate(continuations):
+        n = len(cont)
+        # token j > 0 of the continuation is predicted at padded column width - n + j - 1
+        out.append(np.concatenate([[first[b, cont[0]]], lp[b, width - n:width - 1]]).astype(np.float32))
+    return out

@@ -35,10 +35,37 @@ def test_ppl_json_on_real_text(capsys, tmp_path):
     assert 1.5 < result["ppl"] < 100  # a real model on real prose, not a uniform guess (49152)
 
 
+def test_ppl_prefix_with_a_method(capsys):
+    common = ["ppl", "--model", str(smollm2_path()), "--text", str(DATA / "kjv_genesis.txt"),
+              "--context", "256", "--prefix", "192", "--max-tokens", "512", "--json"]
+    _, full_out, _ = run(capsys, *common)
+    code, out, _ = run(capsys, *common, "--method", "snapkv:ratio=0.75")
+    full, snap = json.loads(full_out), json.loads(out)
+    assert code == 0 and snap["tokens_scored"] == full["tokens_scored"] == 2 * 64
+    assert snap["prefix"] == 192 and snap["method"] == "snapkv:ratio=0.75"
+    assert 1.5 < full["ppl"] < snap["ppl"] < 1000  # losing 3/4 of the context costs something
+
+
+def test_generate_compresses_a_context_file(capsys, tmp_path):
+    context = tmp_path / "context.txt"
+    context.write_text((DATA / "kjv_genesis_1-3.txt").read_text(encoding="utf-8")[:2500])
+    common = ["generate", "--model", str(smollm2_path()), "--chat", "--context-file", str(context),
+              "--prompt", "What did God create in the beginning?", "--max-new-tokens", "8", "--json"]
+    _, full_out, _ = run(capsys, *common)
+    code, out, _ = run(capsys, *common, "--method", "streaming_llm:ratio=0.5")
+    full, half = json.loads(full_out), json.loads(out)
+    assert code == 0 and half["context_tokens"] == full["context_tokens"] > 400
+    # the compressed context holds half its tokens; question, answer and metadata add a little
+    assert half["cache_bytes"] < 0.62 * full["cache_bytes"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "/no/such/model.gguf", "--prompt", "hi"], "not found"),
     (["generate", "--model", "{gguf}", "--prompt", "hi", "--method", "nosuch"], "unknown method"),
     (["ppl", "--model", "{gguf}", "--text", "/no/such.txt", "--context", "8"], "text file not found"),
+    (["ppl", "--model", "{gguf}", "--text", str(DATA / "kjv_genesis.txt"), "--context", "64",
+      "--max-tokens", "100", "--method", "knorm:ratio=0.5"], "prefix"),
+    (["generate", "--model", "{gguf}", "--prompt", "hi", "--method", "snapkv:ratio=2"], "ratio"),
 ])
 def test_bad_input_gives_one_clear_error(capsys, argv, message):
     argv = [a.replace("{gguf}", str(smollm2_path())) for a in argv]

@@ -50,3 +50,44 @@ def test_bad_arguments_raise(tiny_model):
         sliding_windows(10, 4, 5)
     with pytest.raises(ValueError, match="at least 2"):
         perplexity(tiny_model, [1], 4)
+
+
+def direct_prefix_nll(model, ids, context, prefix):
+    """Plain windows of `context` tokens; score window positions >= prefix (float64)."""
+    nll, count = 0.0, 0
+    for begin in range(0, len(ids) - 1, context):
+        end = min(begin + context, len(ids))
+        if end - begin <= prefix:
+            break
+        window = jnp.asarray(ids[begin:end])[None]
+        logits, _ = model(window, jnp.arange(end - begin)[None], new_cache(model.config, 1, end - begin))
+        logp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32)), np.float64)
+        for j in range(prefix, end - begin):
+            nll -= logp[j - 1, ids[begin + j]]
+            count += 1
+    return nll, count
+
+
+@pytest.mark.parametrize("n, context, prefix", [(60, 20, 12), (45, 16, 5), (33, 16, 15)])
+def test_prefix_perplexity_with_full_cache_scores_positions_after_the_prefix(tiny_model, n, context,
+                                                                            prefix):
+    ids = np.random.default_rng(n).integers(3, 250, n)
+    got = perplexity(tiny_model, ids, context, batch_size=2, chunk=8, prefix=prefix)
+    nll, count = direct_prefix_nll(tiny_model, ids, context, prefix)
+    assert got.tokens_scored == count
+    np.testing.assert_allclose(got.nll, nll, rtol=2e-5)
+
+
+def test_prefix_perplexity_under_compression(tiny_model):
+    import kvjax
+
+    ids = np.random.default_rng(1).integers(3, 250, 64)
+    full = perplexity(tiny_model, ids, 32, chunk=8, prefix=24)
+    roomy = perplexity(tiny_model, ids, 32, chunk=8, prefix=24,
+                       transform=kvjax.streaming_llm(sinks=2, window=30))  # evicts nothing
+    np.testing.assert_allclose(roomy.nll, full.nll, rtol=1e-5)
+    tight = perplexity(tiny_model, ids, 32, chunk=8, prefix=24, transform=kvjax.knorm(ratio=0.75))
+    assert tight.tokens_scored == full.tokens_scored and np.isfinite(tight.nll)
+    assert abs(tight.nll - full.nll) > 1e-3  # evicting 3/4 of the prefix changes predictions
+    with pytest.raises(ValueError, match="prefix"):
+        perplexity(tiny_model, ids, 32, transform=kvjax.knorm(ratio=0.5))
