@@ -30,7 +30,7 @@ from flax import nnx
 
 import kvjax
 from kvjax.cache import EMPTY, Cache
-from kvjax.stats import NO_STATS
+from kvjax.stats import NO_STATS, StatsSpec
 from kvjax.transforms import CacheTransform, full
 
 from models.llama import Llama
@@ -189,23 +189,16 @@ class Prefilled(NamedTuple):
     next_pos: np.ndarray  # [B] int32 position of each sequence's next token
 
 
-def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
-                         transform: CacheTransform | None = None, room: int = 0,
-                         capacity: int | None = None, chunk: int = 256,
-                         cache_dtype: Any = jnp.float32, shrink: bool = True,
-                         place_cache: Callable[[Cache], Cache] | None = None) -> Prefilled:
-    """Prefill `prompts` (left-padded, batched), then apply the transform's first update.
+def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
+                  stats: StatsSpec = NO_STATS, room: int = 0, capacity: int | None = None,
+                  chunk: int = 256, cache_dtype: Any = jnp.float32,
+                  place_cache: Callable[[Cache], Cache] | None = None) -> Prefilled:
+    """Prefill `prompts` (left-padded, batched) into a fresh cache, collecting `stats`.
 
-    With `shrink` (and a transform other than `full`), every layer is then cut
-    to its kept slots plus `room` tokens, so the cache really holds only the
-    budget. Without it the cache keeps `capacity` (default: padded prompt
-    width + `room`) slots.
-
-    Example:
-        >>> pre = prefill_and_compress(model, [ids], transform=snapkv(ratio=0.5), room=64)
-        >>> kvjax.nbytes(pre.cache)   # about half the full cache
+    The cache has `capacity` slots (default: padded prompt width + `room`).
+    One prefill can serve several policies: collect the union of their
+    `transform.stats` and `compress` it once per policy with `keep_input=True`.
     """
-    transform = transform or full()
     chunk = min(chunk, max(len(p) for p in prompts)) if prompts else chunk
     padded = pad_prompts(prompts, chunk, 0)
     width = padded.tokens.shape[1]
@@ -213,21 +206,52 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
     if width + room > capacity:
         raise ValueError(f"prompt ({padded.lengths.max()} tokens, {width} padded) plus {room} "
                          f"more tokens does not fit the cache capacity {capacity}")
-    spec = transform.stats
     cache = kvjax.init_model_cache(model.config.cache_spec, len(prompts), capacity, cache_dtype,
-                                   track_mass=spec.attention_mass)
+                                   track_mass=stats.attention_mass)
     if place_cache is not None:
         cache = place_cache(cache)
     graphdef, state = nnx.split(model)
-    logits, cache, stats = _prefill(graphdef, state, jnp.asarray(padded.tokens),
-                                    jnp.asarray(padded.positions), cache,
-                                    model.init_stats(spec, cache), chunk, spec)
+    logits, cache, layer_stats = _prefill(graphdef, state, jnp.asarray(padded.tokens),
+                                          jnp.asarray(padded.positions), cache,
+                                          model.init_stats(stats, cache), chunk, stats)
+    return Prefilled(logits, cache, layer_stats, None, padded.lengths)
+
+
+def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink: bool = True,
+             keep_input: bool = False) -> Prefilled:
+    """Apply `transform`'s first update to a prefilled batch (prompt compression).
+
+    With `shrink` (and a transform other than `full`), every layer is then cut
+    to its kept slots plus room for `room` more tokens, so the cache really
+    holds only the budget. `keep_input` leaves `pre.cache` usable (it is
+    otherwise donated).
+    """
+    cache = pre.cache
+    if keep_input:
+        cache = jax.tree_util.tree_map(jnp.copy, cache)
     tstate = transform.init(cache)
     if transform is not full():
-        cache, tstate = _compress(transform.update, cache, tstate, stats)
+        cache, tstate = _compress(transform.update, cache, tstate, pre.stats)
         if shrink:
             cache = kvjax.shrink(cache, room)
-    return Prefilled(logits, cache, stats, tstate, padded.lengths)
+    return pre._replace(cache=cache, transform_state=tstate)
+
+
+def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
+                         transform: CacheTransform | None = None, room: int = 0,
+                         capacity: int | None = None, chunk: int = 256,
+                         cache_dtype: Any = jnp.float32, shrink: bool = True,
+                         place_cache: Callable[[Cache], Cache] | None = None) -> Prefilled:
+    """`prefill_batch` collecting what `transform` needs, then `compress`.
+
+    Example:
+        >>> pre = prefill_and_compress(model, [ids], transform=snapkv(ratio=0.5), room=64)
+        >>> kvjax.nbytes(pre.cache)   # about half the full cache
+    """
+    transform = transform or full()
+    pre = prefill_batch(model, prompts, stats=transform.stats, room=room, capacity=capacity,
+                        chunk=chunk, cache_dtype=cache_dtype, place_cache=place_cache)
+    return compress(pre, transform, room=room, shrink=shrink)
 
 
 def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,

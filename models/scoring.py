@@ -82,21 +82,41 @@ def continuation_logprobs(model: Llama, prefixes: Sequence[Sequence[int]],
         >>> lp = continuation_logprobs(model, [ids[:512]], [ids[512:1024]],
         ...                            transform=snapkv(ratio=0.5))
     """
-    from models.sampler import pad_prompts, prefill_and_compress
+    from models.sampler import prefill_and_compress
 
     if len(prefixes) != len(continuations) or any(len(c) == 0 for c in continuations):
         raise ValueError("need one non-empty continuation per prefix")
-    chunk_c = min(chunk, max(len(c) for c in continuations))
-    padded = pad_prompts([list(c) for c in continuations], chunk_c, 0)  # [B, W] left-padded
+    pre = prefill_and_compress(model, prefixes, transform=transform,
+                               room=_padded(continuations, chunk)[0].tokens.shape[1],
+                               chunk=chunk, cache_dtype=cache_dtype)
+    return score_continuations(model, pre, continuations, chunk=chunk)
+
+
+def _padded(continuations, chunk):
+    from models.sampler import pad_prompts
+
+    chunk = min(chunk, max(len(c) for c in continuations))
+    return pad_prompts([list(c) for c in continuations], chunk, 0), chunk
+
+
+def score_continuations(model: Llama, pre, continuations: Sequence[Sequence[int]], *,
+                        chunk: int = 256) -> list[np.ndarray]:
+    """Teacher-forced log-probabilities of `continuations` fed on top of a prefilled
+    (possibly compressed) batch `pre` (a `models.sampler.Prefilled`); its cache
+    must have room for them. See `continuation_logprobs`."""
+    if len(continuations) != len(pre.next_pos):
+        raise ValueError(f"{len(continuations)} continuations for a batch of {len(pre.next_pos)}")
+    padded, chunk = _padded(continuations, chunk)  # [B, W] left-padded
     width = padded.tokens.shape[1]
-    pre = prefill_and_compress(model, prefixes, transform=transform, room=width, chunk=chunk,
-                               cache_dtype=cache_dtype)
+    for i, layer in enumerate(pre.cache):
+        if width * layer.slots_per_token > layer.capacity - int(layer.length):
+            raise ValueError(f"{width} continuation tokens do not fit layer {i} of the cache")
     positions = np.where(padded.positions < 0, kvjax.EMPTY,
                          padded.positions + pre.next_pos[:, None]).astype(np.int32)
-    targets = np.concatenate([padded.tokens[:, 1:], np.zeros((len(prefixes), 1), np.int32)], 1)
+    targets = np.concatenate([padded.tokens[:, 1:], np.zeros((len(continuations), 1), np.int32)], 1)
     graphdef, state = nnx.split(model)
     lp, _ = _token_logprobs(graphdef, state, jnp.asarray(padded.tokens), jnp.asarray(positions),
-                            jnp.asarray(targets), pre.cache, chunk_c)
+                            jnp.asarray(targets), pre.cache, chunk)
     first = jax.nn.log_softmax(pre.logits, axis=-1)  # [B, V]: predicts each cont[b][0]
     lp, first = np.asarray(lp), np.asarray(first)
     out = []
