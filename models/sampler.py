@@ -329,12 +329,36 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
                                place_cache=place_cache)
     if contexts is not None:
         pre = extend(model, pre, prompts, transform=transform, chunk=chunk)
-    eos_ids = tuple(cfg.eos_ids if eos_ids is None else eos_ids)
+    return decode(model, pre, max_new_tokens=max_new_tokens, sampling=sampling,
+                  transform=transform, compress_every=compress_every, seed=seed,
+                  eos_ids=eos_ids, pad_id=pad_id)
+
+
+def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
+           sampling: Sampling = GREEDY, transform: CacheTransform | None = None,
+           compress_every: int = 0, seed: int = 0, eos_ids: Sequence[int] | None = None,
+           pad_id: int = 0) -> Generation:
+    """Generate from a prefilled (and possibly compressed) batch; see `generate`.
+
+    The cache needs room for `max_new_tokens - 1` more tokens (the last token
+    drawn is never written). Without `compress_every` the loop collects no
+    statistics and compiles once per cache shape, whatever the transform.
+    """
+    transform = transform or full()
+    for i, layer in enumerate(pre.cache):
+        free = layer.capacity - int(layer.length)
+        if (max_new_tokens - 1) * layer.slots_per_token > free:
+            raise ValueError(f"{max_new_tokens} new tokens do not fit layer {i} of the cache "
+                             f"({free} free slots)")
+    eos_ids = tuple(model.config.eos_ids if eos_ids is None else eos_ids)
+    update, spec, stats = transform.update, transform.stats, pre.stats
+    if not compress_every:
+        update, spec, stats = None, NO_STATS, None
     graphdef, state = nnx.split(model)
     out, cache, tstate = _decode(graphdef, state, pre.logits, pre.cache, pre.transform_state,
-                                 pre.stats, jnp.asarray(pre.next_pos), jax.random.key(seed),
-                                 max_new_tokens, sampling, transform.update, transform.stats,
-                                 compress_every, eos_ids, pad_id)
+                                 stats, jnp.asarray(pre.next_pos), jax.random.key(seed),
+                                 max_new_tokens, sampling, update, spec, compress_every,
+                                 eos_ids, pad_id)
     out = np.asarray(out)
     return Generation(out, _num_generated(out, eos_ids, max_new_tokens), cache, tstate)
 
