@@ -128,3 +128,61 @@ def test_bad_shapes_and_impl_raise():
         kvjax.attend(jnp.ones((1, 1, 2, 8)), jnp.zeros((1, 2), jnp.int32), cache)
     with pytest.raises(ValueError, match="unknown impl"):
         kvjax.attend(jnp.ones((1, 1, 2, 8)), jnp.zeros((1, 1), jnp.int32), cache, impl="cuda")
+
+
+def _per_head_and_pooled(rng, b=2, kvh=3, c=7, d=4):
+    """A random per-head cache, a random keep mask, and the same kept tokens pooled."""
+    from kvjax.eviction import compact, pool_heads
+    k = rng.standard_normal((b, kvh, c, d))
+    v = rng.standard_normal((b, kvh, c, d))
+    pos = np.tile(np.arange(c), (b, kvh, 1))
+    pos[0, :, :2] = EMPTY  # left padding of sequence 0
+    cache = _cache(k, v, pos)
+    keep = jnp.asarray(rng.random((b, kvh, c)) < 0.6) & (cache.pos != EMPTY)
+    masked = cache.replace(pos=jnp.where(keep, cache.pos, EMPTY))
+    pooled_keep = jnp.concatenate([jnp.where(jnp.arange(kvh)[None, :, None] == h, keep[:, h:h + 1], False)
+                                   for h in range(kvh)], axis=2)
+    pooled = compact(pool_heads(cache), pooled_keep)
+    return masked, pooled
+
+
+def test_pooled_layout_attends_like_per_head_masking():
+    rng = np.random.default_rng(11)
+    masked, pooled = _per_head_and_pooled(rng)
+    assert pooled.pooled and pooled.k.shape[0] == 2
+    q = jnp.asarray(rng.standard_normal((2, 3, 6, 4)), jnp.float32)
+    q_pos = jnp.array([[6, 7, 8], [6, 7, 8]])
+    want = np.asarray(kvjax.attend_reference(q, q_pos, masked))
+    for got in (kvjax.attend_reference(q, q_pos, pooled),
+                kvjax.attend_blockwise(q, q_pos, pooled, block=4)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    # writing new tokens into both layouts keeps them equal
+    k_new = jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.float32)
+    new_pos = jnp.array([[7, 8], [7, 8]])
+    grown = kvjax.resize(pooled, pooled.capacity + 6)
+    roomy = kvjax.resize(masked, masked.capacity + 2)
+    a = kvjax.write(grown, k_new, k_new * 2, new_pos)
+    b = kvjax.write(roomy, k_new, k_new * 2, new_pos)
+    assert int(a.length) == int(pooled.length) + 6  # a token takes KVH slots
+    np.testing.assert_allclose(np.asarray(kvjax.attend(q, q_pos, a)),
+                               np.asarray(kvjax.attend_reference(q, q_pos, b)), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_mass_is_the_column_sum_of_attention_weights():
+    rng = np.random.default_rng(12)
+    k, v = rng.standard_normal((2, 2, 11, 4)), rng.standard_normal((2, 2, 11, 4))
+    kv_pos = np.tile(np.arange(11), (2, 2, 1))
+    kv_pos[1, :, :3] = EMPTY
+    kv_pos[0, 1, 5] = EMPTY  # a hole
+    cache = _cache(k, v, kv_pos)
+    q = jnp.asarray(rng.standard_normal((2, 5, 4, 4)), jnp.float32)
+    q_pos = jnp.array([[6, 7, 8, 9, 10], [EMPTY, 7, 8, 9, 10]])
+    weights = kvjax.attention_weights(q, q_pos, cache)  # [B, KVH, G, T, C]
+    np.testing.assert_allclose(np.asarray(weights).sum(-1)[1, :, :, 0], 0)  # padding query
+    want = np.asarray(weights, np.float64).sum((2, 3))
+    got = kvjax.attention_mass(q, q_pos, cache, block=4)  # blocks 4, 4, then the last 3 shifted
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-7)
+    # the probabilities are the reference attention's: out = weights @ v
+    out = np.einsum("bkgtc,bkcd->btkgd", np.asarray(weights), np.asarray(cache.logical_v))
+    ref = np.asarray(kvjax.attend_reference(q, q_pos, cache)).reshape(out.shape)
+    np.testing.assert_allclose(out[0], ref[0], rtol=1e-5, atol=1e-6)
