@@ -10,7 +10,8 @@ kvpress's convention) beside the full cache:
   real prose (`experiments/passkey.py`); the context is compressed before the
   question is seen (query-agnostic, kvpress's protocol), then the question is
   appended and 8 tokens are decoded greedily. Score: the key is the first
-  5-digit number of the answer.
+  5-digit number of the answer. `snapkv_query_aware` instead prefills the
+  question with the context, so SnapKV's window is the question.
 * ppl: windows of `--ppl-context` tokens of KJV Genesis; each window's first
   `--prefix` tokens are compressed, the rest are fed on top and scored (the
   same as `kvjax ppl --prefix`).
@@ -32,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 POLICIES = ("streaming_llm", "sliding_window", "snapkv", "pyramidkv", "adakv_snapkv", "tova",
-            "h2o", "expected_attention", "knorm", "random")
+            "h2o", "expected_attention", "knorm", "random", "snapkv_query_aware")
+QUERY_AWARE = "_query_aware"  # the question is prefilled with the context and scores it
 RATIOS = (0.25, 0.5, 0.75, 0.9)
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
@@ -47,6 +49,7 @@ def make_transform(name: str, ratio: float):
         return kvjax.streaming_llm(sinks=0, ratio=ratio)
     if name == "adakv_snapkv":
         return kvjax.snapkv(ratio=ratio, headwise=True)
+    name = name.removesuffix(QUERY_AWARE)
     return getattr(kvjax, name)(ratio=ratio)
 
 
@@ -90,17 +93,30 @@ def run_passkey(model, tokenizer, out: Path, lengths, trials, names, ratios, max
             continue
         batch = make_trials(tokenizer, length, DEPTHS, per_depth, seed=length)
         question_width = max(len(t.question) for t in batch)
-        start = time.perf_counter()
-        pre = prefill_batch(model, [t.context for t in batch], stats=all_stats(names),
-                            room=question_width + max_new)
-        prefill_s = time.perf_counter() - start
-        print(f"passkey {length}: prefilled {len(batch)} contexts in {prefill_s:.0f} s", flush=True)
-        for name, ratio in todo:
+        prefilled = {}
+
+        def prefilled_for(query_aware: bool):
+            if query_aware not in prefilled:
+                prefilled.clear()  # one full-size batch in memory at a time
+                start = time.perf_counter()
+                prompts = [t.context + (t.question if query_aware else []) for t in batch]
+                prefilled[query_aware] = prefill_batch(
+                    model, prompts, stats=all_stats(names),
+                    room=max_new + (0 if query_aware else question_width))
+                print(f"passkey {length}: prefilled {len(batch)} contexts "
+                      f"{'with' if query_aware else 'without'} the question in "
+                      f"{time.perf_counter() - start:.0f} s", flush=True)
+            return prefilled[query_aware]
+
+        for name, ratio in sorted(todo, key=lambda c: c[0].endswith(QUERY_AWARE)):
+            query_aware = name.endswith(QUERY_AWARE)
+            pre = prefilled_for(query_aware)
             start = time.perf_counter()
             transform = make_transform(name, ratio)
             small = compress(pre, transform, keep_input=True, shrink=False)
             kept = int(np.asarray(small.cache[0].pos != -1).sum())
-            small = extend(model, small, [t.question for t in batch])
+            if not query_aware:  # the question meets the compressed context
+                small = extend(model, small, [t.question for t in batch])
             gen = decode(model, small, max_new_tokens=max_new)
             texts = [tokenizer.decode(row[:n].tolist()) for row, n in zip(gen.tokens, gen.num_tokens)]
             correct = score_trials(batch, texts)
@@ -118,6 +134,7 @@ def run_passkey(model, tokenizer, out: Path, lengths, trials, names, ratios, max
 
 def run_ppl(model, tokenizer, out: Path, text_path: Path, context: int, prefix: int,
             windows: int, names, ratios):
+    names = [n for n in names if not n.endswith(QUERY_AWARE)]  # no question in plain text
     from experiments.ppl import sliding_windows
     from models.sampler import compress, prefill_batch
     from models.scoring import score_continuations

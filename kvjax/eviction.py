@@ -244,6 +244,8 @@ def _layer_budgets(state: BudgetState, cache: Cache, schedule, window: int, beta
     if schedule == "pyramid":
         new = pyramid_budgets(mean, n, num_layers, window, beta)
     else:
+        if schedule != "uniform" and len(schedule) != num_layers:
+            raise ValueError(f"schedule has {len(schedule)} layer weights for {num_layers} layers")
         weights = jnp.ones(num_layers) if schedule == "uniform" else jnp.asarray(schedule, jnp.float32)
         weights = weights / weights.mean()
         new = jnp.maximum(1, jnp.floor(mean[None] * weights[:, None])).astype(jnp.int32)
