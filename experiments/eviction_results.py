@@ -80,7 +80,10 @@ def append(path: Path, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def run_passkey(model, tokenizer, out: Path, lengths, trials, names, ratios, max_new=8):
+def run_passkey(model, tokenizer, out: Path, lengths, trials, names, ratios, batch_size,
+                max_new=8):
+    import jax
+
     from experiments.passkey import make_trials, score_trials
     from models.sampler import compress, decode, extend, prefill_batch
 
@@ -88,48 +91,53 @@ def run_passkey(model, tokenizer, out: Path, lengths, trials, names, ratios, max
     done = done_cells(path)
     per_depth = max(1, trials // len(DEPTHS))
     for length in lengths:
-        todo = [c for c in cells(names, ratios) if (length, *c) not in done]
+        todo = sorted((c for c in cells(names, ratios) if (length, *c) not in done),
+                      key=lambda c: c[0].endswith(QUERY_AWARE))
         if not todo:
             continue
-        batch = make_trials(tokenizer, length, DEPTHS, per_depth, seed=length)
-        question_width = max(len(t.question) for t in batch)
-        prefilled = {}
-
-        def prefilled_for(query_aware: bool):
-            if query_aware not in prefilled:
-                prefilled.clear()  # one full-size batch in memory at a time
+        all_trials = make_trials(tokenizer, length, DEPTHS, per_depth, seed=length)
+        results = {cell: {"correct": [], "texts": [], "seconds": 0.0} for cell in todo}
+        for first in range(0, len(all_trials), batch_size):
+            batch = all_trials[first:first + batch_size]
+            question_width = max(len(t.question) for t in batch)
+            for query_aware in sorted({c[0].endswith(QUERY_AWARE) for c in todo}):
                 start = time.perf_counter()
                 prompts = [t.context + (t.question if query_aware else []) for t in batch]
-                prefilled[query_aware] = prefill_batch(
-                    model, prompts, stats=all_stats(names),
-                    room=max_new + (0 if query_aware else question_width))
-                print(f"passkey {length}: prefilled {len(batch)} contexts "
+                pre = prefill_batch(model, prompts, stats=all_stats(names),
+                                    room=max_new + (0 if query_aware else question_width))
+                print(f"passkey {length}: prefilled trials {first}-{first + len(batch) - 1} "
                       f"{'with' if query_aware else 'without'} the question in "
                       f"{time.perf_counter() - start:.0f} s", flush=True)
-            return prefilled[query_aware]
-
-        for name, ratio in sorted(todo, key=lambda c: c[0].endswith(QUERY_AWARE)):
-            query_aware = name.endswith(QUERY_AWARE)
-            pre = prefilled_for(query_aware)
-            start = time.perf_counter()
-            transform = make_transform(name, ratio)
-            small = compress(pre, transform, keep_input=True, shrink=False)
-            kept = int(np.asarray(small.cache[0].pos != -1).sum())
-            if not query_aware:  # the question meets the compressed context
-                small = extend(model, small, [t.question for t in batch])
-            gen = decode(model, small, max_new_tokens=max_new)
-            texts = [tokenizer.decode(row[:n].tolist()) for row, n in zip(gen.tokens, gen.num_tokens)]
-            correct = score_trials(batch, texts)
-            row = {"task": "passkey", "length": length, "policy": name, "ratio": ratio,
-                   "trials": len(batch), "correct": int(sum(correct)),
-                   "accuracy": float(np.mean(correct)),
-                   "by_depth": {str(d): int(sum(c for c, t in zip(correct, batch) if t.depth == d))
-                                for d in DEPTHS},
-                   "kept_layer0_slots": kept, "seconds": round(time.perf_counter() - start, 1),
-                   "example": texts[0]}
-            append(path, row)
-            print(f"  {name:20s} r={ratio:.2f}  {row['correct']}/{len(batch)}  "
-                  f"({row['seconds']} s) {texts[0]!r}", flush=True)
+                for name, ratio in todo:
+                    if name.endswith(QUERY_AWARE) != query_aware:
+                        continue
+                    start = time.perf_counter()
+                    small = compress(pre, make_transform(name, ratio), keep_input=True,
+                                     shrink=False)
+                    if not query_aware:  # the question meets the compressed context
+                        small = extend(model, small, [t.question for t in batch])
+                    gen = decode(model, small, max_new_tokens=max_new)
+                    del small
+                    texts = [tokenizer.decode(row[:n].tolist())
+                             for row, n in zip(gen.tokens, gen.num_tokens)]
+                    cell = results[(name, ratio)]
+                    cell["correct"] += score_trials(batch, texts)
+                    cell["texts"] += texts
+                    cell["seconds"] += time.perf_counter() - start
+                    print(f"  {name:20s} r={ratio:.2f}  {sum(cell['correct'])}/"
+                          f"{len(cell['correct'])}  {texts[0]!r}", flush=True)
+                    if ratio == ratios[-1]:  # executables of a policy are done with: free them
+                        jax.clear_caches()  # (the persistent compile cache makes reloads cheap)
+                del pre
+        for (name, ratio), cell in results.items():
+            correct = cell["correct"]
+            append(path, {
+                "task": "passkey", "length": length, "policy": name, "ratio": ratio,
+                "trials": len(correct), "correct": int(sum(correct)),
+                "accuracy": float(np.mean(correct)),
+                "by_depth": {str(d): int(sum(c for c, t in zip(correct, all_trials) if t.depth == d))
+                             for d in DEPTHS},
+                "seconds": round(cell["seconds"], 1), "example": cell["texts"][0]})
 
 
 def run_ppl(model, tokenizer, out: Path, text_path: Path, context: int, prefix: int,
@@ -250,6 +258,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tasks", nargs="+", default=["passkey", "ppl"])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--trials", type=int, default=20, help="passkey trials per cell")
+    parser.add_argument("--batch-size", type=int, default=10,
+                        help="passkey trials per batch (a 4k batch of 10 needs about 8 GB)")
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
     parser.add_argument("--ppl-text", type=Path,
@@ -268,7 +278,7 @@ def main(argv=None) -> int:
         model, tokenizer = load_model(args.model)
         if "passkey" in args.tasks:
             run_passkey(model, tokenizer, args.out, args.lengths, args.trials, args.policies,
-                        args.ratios)
+                        args.ratios, args.batch_size)
         if "ppl" in args.tasks:
             run_ppl(model, tokenizer, args.out, args.ppl_text, args.ppl_context, args.prefix,
                     args.ppl_windows, args.policies, args.ratios)
