@@ -69,10 +69,7 @@ def cells(names, ratios):
 
 
 def done_cells(path: Path) -> set:
-    if not path.exists():
-        return set()
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {(r.get("length", r.get("context")), r["policy"], r["ratio"]) for r in rows}
+    return {(r.get("length", r.get("context")), r["policy"], r["ratio"]) for r in load_rows(path)}
 
 
 def append(path: Path, row: dict) -> None:
