@@ -93,6 +93,7 @@ def split_prompt(tokenizer, prompt: str, context: str, chat: bool) -> tuple[list
 
 
 def cmd_generate(args, model, tokenizer) -> dict:
+    from kvjax import nbytes
     from models.sampler import Sampling, generate
 
     context = _read_text(args.context_file) if args.context_file else None
@@ -111,13 +112,9 @@ def cmd_generate(args, model, tokenizer) -> dict:
     return {"text": tokenizer.decode(tokens), "tokens": tokens,
             "prompt_tokens": len(ids) + (len(contexts[0]) if contexts else 0),
             "context_tokens": len(contexts[0]) if contexts else 0,
-            "cache_bytes": kvjax_nbytes(out.cache),
+            "cache_bytes": nbytes(out.cache),
             "method": args.method, "seconds": round(seconds, 3)}
 
-
-def kvjax_nbytes(cache) -> int:
-    from kvjax import nbytes
-    return nbytes(cache)
 
 
 def cmd_ppl(args, model, tokenizer) -> dict:
