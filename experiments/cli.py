@@ -4,7 +4,8 @@
     kvjax generate --context-file book.txt --prompt "Who is the hero?" --chat --method full
     kvjax ppl --text experiments/data/devils_dictionary.txt --context 512 --max-tokens 4096
     kvjax ppl --text experiments/data/kjv_genesis.txt --context 1024 --prefix 768 \
-        --method snapkv:ratio=0.5
+        --method snapkv:ratio=0.5+kivi:bits=2
+    kvjax calibrate --out basis.npz        # then --method low_rank:rank=32,basis=basis.npz
 
 Every command takes `--model smollm2|PATH` (a .gguf file or a Hugging Face
 directory), `--method NAME[:k=v,...]` and `--json` (one JSON object on stdout).
@@ -59,7 +60,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", type=int, default=0,
                    help="P: prefill and compress each window's first P tokens with --method, "
                         "score only the rest (needed by any method other than full)")
+    c = sub.add_parser("calibrate", help="low-rank K/V bases from real text (for low_rank)")
+    c.add_argument("--model", default="smollm2", help="as for the other commands")
+    c.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
+    c.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    c.add_argument("--text", type=Path, default=CALIBRATION_TEXT,
+                   help="UTF-8 text file (default: The Devil's Dictionary)")
+    c.add_argument("--tokens", type=int, default=16384,
+                   help="calibrate on the last N tokens of the text")
+    c.add_argument("--window", type=int, default=1024, help="tokens per prefill window")
+    c.add_argument("--out", type=Path, required=True, help="where to write the .npz basis")
     return parser
+
+
+CALIBRATION_TEXT = Path(__file__).parent / "data" / "devils_dictionary.txt"
+
+
+def cmd_calibrate(args, model, tokenizer) -> dict:
+    from models.calibration import calibrate_low_rank
+
+    ids = tokenizer.encode(_read_text(args.text))[-args.tokens:]
+    start = time.perf_counter()
+    basis = calibrate_low_rank(model, ids, window=args.window)
+    basis.save(args.out)
+    captured = {r: basis.captured(r) for r in (8, 16, 32, 48)}
+    return {"out": str(args.out), "tokens": len(ids), "seconds": round(time.perf_counter() - start, 3),
+            "energy_captured": {r: {"keys": k, "values": v} for r, (k, v) in captured.items()}}
 
 
 def _read_text(path: Path) -> str:
@@ -151,12 +177,13 @@ def main(argv: list[str] | None = None) -> int:
 
     enable_compilation_cache()
     try:
-        _transform(args.method)
+        _transform(getattr(args, "method", "full"))
         for path in (getattr(args, "text", None), getattr(args, "context_file", None)):
             if path is not None:
                 _read_text(path)  # fail before the model loads
         model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
-        result = {"generate": cmd_generate, "ppl": cmd_ppl}[args.command](args, model, tokenizer)
+        commands = {"generate": cmd_generate, "ppl": cmd_ppl, "calibrate": cmd_calibrate}
+        result = commands[args.command](args, model, tokenizer)
     except (FileNotFoundError, ValueError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
@@ -165,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     elif args.command == "generate":
         print(result["text"])
+    elif args.command == "calibrate":
+        print(f"wrote {result['out']} from {result['tokens']} tokens; energy kept by rank "
+              + ", ".join(f"{r}: keys {e['keys']:.3f} values {e['values']:.3f}"
+                          for r, e in result["energy_captured"].items()))
     else:
         print(f"perplexity {result['ppl']:.4f} over {result['tokens_scored']} tokens "
               f"(context {result['context']}, stride {result['stride']})")

@@ -7,8 +7,8 @@ NVIDIA's ``kvpress`` (PyTorch) presses on the real SmolLM2-135M-Instruct
 model, so kvjax's JAX eviction policies can be checked for parity without
 torch installed. The model is Hugging Face ``transformers`` + PyTorch
 (float32, CPU, ``attn_implementation="sdpa"``) loading the same GGUF file kvjax
-loads (``SmolLM2-135M-Instruct.Q4_1.gguf``), as in
-``experiments/make_golden_smollm2.py``. Each press runs exactly as kvpress
+loads (``SmolLM2-135M-Instruct.Q4_1.gguf``), with
+``experiments/hf_reference.py`` as in ``experiments/make_golden_smollm2.py``. Each press runs exactly as kvpress
 runs it at prefill: one forward of the whole context with ``with
 press(model):`` active; the press's forward hook on every attention layer
 calls ``press.compress`` on that layer's full cache. With sdpa the attention
@@ -113,9 +113,7 @@ couple of minutes, most of it loading the GGUF.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import sys
 import time
 from importlib import metadata
@@ -123,8 +121,9 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.hf_reference import DEFAULT_GGUF, load_hf_reference
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_GGUF = "/root/.cache/kvjax/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_golden.npz"
 TEXT_PATH = REPO_ROOT / "experiments" / "data" / "devils_dictionary.txt"
 
@@ -147,14 +146,6 @@ RUNS = [
     (1, "adakv_snapkv", 0.5),
     (2, "snapkv", 0.5), (2, "knorm", 0.5), (2, "expected_attention", 0.5),
 ]
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def make_press(name: str, ratio: float):
@@ -305,34 +296,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output .npz path")
     args = ap.parse_args(argv)
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF dequantization progress bar
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import kvpress  # noqa: F401  (patches the attention functions, as kvpress always does)
 
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(SEED)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(2)
-
-    timings = {}
-    gguf_path = Path(args.gguf).resolve()
-    gdir, gname = str(gguf_path.parent), gguf_path.name
-
-    t0 = time.perf_counter()
-    gguf_sha = sha256_file(str(gguf_path))
-    timings["sha256"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
-    timings["load_tokenizer"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32, attn_implementation=ATTN)
-    model.eval()
-    timings["load_model"] = time.perf_counter() - t0
+    model, tok, info = load_hf_reference(args.gguf, dtype=torch.float32, attn_implementation=ATTN, seed=SEED)
+    timings = dict(info["timings"])
+    gguf_sha, gname = info["gguf_sha256"], info["gguf_name"]
     cfg = model.config
     assert cfg._attn_implementation == ATTN, cfg._attn_implementation
     n_layers, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads

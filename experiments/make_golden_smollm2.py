@@ -6,7 +6,9 @@ What it makes
 an implementation that shares no code with kvjax: Hugging Face ``transformers``
 + PyTorch (float32, CPU), loading the same GGUF file kvjax loads
 (``SmolLM2-135M-Instruct.Q4_1.gguf``; transformers dequantizes it with the
-``gguf`` package and undoes llama.cpp's Q/K row permutation itself). kvjax's
+``gguf`` package and undoes llama.cpp's Q/K row permutation itself; the
+loading is ``experiments/hf_reference.py``'s, shared with the other
+reference scripts). kvjax's
 tests feed the stored token ids to the JAX model and compare its outputs with
 the stored ones. The file holds:
 
@@ -64,17 +66,16 @@ dequantization of the GGUF).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
+from experiments.hf_reference import DEFAULT_GGUF, load_hf_reference
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_GGUF = "/root/.cache/kvjax/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = REPO_ROOT / "tests" / "golden" / "smollm2_golden.npz"
 PPL_TEXT_PATH = REPO_ROOT / "experiments" / "data" / "devils_dictionary.txt"
 
@@ -101,14 +102,6 @@ UNICODE_TEXT = (
     "(parens) [brackets] {braces} <angle> @#$%^&*_~|\\ naïve café 🙂👍🏽!"
 )
 GREEDY_USER = "Write one sentence about the sea."
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def assert_no_digits(text: str, what: str) -> None:
@@ -161,32 +154,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(DEFAULT_OUT), help="output .npz path")
     args = ap.parse_args(argv)
 
-    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF dequantization progress bar
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    transformers.utils.logging.disable_progress_bar()
-    torch.manual_seed(SEED)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(2)
-
-    timings = {}
-    gguf_path = Path(args.gguf).resolve()
-    gdir, gname = str(gguf_path.parent), gguf_path.name
-
-    t0 = time.perf_counter()
-    gguf_sha = sha256_file(str(gguf_path))
-    timings["sha256"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
-    timings["load_tokenizer"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
-    model.eval()
-    timings["load_model"] = time.perf_counter() - t0
+    model, tok, info = load_hf_reference(args.gguf, dtype=torch.float32, seed=SEED)
+    timings = dict(info["timings"])
+    gguf_sha, gname = info["gguf_sha256"], info["gguf_name"]
     print(model.config)
     print(model.generation_config)
     print("tied lm_head:", model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr())

@@ -2,8 +2,10 @@
 
 from kvjax.attention import (attend, attend_blockwise, attend_reference, attention_mask,
                              attention_mass, attention_weights)
-from kvjax.cache import (EMPTY, Cache, CacheSpec, TokenCache, check_cache, init_cache,
-                         init_model_cache, nbytes, num_valid, shard_cache, write)
+from kvjax.cache import (EMPTY, Cache, CacheSpec, ResidualCache, TokenCache, check_cache,
+                         free_tokens, init_cache, init_model_cache, nbytes, num_valid,
+                         shard_cache, view, write)
+from kvjax.codecs import fp8, kivi, quantize
 from kvjax.eviction import (compact, expected_attention, h2o, keep_top_k, knorm, pool_heads,
                             pyramidkv, random, resize, scored_policy, shrink, sliding_window,
                             snapkv, streaming_llm, tova)
@@ -12,8 +14,8 @@ from kvjax.stats import LayerStats, StatsSpec, init_stats
 from kvjax.transforms import CacheTransform, chain, full, on_layers
 
 __all__ = [
-    "EMPTY", "Cache", "CacheSpec", "CacheTransform", "LayerStats", "METHODS", "StatsSpec",
-    "TokenCache", "attend", "attend_blockwise", "attend_reference", "attention_mask",
+    "EMPTY", "Cache", "CacheSpec", "CacheTransform", "LayerStats", "METHODS", "ResidualCache",
+    "StatsSpec", "TokenCache", "fp8", "free_tokens", "kivi", "quantize", "view", "attend", "attend_blockwise", "attend_reference", "attention_mask",
     "attention_mass", "attention_weights", "chain", "check_cache", "compact",
     "expected_attention", "full", "h2o", "init_cache", "init_model_cache", "init_stats",
     "keep_top_k", "knorm", "nbytes", "num_valid", "on_layers", "parse_method", "pool_heads",

@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import EMPTY, TokenCache
+from kvjax.cache import EMPTY, Layer, TokenCache, view
+from kvjax.stores import Latent
 
 IMPLS = ("xla", "reference")
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
@@ -41,7 +42,7 @@ def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None = Non
     return mask
 
 
-def _group_queries(q: jax.Array, q_pos: jax.Array, cache: TokenCache) -> jax.Array:
+def _group_queries(q: jax.Array, q_pos: jax.Array, cache: Layer) -> jax.Array:
     """[B, T, H, D] -> [R, (H/R')*T, D], R = the cache's key rows: one matmul per row.
 
     Per-head layout: R = B*KVH and each row serves its group of G = H/KVH
@@ -73,8 +74,27 @@ def _row_mask(q_pos, kv_pos, g, rows, window):
     return jnp.broadcast_to(mask[:, :, None], (b, kvh, g, t, s_len)).reshape(rows, -1, s_len)
 
 
+def _slots(store, start, size: int):
+    """Slots [start, start + size) of a dense array or a low-rank store."""
+    if isinstance(store, Latent):
+        return store.replace(z=jax.lax.dynamic_slice_in_dim(store.z, start, size, axis=1))
+    return jax.lax.dynamic_slice_in_dim(store, start, size, axis=1)
+
+
+def _weighted_values(p: jax.Array, v) -> jax.Array:
+    """p [R, Q, S] @ values [R, S, D] -> [R, Q, D] f32; a low-rank store is lifted after weighting."""
+    if isinstance(v, Latent):
+        return v.lift(jnp.einsum("nqs,nsr->nqr", p, v.z.astype(jnp.float32)))
+    return jnp.einsum("nqs,nsd->nqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
 def _masked_scores(qg, k, kv_pos, q_pos, g, window, softcap, scale):
-    """Scores [R, G'*T, S] float32 (masked entries NEG_INF) and the mask."""
+    """Scores [R, G'*T, S] float32 (masked entries NEG_INF) and the mask.
+
+    Low-rank keys are scored in latent space: q . (P z) = (P^T q) . z.
+    """
+    if isinstance(k, Latent):
+        qg, k = k.project(qg), k.z.astype(jnp.float32)
     s = jnp.einsum("nqd,nsd->nqs", qg, k, preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
@@ -82,7 +102,7 @@ def _masked_scores(qg, k, kv_pos, q_pos, g, window, softcap, scale):
     return jnp.where(mask, s, NEG_INF), mask
 
 
-def attend_reference(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
+def attend_reference(q: jax.Array, q_pos: jax.Array, cache: Layer, *,
                      window: int | None = None, softcap: float | None = None,
                      scale: float | None = None) -> jax.Array:
     """Masked softmax attention of `q` over every slot of `cache`, in float32.
@@ -98,17 +118,17 @@ def attend_reference(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
     Returns:
       [B, T, H, D] float32. A query that sees no key (padding) returns zeros.
     """
+    cache = view(cache, keep_latent=True)
     qg = _group_queries(q, q_pos, cache)
     g = q.shape[2] // cache.kv_heads
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s, mask = _masked_scores(qg, cache.k, cache.pos, q_pos, g, window, softcap, scale)
     p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, axis=-1, keepdims=True)
-    out = jnp.einsum("nqs,nsd->nqd", p.astype(cache.v.dtype), cache.v,
-                     preferred_element_type=jnp.float32)
+    out = _weighted_values(p, cache.v)
     return _ungroup(out, q.shape, cache.kv_heads)
 
 
-def attention_weights(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
+def attention_weights(q: jax.Array, q_pos: jax.Array, cache: Layer, *,
                       window: int | None = None, softcap: float | None = None) -> jax.Array:
     """[B, KVH, G, T, C] float32 softmax probabilities of `q` over every slot.
 
@@ -117,6 +137,7 @@ def attention_weights(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
     `B*H*T*C` floats: call it on a window or chunk of queries, not a whole
     long prompt. Policies score slots with it (SnapKV, TOVA).
     """
+    cache = view(cache, keep_latent=True)
     qg = _group_queries(q, q_pos, cache)
     b, t, h, _ = q.shape
     g = h // cache.kv_heads
@@ -126,7 +147,7 @@ def attention_weights(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *,
     return p.reshape(b, cache.kv_heads, g, t, cache.capacity)
 
 
-def attention_mass(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block: int = 256,
+def attention_mass(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int = 256,
                    window: int | None = None, softcap: float | None = None) -> jax.Array:
     """[B, KVH, C] float32 attention each slot receives from `q`, summed over queries and heads.
 
@@ -134,6 +155,7 @@ def attention_mass(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block: 
     two passes (log-sum-exp per query, then column sums), so a long prompt's
     chunk never materialises a `T x C` matrix per head. H2O accumulates it.
     """
+    cache = view(cache, keep_latent=True)
     qg = _group_queries(q, q_pos, cache)
     g = q.shape[2] // cache.kv_heads
     scale = q.shape[-1] ** -0.5
@@ -142,7 +164,7 @@ def attention_mass(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block: 
 
     def scores(i):
         start = jnp.minimum(i * block, cache.capacity - block)
-        k = jax.lax.dynamic_slice_in_dim(cache.k, start, block, axis=1)
+        k = _slots(cache.k, start, block)
         pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, block, axis=2)
         pos = jnp.where(start + jnp.arange(block) >= i * block, pos, EMPTY)  # read once
         s, mask = _masked_scores(qg, k, pos, q_pos, g, window, softcap, scale)
@@ -170,7 +192,7 @@ def attention_mass(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block: 
     return jnp.where(cache.pos != EMPTY, mass, 0.0)  # pooled: each slot to its owner head
 
 
-def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block: int = 256,
+def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int = 256,
                      window: int | None = None, softcap: float | None = None,
                      scale: float | None = None) -> jax.Array:
     """The same attention, reading only the written slots, `block` slots at a time.
@@ -182,6 +204,7 @@ def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block
     mostly empty cache costs nothing. Any capacity works: the last block is
     shifted to end at the capacity and skips the slots an earlier block read.
     """
+    cache = view(cache, keep_latent=True)
     qg = _group_queries(q, q_pos, cache)
     g = q.shape[2] // cache.kv_heads
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -191,16 +214,14 @@ def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block
     def step(i, carry):
         m, l, acc = carry  # [N, GT], [N, GT], [N, GT, D]
         start = jnp.minimum(i * block, cache.capacity - block)
-        k = jax.lax.dynamic_slice_in_dim(cache.k, start, block, axis=1)
-        v = jax.lax.dynamic_slice_in_dim(cache.v, start, block, axis=1)
+        k, v = _slots(cache.k, start, block), _slots(cache.v, start, block)
         pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, block, axis=2)
         pos = jnp.where(start + jnp.arange(block) >= i * block, pos, EMPTY)  # read once
         s, mask = _masked_scores(qg, k, pos, q_pos, g, window, softcap, scale)
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp(s - m_new[..., None]) * mask
         correction = jnp.exp(m - m_new)
-        acc = acc * correction[..., None] + jnp.einsum(
-            "nqs,nsd->nqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc = acc * correction[..., None] + _weighted_values(p, v)
         return m_new, l * correction + p.sum(axis=-1), acc
 
     init = (jnp.full((n, rows), NEG_INF), jnp.zeros((n, rows)), jnp.zeros((n, rows, d)))
@@ -210,7 +231,7 @@ def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, block
     return _ungroup(out, q.shape, cache.kv_heads)
 
 
-def attend(q: jax.Array, q_pos: jax.Array, cache: TokenCache, *, impl: str = "xla",
+def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",
            window: int | None = None, softcap: float | None = None) -> jax.Array:
     """Attention of queries over a layer cache; dispatches on `impl`.
 

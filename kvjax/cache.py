@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.stores import Latent, is_encoded, put, read, register_export
+
 EMPTY = -1
 """`pos` value of a slot that holds no token (never written, padding, or evicted)."""
 
@@ -50,14 +52,18 @@ class TokenCache:
     the others, so attention masks by head and each head holds exactly its own
     budget. A write then takes `KVH` slots per token (`slots_per_token`).
 
+    Encoded layout (codecs): `k` and `v` may be stores (`kvjax.stores`:
+    bit-packed codes, low-rank latents) that encode on write; `view` gives
+    the dense tensors. A float8 array is a plain dense store.
+
     `mass` (optional, `[B, KVH, C]` float32) is the attention each slot has
     received so far, summed over queries and the query heads of its group; the
     model accumulates it when present (H2O and other accumulated-attention
     policies). It moves with its slot like `pos`.
     """
 
-    k: jax.Array  # [B*KVH, C, D] keys (after RoPE), row b*KVH + h; pooled: [B, C, D]
-    v: jax.Array  # [B*KVH, C, D] values; pooled: [B, C, D]
+    k: Any  # [B*KVH, C, D] keys (after RoPE), row b*KVH + h; pooled: [B, C, D]; or a Store
+    v: Any  # [B*KVH, C, D] values; pooled: [B, C, D]; or a Store (kvjax.stores)
     pos: jax.Array  # [B, KVH, C] int32 absolute token position, EMPTY for a free slot
     length: jax.Array  # [] int32 write cursor shared by the batch
     mass: jax.Array | None = None  # [B, KVH, C] float32 attention received, or None
@@ -102,13 +108,113 @@ class TokenCache:
         return dataclasses.replace(self, **changes)
 
 
-jax.export.register_pytree_node_serialization(
-    TokenCache, serialized_name="kvjax.TokenCache",
-    serialize_auxdata=lambda aux: b"", deserialize_auxdata=lambda data: ())
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ResidualCache:
+    """A layer whose older tokens are encoded and whose newest are kept exact (KIVI).
+
+    `body` holds encoded tokens (its `k`/`v` are stores); `recent` is a dense
+    `TokenCache` with the newest tokens. Every write first *flushes*: the
+    oldest whole blocks of `block` recent slots move into the body while at
+    least `residual` stay, then the new tokens are appended to `recent`. So
+    the newest `residual` tokens (and the tokens of the current write) are
+    always exact, and `recent` never holds more than
+    `residual + block - 1 + T` slots for a write of T tokens.
+    Attention reads both parts (`view`); eviction scores and compacts both.
+    """
+
+    body: TokenCache  # encoded older tokens
+    recent: TokenCache  # dense newest tokens, in slot order
+    residual: int = dataclasses.field(metadata=dict(static=True))
+    block: int = dataclasses.field(metadata=dict(static=True))
+
+    batch = property(lambda self: self.recent.batch)
+    kv_heads = property(lambda self: self.recent.kv_heads)
+    head_dim = property(lambda self: self.recent.head_dim)
+    pooled = property(lambda self: self.recent.pooled)
+    slots_per_token = property(lambda self: self.recent.slots_per_token)
+
+    @property
+    def pos(self) -> jax.Array:
+        """[B, KVH, Cb + Cr] positions of the body's slots, then the recent ones."""
+        return jnp.concatenate([self.body.pos, self.recent.pos], axis=-1)
+
+    @property
+    def mass(self) -> jax.Array | None:
+        if self.recent.mass is None:
+            return None
+        return jnp.concatenate([self.body.mass, self.recent.mass], axis=-1)
+
+    def replace(self, **changes: Any) -> "ResidualCache":
+        return dataclasses.replace(self, **changes)
 
 
-Cache = tuple[TokenCache, ...]
-"""A model's cache: one `TokenCache` per decoder layer."""
+register_export(TokenCache)
+register_export(ResidualCache)
+
+Layer = TokenCache | ResidualCache
+Cache = tuple[Layer, ...]
+"""A model's cache: one `TokenCache` (or `ResidualCache`) per decoder layer."""
+
+
+def _flush(layer: ResidualCache) -> ResidualCache:
+    """Move the oldest whole blocks of `recent` into the body, keeping >= `residual` recent."""
+    recent, body, block = layer.recent, layer.body, layer.block
+    moved = jnp.maximum(0, (recent.length - layer.residual) // block) * block  # slots to move
+    span = (recent.capacity - layer.residual) // block * block  # most slots a flush moves
+    if span == 0:
+        return layer
+
+    def move(layer):
+        first = lambda x, axis: jax.lax.slice_in_dim(x, 0, span, axis=axis)
+        new_body = _append(body, first(recent.k, 1), first(recent.v, 1), first(recent.pos, 2),
+                           None if recent.mass is None else first(recent.mass, 2), count=moved)
+        c = recent.capacity
+        gone = jnp.arange(c) >= recent.length - moved  # slots past the new cursor
+        roll = lambda x, axis: jnp.roll(x, -moved, axis=axis)
+        new_recent = recent.replace(
+            k=roll(recent.k, 1), v=roll(recent.v, 1),
+            pos=jnp.where(gone, EMPTY, roll(recent.pos, 2)),
+            mass=None if recent.mass is None else jnp.where(gone, 0.0, roll(recent.mass, 2)),
+            length=recent.length - moved)
+        return layer.replace(body=new_body, recent=new_recent)
+
+    return jax.lax.cond(moved > 0, move, lambda layer: layer, layer)
+
+
+def view(layer: Layer, keep_latent: bool = False) -> TokenCache:
+    """A dense `TokenCache` of the same slots: stores decoded, a residual layer's parts joined.
+
+    The body's slots come first, then the recent ones (attention and
+    scores do not depend on slot order). `keep_latent` leaves low-rank
+    stores encoded, for attention that scores in latent space.
+    """
+    if isinstance(layer, ResidualCache):
+        body, recent = view(layer.body), layer.recent
+        join = lambda a, b: jnp.concatenate([a.astype(jnp.float32), b.astype(jnp.float32)], axis=1)
+        return TokenCache(k=join(body.k, recent.k), v=join(body.v, recent.v), pos=layer.pos,
+                          length=jnp.int32(body.capacity) + recent.length, mass=layer.mass)
+    decode = lambda s: s if keep_latent and isinstance(s, Latent) else read(s)
+    if not (is_encoded(layer.k) or is_encoded(layer.v)):
+        return layer
+    return layer.replace(k=decode(layer.k), v=decode(layer.v))
+
+
+def split_slots(layer: ResidualCache, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Split per-slot data [..., Cb + Cr] of a residual layer into its body and recent parts."""
+    cb = layer.body.capacity
+    return x[..., :cb], x[..., cb:]
+
+
+def free_tokens(layer: Layer) -> int:
+    """How many more tokens fit `layer` (host side), counted in tokens, not slots."""
+    if isinstance(layer, ResidualCache):
+        free = (layer.body.capacity - int(layer.body.length) - int(layer.recent.length)
+                + layer.residual)
+        return max(0, free) // layer.slots_per_token
+    return (layer.capacity - int(layer.length)) // layer.slots_per_token
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +262,7 @@ def init_model_cache(spec: CacheSpec, batch: int, capacity: int,
                  for _ in range(spec.num_layers))
 
 
-def write(cache: TokenCache, k_new: jax.Array, v_new: jax.Array,
+def write(cache: Layer, k_new: jax.Array, v_new: jax.Array,
           pos_new: jax.Array) -> TokenCache:
     """Append `T` tokens for every sequence at the write cursor.
 
@@ -168,6 +274,15 @@ def write(cache: TokenCache, k_new: jax.Array, v_new: jax.Array,
       pos_new: [B, T] int32 absolute positions; `EMPTY` (or any negative
         value) marks a padding token, whose slot stays masked.
     """
+    if isinstance(cache, ResidualCache):
+        slots = k_new.shape[2] * cache.slots_per_token
+        if cache.residual + cache.block - 1 + slots > cache.recent.capacity:
+            raise ValueError(
+                f"write: {k_new.shape[2]} new tokens do not fit the exact part of a residual "
+                f"layer ({cache.recent.capacity} slots, of which up to "
+                f"{cache.residual + cache.block - 1} hold the residual); shrink with more room")
+        cache = _flush(cache)
+        return cache.replace(recent=write(cache.recent, k_new, v_new, pos_new))
     b, h, t, d = k_new.shape
     if (b, h, d) != (cache.batch, cache.kv_heads, cache.head_dim) or v_new.shape != k_new.shape:
         raise ValueError(
@@ -179,24 +294,38 @@ def write(cache: TokenCache, k_new: jax.Array, v_new: jax.Array,
                          f"{cache.capacity}")
     if pos_new.shape != (b, t):
         raise ValueError(f"write: positions have shape {pos_new.shape}, expected {(b, t)}")
-    start = cache.length
     pos_new = jnp.where(pos_new < 0, EMPTY, pos_new).astype(jnp.int32)
-    pos_rows = jnp.broadcast_to(pos_new[:, None, :], (b, h, t))  # [B, KVH, T]
-    if cache.pooled:  # token t of head j goes to slot j*T + t; other heads see EMPTY there
-        own = jnp.eye(h, dtype=bool)[None, :, :, None]  # [1, KVH(head), KVH(owner), 1]
-        pos_rows = jnp.where(own, pos_rows[:, None, :, :], EMPTY).reshape(b, h, h * t)
-    zero = jnp.zeros((), jnp.int32)
-    fold = lambda x: x.reshape(cache.k.shape[0], slots, d).astype(cache.k.dtype)
-    update = lambda x, new, at: jax.lax.dynamic_update_slice(x, new, at)
-    mass = cache.mass
-    if mass is not None:
-        mass = update(mass, jnp.zeros(pos_rows.shape, mass.dtype), (zero, zero, start))
+    return _append(cache, k_new.reshape(-1, slots, d),
+                   v_new.reshape(-1, slots, d), _slot_positions(pos_new, h, cache.pooled))
+
+
+def _slot_positions(pos_new: jax.Array, kv_heads: int, pooled: bool) -> jax.Array:
+    """[B, T] token positions -> [B, KVH, slots] slot positions of a write."""
+    b, t = pos_new.shape
+    pos_rows = jnp.broadcast_to(pos_new[:, None, :], (b, kv_heads, t))  # [B, KVH, T]
+    if pooled:  # token t of head j goes to slot j*T + t; other heads see EMPTY there
+        own = jnp.eye(kv_heads, dtype=bool)[None, :, :, None]  # [1, KVH(head), KVH(owner), 1]
+        pos_rows = jnp.where(own, pos_rows[:, None, :, :], EMPTY).reshape(b, kv_heads, kv_heads * t)
+    return pos_rows
+
+
+def _append(cache: TokenCache, k: jax.Array, v: jax.Array, pos: jax.Array,
+            mass: jax.Array | None = None, count=None) -> TokenCache:
+    """Write slots k, v [R, S, D], pos [B, KVH, S] at the cursor (only the first `count` if given).
+
+    Encoded stores encode the new slots; `mass` (default zeros) goes with them.
+    """
+    start = cache.length
+    by_row = lambda x: x.reshape(-1, x.shape[-1])  # [B, KVH, S] -> [B*KVH, S]
+    put_meta = lambda old, new: put(by_row(old), by_row(new), start, count).reshape(old.shape)
+    valid = None if cache.pooled else by_row(pos != EMPTY)
+    new_mass = cache.mass
+    if new_mass is not None:
+        new_mass = put_meta(new_mass, jnp.zeros(pos.shape, new_mass.dtype) if mass is None else mass)
     return cache.replace(
-        k=update(cache.k, fold(k_new), (zero, start, zero)),
-        v=update(cache.v, fold(v_new), (zero, start, zero)),
-        pos=update(cache.pos, pos_rows, (zero, zero, start)),
-        length=start + slots, mass=mass,
-    )
+        k=put(cache.k, k, start, count, valid), v=put(cache.v, v, start, count, valid),
+        pos=put_meta(cache.pos, pos), mass=new_mass,
+        length=start + (pos.shape[-1] if count is None else count))
 
 
 def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = "batch",
@@ -215,10 +344,17 @@ def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = 
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     def layout(layer):
+        if isinstance(layer, ResidualCache):
+            return ResidualCache(body=layout(layer.body), recent=layout(layer.recent),
+                                 residual=layer.residual, block=layer.block)
         axes = tuple(a for a in (batch_axis, None if layer.pooled else kv_axis) if a is not None)
-        rows = NamedSharding(mesh, P(axes or None, None, None))
+        rows = layer.k.shape[0]
+        by_row = lambda x: NamedSharding(mesh, P(axes or None, *[None] * (x.ndim - 1))
+                                         if x.ndim and x.shape[0] == rows else P())
         pos = NamedSharding(mesh, P(batch_axis, kv_axis, None))
-        return TokenCache(k=rows, v=rows, pos=pos, length=NamedSharding(mesh, P()),
+        return TokenCache(k=jax.tree_util.tree_map(by_row, layer.k),
+                          v=jax.tree_util.tree_map(by_row, layer.v), pos=pos,
+                          length=NamedSharding(mesh, P()),
                           mass=None if layer.mass is None else pos)
 
     return jax.device_put(cache, tuple(layout(layer) for layer in cache))
@@ -246,20 +382,25 @@ def check_cache(cache: Sequence[TokenCache], spec: CacheSpec, batch: int) -> Non
         n = len(cache) if isinstance(cache, (tuple, list)) else type(cache).__name__
         raise ValueError(f"cache has {n} layers, the model has {spec.num_layers}")
     for i, layer in enumerate(cache):
-        if not isinstance(layer, TokenCache):
-            raise ValueError(f"cache layer {i} is a {type(layer).__name__}, expected TokenCache")
-        capacity = layer.pos.shape[-1]
-        if layer.pos.shape != (batch, spec.kv_heads, capacity) or layer.pos.dtype != jnp.int32:
-            raise ValueError(
-                f"cache layer {i} has pos {layer.pos.shape} {layer.pos.dtype}; the model needs "
-                f"[batch={batch}, kv_heads={spec.kv_heads}, capacity] int32")
-        rows = (batch * spec.kv_heads, batch)  # per-head or pooled layout
-        if (layer.k.shape[0] not in rows or layer.k.shape[1:] != (capacity, spec.head_dim)
-                or layer.v.shape != layer.k.shape):
-            raise ValueError(
-                f"cache layer {i} has k {layer.k.shape} / v {layer.v.shape}; the model needs "
-                f"[batch*kv_heads={rows[0]} (or batch={batch} pooled), capacity={capacity}, "
-                f"head_dim={spec.head_dim}]")
-        if layer.mass is not None and layer.mass.shape != layer.pos.shape:
-            raise ValueError(f"cache layer {i} has mass {layer.mass.shape}, expected "
-                             f"{layer.pos.shape}")
+        for part in (layer.body, layer.recent) if isinstance(layer, ResidualCache) else (layer,):
+            _check_layer(i, part, spec, batch)
+
+
+def _check_layer(i: int, layer: Any, spec: CacheSpec, batch: int) -> None:
+    if not isinstance(layer, TokenCache):
+        raise ValueError(f"cache layer {i} is a {type(layer).__name__}, expected TokenCache")
+    capacity = layer.pos.shape[-1]
+    if layer.pos.shape != (batch, spec.kv_heads, capacity) or layer.pos.dtype != jnp.int32:
+        raise ValueError(
+            f"cache layer {i} has pos {layer.pos.shape} {layer.pos.dtype}; the model needs "
+            f"[batch={batch}, kv_heads={spec.kv_heads}, capacity] int32")
+    rows = (batch * spec.kv_heads, batch)  # per-head or pooled layout
+    if (layer.k.shape[0] not in rows or tuple(layer.k.shape[1:]) != (capacity, spec.head_dim)
+            or tuple(layer.v.shape) != tuple(layer.k.shape)):
+        raise ValueError(
+            f"cache layer {i} has k {tuple(layer.k.shape)} / v {tuple(layer.v.shape)}; the model "
+            f"needs [batch*kv_heads={rows[0]} (or batch={batch} pooled), capacity={capacity}, "
+            f"head_dim={spec.head_dim}]")
+    if layer.mass is not None and layer.mass.shape != layer.pos.shape:
+        raise ValueError(f"cache layer {i} has mass {layer.mass.shape}, expected "
+                         f"{layer.pos.shape}")

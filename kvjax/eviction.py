@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.attention import attention_weights
-from kvjax.cache import EMPTY, Cache, TokenCache
+from kvjax.cache import EMPTY, Cache, Layer, ResidualCache, TokenCache, split_slots, view
+from kvjax.stores import fold_rows, resize_store, take
 from kvjax.stats import NO_STATS, StatsSpec, mean_rotation, query_mean_cov
 from kvjax.transforms import CacheTransform
 
@@ -87,8 +88,12 @@ def _earliest(pos: jax.Array, n: int) -> jax.Array:
     return keep_top_k(-pos.astype(jnp.float32), n, pos != EMPTY) if n else jnp.zeros(pos.shape, bool)
 
 
-def compact(cache: TokenCache, keep: jax.Array, capacity: int | None = None) -> TokenCache:
+def compact(cache: Layer, keep: jax.Array, capacity: int | None = None) -> Layer:
     """Move the kept slots of every row to the front, in slot order.
+
+    Encoded stores move their codes and parameters bit for bit. A
+    `ResidualCache` compacts its body and its exact part separately
+    (`keep` covers the body's slots, then the recent ones).
 
     Args:
       cache: the layer cache (per-head or pooled layout).
@@ -101,6 +106,14 @@ def compact(cache: TokenCache, keep: jax.Array, capacity: int | None = None) -> 
       A cache whose rows hold their kept slots at `[0, n_row)` and EMPTY after,
       with the write cursor at the largest `n_row`.
     """
+    if isinstance(cache, ResidualCache):
+        if capacity is not None:
+            raise ValueError("compact: a residual layer keeps its capacity; use shrink to cut it")
+        if keep.shape != cache.pos.shape:
+            raise ValueError(f"compact: keep mask {keep.shape} does not match slots "
+                             f"{cache.pos.shape}")
+        body, recent = split_slots(cache, keep)
+        return cache.replace(body=compact(cache.body, body), recent=compact(cache.recent, recent))
     b, kvh, c = cache.pos.shape
     capacity = c if capacity is None else capacity
     if keep.shape != (b, kvh, c):
@@ -125,9 +138,7 @@ def compact(cache: TokenCache, keep: jax.Array, capacity: int | None = None) -> 
     mass = cache.mass
     if mass is not None:
         mass = jnp.where(kept_h, jnp.take_along_axis(mass, order_h, axis=-1), 0.0)
-    gather = lambda x: jnp.where(kept[..., None], jnp.take_along_axis(x, order[..., None], axis=1),
-                                 0).astype(x.dtype)
-    return TokenCache(k=gather(cache.k), v=gather(cache.v), pos=pos,
+    return TokenCache(k=take(cache.k, order, kept), v=take(cache.v, order, kept), pos=pos,
                       length=jnp.max(jnp.sum(kept, axis=-1)).astype(jnp.int32), mass=mass)
 
 
@@ -138,7 +149,7 @@ def _pool(x: jax.Array, fill) -> jax.Array:
     return jnp.where(own, x[:, :, None, :], fill).reshape(b, kvh, kvh * c)
 
 
-def pool_heads(cache: TokenCache) -> TokenCache:
+def pool_heads(cache: Layer) -> Layer:
     """The same tokens in the pooled layout: `[B*KVH, C, D]` rows become `[B, KVH*C, D]`.
 
     Same bytes for keys and values (a reshape); each head's slots are marked
@@ -146,9 +157,10 @@ def pool_heads(cache: TokenCache) -> TokenCache:
     """
     if cache.pooled:
         return cache
+    if isinstance(cache, ResidualCache):
+        return cache.replace(body=pool_heads(cache.body), recent=pool_heads(cache.recent))
     b, kvh, c = cache.pos.shape
-    flat = lambda x: x.reshape(b, kvh * c, x.shape[-1])
-    return TokenCache(k=flat(cache.k), v=flat(cache.v), pos=_pool(cache.pos, EMPTY),
+    return TokenCache(k=fold_rows(cache.k, b), v=fold_rows(cache.v, b), pos=_pool(cache.pos, EMPTY),
                       length=jnp.int32(kvh * c),
                       mass=None if cache.mass is None else _pool(cache.mass, 0.0))
 
@@ -168,22 +180,38 @@ def resize(cache: TokenCache, capacity: int) -> TokenCache:
         cut = lambda x, axis: jnp.pad(
             x, [(0, capacity - c if a == axis % x.ndim else 0) for a in range(x.ndim)],
             constant_values=EMPTY if x.dtype == jnp.int32 else 0)
-    return TokenCache(k=cut(cache.k, 1), v=cut(cache.v, 1), pos=cut(cache.pos, 2),
+    valid = cache.pos != EMPTY
+    valid = valid.any(axis=1) if cache.pooled else valid.reshape(-1, c)  # [R, C]
+    return TokenCache(k=resize_store(cache.k, capacity, valid),
+                      v=resize_store(cache.v, capacity, valid), pos=cut(cache.pos, 2),
                       length=cache.length, mass=None if cache.mass is None else cut(cache.mass, 2))
 
 
-def shrink(cache: Cache, room: int = 0) -> Cache:
+def shrink(cache: Cache, room: int = 0, max_write: int | None = None) -> Cache:
     """Cut every layer to its written slots plus room for `room` more tokens (host side).
 
     After a policy compacted the cache, `nbytes(shrink(cache))` is the kept
     tokens' bytes: budget x (2 x head_dim x itemsize) per KV head, plus the
     int32 position per slot and head and the 4-byte cursor.
+    A `ResidualCache` keeps `residual + block - 1 + max_write` exact slots
+    (default `max_write = room`: one write of all the room) and gives the
+    body room for every token that can flush into it.
 
     Example:
         >>> cache = shrink(cache, room=max_new_tokens)
     """
-    return tuple(resize(layer, int(layer.length) + room * layer.slots_per_token)
+    return tuple(_shrink_layer(layer, room, room if max_write is None else max_write)
                  for layer in cache)
+
+
+def _shrink_layer(layer: Layer, room: int, max_write: int) -> Layer:
+    spt = layer.slots_per_token
+    if not isinstance(layer, ResidualCache):
+        return resize(layer, int(layer.length) + room * spt)
+    recent = int(layer.recent.length)
+    body = resize(layer.body, int(layer.body.length) + max(0, recent + room * spt - layer.residual))
+    keep = max(recent, layer.residual + layer.block - 1 + max_write * spt)
+    return layer.replace(body=body, recent=resize(layer.recent, keep))
 
 
 # ----------------------------------------------------------------------------- budgets
@@ -289,8 +317,9 @@ def _scored_update(scorer: Scorer, schedule, window: int, beta: float, headwise:
         for i, layer in enumerate(cache):
             if headwise:
                 layer = pool_heads(layer)
-            scores, protect = scorer(layer, None if stats is None else stats[i], budgets[i], keys[i])
-            keep = _select(scores, layer.pos != EMPTY, protect, budgets[i], headwise, alpha)
+            seen = view(layer)  # dense slots of an encoded or residual layer
+            scores, protect = scorer(seen, None if stats is None else stats[i], budgets[i], keys[i])
+            keep = _select(scores, seen.pos != EMPTY, protect, budgets[i], headwise, alpha)
             out.append(compact(layer, keep))
         return tuple(out), state._replace(layer_budget=budgets, key=keys[-1])
     return update

@@ -18,8 +18,16 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-from kvjax import eviction
+from kvjax import codecs, eviction
+from kvjax.low_rank import LowRankBasis, low_rank
 from kvjax.transforms import CacheTransform, chain, full, on_layers
+
+
+def _low_rank_from_file(rank: int, basis: str, key_rank: int | None = None,
+                        value_rank: int | None = None) -> CacheTransform:
+    """`low_rank` with its basis read from an .npz file (`kvjax calibrate --out FILE`)."""
+    return low_rank(LowRankBasis.load(basis), rank, key_rank, value_rank)
+
 
 METHODS: dict[str, Callable[..., CacheTransform]] = {
     "full": full,
@@ -32,6 +40,10 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "knorm": eviction.knorm,
     "random": eviction.random,
     "expected_attention": eviction.expected_attention,
+    "quantize": codecs.quantize,
+    "kivi": codecs.kivi,
+    "fp8": codecs.fp8,
+    "low_rank": _low_rank_from_file,
 }
 """Registered method factories by CLI name; extended by `register_method`."""
 

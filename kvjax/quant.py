@@ -76,32 +76,63 @@ def _grouped(x: jax.Array, group: int, axis: int) -> jax.Array:
     return x.reshape(*x.shape[:axis], n // group, group, *x.shape[axis + 1:])
 
 
+def round_to(x: jax.Array, dtype, direction: int) -> jax.Array:
+    """`x` (float32) in `dtype`, rounded toward +inf (`direction=1`) or -inf (-1).
+
+    Saturates at `dtype`'s largest finite value, so a stored quantization
+    parameter is never Inf. Directed rounding keeps the round-trip bound
+    exact when parameters are stored in a narrow float (see `quantize`).
+    """
+    dtype = jnp.dtype(dtype)
+    big = float(jnp.finfo(dtype).max)
+    x = jnp.clip(x.astype(jnp.float32), -big, big)
+    if dtype == jnp.float32:
+        return x
+    y = x.astype(dtype)
+    wrong = (y.astype(jnp.float32) < x) if direction > 0 else (y.astype(jnp.float32) > x)
+    step = jnp.nextafter(y, jnp.asarray(direction * jnp.inf, dtype))
+    return jnp.where(wrong & jnp.isfinite(step), step, y)
+
+
 def quantize(x: jax.Array, bits: int, group: int, axis: int = -1,
-             symmetric: bool = False) -> Quantized:
+             symmetric: bool = False, param_dtype=jnp.float32,
+             valid: jax.Array | None = None) -> Quantized:
     """Uniform `bits`-bit quantization of groups of `group` elements along `axis`.
 
     Asymmetric: codes in [0, 2**bits - 1], offset = group min. Symmetric:
     codes - 2**(bits-1) in [-(2**(bits-1) - 1), 2**(bits-1) - 1], offset implied.
+    Scale and offset are stored in `param_dtype` (rounded outward: the offset
+    down, the scale up), and the codes are computed from the stored values,
+    so `|x - dequantize(q)| <= scale / 2` holds for the stored scale.
+    `valid` (x's shape, bool) leaves masked elements out of the group range;
+    their codes are clipped and meaningless.
     """
     _check_bits(bits)
     axis = axis % x.ndim
     g = _grouped(x.astype(jnp.float32), group, axis)  # [..., n/G, G, ...]
+    ok = None if valid is None else _grouped(valid, group, axis)
     red = axis + 1
+    reduce = lambda f, fill, a: f(a if ok is None else jnp.where(ok, a, fill), axis=red,
+                                  keepdims=True)
     if symmetric:
         if bits == 1:
             raise ValueError("symmetric quantization needs bits >= 2")
         half = 2 ** (bits - 1)
-        scale = jnp.max(jnp.abs(g), axis=red, keepdims=True) / (half - 1)
+        absmax = reduce(jnp.max, 0.0, jnp.abs(g))
+        scale = round_to(absmax / (half - 1), param_dtype, 1).astype(jnp.float32)
         safe = jnp.where(scale > 0, scale, 1.0)
         codes = jnp.clip(jnp.round(g / safe), -(half - 1), half - 1) + half
         offset = -half * scale
     else:
-        low, high = jnp.min(g, axis=red, keepdims=True), jnp.max(g, axis=red, keepdims=True)
-        scale = (high - low) / (2 ** bits - 1)
+        low = round_to(reduce(jnp.min, jnp.inf, g), param_dtype, -1).astype(jnp.float32)
+        high = reduce(jnp.max, -jnp.inf, g)
+        low = jnp.where(jnp.isfinite(low), low, 0.0)  # a group with no valid element
+        high = jnp.where(jnp.isfinite(high), high, low)
+        scale = round_to((high - low) / (2 ** bits - 1), param_dtype, 1).astype(jnp.float32)
         safe = jnp.where(scale > 0, scale, 1.0)
         codes = jnp.clip(jnp.round((g - low) / safe), 0, 2 ** bits - 1)
         offset = low
-    squeeze = lambda a: jnp.squeeze(a, red)
+    squeeze = lambda a: jnp.squeeze(a, red).astype(param_dtype)
     return Quantized(codes.reshape(x.shape).astype(jnp.uint8), squeeze(scale), squeeze(offset))
 
 

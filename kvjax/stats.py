@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import attention_mass
-from kvjax.cache import EMPTY, TokenCache
+from kvjax.cache import EMPTY, Layer, ResidualCache, TokenCache, split_slots
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,11 +118,16 @@ def observe(spec: StatsSpec, stats: LayerStats, q_pre: jax.Array, q: jax.Array,
     return stats
 
 
-def accumulate_mass(cache: TokenCache, q: jax.Array, positions: jax.Array) -> TokenCache:
+def accumulate_mass(cache: Layer, q: jax.Array, positions: jax.Array) -> Layer:
     """Add the attention that queries `q` [B, T, H, D] pay to each slot to `cache.mass`."""
     if cache.mass is None:
         return cache
-    return cache.replace(mass=cache.mass + attention_mass(q, positions, cache))
+    added = attention_mass(q, positions, cache)  # [B, KVH, C] (body then recent slots)
+    if isinstance(cache, ResidualCache):
+        body, recent = split_slots(cache, added)
+        return cache.replace(body=cache.body.replace(mass=cache.body.mass + body),
+                             recent=cache.recent.replace(mass=cache.recent.mass + recent))
+    return cache.replace(mass=cache.mass + added)
 
 
 def query_mean_cov(stats: LayerStats) -> tuple[jax.Array, jax.Array]:

@@ -178,7 +178,6 @@ class Attention(nnx.Module):
         k = apply_rope(self.k_proj(x).reshape(b, t, kvh, d), positions, inv_freq)
         v = self.v_proj(x).reshape(b, t, kvh, d)
         cache = kvjax.write(cache, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)
-        q = q.astype(cache.k.dtype)
         out = kvjax.attend(q, positions, cache, impl=impl)  # [B, T, H, D]
         cache = accumulate_mass(cache, q, positions)
         if stats is not None:

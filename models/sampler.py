@@ -129,9 +129,9 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
     if width % chunk:
         raise ValueError(f"prompt width {width} is not a multiple of the chunk size {chunk}")
     kvjax.check_cache(cache, model.config.cache_spec, b)
-    if width * cache[0].slots_per_token > cache[0].capacity - int(cache[0].length):
-        raise ValueError(f"prompt of {width} padded tokens does not fit the cache capacity "
-                         f"{cache[0].capacity}")
+    if width > kvjax.free_tokens(cache[0]):
+        raise ValueError(f"prompt of {width} padded tokens does not fit the cache "
+                         f"({kvjax.free_tokens(cache[0])} tokens free)")
     graphdef, state = nnx.split(model)
     logits, cache, _ = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions),
                                 cache, None, chunk)
@@ -218,12 +218,13 @@ def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
 
 
 def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink: bool = True,
-             keep_input: bool = False) -> Prefilled:
+             keep_input: bool = False, max_write: int | None = None) -> Prefilled:
     """Apply `transform`'s first update to a prefilled batch (prompt compression).
 
     With `shrink` (and a transform other than `full`), every layer is then cut
     to its kept slots plus room for `room` more tokens, so the cache really
-    holds only the budget. `keep_input` leaves `pre.cache` usable (it is
+    holds only the budget (`max_write`: the most tokens one later call adds,
+    see `kvjax.shrink`). `keep_input` leaves `pre.cache` usable (it is
     otherwise donated).
     """
     cache = pre.cache
@@ -233,7 +234,7 @@ def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink
     if transform is not full():
         cache, tstate = _compress(transform.update, cache, tstate, pre.stats)
         if shrink:
-            cache = kvjax.shrink(cache, room)
+            cache = kvjax.shrink(cache, room, max_write)
     return pre._replace(cache=cache, transform_state=tstate)
 
 
@@ -241,6 +242,7 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
                          transform: CacheTransform | None = None, room: int = 0,
                          capacity: int | None = None, chunk: int = 256,
                          cache_dtype: Any = jnp.float32, shrink: bool = True,
+                         max_write: int | None = None,
                          place_cache: Callable[[Cache], Cache] | None = None) -> Prefilled:
     """`prefill_batch` collecting what `transform` needs, then `compress`.
 
@@ -251,7 +253,7 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
     transform = transform or full()
     pre = prefill_batch(model, prompts, stats=transform.stats, room=room, capacity=capacity,
                         chunk=chunk, cache_dtype=cache_dtype, place_cache=place_cache)
-    return compress(pre, transform, room=room, shrink=shrink)
+    return compress(pre, transform, room=room, shrink=shrink, max_write=max_write)
 
 
 def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
@@ -268,10 +270,10 @@ def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
     padded = pad_prompts(suffixes, chunk, 0)
     width = padded.tokens.shape[1]
     for i, layer in enumerate(pre.cache):
-        free = layer.capacity - int(layer.length)
-        if width * layer.slots_per_token > free:
+        free = kvjax.free_tokens(layer)
+        if width > free:
             raise ValueError(f"{width} more (padded) tokens do not fit layer {i}: {free} free "
-                             f"slots; leave room for them when prefilling")
+                             f"tokens; leave room for them when prefilling")
     positions = np.where(padded.positions == EMPTY, EMPTY,
                          padded.positions + pre.next_pos[:, None]).astype(np.int32)
     graphdef, state = nnx.split(model)
@@ -326,7 +328,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     pre = prefill_and_compress(model, first, transform=transform,
                                room=suffix_room + max_new_tokens, capacity=capacity,
                                chunk=chunk, cache_dtype=cache_dtype, shrink=shrink,
-                               place_cache=place_cache)
+                               max_write=max(suffix_room, 1), place_cache=place_cache)
     if contexts is not None:
         pre = extend(model, pre, prompts, transform=transform, chunk=chunk)
     return decode(model, pre, max_new_tokens=max_new_tokens, sampling=sampling,
@@ -346,10 +348,10 @@ def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
     """
     transform = transform or full()
     for i, layer in enumerate(pre.cache):
-        free = layer.capacity - int(layer.length)
-        if (max_new_tokens - 1) * layer.slots_per_token > free:
+        free = kvjax.free_tokens(layer)
+        if max_new_tokens - 1 > free:
             raise ValueError(f"{max_new_tokens} new tokens do not fit layer {i} of the cache "
-                             f"({free} free slots)")
+                             f"({free} free tokens)")
     eos_ids = tuple(model.config.eos_ids if eos_ids is None else eos_ids)
     update, spec, stats = transform.update, transform.stats, pre.stats
     if not compress_every:

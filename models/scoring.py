@@ -109,7 +109,7 @@ def score_continuations(model: Llama, pre, continuations: Sequence[Sequence[int]
     padded, chunk = _padded(continuations, chunk)  # [B, W] left-padded
     width = padded.tokens.shape[1]
     for i, layer in enumerate(pre.cache):
-        if width * layer.slots_per_token > layer.capacity - int(layer.length):
+        if width > kvjax.free_tokens(layer):
             raise ValueError(f"{width} continuation tokens do not fit layer {i} of the cache")
     positions = np.where(padded.positions < 0, kvjax.EMPTY,
                          padded.positions + pre.next_pos[:, None]).astype(np.int32)
