@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.eviction_results import append, load_rows
+from experiments.eviction_results import append, load_rows, whole_cells
 
 BASIS = "{basis}"
 METHODS = {
@@ -246,7 +246,7 @@ def plot_and_tables(out: Path) -> str:
 
     # eviction policies from eviction_results.py: bytes are the kept fraction of the full cache
     eviction_ppl = [r for r in load_rows(out / "eviction_ppl.jsonl") if r["policy"] != "full"]
-    eviction_pk = [r for r in load_rows(out / "eviction_passkey.jsonl")
+    eviction_pk = [r for r in whole_cells(load_rows(out / "eviction_passkey.jsonl"))
                    if r["length"] == 2048 and r["policy"] not in ("full",)
                    and not r["policy"].endswith("_query_aware")]
     evicted = lambda r: full_bytes * np.floor(MEMORY_TOKENS * (1 - r["ratio"])) / MEMORY_TOKENS

@@ -16,11 +16,12 @@ kvpress's convention) beside the full cache:
   `--prefix` tokens are compressed, the rest are fed on top and scored (the
   same as `kvjax ppl --prefix`).
 
-One batched prefill per task and length collects every statistic the
+One batched prefill per task, length and batch collects every statistic the
 policies need; each policy then compresses a copy of that cache. Results
-append to `<out>/eviction_passkey.jsonl` and `<out>/eviction_ppl.jsonl` one
-cell at a time; a rerun skips the cells already there (delete a file to redo
-it). `--plot-only` redraws `<out>/eviction_*.png` and the markdown tables.
+append to `<out>/eviction_passkey.jsonl` (one row per cell and batch of
+trials) and `<out>/eviction_ppl.jsonl` (one row per cell); a rerun skips
+what is already there (delete a file to redo it), so a sweep killed midway
+(long sweeps grow in memory) loses at most one batch. `--plot-only` redraws `<out>/eviction_*.png` and the markdown tables.
 """
 
 from __future__ import annotations
@@ -69,7 +70,35 @@ def cells(names, ratios):
 
 
 def done_cells(path: Path) -> set:
-    return {(r.get("length", r.get("context")), r["policy"], r["ratio"]) for r in load_rows(path)}
+    """(length or context, policy, ratio, first trial) of every finished batch.
+
+    A row without `first` is a whole cell (every batch): it marks them all done.
+    """
+    return {(r.get("length", r.get("context")), r["policy"], r["ratio"], r.get("first", "all"))
+            for r in load_rows(path)}
+
+
+def is_done(done: set, length, cell, first) -> bool:
+    return (length, *cell, first) in done or (length, *cell, "all") in done
+
+
+def whole_cells(rows: list[dict]) -> list[dict]:
+    """Passkey rows merged over their batches: one row per (length, policy, ratio)."""
+    merged = {}
+    for r in rows:
+        key = (r["length"], r["policy"], r["ratio"])
+        if key not in merged:
+            merged[key] = dict(r, by_depth=dict(r.get("by_depth", {})))
+            continue
+        m = merged[key]
+        m["trials"] += r["trials"]
+        m["correct"] += r["correct"]
+        for d, c in r.get("by_depth", {}).items():
+            m["by_depth"][d] = m["by_depth"].get(d, 0) + c
+    for m in merged.values():
+        m["accuracy"] = m["correct"] / m["trials"]
+        m.pop("first", None)
+    return list(merged.values())
 
 
 def append(path: Path, row: dict) -> None:
@@ -88,13 +117,12 @@ def run_passkey(model, tokenizer, out: Path, lengths, trials, names, ratios, bat
     done = done_cells(path)
     per_depth = max(1, trials // len(DEPTHS))
     for length in lengths:
-        todo = sorted((c for c in cells(names, ratios) if (length, *c) not in done),
-                      key=lambda c: c[0].endswith(QUERY_AWARE))
-        if not todo:
-            continue
         all_trials = make_trials(tokenizer, length, DEPTHS, per_depth, seed=length)
-        results = {cell: {"correct": [], "texts": [], "seconds": 0.0} for cell in todo}
         for first in range(0, len(all_trials), batch_size):
+            todo = sorted((c for c in cells(names, ratios) if not is_done(done, length, c, first)),
+                          key=lambda c: c[0].endswith(QUERY_AWARE))
+            if not todo:
+                continue
             batch = all_trials[first:first + batch_size]
             question_width = max(len(t.question) for t in batch)
             for query_aware in sorted({c[0].endswith(QUERY_AWARE) for c in todo}):
@@ -117,24 +145,19 @@ def run_passkey(model, tokenizer, out: Path, lengths, trials, names, ratios, bat
                     del small
                     texts = [tokenizer.decode(row[:n].tolist())
                              for row, n in zip(gen.tokens, gen.num_tokens)]
-                    cell = results[(name, ratio)]
-                    cell["correct"] += score_trials(batch, texts)
-                    cell["texts"] += texts
-                    cell["seconds"] += time.perf_counter() - start
-                    print(f"  {name:20s} r={ratio:.2f}  {sum(cell['correct'])}/"
-                          f"{len(cell['correct'])}  {texts[0]!r}", flush=True)
+                    correct = score_trials(batch, texts)
+                    append(path, {  # one row per batch: an interrupted sweep loses one batch
+                        "task": "passkey", "length": length, "policy": name, "ratio": ratio,
+                        "first": first, "trials": len(correct), "correct": int(sum(correct)),
+                        "accuracy": float(np.mean(correct)),
+                        "by_depth": {str(d): int(sum(c for c, t in zip(correct, batch)
+                                                     if t.depth == d)) for d in DEPTHS},
+                        "seconds": round(time.perf_counter() - start, 1), "example": texts[0]})
+                    print(f"  {name:20s} r={ratio:.2f}  {sum(correct)}/{len(correct)}  "
+                          f"{texts[0]!r}", flush=True)
                     if ratio == ratios[-1]:  # executables of a policy are done with: free them
                         jax.clear_caches()  # (the persistent compile cache makes reloads cheap)
                 del pre
-        for (name, ratio), cell in results.items():
-            correct = cell["correct"]
-            append(path, {
-                "task": "passkey", "length": length, "policy": name, "ratio": ratio,
-                "trials": len(correct), "correct": int(sum(correct)),
-                "accuracy": float(np.mean(correct)),
-                "by_depth": {str(d): int(sum(c for c, t in zip(correct, all_trials) if t.depth == d))
-                             for d in DEPTHS},
-                "seconds": round(cell["seconds"], 1), "example": cell["texts"][0]})
 
 
 def run_ppl(model, tokenizer, out: Path, text_path: Path, context: int, prefix: int,
@@ -146,7 +169,7 @@ def run_ppl(model, tokenizer, out: Path, text_path: Path, context: int, prefix: 
 
     path = out / "eviction_ppl.jsonl"
     done = done_cells(path)
-    todo = [c for c in cells(names, ratios) if (context, *c) not in done]
+    todo = [c for c in cells(names, ratios) if not is_done(done, context, c, "all")]
     if not todo:
         return
     ids = tokenizer.encode(text_path.read_text(encoding="utf-8"))
@@ -184,7 +207,7 @@ def plot_and_tables(out: Path) -> str:
     import matplotlib.pyplot as plt
 
     md = []
-    passkey = load_rows(out / "eviction_passkey.jsonl")
+    passkey = whole_cells(load_rows(out / "eviction_passkey.jsonl"))
     if passkey:
         lengths = sorted({r["length"] for r in passkey})
         fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)

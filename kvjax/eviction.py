@@ -209,7 +209,8 @@ def _shrink_layer(layer: Layer, room: int, max_write: int) -> Layer:
     if not isinstance(layer, ResidualCache):
         return resize(layer, int(layer.length) + room * spt)
     recent = int(layer.recent.length)
-    body = resize(layer.body, int(layer.body.length) + max(0, recent + room * spt - layer.residual))
+    flush = max(0, recent + room * spt - layer.residual) if room else 0  # no write, no flush
+    body = resize(layer.body, int(layer.body.length) + flush)
     keep = max(recent, layer.residual + layer.block - 1 + max_write * spt)
     return layer.replace(body=body, recent=resize(layer.recent, keep))
 

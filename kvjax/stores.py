@@ -363,12 +363,14 @@ def resize_store(store: Any, capacity: int, valid: jax.Array) -> Any:
 
     A `PackedChannels` table is cut to the rows in use plus one per `group`
     free slots (and one for a partial group): room for every later flush.
+    With no free slot the table keeps only the rows in use.
     """
     if is_dense(store):
         return _resize_rows(store, capacity)
     if isinstance(store, PackedChannels):
         used = int(jnp.max(store.used_groups(valid).sum(1)))
-        rows = used + -(-max(capacity - int(jnp.max(valid.sum(1))), 0) // store.group) + 1
+        free = max(capacity - int(jnp.max(valid.sum(1))), 0)
+        rows = used + (-(-free // store.group) + 1 if free else 0)  # +1: a partial group
         store = store.collect(valid, rows)
     return store.map_slots(lambda x: _resize_rows(x, capacity))
 

@@ -40,8 +40,14 @@ def _flatten(state) -> tuple[list[str], list[jax.Array], Any]:
 
 def export_decode_step(model: Llama, batch: int, capacity: int, *,
                        cache_dtype: Any = jnp.float32,
+                       transform: kvjax.CacheTransform | None = None,
                        platforms: Sequence[str] | None = None) -> jax.export.Exported:
-    """`jax.export` of one decode step for a fixed batch and cache capacity."""
+    """`jax.export` of one decode step for a fixed batch and cache capacity.
+
+    With a codec `transform` (e.g. `kvjax.kivi(bits=2)`) the step takes the
+    cache in that codec's layout, `transform.update` of a fresh cache, and
+    encodes every token it writes.
+    """
     graphdef, state = nnx.split(model)
 
     keys, _, treedef = _flatten(state)
@@ -51,8 +57,12 @@ def export_decode_step(model: Llama, batch: int, capacity: int, *,
         logits, cache = nnx.merge(graphdef, weights)(tokens, positions, cache)
         return logits[:, -1], cache
 
-    cache = jax.eval_shape(lambda: kvjax.init_model_cache(
-        model.config.cache_spec, batch, capacity, cache_dtype))
+    def empty_cache():
+        cache = kvjax.init_model_cache(model.config.cache_spec, batch, capacity, cache_dtype)
+        return cache if transform is None else transform.update(cache, transform.init(cache),
+                                                                None)[0]
+
+    cache = jax.eval_shape(empty_cache)
     tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     params = jax.eval_shape(lambda: params_dict(model))
     return jax.export.export(jax.jit(step, donate_argnums=3), platforms=platforms)(

@@ -156,6 +156,7 @@ def test_kivi_flushes_whole_groups_and_keeps_the_newest_residual_exact(n0):
 def test_residual_layer_rejects_a_write_larger_than_its_exact_part():
     layer, _, _ = kivi_layer(24)
     layer = kvjax.shrink((layer,), room=2)[0]  # exact part: residual + group - 1 + 2 slots
+    assert kvjax.free_tokens(layer) == 2 and kvjax.free_tokens(kvjax.shrink((layer,))[0]) == 0
     with pytest.raises(ValueError, match="exact part"):
         write(layer, rand(0, (2, 2, 4, D)), rand(1, (2, 2, 4, D)), jnp.zeros((2, 4), jnp.int32))
 
@@ -241,7 +242,7 @@ def test_nbytes_is_exact_for_every_codec():
     body_slots, groups = int(small.body.length), int(small.body.k.groups)
     assert body_slots == 16 and small.body.capacity == 16 and small.recent.capacity == 8 + 4 - 1
     table_rows = small.body.k.scale.shape[1]
-    assert table_rows == groups + 1  # one spare row for a partial group
+    assert table_rows == groups  # no room: no spare rows
     body = rows * body_slots * (D * 2 // 8 + 2 + D * 2 // 8 + (D // 4) * 2 * 2) \
         + rows * table_rows * D * 2 * 2 + 4 + b * kvh * body_slots * 4 + 4
     recent = rows * 11 * D * 4 * 2 + b * kvh * 11 * 4 + 4

@@ -23,7 +23,14 @@ SCRIPT = textwrap.dedent("""
     sharded = generate(model, prompts, max_new_tokens=8, chunk=4, eos_ids=(),
                        place_cache=functools.partial(kvjax.shard_cache, mesh=mesh))
     k = sharded.cache[0].k
+    kivi = kvjax.kivi(bits=4, group=2, residual=2)
+    q_single = generate(model, prompts, max_new_tokens=8, chunk=4, eos_ids=(), transform=kivi)
+    q_sharded = generate(model, prompts, max_new_tokens=8, chunk=4, eos_ids=(), transform=kivi,
+                         place_cache=functools.partial(kvjax.shard_cache, mesh=mesh))
+    words = kvjax.shard_cache(q_sharded.cache, mesh)[0].body.k.words
     print(json.dumps({
+        "kivi_single": q_single.tokens.tolist(), "kivi_sharded": q_sharded.tokens.tolist(),
+        "words_spec": [str(a) for a in words.sharding.spec],
         "single": single.tokens.tolist(), "sharded": sharded.tokens.tolist(),
         "k_spec": [str(a) for a in k.sharding.spec],
         "pos_spec": [str(a) for a in sharded.cache[0].pos.sharding.spec],
@@ -43,3 +50,5 @@ def test_generation_sharded_over_batch_and_kv_heads_matches_one_device():
     assert result["devices"] == 8
     assert result["k_spec"][0] == str(("batch", "kv")) and result["pos_spec"][:2] == ["batch", "kv"]
     assert result["k_shard_shape"][0] == 1  # each device holds one sequence's one KV head
+    assert result["kivi_sharded"] == result["kivi_single"]  # a KIVI cache shards the same way
+    assert result["words_spec"][0] == str(("batch", "kv"))
