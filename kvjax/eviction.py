@@ -195,7 +195,8 @@ def shrink(cache: Cache, room: int = 0, max_write: int | None = None) -> Cache:
     int32 position per slot and head and the 4-byte cursor.
     A `ResidualCache` keeps `residual + block - 1 + max_write` exact slots
     (default `max_write = room`: one write of all the room) and gives the
-    body room for every token that can flush into it.
+    body room for every token that can flush into it; with `room=0` both
+    parts are cut to the tokens they hold.
 
     Example:
         >>> cache = shrink(cache, room=max_new_tokens)
@@ -211,7 +212,7 @@ def _shrink_layer(layer: Layer, room: int, max_write: int) -> Layer:
     recent = int(layer.recent.length)
     flush = max(0, recent + room * spt - layer.residual) if room else 0  # no write, no flush
     body = resize(layer.body, int(layer.body.length) + flush)
-    keep = max(recent, layer.residual + layer.block - 1 + max_write * spt)
+    keep = max(recent, layer.residual + layer.block - 1 + max_write * spt) if room else recent
     return layer.replace(body=body, recent=resize(layer.recent, keep))
 
 

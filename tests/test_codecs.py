@@ -240,12 +240,12 @@ def test_nbytes_is_exact_for_every_codec():
     (enc,), _ = kvjax.kivi(bits=2, group=4, residual=8).update((layer,), (), None)
     (small,) = kvjax.shrink((enc,))
     body_slots, groups = int(small.body.length), int(small.body.k.groups)
-    assert body_slots == 16 and small.body.capacity == 16 and small.recent.capacity == 8 + 4 - 1
+    assert body_slots == 16 and small.body.capacity == 16 and small.recent.capacity == 8
     table_rows = small.body.k.scale.shape[1]
     assert table_rows == groups  # no room: no spare rows
     body = rows * body_slots * (D * 2 // 8 + 2 + D * 2 // 8 + (D // 4) * 2 * 2) \
         + rows * table_rows * D * 2 * 2 + 4 + b * kvh * body_slots * 4 + 4
-    recent = rows * 11 * D * 4 * 2 + b * kvh * 11 * 4 + 4
+    recent = rows * 8 * D * 4 * 2 + b * kvh * 8 * 4 + 4
     assert kvjax.nbytes(small) == body + recent
 
 
