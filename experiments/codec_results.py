@@ -16,7 +16,7 @@ For every method in `METHODS` (a label and a `--method` spec) beside the full ca
 
 Quality runs compute in float32 on the same codes; the memory column is the
 bfloat16-storage footprint. Rows append to `<out>/codec_{memory,ppl,passkey}.jsonl`
-(a rerun skips finished cells); `<out>/codec_pareto.png` puts every codec,
+(one passkey row per batch of trials; a rerun skips what is there); `<out>/codec_pareto.png` puts every codec,
 chain and eviction policy (from `eviction_*.jsonl`) on quality vs bytes.
 The low-rank bases are calibrated on the end of The Devil's Dictionary
 (`kvjax calibrate`) unless `<out>/lowrank_basis.npz` exists.
@@ -182,32 +182,43 @@ def run_passkey(model, tokenizer, out: Path, labels, basis: Path, length: int, t
     from models.sampler import compress, decode, extend, prefill_batch
 
     path = out / "codec_passkey.jsonl"
-    todo = [x for x in labels if x not in {r["method"] for r in load_rows(path)
-                                           if r["length"] == length}]
-    if not todo:
-        return
+    done = {(r["method"], r.get("first", "all")) for r in load_rows(path) if r["length"] == length}
     all_trials = make_trials(tokenizer, length, DEPTHS, max(1, trials // len(DEPTHS)), seed=length)
-    transforms = {x: transform_of(x, basis) for x in todo}
-    results = {x: [] for x in todo}
+    transforms = {x: transform_of(x, basis) for x in labels}
     for first in range(0, len(all_trials), batch_size):
+        todo = [x for x in labels if (x, first) not in done and (x, "all") not in done]
+        if not todo:
+            continue
         batch = all_trials[first:first + batch_size]
         room = max_new + max(len(t.question) for t in batch)
         pre = prefill_batch(model, [t.context for t in batch],
-                            stats=merged_stats(transforms.values()), room=room)
-        for label, t in transforms.items():
-            small = compress(pre, t, keep_input=True, shrink=False)
+                            stats=merged_stats(transforms[x] for x in todo), room=room)
+        for label in todo:
+            small = compress(pre, transforms[label], keep_input=True, shrink=False)
             small = extend(model, small, [t.question for t in batch])
             gen = decode(model, small, max_new_tokens=max_new)
             texts = [tokenizer.decode(row[:n].tolist()) for row, n in zip(gen.tokens, gen.num_tokens)]
-            results[label] += score_trials(batch, texts)
-            print(f"  {label:26s} {sum(results[label])}/{len(results[label])}  {texts[0]!r}",
-                  flush=True)
+            correct = score_trials(batch, texts)
+            append(path, {"method": label, "spec": METHODS[label], "length": length,
+                          "first": first, "trials": len(correct), "correct": int(sum(correct)),
+                          "example": texts[0]})
+            print(f"  {label:26s} {sum(correct)}/{len(correct)}  {texts[0]!r}", flush=True)
         del pre
         jax.clear_caches()
-    for label, correct in results.items():
-        append(path, {"method": label, "spec": METHODS[label], "length": length,
-                      "trials": len(correct), "correct": int(sum(correct)),
-                      "accuracy": float(np.mean(correct))})
+
+
+def passkey_cells(rows: list[dict], length: int) -> dict[str, dict]:
+    """Passkey rows of one length merged over their batches, by method."""
+    cells = {}
+    for r in rows:
+        if r["length"] != length:
+            continue
+        cell = cells.setdefault(r["method"], {"trials": 0, "correct": 0})
+        cell["trials"] += r["trials"]
+        cell["correct"] += r["correct"]
+    for cell in cells.values():
+        cell["accuracy"] = cell["correct"] / cell["trials"]
+    return cells
 
 
 def pareto_front(points):
@@ -232,7 +243,7 @@ def plot_and_tables(out: Path) -> str:
     md = ["| method | spec | bytes/token (measured) | theoretical | vs bf16 | ppl | "
           "passkey 2k |", "|---|---|---|---|---|---|---|"]
     ppl = {r["method"]: r for r in load_rows(out / "codec_ppl.jsonl")}
-    passkey = {r["method"]: r for r in load_rows(out / "codec_passkey.jsonl") if r["length"] == 2048}
+    passkey = passkey_cells(load_rows(out / "codec_passkey.jsonl"), 2048)
     for label in METHODS:
         if label not in memory:
             continue

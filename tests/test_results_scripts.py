@@ -44,3 +44,11 @@ def test_theoretical_bytes_follow_the_formats():
     chain = (1920 * 54 + 128 * 260) * layers_heads / 4096  # 2048 kept, 1920 of them quantized
     assert abs(theoretical_bytes("snapkv-0.5+kivi-2", 4096) - chain) < 1e-9
     assert set(METHODS) >= {"full", "kivi-2", "kivi-4", "int8", "int4", "int2", "fp8-e4m3"}
+
+
+def test_codec_passkey_batches_merge_by_method():
+    from experiments.codec_results import passkey_cells
+    rows = [{"method": "kivi-2", "length": 2048, "first": 0, "trials": 10, "correct": 1},
+            {"method": "kivi-2", "length": 2048, "first": 10, "trials": 10, "correct": 2},
+            {"method": "kivi-2", "length": 1024, "first": 0, "trials": 10, "correct": 9}]
+    assert passkey_cells(rows, 2048) == {"kivi-2": {"trials": 20, "correct": 3, "accuracy": 0.15}}
