@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.eviction_results import append, load_rows, whole_cells
+from experiments.eviction_results import (append, load_rows, merged_stats, whole_cells,
+                                          window_ids)
 
 BASIS = "{basis}"
 METHODS = {
@@ -102,21 +103,6 @@ def theoretical_bytes(label: str, n: int, layers: int = 30, kv_heads: int = 3, d
         else:
             per = 2 * (d * bits / 8 + 2 * 2 * d / group) + 4 + mass
     return ((kept - exact) * per + exact * dense) * layers * kv_heads / n
-
-
-def window_ids(tokenizer, path: Path, length: int, count: int) -> list[list[int]]:
-    from experiments.ppl import sliding_windows
-
-    ids = tokenizer.encode(path.read_text(encoding="utf-8"))
-    wins = [w for w in sliding_windows(len(ids), length) if w.end - w.start == length][:count]
-    return [ids[w.start:w.end] for w in wins]
-
-
-def merged_stats(transforms):
-    import functools
-    import kvjax
-    return functools.reduce(kvjax.StatsSpec.merge, [t.stats for t in transforms],
-                            kvjax.StatsSpec())
 
 
 def run_memory(model, tokenizer, out: Path, labels, basis: Path, text: Path) -> None:

@@ -55,11 +55,24 @@ def make_transform(name: str, ratio: float):
 
 
 def all_stats(names):
+    return merged_stats(make_transform(n, 0.5) for n in names)
+
+
+def merged_stats(transforms):
+    """The union of the statistics `transforms` need: one prefill serves them all."""
     import functools
     import kvjax
+    return functools.reduce(kvjax.StatsSpec.merge, [t.stats for t in transforms],
+                            kvjax.StatsSpec())
 
-    specs = [make_transform(n, 0.5).stats for n in names]
-    return functools.reduce(kvjax.StatsSpec.merge, specs, kvjax.StatsSpec())
+
+def window_ids(tokenizer, path: Path, length: int, count: int) -> list[list[int]]:
+    """The first `count` whole windows of `length` tokens of a text file."""
+    from experiments.ppl import sliding_windows
+
+    ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+    wins = [w for w in sliding_windows(len(ids), length) if w.end - w.start == length][:count]
+    return [ids[w.start:w.end] for w in wins]
 
 
 def cells(names, ratios):
@@ -163,7 +176,6 @@ def run_passkey(model, tokenizer, out: Path, lengths, trials, names, ratios, bat
 def run_ppl(model, tokenizer, out: Path, text_path: Path, context: int, prefix: int,
             windows: int, names, ratios):
     names = [n for n in names if not n.endswith(QUERY_AWARE)]  # no question in plain text
-    from experiments.ppl import sliding_windows
     from models.sampler import compress, prefill_batch
     from models.scoring import score_continuations
 
@@ -172,10 +184,8 @@ def run_ppl(model, tokenizer, out: Path, text_path: Path, context: int, prefix: 
     todo = [c for c in cells(names, ratios) if not is_done(done, context, c, "all")]
     if not todo:
         return
-    ids = tokenizer.encode(text_path.read_text(encoding="utf-8"))
-    wins = [w for w in sliding_windows(len(ids), context) if w.end - w.start == context][:windows]
-    prefixes = [ids[w.start:w.start + prefix] for w in wins]
-    conts = [ids[w.start + prefix:w.end] for w in wins]
+    wins = window_ids(tokenizer, text_path, context, windows)
+    prefixes, conts = [w[:prefix] for w in wins], [w[prefix:] for w in wins]
     start = time.perf_counter()
     pre = prefill_batch(model, prefixes, stats=all_stats(names), room=context - prefix)
     print(f"ppl: prefilled {len(wins)} prefixes of {prefix} tokens in "

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 
 from kvjax.cache import EMPTY, Cache, ResidualCache, TokenCache, _flush
 from kvjax.stores import Latent, PackedChannels, PackedTokens, is_dense, is_encoded, put
+from kvjax.quant import FP8
 from kvjax.transforms import CacheTransform
 
 AXES = ("token", "channel")
@@ -68,8 +69,7 @@ class Codec:
             return PackedChannels.empty(rows, capacity, dim, self.bits, self.group,
                                         self.symmetric, jnp.dtype(self.param_dtype))
         if self.kind == "fp8":
-            return jnp.zeros((rows, capacity, dim),
-                             {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[self.fmt])
+            return jnp.zeros((rows, capacity, dim), FP8[self.fmt])
         if self.kind == "latent":
             return Latent.empty(rows, capacity, basis, dtype)
         raise ValueError(f"unknown codec kind {self.kind!r}")

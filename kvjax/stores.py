@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.quant import BITS, Quantized, dequantize, pack, quantize, to_fp8, unpack
+from kvjax.quant import BITS, FP8, Quantized, dequantize, pack, quantize, to_fp8, unpack
 
 _static = dict(static=True)
 
@@ -136,7 +136,7 @@ class PackedTokens(Store):
                    scale=params, offset=None if symmetric else params, bits=bits, group=group,
                    dim=dim)
 
-    def encode(self, x: jax.Array, valid: jax.Array | None = None) -> "PackedTokens":
+    def encode(self, x: jax.Array) -> "PackedTokens":
         q = quantize(x, self.bits, self.group, axis=-1, symmetric=self.offset is None,
                      param_dtype=self.scale.dtype)
         return self.replace(words=pack(q.codes, self.bits), scale=q.scale,
@@ -284,7 +284,7 @@ class Latent(Store):
                        self.basis.astype(jnp.float32))
         return x.reshape(*z.shape[:-1], -1)
 
-    def encode(self, x: jax.Array, valid: jax.Array | None = None) -> "Latent":
+    def encode(self, x: jax.Array) -> "Latent":
         return self.replace(z=self.project(x).astype(self.z.dtype))
 
     def read(self) -> jax.Array:
@@ -328,7 +328,7 @@ def encode_dense(x: jax.Array, dtype) -> jax.Array:
     """x in a dense cache dtype; FP8 saturates instead of overflowing to Inf/NaN."""
     dtype = jnp.dtype(dtype)
     if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating):
-        fmt = {jnp.dtype(jnp.float8_e4m3fn): "e4m3", jnp.dtype(jnp.float8_e5m2): "e5m2"}
+        fmt = {jnp.dtype(d): name for name, d in FP8.items()}
         if dtype not in fmt:
             raise ValueError(f"unsupported FP8 cache dtype {dtype}")
         return to_fp8(x, fmt[dtype])
@@ -382,10 +382,3 @@ def fold_rows(store: Any, rows: int) -> Any:
                          f"{type(store).__name__} store: its parameters belong to one KV head")
     fold = lambda x: x.reshape(rows, -1, *x.shape[2:])
     return fold(store) if is_dense(store) else store.map_slots(fold)
-
-
-def bytes_per_slot(store: Any) -> float:
-    """Bytes one slot of one row costs in `store` (slot leaves only; tables and bases excluded)."""
-    leaves = [store] if is_dense(store) else [getattr(store, f) for f in store.slot_fields
-                                               if getattr(store, f) is not None]
-    return sum(math.prod(x.shape[2:]) * jnp.dtype(x.dtype).itemsize for x in leaves)
