@@ -1,0 +1,401 @@
+"""Paged attention: each sequence's queries over its pages of a key/value pool.
+
+One kernel serves decode (T = 1 query per sequence), chunked prefill
+(T > 1 queries, causal by position) and every page format of
+`page_formats` (dense, bit-packed per token, KIVI per channel): pages are
+decoded to float32 inside the kernel, never in HBM.
+
+Layout (docs/DECISIONS.md, "Paged pool"):
+- a pool of P pages, each `S` consecutive slots of one (sequence, KV head):
+  keys and values as their format's arrays (dense: `[P, S, D]`), and
+  `pos_pages` `[P, 1, S]` int32 with the absolute position of every slot
+  (`EMPTY = -1` for a free or evicted slot);
+- `block_tables` `[B, KVH, NP]` int32: the pages of row (b, h) in slot
+  order; only the first `num_pages[b, h]` entries are read.
+
+Per-head tables make a `TokenCache` (`[B*KVH, C, D]`) a pool by a free
+reshape, and let head-wise budgets (Ada-KV) hold different page counts.
+
+A key slot is visible to a query when `pos != EMPTY`, `pos <= q_pos`,
+`q_pos >= 0` and, with a sliding `window`, `q_pos - pos < window`: the
+rule of `kvjax.attention_mask`. Scores are `q.k * scale`, soft-capped as
+`softcap * tanh(s / softcap)` when asked.
+
+Backends:
+- `"tpu"`: Mosaic. Block tables and page counts are scalar-prefetched to
+  SMEM; the grid `(B, KVH, splits, pages per split)` walks pages and the
+  pipeline double-buffers their DMAs; grid steps past a row's last page
+  repeat its index (no copy) and skip compute. Online softmax state lives
+  in VMEM scratch.
+- `"gpu"`: Pallas on Triton (a justified fallback, docs/DECISIONS.md): one
+  program per (sequence, KV head, split) loops over its pages, loading each
+  page through the block table; query rows are padded to 16 for `tl.dot`.
+Both split the pages into `pages_per_split` chunks (flash-decoding); the
+per-split partial softmax states are merged in plain jnp.
+
+Example:
+    >>> out = paged_attention(q, q_pos, k_pages, v_pages, pos_pages, tables, counts,
+    ...                       backend="tpu", interpret=pltpu.InterpretParams())
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
+
+from kernels_pallas.page_formats import (DENSE, GPU_OPS, PAGE, REFERENCE_OPS, TPU_OPS, Format,
+                                         PageRef, block_spec)
+
+EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
+NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
+BACKENDS = ("tpu", "gpu")
+GPU_MIN_ROWS = 16  # tl.dot needs at least 16 rows
+
+
+class Partial(NamedTuple):
+    """Unnormalised softmax state of each query row: out = acc / l (0 where l = 0)."""
+
+    acc: jax.Array  # [B, KVH, GT, D] float32  sum_s exp(s - m) v_s
+    m: jax.Array  # [B, KVH, GT] float32  running max score
+    l: jax.Array  # [B, KVH, GT] float32  sum_s exp(s - m)
+
+
+# ----------------------------------------------------------------------------- shared math
+
+
+def _softmax_step(q, k, v, kpos, qpos, carry, *, scale, window, softcap):
+    """One page into the online softmax.
+
+    q [GT, D] f32, k/v [S, D] f32, kpos [1, S] int32, qpos [GT, 1] int32;
+    carry (m [GT, 1], l [GT, 1], acc [GT, D]).
+    """
+    m, l, acc = carry
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale  # [GT, S]
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    visible = (kpos != EMPTY) & (qpos >= 0) & (kpos <= qpos)
+    if window is not None:
+        visible &= (qpos - kpos) < window
+    s = jnp.where(visible, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+    p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+    correction = jnp.exp(m - m_new)
+    acc = acc * correction + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    return m_new, l * correction + p.sum(axis=1, keepdims=True), acc
+
+
+def merge(a: Partial, b: Partial) -> Partial:
+    """Softmax state over the union of two disjoint key sets (flash-decoding's combine)."""
+    m = jnp.maximum(a.m, b.m)
+    ca, cb = jnp.exp(a.m - m), jnp.exp(b.m - m)
+    return Partial(a.acc * ca[..., None] + b.acc * cb[..., None], m, a.l * ca + b.l * cb)
+
+
+def finish(p: Partial, q_shape: Sequence[int]) -> jax.Array:
+    """Normalise and ungroup: [B, KVH, G*T, D] -> [B, T, H, D] float32."""
+    b, t, h, d = q_shape
+    kvh = p.acc.shape[1]
+    out = p.acc / jnp.where(p.l > 0, p.l, 1.0)[..., None]
+    out = out[:, :, : (h // kvh) * t]
+    return out.reshape(b, kvh, h // kvh, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
+
+
+def group_queries(q: jax.Array, q_pos: jax.Array, kv_heads: int, rows: int | None = None):
+    """[B, T, H, D], [B, T] -> queries [B, KVH, G*T, D] f32 and positions [B, G*T, 1].
+
+    Row order is (g, t), as in `kvjax.attention`. `rows` pads the row axis
+    (padding rows have position -1 and see nothing).
+    """
+    b, t, h, d = q.shape
+    g = h // kv_heads
+    qg = q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
+    pos = jnp.broadcast_to(q_pos[:, None, :], (b, g, t)).reshape(b, g * t, 1)
+    if rows is not None and rows > g * t:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g * t), (0, 0)))
+        pos = jnp.pad(pos, ((0, 0), (0, rows - g * t), (0, 0)), constant_values=-1)
+    return qg.astype(jnp.float32), pos.astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- TPU (Mosaic)
+
+
+def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format, v_format,
+                kv_heads, table_len, pages_per_split, math):
+    # tables_ref [B*KVH*NP] int32 (SMEM), counts_ref [B*KVH] int32 (SMEM)
+    # qpos_ref [GT, 1], q_ref [GT, D], pos_ref [1, S]; page blocks [S, ...]; tables [NG, D]
+    nk, nv = len(k_format.kinds()), len(v_format.kinds())
+    k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
+    acc_out, m_out, l_out, m_sc, l_sc, acc_sc = refs[nk + nv:]
+    b, h, split, j = (pl.program_id(i) for i in range(4))
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    @pl.when(split * pages_per_split + j < counts_ref[b * kv_heads + h])
+    def _page():
+        k, v = k_format.decode(k_refs, TPU_OPS), v_format.decode(v_refs, TPU_OPS)
+        carry = (m_sc[...], l_sc[...], acc_sc[...])
+        m, l, acc = _softmax_step(q_ref[...].astype(jnp.float32), k, v, pos_ref[...],
+                                  qpos_ref[...], carry, **math)
+        m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
+
+    @pl.when(j == pages_per_split - 1)
+    def _store():
+        acc_out[...] = acc_sc[...]
+        m_out[...] = m_sc[...]
+        l_out[...] = l_sc[...]
+
+
+def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_format, v_format,
+              pages_per_split, splits, math, interpret):
+    b, kvh, rows, d = qg.shape
+    table_len = tables.shape[-1]
+
+    def page_index(bi, h, split, j, tables_ref, counts_ref):
+        row = bi * kvh + h
+        last = jnp.maximum(counts_ref[row] - 1, 0)  # past the end: repeat, no new copy
+        i = jnp.minimum(split * pages_per_split + j, last)
+        return jnp.clip(tables_ref[row * table_len + i], 0, pos_pages.shape[0] - 1)
+
+    def row_index(bi, h, *_):
+        return bi * kvh + h
+
+    def specs(fmt, arrays):
+        return [block_spec(kind, x, page_index, row_index) for kind, x in zip(fmt.kinds(), arrays)]
+
+    out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
+                                           lambda bi, h, split, j, *_: (split, bi, h, 0, 0))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, kvh, splits, pages_per_split),
+        in_specs=[pl.BlockSpec((None, rows, 1), lambda bi, h, *_: (bi, 0, 0)),
+                  pl.BlockSpec((None, None, rows, d), lambda bi, h, *_: (bi, h, 0, 0)),
+                  block_spec(PAGE, pos_pages, page_index, row_index),
+                  *specs(k_format, k_arrays), *specs(v_format, v_arrays)],
+        out_specs=[out_block(d), out_block(1), out_block(1)],
+        scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
+                        pltpu.VMEM((rows, d), jnp.float32)])
+    kernel = functools.partial(_tpu_kernel, k_format=k_format, v_format=v_format,
+                               kv_heads=kvh, table_len=table_len,
+                               pages_per_split=pages_per_split, math=math)
+    state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
+    acc, m, l = pl.pallas_call(
+        kernel, grid_spec=grid_spec,
+        out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, d), jnp.float32), state, state],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret, name="kvjax_paged_attention_tpu",
+    )(tables.reshape(-1), counts.reshape(-1), qpos, qg, pos_pages, *k_arrays, *v_arrays)
+    return acc, m[..., 0], l[..., 0]
+
+
+# ----------------------------------------------------------------------------- GPU (Triton)
+
+
+def _gpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format, v_format,
+                kv_heads, pages_per_split, math):
+    # tables_ref [B, KVH, NP], counts_ref [B, KVH]: whole arrays; qpos_ref [GT, 1];
+    # q_ref [GT, D]; pos_ref [P, 1, S] and page arrays [P, S, ...]: whole pools;
+    # per-row tables [NG, D]: this row's.
+    nk, nv = len(k_format.kinds()), len(v_format.kinds())
+    k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
+    acc_out, m_out, l_out = refs[nk + nv:]
+    b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q = q_ref[...].astype(jnp.float32)
+    qpos = qpos_ref[...]
+    first = split * pages_per_split
+    last = jnp.minimum(first + pages_per_split, counts_ref[b, h])
+
+    def load(fmt, fmt_refs, page):
+        blocks = [PageRef(r, page) if kind == PAGE else r for kind, r in zip(fmt.kinds(), fmt_refs)]
+        return fmt.decode(blocks, GPU_OPS)
+
+    def body(i, carry):
+        page = tables_ref[b, h, i]
+        k, v = load(k_format, k_refs, page), load(v_format, v_refs, page)
+        return _softmax_step(q, k, v, pos_ref[page], qpos, carry, **math)
+
+    rows, d = q.shape
+    init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, d), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(first, last, body, init)
+    acc_out[...], m_out[...], l_out[...] = acc, m, l
+
+
+def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_format, v_format,
+              pages_per_split, splits, math, interpret):
+    b, kvh, rows, d = qg.shape
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    row_table = lambda x: pl.BlockSpec((None, *x.shape[1:]),
+                                       lambda bi, h, s: (bi * kvh + h, *(0,) * (x.ndim - 1)))
+    specs = lambda fmt, arrays: [whole(x) if kind == PAGE else row_table(x)
+                                 for kind, x in zip(fmt.kinds(), arrays)]
+    out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
+                                           lambda bi, h, s: (s, bi, h, 0, 0))
+    kernel = functools.partial(_gpu_kernel, k_format=k_format, v_format=v_format, kv_heads=kvh,
+                               pages_per_split=pages_per_split, math=math)
+    state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
+    acc, m, l = pl.pallas_call(
+        kernel, grid=(b, kvh, splits),
+        in_specs=[whole(tables), whole(counts),
+                  pl.BlockSpec((None, rows, 1), lambda bi, h, s: (bi, 0, 0)),
+                  pl.BlockSpec((None, None, rows, d), lambda bi, h, s: (bi, h, 0, 0)),
+                  whole(pos_pages), *specs(k_format, k_arrays), *specs(v_format, v_arrays)],
+        out_specs=[out_block(d), out_block(1), out_block(1)],
+        out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, d), jnp.float32), state, state],
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret, name="kvjax_paged_attention_gpu",
+    )(tables, counts, qpos, qg, pos_pages, *k_arrays, *v_arrays)
+    return acc, m[..., 0], l[..., 0]
+
+
+# ----------------------------------------------------------------------------- public entry
+
+
+def _as_arrays(x) -> tuple[jax.Array, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_format, v_format,
+                  pages_per_split, backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"paged_attention: backend must be one of {BACKENDS}, got {backend!r}")
+    if q.ndim != 4 or q_pos.shape != q.shape[:2]:
+        raise ValueError(f"paged_attention: q must be [B, T, H, D] and q_pos [B, T]; got "
+                         f"{q.shape} and {q_pos.shape}")
+    b, _, h, d = q.shape
+    if tables.ndim != 3 or tables.shape[0] != b or tables.dtype != jnp.int32:
+        raise ValueError(f"paged_attention: block_tables must be int32 [B={b}, KVH, NP], got "
+                         f"{tables.dtype} {tables.shape}")
+    kvh = tables.shape[1]
+    if h % kvh:
+        raise ValueError(f"paged_attention: {h} query heads are not a multiple of {kvh} KV heads")
+    if counts.shape != (b, kvh) or counts.dtype != jnp.int32:
+        raise ValueError(f"paged_attention: num_pages must be int32 {(b, kvh)}, got "
+                         f"{counts.dtype} {counts.shape}")
+    if pos_pages.ndim != 3 or pos_pages.shape[1] != 1 or pos_pages.dtype != jnp.int32:
+        raise ValueError(f"paged_attention: pos_pages must be int32 [P, 1, S], got "
+                         f"{pos_pages.dtype} {pos_pages.shape}")
+    n_pages, _, page_size = pos_pages.shape
+    for name, fmt, arrays in (("keys", k_format, k_arrays), ("values", v_format, v_arrays)):
+        if len(arrays) != len(fmt.kinds()):
+            raise ValueError(f"paged_attention: {name} in format {fmt} take "
+                             f"{len(fmt.kinds())} arrays, got {len(arrays)}")
+        fmt.check(arrays, d)
+        for kind, x in zip(fmt.kinds(), arrays):
+            if kind == PAGE and x.shape[:2] != (n_pages, page_size):
+                raise ValueError(f"paged_attention: {name} pages {x.shape} do not match "
+                                 f"pos_pages ({n_pages} pages of {page_size} slots)")
+            if kind != PAGE and x.shape[0] != b * kvh:
+                raise ValueError(f"paged_attention: {name} per-row tables need {b * kvh} rows, "
+                                 f"got {x.shape}")
+    if pages_per_split < 1:
+        raise ValueError(f"paged_attention: pages_per_split must be >= 1, got {pages_per_split}")
+
+
+@functools.partial(jax.jit, static_argnames=("k_format", "v_format", "pages_per_split", "window",
+                                             "softcap", "scale", "backend", "interpret"))
+def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
+                            k_format: Format = DENSE, v_format: Format = DENSE,
+                            pages_per_split: int = 8, window: int | None = None,
+                            softcap: float | None = None, scale: float | None = None,
+                            backend: str = "tpu", interpret=False) -> Partial:
+    """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
+    k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
+    _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, k_format,
+                  v_format, pages_per_split, backend)
+    kvh = block_tables.shape[1]
+    pages_per_split = min(pages_per_split, max(block_tables.shape[2], 1))
+    splits = max(-(-block_tables.shape[2] // pages_per_split), 1)
+    rows = q.shape[1] * q.shape[2] // kvh
+    if backend == "gpu":
+        rows = max(GPU_MIN_ROWS, 1 << (rows - 1).bit_length())
+    qg, qpos = group_queries(q, q_pos, kvh, rows)
+    math = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window,
+                softcap=softcap)
+    call = _tpu_call if backend == "tpu" else _gpu_call
+    acc, m, l = call(qg, qpos, k_arrays, v_arrays, pos_pages, block_tables, num_pages,
+                     k_format=k_format, v_format=v_format, pages_per_split=pages_per_split,
+                     splits=splits, math=math, interpret=interpret)
+    out = Partial(acc[0], m[0], l[0])
+    for i in range(1, splits):
+        out = merge(out, Partial(acc[i], m[i], l[i]))
+    return out
+
+
+def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, **kwargs):
+    """Attention of `q` over the pages each (sequence, KV head) lists, decoded in the kernel.
+
+    Args:
+      q: [B, T, H, D] queries (after RoPE); H a multiple of KVH.
+      q_pos: [B, T] int32 query positions; negative = padding (output zeros).
+      k_pages, v_pages: the key/value pool in `k_format` / `v_format`
+        (an array, or a tuple of arrays; dense: [P, S, D]).
+      pos_pages: [P, 1, S] int32 slot positions, EMPTY = -1.
+      block_tables: [B, KVH, NP] int32 page indices in [0, P).
+      num_pages: [B, KVH] int32 pages in use per row (<= NP).
+      k_format, v_format: `page_formats.Dense()`, `PackedTokens(...)`,
+        `PackedChannels(...)`.
+      pages_per_split: pages per flash-decoding split (static).
+      window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.
+      backend: "tpu" (Mosaic) or "gpu" (Triton); interpret: as in pallas_call.
+    Returns:
+      [B, T, H, D] float32.
+    """
+    return finish(paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
+                                          num_pages, **kwargs), q.shape)
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def gather_pages(fmt: Format, arrays, block_tables: jax.Array) -> jax.Array:
+    """Decode every listed page in plain jnp: [B, KVH, NP*S, D] float32."""
+    b, kvh, n_table = block_tables.shape
+    rows = block_tables.reshape(b * kvh, n_table)
+    picked = [x[rows] if kind == PAGE else x for kind, x in zip(fmt.kinds(), arrays)]
+    # per row r: page arrays [NP, S, ...], tables [NG, D]
+    axes = tuple(0 for _ in picked)
+    decode_row = jax.vmap(lambda *a: jax.vmap(
+        lambda *blocks: fmt.decode(blocks, REFERENCE_OPS),
+        in_axes=tuple(0 if kind == PAGE else None for kind in fmt.kinds()))(*a), in_axes=axes)
+    pages = decode_row(*picked)  # [R, NP, S, D]
+    return pages.reshape(b, kvh, -1, pages.shape[-1])
+
+
+def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
+                              k_format: Format = DENSE, v_format: Format = DENSE,
+                              window: int | None = None, softcap: float | None = None,
+                              scale: float | None = None, **_) -> jax.Array:
+    """Plain-jnp paged attention: gather and decode every page, one masked softmax, float32."""
+    k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
+    b, t, h, d = q.shape
+    kvh, n_table = block_tables.shape[1:]
+    page_size = pos_pages.shape[-1]
+    k = gather_pages(k_format, k_arrays, block_tables)  # [B, KVH, L, D]
+    v = gather_pages(v_format, v_arrays, block_tables)
+    pos = pos_pages[block_tables, 0].reshape(b, kvh, -1)  # [B, KVH, L]
+    in_use = jnp.arange(n_table * page_size) < (num_pages * page_size)[..., None]
+    pos = jnp.where(in_use, pos, EMPTY)
+    qg = q.reshape(b, t, kvh, h // kvh, d).astype(jnp.float32)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, precision="highest")
+    s = s * (d ** -0.5 if scale is None else scale)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    kp, qp = pos[:, :, None, None, :], q_pos[:, None, None, :, None]
+    visible = (kp != EMPTY) & (qp >= 0) & (kp <= qp)
+    if window is not None:
+        visible &= (qp - kp) < window
+    p = jax.nn.softmax(jnp.where(visible, s, NEG_INF), axis=-1) * visible.any(-1, keepdims=True)
+    out = jnp.einsum("bkgts,bksd->btkgd", p, v, precision="highest")
+    return out.reshape(b, t, h, d)
