@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import EMPTY, Layer, TokenCache, view
+from kvjax.kernel_attention import attend_pallas, pallas_backend, supports_pallas
+from kvjax.paging import PagedLayer, dense_view
 from kvjax.stores import Latent
 
-IMPLS = ("xla", "reference")
+IMPLS = ("xla", "reference", "pallas")
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
 
 
@@ -236,14 +238,25 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",
     """Attention of queries over a layer cache; dispatches on `impl`.
 
     `"xla"` (default) is `attend_blockwise`; `"reference"` is
-    `attend_reference`, the plain definition tests compare against.
+    `attend_reference`, the plain definition tests compare against;
+    `"pallas"` runs the paged attention kernel on TPU or GPU
+    (`kvjax.kernel_attention`) and falls back to `"xla"` on CPU and for
+    layouts the kernel does not read (pooled, low-rank). A `PagedLayer` is
+    gathered into a dense view for the XLA paths.
 
     Example:
         >>> cache = write(init_cache(1, 1, 8, 4), k, v, jnp.arange(3)[None])
         >>> out = attend(q, jnp.array([[2]]), cache)   # q: [1, 1, H, 4]
     """
-    if impl == "xla":
-        return attend_blockwise(q, q_pos, cache, window=window, softcap=softcap)
-    if impl == "reference":
-        return attend_reference(q, q_pos, cache, window=window, softcap=softcap)
-    raise ValueError(f"attend: unknown impl {impl!r}; available: {IMPLS}")
+    if impl not in IMPLS:
+        raise ValueError(f"attend: unknown impl {impl!r}; available: {IMPLS}")
+    if impl == "pallas":
+        backend = pallas_backend()
+        if backend is not None and supports_pallas(cache):
+            return attend_pallas(q, q_pos, cache, window=window, softcap=softcap,
+                                 backend=backend)
+        impl = "xla"
+    if isinstance(cache, PagedLayer):
+        cache = dense_view(cache)
+    fn = attend_blockwise if impl == "xla" else attend_reference
+    return fn(q, q_pos, cache, window=window, softcap=softcap)

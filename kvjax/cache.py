@@ -274,6 +274,8 @@ def write(cache: Layer, k_new: jax.Array, v_new: jax.Array,
       pos_new: [B, T] int32 absolute positions; `EMPTY` (or any negative
         value) marks a padding token, whose slot stays masked.
     """
+    if hasattr(cache, "write"):  # a layer type that writes itself (kvjax.paging.PagedLayer)
+        return cache.write(k_new, v_new, pos_new)
     if isinstance(cache, ResidualCache):
         slots = k_new.shape[2] * cache.slots_per_token
         if cache.residual + cache.block - 1 + slots > cache.recent.capacity:
@@ -387,6 +389,13 @@ def check_cache(cache: Sequence[TokenCache], spec: CacheSpec, batch: int) -> Non
 
 
 def _check_layer(i: int, layer: Any, spec: CacheSpec, batch: int) -> None:
+    if hasattr(layer, "tables"):  # kvjax.paging.PagedLayer
+        if (layer.batch, layer.kv_heads, layer.head_dim) != (batch, spec.kv_heads, spec.head_dim):
+            raise ValueError(
+                f"cache layer {i} is paged for [batch={layer.batch}, kv_heads={layer.kv_heads}, "
+                f"head_dim={layer.head_dim}]; the model needs [{batch}, {spec.kv_heads}, "
+                f"{spec.head_dim}]")
+        return
     if not isinstance(layer, TokenCache):
         raise ValueError(f"cache layer {i} is a {type(layer).__name__}, expected TokenCache")
     capacity = layer.pos.shape[-1]

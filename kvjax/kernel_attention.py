@@ -1,0 +1,133 @@
+"""`attend(impl="pallas")`: the cache layers as page pools for the Pallas kernel.
+
+Every layer kind the kernel reads is a pool of pages plus block tables:
+
+- `PagedLayer`: as it is.
+- `TokenCache` (per-head layout): each row's `C` slots are `C/S` pages of
+  `S` slots, by a free reshape of `[B*KVH, C, ...]` to `[B*KVH*C/S, S, ...]`,
+  with identity block tables; only the pages below the write cursor are read.
+  `S` is the largest power of two <= 256 that divides `C` (at least 8).
+- `ResidualCache` (KIVI): the encoded body and the exact recent part are two
+  kernel calls whose softmax states are merged.
+
+Dense (float32/bf16/fp8), `PackedTokens` and `PackedChannels` stores are
+decoded inside the kernel. Pooled (head-wise budget) and low-rank layers are
+not: `supports_pallas` says no and `attend` uses the XLA path for them.
+
+Example:
+    >>> out = attend_pallas(q, q_pos, cache, backend="tpu", interpret=True)  # on CPU
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import page_formats as pf
+from kernels_pallas.paged_attention import Partial, finish, merge, paged_attention_partial
+from kvjax.cache import ResidualCache, TokenCache
+from kvjax.paging import PagedLayer
+from kvjax.stores import PackedChannels, PackedTokens, is_dense
+
+MAX_PAGE = 256
+MIN_PAGE = 8
+
+
+def pallas_backend() -> str | None:
+    """The kernel backend of the default device: "tpu", "gpu", or None (CPU: no compiled Pallas)."""
+    platform = jax.default_backend()
+    return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
+
+
+def page_size_for(capacity: int) -> int | None:
+    """Largest power of two <= MAX_PAGE dividing `capacity`, or None below MIN_PAGE."""
+    size = MAX_PAGE
+    while size >= MIN_PAGE:
+        if capacity % size == 0:
+            return size
+        size //= 2
+    return None
+
+
+def _store_pages(store: Any, page: int):
+    """(format, arrays) of a store whose slot leaves are [R, C, ...], as pages of `page` slots."""
+    as_pages = lambda x: x.reshape(-1, page, *x.shape[2:])
+    if is_dense(store):
+        return pf.DENSE, (as_pages(store),)
+    if isinstance(store, PackedTokens):
+        fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None)
+        params = (store.scale,) if store.offset is None else (store.scale, store.offset)
+        return fmt, tuple(as_pages(x) for x in (store.words, *params))
+    if isinstance(store, PackedChannels):
+        fmt = pf.PackedChannels(store.bits, symmetric=store.offset is None)
+        ids = store.group_id.astype(jnp.int32)[..., None]
+        tables = (store.scale,) if store.offset is None else (store.scale, store.offset)
+        return fmt, (as_pages(store.words), as_pages(ids), *tables)
+    return None
+
+
+def _paged_store(store: Any):
+    """(format, arrays) of a `PagedLayer` store (already [P, S, ...])."""
+    if is_dense(store):
+        return pf.DENSE, (store,)
+    fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None)
+    return fmt, tuple(x for x in (store.words, store.scale, store.offset) if x is not None)
+
+
+def kernel_inputs(layer: Any) -> dict | None:
+    """The kernel's keyword arguments for one layer, or None if the kernel cannot read it."""
+    if isinstance(layer, PagedLayer):
+        (kf, ka), (vf, va) = _paged_store(layer.k), _paged_store(layer.v)
+        return dict(k_pages=ka, v_pages=va, k_format=kf, v_format=vf, pos_pages=layer.pos,
+                    block_tables=layer.tables, num_pages=layer.num_pages_used)
+    if not isinstance(layer, TokenCache) or layer.pooled:
+        return None
+    page = page_size_for(layer.capacity)
+    k, v = (None, None) if page is None else (_store_pages(layer.k, page),
+                                              _store_pages(layer.v, page))
+    if k is None or v is None:
+        return None
+    b, kvh, c = layer.pos.shape
+    per_row = c // page
+    tables = jnp.arange(b * kvh * per_row, dtype=jnp.int32).reshape(b, kvh, per_row)
+    used = jnp.full((b, kvh), (layer.length + page - 1) // page, jnp.int32)
+    return dict(k_pages=k[1], v_pages=v[1], k_format=k[0], v_format=v[0],
+                pos_pages=layer.pos.reshape(-1, 1, page), block_tables=tables, num_pages=used)
+
+
+def supports_pallas(layer: Any) -> bool:
+    """True if `attend_pallas` reads this layer in the kernel."""
+    if isinstance(layer, ResidualCache):
+        return supports_pallas(layer.body) and supports_pallas(layer.recent)
+    return isinstance(layer, PagedLayer) or kernel_inputs(layer) is not None
+
+
+def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
+    """The kernel's softmax state of `q` over one layer (both parts of a residual layer)."""
+    if isinstance(layer, ResidualCache):
+        return merge(attend_partial(q, q_pos, layer.body, **kwargs),
+                     attend_partial(q, q_pos, layer.recent, **kwargs))
+    inputs = kernel_inputs(layer)
+    if inputs is None:
+        raise ValueError(f"attend_pallas: the kernel does not read a {type(layer).__name__} "
+                         f"of this layout (pooled, low-rank, or capacity without a page size "
+                         f">= {MIN_PAGE}); use impl='xla'")
+    return paged_attention_partial(q, q_pos, **inputs, **kwargs)
+
+
+def attend_pallas(q: jax.Array, q_pos: jax.Array, layer: Any, *, window: int | None = None,
+                  softcap: float | None = None, backend: str | None = None, interpret=False,
+                  pages_per_split: int = 8) -> jax.Array:
+    """Attention over a layer with the Pallas kernel; the result `attend` gives, [B, T, H, D] f32.
+
+    `backend` defaults to the device's (`pallas_backend`); on CPU pass
+    `backend="tpu"` or `"gpu"` with `interpret=True` (tests do).
+    """
+    backend = backend or pallas_backend()
+    if backend is None:
+        raise ValueError("attend_pallas: no TPU or GPU; pass backend= with interpret=True")
+    partial = attend_partial(q, q_pos, layer, window=window, softcap=softcap, backend=backend,
+                             interpret=interpret, pages_per_split=pages_per_split)
+    return finish(partial, q.shape)
