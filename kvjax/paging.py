@@ -104,6 +104,11 @@ class PagedLayer:
         return self.k.shape[-1] if is_dense(self.k) else self.k.dim
 
     @property
+    def mass(self) -> None:
+        """Paged layers track no accumulated attention (H2O-style policies need a TokenCache)."""
+        return None
+
+    @property
     def capacity(self) -> int:
         """Slots one row can hold: table length x page size."""
         return self.tables.shape[-1] * self.page_size
