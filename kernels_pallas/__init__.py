@@ -1,5 +1,10 @@
-"""Pallas kernels (TPU Mosaic, GPU Mosaic) beside plain-jnp references.
+"""Pallas kernels (TPU Mosaic, GPU Triton) beside plain-jnp references.
 
-Empty until the kernels issue lands; `kvjax.attend(impl="xla")` is the
-reference path meanwhile.
+- `paged_attention`: attention of each sequence's queries over its pages of a
+  key/value pool (decode and prefill chunks), pages decoded in the kernel.
+- `page_formats`: how a page is stored (dense, per-token packed, KIVI
+  per-channel) and decoded, shared by kernels and references.
+
+`kvjax.attend(impl="pallas")` dispatches here on TPU/GPU; tests run the
+kernels in interpret mode on CPU and lower them with `jax.export`.
 """

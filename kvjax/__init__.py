@@ -9,6 +9,9 @@ from kvjax.codecs import fp8, kivi, quantize
 from kvjax.eviction import (compact, expected_attention, h2o, keep_top_k, knorm, pool_heads,
                             pyramidkv, random, resize, scored_policy, shrink, sliding_window,
                             snapkv, streaming_llm, tova)
+from kvjax.kernel_attention import attend_pallas, supports_pallas
+from kvjax.paging import (NULL_PAGE, PagedLayer, PagePool, check_pool, drop_lowest_pages,
+                          evict_pages, fork, init_paged_cache, page_scores, release, reserve)
 from kvjax.methods import METHODS, parse_method, register_method
 from kvjax.stats import LayerStats, StatsSpec, init_stats
 from kvjax.transforms import CacheTransform, chain, full, on_layers
@@ -21,4 +24,7 @@ __all__ = [
     "keep_top_k", "knorm", "nbytes", "num_valid", "on_layers", "parse_method", "pool_heads",
     "pyramidkv", "random", "register_method", "resize", "scored_policy", "shard_cache",
     "shrink", "sliding_window", "snapkv", "streaming_llm", "tova", "write",
+    "NULL_PAGE", "PagePool", "PagedLayer", "attend_pallas", "check_pool", "drop_lowest_pages",
+    "evict_pages", "fork", "init_paged_cache", "page_scores", "release", "reserve",
+    "supports_pallas",
 ]

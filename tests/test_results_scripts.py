@@ -52,3 +52,16 @@ def test_codec_passkey_batches_merge_by_method():
             {"method": "kivi-2", "length": 2048, "first": 10, "trials": 10, "correct": 2},
             {"method": "kivi-2", "length": 1024, "first": 0, "trials": 10, "correct": 9}]
     assert passkey_cells(rows, 2048) == {"kivi-2": {"trials": 20, "correct": 3, "accuracy": 0.15}}
+
+
+def test_kernel_benchmark_runs_in_smoke_mode(tmp_path):
+    """bench_kernels.py on CPU: tiny shapes in interpret mode; every method times something."""
+    from experiments.bench_kernels import main
+    rows = main(["--smoke", "--out", str(tmp_path / "b")])
+    methods = [r["method"] for r in rows]
+    assert methods == ["kvjax paged bf16", "kvjax paged int8", "kvjax paged int4",
+                       "kvjax xla (contiguous)"]
+    assert all(r["ms"] > 0 and r["bytes"] > 0 for r in rows)
+    by = {r["method"]: r["bytes"] for r in rows}
+    assert by["kvjax paged int4"] < by["kvjax paged int8"] < by["kvjax paged bf16"]
+    assert not list(tmp_path.iterdir())  # smoke runs write no results
