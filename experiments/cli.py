@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--impl", choices=["xla", "pallas"], default="xla",
+                   help="attention: XLA, or the Pallas kernels on TPU/GPU (XLA on CPU)")
     g.add_argument("--compress-every", type=int, default=0,
                    help="also apply --method every N decode steps (0 = only after prefill)")
 
@@ -132,7 +134,7 @@ def cmd_generate(args, model, tokenizer) -> dict:
     start = time.perf_counter()
     out = generate(model, [ids], contexts=contexts, max_new_tokens=args.max_new_tokens,
                    sampling=sampling, transform=_transform(args.method), seed=args.seed,
-                   compress_every=args.compress_every)
+                   compress_every=args.compress_every, impl=args.impl)
     seconds = time.perf_counter() - start
     tokens = out.tokens[0, :out.num_tokens[0]].tolist()
     return {"text": tokenizer.decode(tokens), "tokens": tokens,

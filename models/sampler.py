@@ -100,15 +100,15 @@ def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int, pad_id: int = 0
     return PaddedPrompts(tokens, positions, lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "spec"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "spec", "impl"),
                    donate_argnames=("cache",))
-def _prefill(graphdef, state, tokens, positions, cache, stats, chunk, spec=NO_STATS):
+def _prefill(graphdef, state, tokens, positions, cache, stats, chunk, spec=NO_STATS, impl="xla"):
     model = nnx.merge(graphdef, state)
     b, width = tokens.shape
     chunks = lambda x: x.reshape(b, width // chunk, chunk).swapaxes(0, 1)  # [N, B, chunk]
 
     def step(carry, xs):
-        h, cache, stats = model.forward(*xs, *carry, spec)
+        h, cache, stats = model.forward(*xs, *carry, spec, impl=impl)
         return (cache, stats), h[:, -1]
 
     (cache, stats), last = jax.lax.scan(step, (cache, stats), (chunks(tokens), chunks(positions)))
@@ -116,12 +116,13 @@ def _prefill(graphdef, state, tokens, positions, cache, stats, chunk, spec=NO_ST
 
 
 def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
-            chunk: int = 256) -> tuple[jax.Array, Cache]:
+            chunk: int = 256, impl: str = "xla") -> tuple[jax.Array, Cache]:
     """Run a left-padded prompt batch through the model in chunks of `chunk` tokens.
 
     Args:
       tokens, positions: [B, P] int32 with P a multiple of `chunk` (see `pad_prompts`).
       cache: the model cache; it is donated (do not reuse the argument).
+      impl: attention implementation (`kvjax.attend`): "xla" or "pallas".
     Returns:
       logits [B, V] float32 of each sequence's last prompt token, and the cache.
     """
@@ -134,15 +135,15 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
                          f"({kvjax.free_tokens(cache[0])} tokens free)")
     graphdef, state = nnx.split(model)
     logits, cache, _ = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions),
-                                cache, None, chunk)
+                                cache, None, chunk, NO_STATS, impl)
     return logits, cache
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "sampling", "update",
-                                             "spec", "every", "eos_ids", "pad_id"),
+                                             "spec", "every", "eos_ids", "pad_id", "impl"),
                    donate_argnames=("cache",))
 def _decode(graphdef, state, logits, cache, tstate, stats, next_pos, key, max_new, sampling,
-            update, spec, every, eos_ids, pad_id):
+            update, spec, every, eos_ids, pad_id, impl="xla"):
     model = nnx.merge(graphdef, state)
     b = logits.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
@@ -161,7 +162,8 @@ def _decode(graphdef, state, logits, cache, tstate, stats, next_pos, key, max_ne
 
     def body(carry):
         step, token, cache, tstate, stats, pos, done, out, key = carry
-        h, cache, stats = model.forward(token[:, None], pos[:, None], cache, stats, spec)
+        h, cache, stats = model.forward(token[:, None], pos[:, None], cache, stats, spec,
+                                        impl=impl)
         if every:
             cache, tstate = jax.lax.cond(step % every == 0, update, lambda c, s, _: (c, s),
                                          cache, tstate, stats)
@@ -192,7 +194,8 @@ class Prefilled(NamedTuple):
 def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
                   stats: StatsSpec = NO_STATS, room: int = 0, capacity: int | None = None,
                   chunk: int = 256, cache_dtype: Any = jnp.float32,
-                  place_cache: Callable[[Cache], Cache] | None = None) -> Prefilled:
+                  place_cache: Callable[[Cache], Cache] | None = None,
+                  impl: str = "xla") -> Prefilled:
     """Prefill `prompts` (left-padded, batched) into a fresh cache, collecting `stats`.
 
     The cache has `capacity` slots (default: padded prompt width + `room`).
@@ -213,7 +216,7 @@ def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
     graphdef, state = nnx.split(model)
     logits, cache, layer_stats = _prefill(graphdef, state, jnp.asarray(padded.tokens),
                                           jnp.asarray(padded.positions), cache,
-                                          model.init_stats(stats, cache), chunk, stats)
+                                          model.init_stats(stats, cache), chunk, stats, impl)
     return Prefilled(logits, cache, layer_stats, None, padded.lengths)
 
 
@@ -243,7 +246,8 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
                          capacity: int | None = None, chunk: int = 256,
                          cache_dtype: Any = jnp.float32, shrink: bool = True,
                          max_write: int | None = None,
-                         place_cache: Callable[[Cache], Cache] | None = None) -> Prefilled:
+                         place_cache: Callable[[Cache], Cache] | None = None,
+                         impl: str = "xla") -> Prefilled:
     """`prefill_batch` collecting what `transform` needs, then `compress`.
 
     Example:
@@ -252,12 +256,14 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
     """
     transform = transform or full()
     pre = prefill_batch(model, prompts, stats=transform.stats, room=room, capacity=capacity,
-                        chunk=chunk, cache_dtype=cache_dtype, place_cache=place_cache)
+                        chunk=chunk, cache_dtype=cache_dtype, place_cache=place_cache,
+                        impl=impl)
     return compress(pre, transform, room=room, shrink=shrink, max_write=max_write)
 
 
 def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
-           transform: CacheTransform | None = None, chunk: int = 256) -> Prefilled:
+           transform: CacheTransform | None = None, chunk: int = 256,
+           impl: str = "xla") -> Prefilled:
     """Prefill more tokens of every sequence on top of its (compressed) cache.
 
     `suffixes[b]` continues sequence `b` at position `pre.next_pos[b]`. This is
@@ -278,7 +284,8 @@ def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
                          padded.positions + pre.next_pos[:, None]).astype(np.int32)
     graphdef, state = nnx.split(model)
     logits, cache, stats = _prefill(graphdef, state, jnp.asarray(padded.tokens),
-                                    jnp.asarray(positions), pre.cache, pre.stats, chunk, spec)
+                                    jnp.asarray(positions), pre.cache, pre.stats, chunk, spec,
+                                    impl)
     return Prefilled(logits, cache, stats, pre.transform_state, pre.next_pos + padded.lengths)
 
 
@@ -295,7 +302,8 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
              capacity: int | None = None, shrink: bool = True, chunk: int = 256,
              seed: int = 0, eos_ids: Sequence[int] | None = None, pad_id: int = 0,
              cache_dtype: Any = jnp.float32,
-             place_cache: Callable[[Cache], Cache] | None = None) -> Generation:
+             place_cache: Callable[[Cache], Cache] | None = None,
+             impl: str = "xla") -> Generation:
     """Generate up to `max_new_tokens` for each prompt (token-id lists), batched.
 
     `transform` (default: full cache) compresses the cache after prefill and,
@@ -309,6 +317,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     the padded prompt width plus `max_new_tokens`.
     `place_cache` puts the empty cache on devices, e.g.
     `functools.partial(kvjax.shard_cache, mesh=mesh)`; jit follows its sharding.
+    `impl="pallas"` runs attention in the Pallas kernels on TPU/GPU (`kvjax.attend`).
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -328,18 +337,19 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     pre = prefill_and_compress(model, first, transform=transform,
                                room=suffix_room + max_new_tokens, capacity=capacity,
                                chunk=chunk, cache_dtype=cache_dtype, shrink=shrink,
-                               max_write=max(suffix_room, 1), place_cache=place_cache)
+                               max_write=max(suffix_room, 1), place_cache=place_cache,
+                               impl=impl)
     if contexts is not None:
-        pre = extend(model, pre, prompts, transform=transform, chunk=chunk)
+        pre = extend(model, pre, prompts, transform=transform, chunk=chunk, impl=impl)
     return decode(model, pre, max_new_tokens=max_new_tokens, sampling=sampling,
                   transform=transform, compress_every=compress_every, seed=seed,
-                  eos_ids=eos_ids, pad_id=pad_id)
+                  eos_ids=eos_ids, pad_id=pad_id, impl=impl)
 
 
 def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
            sampling: Sampling = GREEDY, transform: CacheTransform | None = None,
            compress_every: int = 0, seed: int = 0, eos_ids: Sequence[int] | None = None,
-           pad_id: int = 0) -> Generation:
+           pad_id: int = 0, impl: str = "xla") -> Generation:
     """Generate from a prefilled (and possibly compressed) batch; see `generate`.
 
     The cache needs room for `max_new_tokens - 1` more tokens (the last token
@@ -360,7 +370,7 @@ def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
     out, cache, tstate = _decode(graphdef, state, pre.logits, pre.cache, pre.transform_state,
                                  stats, jnp.asarray(pre.next_pos), jax.random.key(seed),
                                  max_new_tokens, sampling, update, spec, compress_every,
-                                 eos_ids, pad_id)
+                                 eos_ids, pad_id, impl)
     out = np.asarray(out)
     return Generation(out, _num_generated(out, eos_ids, max_new_tokens), cache, tstate)
 

@@ -252,3 +252,13 @@ def test_int4_pages_hold_what_the_int4_store_holds():
     store = put(PackedTokens.empty(2, 6, 32, 4, 16), x.reshape(2, 6, 32), 0)
     got = np.asarray(dense_view(layer).k)[:, :6]
     np.testing.assert_array_equal(got, np.asarray(read(store)))
+
+
+def test_generate_with_the_kernel_matches_xla(kernel_on_cpu):
+    """generate(impl="pallas") threads the kernel through prefill and the decode loop."""
+    from models.sampler import generate
+    cfg, model, tokens = small_model_and_prompt()
+    prompts = [tokens[0, :9].tolist(), tokens[1, :6].tolist()]
+    want = generate(model, prompts, max_new_tokens=6, capacity=48, chunk=8)
+    got = generate(model, prompts, max_new_tokens=6, capacity=48, chunk=8, impl="pallas")
+    np.testing.assert_array_equal(got.tokens, want.tokens)
