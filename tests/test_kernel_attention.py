@@ -30,7 +30,7 @@ def encode(layer, method):
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
-@pytest.mark.parametrize("method", ["full", "quantize:bits=4", "quantize:bits=8,group=64",
+@pytest.mark.parametrize("method", ["full", "fp8:fmt=e4m3", "quantize:bits=4", "quantize:bits=8,group=64",
                                     "quantize:bits=4,axis=channel", "kivi:bits=2,group=16,residual=16"])
 def test_kernel_reads_each_layer_like_the_reference(backend, method):
     layer, q, q_pos = filled(0, 45, capacity=64)

@@ -56,7 +56,8 @@ def run_both(q, q_pos, k, v, pos, tables, counts, backend, interpret=True, **kw)
 # lengths cover 0, 1, page-1, page, page+1 and a full table, in ragged batches
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 @pytest.mark.parametrize("head_dim,kv_heads,group,page_size", [
-    (64, 2, 1, 16), (128, 1, 8, 16), (64, 1, 3, 32)], ids=["d64-mha", "d128-gqa8", "d64-gqa3"])
+    (64, 2, 1, 16), (128, 1, 8, 16), (64, 1, 3, 32), (64, 1, 3, 128)],
+    ids=["d64-mha-p16", "d128-gqa8-p16", "d64-gqa3-p32", "d64-gqa3-p128"])
 def test_decode_matches_reference(backend, head_dim, kv_heads, group, page_size):
     rng = np.random.default_rng(head_dim + group)
     lengths = [0, 1, page_size - 1, page_size, page_size + 1, 3 * page_size]
@@ -181,6 +182,20 @@ def test_packed_channel_keys(backend, bits, symmetric):
     got, want = run_both(q, q_pos, kp, vp, pos, tables, counts, backend,
                          k_format=pf.PackedChannels(bits, symmetric),
                          v_format=pf.PackedTokens(2, 32))
+    np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_tpu_semantics_interpret_quantized():
+    """TPU interpret mode over KIVI keys (one-hot table gather) and int4 values."""
+    rng = np.random.default_rng(8)
+    lengths = [3, 20]
+    k, v, pos, tables, counts = make_pool(rng, batch=2, kv_heads=1, page_size=16, head_dim=64,
+                                          lengths=lengths)
+    kp = packed_channels(rng, k, 4, rows=2, groups=3, symmetric=False)
+    q, q_pos = queries(rng, 2, 1, 3, 64, lengths)
+    got, want = run_both(q, q_pos, kp, packed_tokens(v, 4, 32, False), pos, tables, counts, "tpu",
+                         interpret=pltpu.InterpretParams(), k_format=pf.PackedChannels(4),
+                         v_format=pf.PackedTokens(4, 32))
     np.testing.assert_allclose(got, want, **TOL)
 
 
