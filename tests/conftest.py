@@ -28,3 +28,11 @@ def tiny_model():
     from flax import nnx
     from models.llama import Llama, LlamaConfig
     return Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop jit caches after each module: the suite compiles many small programs (interpret-mode
+    kernels above all), and one process holding them all can run out of memory."""
+    yield
+    jax.clear_caches()
