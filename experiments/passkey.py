@@ -130,12 +130,17 @@ def load_corpus(text_paths: tuple[str, ...] | None = None) -> Corpus:
 
 # ----------------------------------------------------------------------------- prompts
 
-def _render(tokenizer, haystack: str) -> tuple[list[int], list[int]]:
-    """haystack text -> (context ids, question ids); see the module docstring."""
-    head = f"{INSTRUCTION}\n\n{haystack}"
-    content = f"{head}\n\n{QUESTION}"
+def render(tokenizer, haystack: str, instruction: str = INSTRUCTION, question: str = QUESTION,
+           answer_prefix: str = ANSWER_PREFIX) -> tuple[list[int], list[int]]:
+    """haystack text -> (context ids, question ids); see the module docstring.
+
+    The chat's user turn is `instruction`, a blank line, `haystack`, a blank
+    line and `question`; `answer_prefix` opens the assistant's turn.
+    """
+    head = f"{instruction}\n\n{haystack}"
+    content = f"{head}\n\n{question}"
     full = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True) + ANSWER_PREFIX
+                                         add_generation_prompt=True) + answer_prefix
     cut = full.index(content) + len(head)
     context, ids = tokenizer.encode(full[:cut]), tokenizer.encode(full)
     if ids[:len(context)] != context:
@@ -179,7 +184,7 @@ def _make_one(tokenizer, tokenized: _Tokenized, length: int, depth: float, key: 
               first: int) -> PasskeyTrial:
     text, starts, tok_at = tokenized
     needle = NEEDLE.format(key=key)
-    overhead = len(_render(tokenizer, needle)[0]) - len(tokenizer.encode(needle))
+    overhead = len(render(tokenizer, needle)[0]) - len(tokenizer.encode(needle))
     # context tokens = overhead + needle + prose; the prose's first word has no leading
     # space unless the needle comes first (k == 0)
     blank_line = len(tokenizer.encode("\n\nThe")) - len(tokenizer.encode("The"))
@@ -212,7 +217,7 @@ def _make_one(tokenizer, tokenized: _Tokenized, length: int, depth: float, key: 
         return j, k, overhead + needle_cost[k == 0] + change + int(tok_at[j] - tok_at[i])
 
     def build(i, j, k):
-        context, question = _render(tokenizer, _haystack(text, starts[i:j + 1], k, needle))
+        context, question = render(tokenizer, _haystack(text, starts[i:j + 1], k, needle))
         return abs(len(context) - length), context, question
 
     best, candidates = None, []
