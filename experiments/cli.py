@@ -6,6 +6,7 @@
     kvjax ppl --text experiments/data/kjv_genesis.txt --context 1024 --prefix 768 \
         --method snapkv:ratio=0.5+kivi:bits=2
     kvjax calibrate --out basis.npz        # then --method low_rank:rank=32,basis=basis.npz
+    kvjax eval --config experiments/configs/smoke.toml --out results/smoke
 
 Every command takes `--model smollm2|PATH` (a .gguf file or a Hugging Face
 directory), `--method NAME[:k=v,...]` and `--json` (one JSON object on stdout).
@@ -62,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix", type=int, default=0,
                    help="P: prefill and compress each window's first P tokens with --method, "
                         "score only the rest (needed by any method other than full)")
+    e = sub.add_parser("eval", help="a grid of task x length x method cells (experiments/harness.py)")
+    e.add_argument("--config", type=Path, required=True, help="TOML grid, e.g. experiments/configs/smoke.toml")
+    e.add_argument("--out", type=Path, required=True, help="results folder (cells.jsonl, tables, plots)")
+    e.add_argument("--report", action="store_true", help="only rewrite tables and plots")
+
     c = sub.add_parser("calibrate", help="low-rank K/V bases from real text (for low_rank)")
     c.add_argument("--model", default="smollm2", help="as for the other commands")
     c.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
@@ -173,8 +179,25 @@ def enable_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+def cmd_eval(args) -> int:
+    """Run the grid's unfinished cells (each in a worker process), then write the report."""
+    from experiments import harness
+
+    try:
+        cells = harness.load_config(args.config)
+        if not args.report:
+            harness.sweep(cells, args.out, harness.max_rss_gb(args.config))
+        print(harness.report(args.out))
+    except (FileNotFoundError, ValueError) as e:
+        print(f"kvjax: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "eval":
+        return cmd_eval(args)
     from models.loading import load_model
 
     enable_compilation_cache()
