@@ -81,3 +81,11 @@ def test_report_tables_and_heatmaps(tmp_path):
     assert "### passkey" in text and "| snapkv:ratio=0.5 | 0.29 | 0.57 |" in text
     assert (tmp_path / "passkey.png").stat().st_size > 0
     assert (tmp_path / "tables.md").read_text() == text
+
+
+def test_cli_eval_reports_a_bad_config_clearly(tmp_path, capsys):
+    from experiments.cli import main
+    path = tmp_path / "grid.toml"
+    path.write_text(CONFIG.replace('"passkey"', '"trivia"'))
+    assert main(["eval", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert "unknown task 'trivia'" in capsys.readouterr().err
