@@ -77,9 +77,10 @@ def _check_counts(tokenizer, context: list[int], counts: dict[str, int]) -> None
             raise AssertionError(f"{pattern!r} occurs {got} times in the context, not {want}")
 
 
-def _words(rng: np.random.Generator, n: int) -> list[str]:
-    """n distinct lowercase words of 5-9 letters from the prose."""
-    vocab = sorted(set(re.findall(r"\b[a-z]{5,9}\b", load_corpus().text)))
+def _words(rng: np.random.Generator, n: int, avoid: str = "") -> list[str]:
+    """n distinct lowercase words of 5-9 letters from the prose, none of them in `avoid`."""
+    vocab = sorted(set(re.findall(r"\b[a-z]{5,9}\b", load_corpus().text))
+                   - set(re.findall(r"\w+", avoid.lower())))
     return [vocab[i] for i in rng.choice(len(vocab), n, replace=False)]
 
 
@@ -99,17 +100,15 @@ def _names(rng: np.random.Generator, n: int) -> list[str]:
 
 
 def _prose_with(tokenizer, length: int, inserts: Sequence[tuple[float, str]], instruction: str,
-                question: str, prefix: str, rng: np.random.Generator):
+                question: str, prefix: str, rng: np.random.Generator, attempts: int = 16):
     """(context, question ids): prose from a random sentence on, `inserts` (depth, sentence)
-    placed at the sentence boundaries nearest their depths, cut to fit `length` tokens."""
+    placed at the sentence boundaries nearest their depths, as many sentences as fit
+    `length` tokens (binary search). A start whose sentences cannot come within SLACK
+    tokens of `length` (a very long sentence at the cut) is replaced by another."""
     corpus = load_corpus()
     text, starts, tok_at = _tokenized(tokenizer, corpus)
-    first = int(rng.integers(len(corpus.starts)))
-    extra = " ".join(s for _, s in inserts)
-    overhead = len(render(tokenizer, extra, instruction, question, prefix)[0])
-    j = int(np.searchsorted(tok_at, tok_at[first] + length - overhead, side="right"))
-    for _ in range(64):
-        j -= 1
+
+    def build(first, j):
         bounds = tok_at[first:j + 1] - tok_at[first]
         at: dict[int, list[str]] = {}
         for depth, sentence in sorted(inserts):
@@ -119,12 +118,20 @@ def _prose_with(tokenizer, length: int, inserts: Sequence[tuple[float, str]], in
             parts += at.get(k, [])
             if k < j - first:
                 parts.append(text[starts[first + k]:starts[first + k + 1] - 1])
-        context, q = render(tokenizer, " ".join(parts), instruction, question, prefix)
-        if len(context) <= length:
-            break
-    if not length - SLACK <= len(context) <= length:
-        raise ValueError(f"could not fit a {length}-token context (got {len(context)})")
-    return context, q
+        return render(tokenizer, " ".join(parts), instruction, question, prefix)
+
+    for _ in range(attempts):
+        first = int(rng.integers(len(corpus.starts)))
+        lo = first + 1
+        hi = int(np.searchsorted(tok_at, tok_at[first] + length, side="right"))
+        while lo < hi:  # the most sentences whose context fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if len(build(first, mid)[0]) <= length else (lo, mid - 1)
+        context, q = build(first, lo)
+        if length - SLACK <= len(context) <= length:
+            return context, q
+    raise ValueError(f"could not fit a {length}-token context in {attempts} tries "
+                     f"(last: {len(context)} tokens)")
 
 
 def _niah(tokenizer, length, rng, keys: int, values: int, multivalue: bool):
@@ -162,7 +169,9 @@ def _variable_tracking(tokenizer, length, rng, hops: int):
 def _common_words(tokenizer, length, rng, common: int, freq: int, rare: int):
     question = f"What are the {common} most common words in the above list?"
     prefix = f"Answer: The top {common} words that appear most often in the list are:"
-    words = _words(rng, common + 4096)
+    chat = tokenizer.apply_chat_template(  # system turn, instruction and question
+        [{"role": "user", "content": f"{CWE_INSTRUCTION} {question}"}]) + prefix
+    words = _words(rng, common + 4096, avoid=chat)
     top, others = words[:common], words[common:]
 
     def build(n_rare):
