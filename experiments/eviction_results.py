@@ -224,10 +224,10 @@ def plot_and_tables(out: Path) -> str:
         for ax, length in zip(axes[0], lengths):
             rows = [r for r in passkey if r["length"] == length]
             full = [r for r in rows if r["policy"] == "full"]
-            for name in POLICIES:
+            for i, name in enumerate(POLICIES):
                 pts = sorted((r["ratio"], r["accuracy"]) for r in rows if r["policy"] == name)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=name)
+                    ax.plot(*zip(*pts), marker="o", label=name, color=plt.cm.tab20(i))
             if full:
                 ax.axhline(full[0]["accuracy"], color="k", ls="--", label="full cache")
             ax.set(title=f"passkey, {length} tokens", xlabel="compression ratio (fraction evicted)",
