@@ -184,9 +184,9 @@ def cmd_eval(args) -> int:
     from experiments import harness
 
     try:
-        cells = harness.load_config(args.config)
+        grid = harness.load_config(args.config)
         if not args.report:
-            harness.sweep(cells, args.out, harness.max_rss_gb(args.config))
+            harness.sweep(grid.cells, args.out, grid.max_rss_gb)
         print(harness.report(args.out))
     except (FileNotFoundError, ValueError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)

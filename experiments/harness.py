@@ -37,7 +37,7 @@ import time
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from experiments.ruler import TASKS as RULER_TASKS
 
@@ -61,8 +61,13 @@ class Cell:
         return (self.model, self.task, self.length, self.method, self.trials, self.seed)
 
 
-def load_config(path: Path) -> list[Cell]:
-    """The cells of a TOML grid config, in order (see the module docstring)."""
+class Grid(NamedTuple):
+    cells: list[Cell]  # in config order
+    max_rss_gb: float  # memory bound of one worker
+
+
+def load_config(path: Path) -> Grid:
+    """The cells of a TOML grid config and the worker memory bound (see the module docstring)."""
     config = tomllib.loads(Path(path).read_text())
     shared = {k: config[k] for k in ("model", "trials", "seed", "batch", "max_new_tokens")
               if k in config}
@@ -83,11 +88,7 @@ def load_config(path: Path) -> list[Cell]:
     from kvjax import parse_method
     for method in {c.method for c in cells}:
         parse_method(method)  # a bad method fails now, not in a worker an hour later
-    return cells
-
-
-def max_rss_gb(config_path: Path) -> float:
-    return float(tomllib.loads(Path(config_path).read_text()).get("max_rss_gb", 16))
+    return Grid(cells, float(config.get("max_rss_gb", 16)))
 
 
 # ----------------------------------------------------------------------------- one cell
@@ -174,13 +175,20 @@ def run_in_worker(fn: Callable[[Cell], dict], cell: Cell, limit_gb: float,
     return row
 
 
+def cell_of(row: dict) -> Cell:
+    """The cell a result row belongs to."""
+    return Cell(**{k: row[k] for k in Cell.__dataclass_fields__})
+
+
+def read_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def done_keys(path: Path) -> set:
     """Keys of the cells finished with status ok in a results file."""
     if not path.exists():
         return set()
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {Cell(**{k: r[k] for k in Cell.__dataclass_fields__}).key
-            for r in rows if r.get("status") == "ok"}
+    return {cell_of(r).key for r in read_rows(path) if r.get("status") == "ok"}
 
 
 def sweep(cells: Iterable[Cell], out: Path, limit_gb: float,
@@ -206,11 +214,7 @@ def sweep(cells: Iterable[Cell], out: Path, limit_gb: float,
 
 def report(out: Path) -> str:
     """Markdown tables (score per task: method x length) and a heatmap PNG per task."""
-    path = out / "cells.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    latest = {}
-    for r in rows:  # the last row of a cell wins (a rerun after a failure)
-        latest[(r["model"], r["task"], r["length"], r["method"], r["trials"], r["seed"])] = r
+    latest = {cell_of(r).key: r for r in read_rows(out / "cells.jsonl")}  # a rerun's row wins
     rows = list(latest.values())
     lines = []
     for task in dict.fromkeys(r["task"] for r in rows):

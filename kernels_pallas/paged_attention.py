@@ -127,7 +127,7 @@ def group_queries(q: jax.Array, q_pos: jax.Array, kv_heads: int, rows: int | Non
 
 
 def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format, v_format,
-                kv_heads, table_len, pages_per_split, math):
+                kv_heads, pages_per_split, math):
     # tables_ref [B*KVH*NP] int32 (SMEM), counts_ref [B*KVH] int32 (SMEM)
     # qpos_ref [GT, 1], q_ref [GT, D], pos_ref [1, S]; page blocks [S, ...]; tables [NG, D]
     nk, nv = len(k_format.kinds()), len(v_format.kinds())
@@ -186,7 +186,7 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
         scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
                         pltpu.VMEM((rows, d), jnp.float32)])
     kernel = functools.partial(_tpu_kernel, k_format=k_format, v_format=v_format,
-                               kv_heads=kvh, table_len=table_len,
+                               kv_heads=kvh,
                                pages_per_split=pages_per_split, math=math)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
@@ -203,7 +203,7 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
 
 
 def _gpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format, v_format,
-                kv_heads, pages_per_split, math):
+                pages_per_split, math):
     # tables_ref [B, KVH, NP], counts_ref [B, KVH]: whole arrays; qpos_ref [GT, 1];
     # q_ref [GT, D]; pos_ref [P, 1, S] and page arrays [P, S, ...]: whole pools;
     # per-row tables [NG, D]: this row's.
@@ -242,7 +242,7 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
                                  for kind, x in zip(fmt.kinds(), arrays)]
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, s: (s, bi, h, 0, 0))
-    kernel = functools.partial(_gpu_kernel, k_format=k_format, v_format=v_format, kv_heads=kvh,
+    kernel = functools.partial(_gpu_kernel, k_format=k_format, v_format=v_format,
                                pages_per_split=pages_per_split, math=math)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(

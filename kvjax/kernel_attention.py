@@ -68,18 +68,12 @@ def _store_pages(store: Any, page: int):
     return None
 
 
-def _paged_store(store: Any):
-    """(format, arrays) of a `PagedLayer` store (already [P, S, ...])."""
-    if is_dense(store):
-        return pf.DENSE, (store,)
-    fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None)
-    return fmt, tuple(x for x in (store.words, store.scale, store.offset) if x is not None)
-
-
 def kernel_inputs(layer: Any) -> dict | None:
     """The kernel's keyword arguments for one layer, or None if the kernel cannot read it."""
     if isinstance(layer, PagedLayer):
-        (kf, ka), (vf, va) = _paged_store(layer.k), _paged_store(layer.v)
+        # a page store's slot leaves are already [P, S, ...]: the reshape is the identity
+        (kf, ka), (vf, va) = (_store_pages(layer.k, layer.page_size),
+                              _store_pages(layer.v, layer.page_size))
         return dict(k_pages=ka, v_pages=va, k_format=kf, v_format=vf, pos_pages=layer.pos,
                     block_tables=layer.tables, num_pages=layer.num_pages_used)
     if not isinstance(layer, TokenCache) or layer.pooled:

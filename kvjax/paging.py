@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import EMPTY
-from kvjax.stores import PackedTokens, encode_dense, is_dense
+from kvjax.cache import EMPTY, TokenCache
+from kvjax.stores import PackedTokens, encode_dense, is_dense, map_slot_leaves, read
 
 NULL_PAGE = 0
 """Reserved page: never allocated, always empty; unused block-table entries point to it."""
@@ -101,7 +101,7 @@ class PagedLayer:
 
     @property
     def head_dim(self) -> int:
-        return self.k.shape[-1] if is_dense(self.k) else self.k.dim
+        return self.k.shape[-1]  # a store's logical shape ends in D too
 
     @property
     def mass(self) -> None:
@@ -159,10 +159,6 @@ def _scatter(store: Any, page: jax.Array, offset: jax.Array, x: jax.Array) -> An
                             for f in store.slot_fields if getattr(store, f) is not None})
 
 
-def _map_pages(store: Any, fn) -> Any:
-    return fn(store) if is_dense(store) else store.map_slots(fn)
-
-
 def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, max_pages: int,
                      head_dim: int, num_layers: int, dtype=jnp.float32, bits: int | None = None,
                      group: int = 32) -> tuple[PagePool, tuple[PagedLayer, ...]]:
@@ -212,6 +208,11 @@ def _in_use(layer: PagedLayer) -> jax.Array:
     return jnp.arange(layer.tables.shape[-1]) < layer.num_pages_used[..., None]
 
 
+def _last_page(layer: PagedLayer) -> jax.Array:
+    """[B, KVH, NP] bool: each row's last written page (it takes the next writes)."""
+    return jnp.arange(layer.tables.shape[-1]) == (layer.num_pages_used - 1)[..., None]
+
+
 @jax.jit
 def reserve(pool: PagePool, layers: Sequence[PagedLayer], new_tokens: jax.Array):
     """Allocate pages so every row of sequence b can take `new_tokens[b]` more slots.
@@ -250,7 +251,8 @@ def reserve(pool: PagePool, layers: Sequence[PagedLayer], new_tokens: jax.Array)
     def update(l: PagedLayer) -> PagedLayer:
         copy = lambda x: x.at[dst].set(x[jnp.minimum(src, n_pages - 1)], mode="drop")
         pos = l.pos.at[fresh_pages.reshape(-1)].set(EMPTY, mode="drop")
-        return l.replace(k=_map_pages(l.k, copy), v=_map_pages(l.v, copy), pos=copy(pos))
+        return l.replace(k=map_slot_leaves(l.k, copy), v=map_slot_leaves(l.v, copy),
+                         pos=copy(pos))
 
     pool = pool.replace(refcount=refcount, overflow=pool.overflow | ~ok)
     return pool, _with_tables(layers, tables, layer.lengths, update)
@@ -282,7 +284,7 @@ def fork(pool: PagePool, layers: Sequence[PagedLayer], source: jax.Array):
     share = share & ok
     tables = jnp.where(share[:, None, None], layer.tables[src], layer.tables)
     lengths = jnp.where(share[:, None], layer.lengths[src], layer.lengths)
-    used = share[:, None, None] & (jnp.arange(tables.shape[-1]) < -(-lengths // pool.page_size)[..., None])
+    used = share[:, None, None] & _in_use(layer.replace(tables=tables, lengths=lengths))
     refcount = pool.refcount + _count_refs(tables, used, pool.num_pages)
     return (pool.replace(refcount=refcount, overflow=pool.overflow | ~ok),
             _with_tables(layers, tables, lengths))
@@ -298,8 +300,7 @@ def evict_pages(pool: PagePool, layers: Sequence[PagedLayer], drop: jax.Array):
     """
     layer = layers[0]
     used = _in_use(layer)
-    last = jnp.arange(drop.shape[-1]) == (layer.num_pages_used - 1)[..., None]
-    drop = drop & used & ~last
+    drop = drop & used & ~_last_page(layer)
     refcount = pool.refcount - _count_refs(layer.tables, drop, pool.num_pages)
     keep = used & ~drop
     order = jnp.argsort(~keep, axis=-1, stable=True)  # kept pages first, in order
@@ -324,8 +325,7 @@ def page_scores(layer: PagedLayer, slot_scores: jax.Array) -> jax.Array:
 def drop_lowest_pages(layer: PagedLayer, scores: jax.Array, keep: int) -> jax.Array:
     """[B, KVH, NP] bool: the in-use pages to drop so each row keeps its last page and
     the `keep` best-scoring others (`scores` from `page_scores`)."""
-    last = jnp.arange(scores.shape[-1]) == (layer.num_pages_used - 1)[..., None]
-    candidate = _in_use(layer) & ~last
+    candidate = _in_use(layer) & ~_last_page(layer)
     rank = jnp.argsort(jnp.argsort(-jnp.where(candidate, scores, -jnp.inf), -1), -1)
     return candidate & (rank >= keep)
 
@@ -341,13 +341,9 @@ def check_pool(pool: PagePool) -> None:
 
 def dense_view(layer: PagedLayer):
     """The layer as a `TokenCache` of `NP * S` slots per row (gathered; for reference paths)."""
-    from kvjax.cache import TokenCache
-    from kvjax.stores import read
-
     rows = layer.tables.reshape(-1, layer.tables.shape[-1])  # [R, NP]
     gather = lambda x: x[rows].reshape(rows.shape[0], -1, *x.shape[2:])
-    k = gather(layer.k if is_dense(layer.k) else read(layer.k))
-    v = gather(layer.v if is_dense(layer.v) else read(layer.v))
+    k, v = gather(read(layer.k)), gather(read(layer.v))
     in_use = jnp.arange(layer.capacity) < layer.lengths.reshape(-1, 1)
     pos = jnp.where(in_use, gather(layer.pos[:, 0]), EMPTY).reshape(layer.batch, layer.kv_heads, -1)
     return TokenCache(k=k, v=v, pos=pos, length=jnp.max(layer.lengths))

@@ -380,5 +380,9 @@ def fold_rows(store: Any, rows: int) -> Any:
     if isinstance(store, (PackedChannels, Latent)):
         raise ValueError(f"head-wise budgets (pooled layout) do not support a "
                          f"{type(store).__name__} store: its parameters belong to one KV head")
-    fold = lambda x: x.reshape(rows, -1, *x.shape[2:])
-    return fold(store) if is_dense(store) else store.map_slots(fold)
+    return map_slot_leaves(store, lambda x: x.reshape(rows, -1, *x.shape[2:]))
+
+
+def map_slot_leaves(store: Any, fn) -> Any:
+    """`fn` applied to a dense array, or to every slot leaf of an encoded store."""
+    return fn(store) if is_dense(store) else store.map_slots(fn)

@@ -43,8 +43,9 @@ methods = ["kivi:bits=2"]
 def test_config_expands_the_grid_and_rejects_mistakes(tmp_path):
     path = tmp_path / "grid.toml"
     path.write_text(CONFIG)
-    cells = harness.load_config(path)
+    cells, limit_gb = harness.load_config(path)
     assert len(cells) == 2 * 2 * 2 + 1 and all(c.trials == 4 for c in cells)
+    assert limit_gb == 16  # the default bound
     assert cells[-1] == Cell("niah_multikey", 512, "kivi:bits=2", trials=4)
     for bad, message in [(CONFIG.replace('"passkey"', '"trivia"'), "unknown task"),
                          (CONFIG.replace("snapkv:ratio", "snapkv:ration"), "ration"),
