@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.eviction_results import (append, load_rows, merged_stats, whole_cells,
-                                          window_ids)
+from experiments.eviction_results import append, load_rows, merged_stats, whole_cells
+from experiments.ppl import window_ids
 
 BASIS = "{basis}"
 METHODS = {

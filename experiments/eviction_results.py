@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.ppl import window_ids
+
 POLICIES = ("streaming_llm", "sliding_window", "snapkv", "pyramidkv", "adakv_snapkv", "tova",
             "h2o", "expected_attention", "knorm", "random", "snapkv_query_aware")
 QUERY_AWARE = "_query_aware"  # the question is prefilled with the context and scores it
@@ -64,15 +66,6 @@ def merged_stats(transforms):
     import kvjax
     return functools.reduce(kvjax.StatsSpec.merge, [t.stats for t in transforms],
                             kvjax.StatsSpec())
-
-
-def window_ids(tokenizer, path: Path, length: int, count: int) -> list[list[int]]:
-    """The first `count` whole windows of `length` tokens of a text file."""
-    from experiments.ppl import sliding_windows
-
-    ids = tokenizer.encode(path.read_text(encoding="utf-8"))
-    wins = [w for w in sliding_windows(len(ids), length) if w.end - w.start == length][:count]
-    return [ids[w.start:w.end] for w in wins]
 
 
 def cells(names, ratios):

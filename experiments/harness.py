@@ -1,29 +1,47 @@
-"""`kvjax eval`: a grid of (task, context length, method) cells on a real model, one command.
+"""`kvjax eval` / `kvjax bench`: grids of (task, length, method) cells on a real model.
 
-A TOML config names the model and the grid:
+A TOML config names the model, shared settings and one or more grid blocks:
 
     model = "smollm2"
-    trials = 10            # per cell, batched
+    trials = 10            # per cell, run in batches of `batch`
+    batch = 10
     max_rss_gb = 12        # a worker above this is killed, its cell marked failed
+    workers = 2            # untimed cells run this many at a time
 
-    [[grid]]
-    tasks = ["passkey", "niah_multikey", "variable_tracking"]
+    [[grid]]               # any shared setting may be overridden per block
+    tasks = ["passkey", "niah_multikey"]
     lengths = [1024, 2048]
     methods = ["full", "streaming_llm:ratio=0.5", "snapkv:ratio=0.5+kivi:bits=4"]
 
-Tasks: `passkey` (experiments/passkey.py, depths spread over the trials) and the
-RULER-style tasks of experiments/ruler.py. Each context is prefilled and compressed
-by the method before the question is appended (query-agnostic, kvpress's protocol),
-then the answer is decoded greedily.
+    [[grid]]               # kvjax beside kvpress on the same prompts, both timed warm
+    tasks = ["passkey"]
+    lengths = [1024]
+    methods = ["full", "snapkv:ratio=0.5"]
+    engines = ["kvjax", "kvpress"]
+    batch = 8
+
+    [[grid]]               # memory and speed
+    tasks = ["speed"]
+    lengths = [512, 2048]
+    batches = [1, 8]
+    methods = ["full", "snapkv:ratio=0.5+kivi:bits=4"]
+    trials = 3             # timed repeats
+
+Tasks (what each measures: experiments/cells.py): `passkey` and the RULER-style tasks of
+experiments/ruler.py (retrieval accuracy), `ppl` (continuation perplexity) and `speed`
+(prefill tokens/s, decode ms/step, cache bytes). Engine `kvpress` runs a retrieval cell
+through kvpress at batch 1 (experiments/kvpress_engine.py); a block with both engines
+times both warm (after one untimed batch).
 
 Every cell runs in its own worker process (spawned, so nothing compiled or cached
-accumulates across cells) while the parent watches its resident memory. A finished
-cell is one JSON line in `<out>/cells.jsonl`; a rerun skips it, so an interrupted
-sweep resumes. `--report` writes `<out>/tables.md` and a heatmap per task (method x
-length). Seeds are fixed: the same config gives the same numbers.
+accumulates across cells) while the parent watches its resident memory. Untimed cells
+run `workers` at a time; timed cells (speed, and warm comparison cells) run after them,
+one at a time. A finished cell is one JSON line in `<out>/cells.jsonl`; a rerun skips
+it, so an interrupted sweep resumes. Seeds are fixed: the same config gives the same
+numbers. The report (experiments/report.py) writes tables and plots.
 
-    kvjax eval --config experiments/configs/smoke.toml --out docs/results/eval
-    kvjax eval --config experiments/configs/smoke.toml --out docs/results/eval --report
+    kvjax eval --config experiments/configs/smoke.toml --out docs/results/eval_smoke
+    kvjax bench --config experiments/configs/results.toml --out docs/results/eval  # speed cells only
 """
 
 from __future__ import annotations
@@ -33,102 +51,94 @@ import json
 import multiprocessing as mp
 import os
 import queue as queue_module
+import threading
 import time
 import tomllib
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, astuple, dataclass, fields
 from pathlib import Path
 from typing import Callable, Iterable, NamedTuple
 
 from experiments.ruler import TASKS as RULER_TASKS
 
-TASKS = ("passkey",) + RULER_TASKS
-PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+RETRIEVAL_TASKS = ("passkey",) + RULER_TASKS
+TASKS = RETRIEVAL_TASKS + ("ppl", "speed")
+ENGINES = ("kvjax", "kvpress")
+SHARED = ("model", "trials", "seed", "batch", "max_new_tokens")  # settable at top or per block
 
 
 @dataclass(frozen=True)
 class Cell:
     task: str
-    length: int
-    method: str
-    trials: int
+    length: int  # context tokens (ppl: window tokens)
+    method: str  # a kvjax method spec, e.g. "snapkv:ratio=0.5+kivi:bits=4"
+    trials: int  # prompts (ppl: windows; speed: timed repeats)
     model: str = "smollm2"
     seed: int = 0
     batch: int = 10
     max_new_tokens: int = 24
+    engine: str = "kvjax"
+    warmup: bool = False  # time a warm run (one untimed batch first)
 
     @property
     def key(self) -> tuple:
-        return (self.model, self.task, self.length, self.method, self.trials, self.seed)
+        return astuple(self)
+
+    @property
+    def timed(self) -> bool:
+        """Its timings are results: it runs alone."""
+        return self.task == "speed" or self.warmup
 
 
 class Grid(NamedTuple):
     cells: list[Cell]  # in config order
     max_rss_gb: float  # memory bound of one worker
+    workers: int  # untimed cells run this many at a time
+
+
+def _block_cells(path, block: dict, shared: dict) -> list[Cell]:
+    missing = {"tasks", "lengths", "methods"} - set(block)
+    if missing:
+        raise ValueError(f"{path}: a [[grid]] block lacks {sorted(missing)}")
+    unknown = set(block) - {"tasks", "lengths", "methods", "engines", "batches", "warmup",
+                            *SHARED}
+    if unknown:
+        raise ValueError(f"{path}: unknown [[grid]] keys {sorted(unknown)}")
+    settings = dict(shared, **{k: block[k] for k in SHARED if k in block})
+    if "trials" not in settings:
+        raise ValueError(f"{path}: set `trials` (per cell)")
+    engines = block.get("engines", ["kvjax"])
+    batches = block.get("batches", [settings.pop("batch", Cell.batch)])
+    settings.pop("batch", None)
+    cells = []
+    for task, length, method, engine, batch in itertools.product(
+            block["tasks"], block["lengths"], block["methods"], engines, batches):
+        if task not in TASKS:
+            raise ValueError(f"{path}: unknown task {task!r}; tasks: {TASKS}")
+        if engine not in ENGINES:
+            raise ValueError(f"{path}: unknown engine {engine!r}; engines: {ENGINES}")
+        if engine == "kvpress" and task not in RETRIEVAL_TASKS:
+            raise ValueError(f"{path}: the kvpress engine runs retrieval tasks, not {task!r}")
+        cells.append(Cell(task, int(length), method, batch=int(batch),
+                          engine=engine, warmup=block.get("warmup", len(engines) > 1),
+                          **settings))
+    return cells
 
 
 def load_config(path: Path) -> Grid:
-    """The cells of a TOML grid config and the worker memory bound (see the module docstring)."""
+    """The cells of a TOML grid config, the worker memory bound and the worker count."""
     config = tomllib.loads(Path(path).read_text())
-    shared = {k: config[k] for k in ("model", "trials", "seed", "batch", "max_new_tokens")
-              if k in config}
-    if "trials" not in shared:
-        raise ValueError(f"{path}: set `trials` (per cell)")
-    cells = []
-    for block in config.get("grid", []):
-        missing = {"tasks", "lengths", "methods"} - set(block)
-        if missing:
-            raise ValueError(f"{path}: a [[grid]] block lacks {sorted(missing)}")
-        for task, length, method in itertools.product(block["tasks"], block["lengths"],
-                                                      block["methods"]):
-            if task not in TASKS:
-                raise ValueError(f"{path}: unknown task {task!r}; tasks: {TASKS}")
-            cells.append(Cell(task, int(length), method, **shared))
+    shared = {k: config[k] for k in SHARED if k in config}
+    cells = [c for block in config.get("grid", []) for c in _block_cells(path, block, shared)]
     if not cells:
         raise ValueError(f"{path}: no [[grid]] cells")
     from kvjax import parse_method
     for method in {c.method for c in cells}:
         parse_method(method)  # a bad method fails now, not in a worker an hour later
-    return Grid(cells, float(config.get("max_rss_gb", 16)))
-
-
-# ----------------------------------------------------------------------------- one cell
-
-
-def make_prompts(cell: Cell, tokenizer):
-    """(contexts, questions, scorer) of a cell's trials; scorer(i, text) -> 0..1."""
-    if cell.task == "passkey":
-        from experiments.passkey import make_trials, score_trials
-        per_depth = -(-cell.trials // len(PASSKEY_DEPTHS))
-        trials = make_trials(tokenizer, cell.length, PASSKEY_DEPTHS, per_depth, seed=cell.seed)
-        trials = trials[:cell.trials]
-        return ([t.context for t in trials], [t.question for t in trials],
-                lambda i, text: float(score_trials([trials[i]], [text])[0]))
-    from experiments.ruler import make_task_trials, score
-    trials = make_task_trials(tokenizer, cell.task, cell.length, cell.trials, seed=cell.seed)
-    return ([t.context for t in trials], [t.question for t in trials],
-            lambda i, text: score(trials[i], text))
-
-
-def run_cell(cell: Cell) -> dict:
-    """Load the model, run the cell's trials in batches, score them: one result row."""
-    from kvjax import nbytes, parse_method
-    from models.loading import load_model
-    from models.sampler import generate
-
-    model, tokenizer = load_model(cell.model)
-    contexts, questions, scorer = make_prompts(cell, tokenizer)
-    transform = parse_method(cell.method)
-    scores, texts, cache_bytes, start = [], [], [], time.perf_counter()
-    for b in range(0, len(contexts), cell.batch):
-        out = generate(model, questions[b:b + cell.batch], contexts=contexts[b:b + cell.batch],
-                       transform=transform, max_new_tokens=cell.max_new_tokens)
-        for i, (row, n) in enumerate(zip(out.tokens, out.num_tokens)):
-            texts.append(tokenizer.decode(row[:n].tolist()))
-            scores.append(scorer(b + i, texts[-1]))
-        cache_bytes.append(nbytes(out.cache) / len(out.tokens))
-    return dict(asdict(cell), status="ok", score=sum(scores) / len(scores), scores=scores,
-                outputs=texts,
-                cache_bytes_per_seq=max(cache_bytes), seconds=round(time.perf_counter() - start, 1))
+    from experiments.kvpress_engine import parse_press_spec
+    for method in {c.method for c in cells if c.engine == "kvpress"}:
+        parse_press_spec(method)
+    return Grid(cells, float(config.get("max_rss_gb", 16)), int(config.get("workers", 1)))
 
 
 # ----------------------------------------------------------------------------- the sweep
@@ -176,8 +186,8 @@ def run_in_worker(fn: Callable[[Cell], dict], cell: Cell, limit_gb: float,
 
 
 def cell_of(row: dict) -> Cell:
-    """The cell a result row belongs to."""
-    return Cell(**{k: row[k] for k in Cell.__dataclass_fields__})
+    """The cell a result row belongs to (fields a row lacks take their defaults)."""
+    return Cell(**{f.name: row[f.name] for f in fields(Cell) if f.name in row})
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -192,74 +202,34 @@ def done_keys(path: Path) -> set:
 
 
 def sweep(cells: Iterable[Cell], out: Path, limit_gb: float,
-          fn: Callable[[Cell], dict] = run_cell) -> list[dict]:
-    """Run every unfinished cell in a worker, appending its row to `out/cells.jsonl`."""
+          fn: Callable[[Cell], dict] | None = None, workers: int = 1) -> list[dict]:
+    """Run every unfinished cell in a worker, appending its row to `out/cells.jsonl`.
+
+    Untimed cells run `workers` at a time, then timed cells one at a time; rows are
+    appended as cells finish, so the file's order may differ from the config's.
+    """
     from tqdm import tqdm
 
+    if fn is None:
+        from experiments.cells import run_cell as fn
     out.mkdir(parents=True, exist_ok=True)
     path = out / "cells.jsonl"
     done = done_keys(path)
-    todo = [c for c in cells if c.key not in done]
-    rows = []
-    for cell in tqdm(todo, desc="kvjax eval", unit="cell"):
+    todo = [c for c in dict.fromkeys(cells) if c.key not in done]
+    rows, lock = [], threading.Lock()
+    bar = tqdm(total=len(todo), desc="kvjax eval", unit="cell")
+
+    def run(cell: Cell) -> None:
         row = run_in_worker(fn, cell, limit_gb)
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        rows.append(row)
+        with lock:
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            rows.append(row)
+            bar.update()
+
+    with ThreadPoolExecutor(max(workers, 1)) as pool:
+        list(pool.map(run, [c for c in todo if not c.timed]))
+    for cell in (c for c in todo if c.timed):
+        run(cell)
+    bar.close()
     return rows
-
-
-# ----------------------------------------------------------------------------- report
-
-
-def report(out: Path) -> str:
-    """Markdown tables (score per task: method x length) and a heatmap PNG per task."""
-    latest = {cell_of(r).key: r for r in read_rows(out / "cells.jsonl")}  # a rerun's row wins
-    rows = list(latest.values())
-    lines = []
-    for task in dict.fromkeys(r["task"] for r in rows):
-        sub = [r for r in rows if r["task"] == task]
-        lengths = sorted({r["length"] for r in sub})
-        methods = list(dict.fromkeys(r["method"] for r in sub))
-        cell = {(r["method"], r["length"]): r for r in sub}
-        lines += [f"### {task}", "", "| method | " + " | ".join(map(str, lengths)) + " |",
-                  "|---|" + "---|" * len(lengths)]
-        for m in methods:
-            vals = []
-            for n in lengths:
-                r = cell.get((m, n))
-                vals.append("" if r is None else f"{r['score']:.2f}" if r["status"] == "ok"
-                            else r["status"].split(":")[0])
-            lines.append(f"| {m} | " + " | ".join(vals) + " |")
-        lines.append("")
-        _heatmap(task, methods, lengths, cell, out / f"{task}.png")
-    text = "\n".join(lines)
-    (out / "tables.md").write_text(text)
-    return text
-
-
-def _heatmap(task, methods, lengths, cell, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    grid = np.full((len(methods), len(lengths)), np.nan)
-    for i, m in enumerate(methods):
-        for j, n in enumerate(lengths):
-            r = cell.get((m, n))
-            if r is not None and r["status"] == "ok":
-                grid[i, j] = r["score"]
-    fig, ax = plt.subplots(figsize=(2 + 1.2 * len(lengths), 1 + 0.45 * len(methods)))
-    im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_yticks(range(len(methods)), methods, fontsize=7)
-    for (i, j), v in np.ndenumerate(grid):
-        if not np.isnan(v):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
-    ax.set_xlabel("context tokens")
-    ax.set_title(task)
-    fig.colorbar(im, ax=ax, fraction=0.04)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -58,6 +59,19 @@ def sliding_windows(num_tokens: int, context: int, stride: int | None = None) ->
         if end == num_tokens:
             break
     return windows
+
+
+def window_ids(tokenizer, path: Path, length: int, count: int) -> list[list[int]]:
+    """The first `count` whole, non-overlapping windows of `length` tokens of a text file.
+
+    Raises if the text has fewer (so a sweep never scores fewer windows than it says).
+    """
+    ids = tokenizer.encode(Path(path).read_text(encoding="utf-8"))
+    wins = [w for w in sliding_windows(len(ids), length) if w.end - w.start == length][:count]
+    if len(wins) < count:
+        raise ValueError(f"{path} has {len(wins)} whole windows of {length} tokens, "
+                         f"{count} were asked for")
+    return [ids[w.start:w.end] for w in wins]
 
 
 def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | None = None,

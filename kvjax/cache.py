@@ -318,7 +318,7 @@ def _append(cache: TokenCache, k: jax.Array, v: jax.Array, pos: jax.Array,
     Encoded stores encode the new slots; `mass` (default zeros) goes with them.
     """
     start = cache.length
-    by_row = lambda x: x.reshape(-1, x.shape[-1])  # [B, KVH, S] -> [B*KVH, S]
+    by_row = lambda x: x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # [B, KVH, S] -> [B*KVH, S]
     put_meta = lambda old, new: put(by_row(old), by_row(new), start, count).reshape(old.shape)
     valid = None if cache.pooled else by_row(pos != EMPTY)
     new_mass = cache.mass

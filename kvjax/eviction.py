@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax
@@ -181,7 +182,7 @@ def resize(cache: TokenCache, capacity: int) -> TokenCache:
             x, [(0, capacity - c if a == axis % x.ndim else 0) for a in range(x.ndim)],
             constant_values=EMPTY if x.dtype == jnp.int32 else 0)
     valid = cache.pos != EMPTY
-    valid = valid.any(axis=1) if cache.pooled else valid.reshape(-1, c)  # [R, C]
+    valid = valid.any(axis=1) if cache.pooled else valid.reshape(math.prod(valid.shape[:2]), c)  # [R, C]
     return TokenCache(k=resize_store(cache.k, capacity, valid),
                       v=resize_store(cache.v, capacity, valid), pos=cut(cache.pos, 2),
                       length=cache.length, mass=None if cache.mass is None else cut(cache.mass, 2))

@@ -153,6 +153,14 @@ def test_kivi_flushes_whole_groups_and_keeps_the_newest_residual_exact(n0):
             assert np.max(np.abs(np.asarray(body.k[:, :b] - all_k[:, :b]))) < 2.5
 
 
+def test_shrink_with_an_empty_body_keeps_the_exact_part():
+    """Fewer tokens than the residual: the shrunk body has no slots at all (once a crash)."""
+    layer, _, _ = kivi_layer(5)
+    (shrunk,) = kvjax.shrink((kvjax.shrink((layer,), room=0)[0],), room=0)
+    assert shrunk.body.capacity == 0 and int(shrunk.recent.length) == 5
+    assert kvjax.nbytes(shrunk) < kvjax.nbytes(layer)
+
+
 def test_residual_layer_rejects_a_write_larger_than_its_exact_part():
     layer, _, _ = kivi_layer(24)
     layer = kvjax.shrink((layer,), room=2)[0]  # exact part: residual + group - 1 + 2 slots

@@ -1,14 +1,16 @@
-"""kvjax eval's harness: config grids, worker processes with a memory bound, resumable sweeps,
-the report. Cells run a stand-in function here; the real-model cell is in test_cli-like runs."""
+"""kvjax eval's harness: config grids, worker processes with a memory bound, resumable and
+parallel sweeps, the report and the RESULTS.md section. Cells run stand-in functions here;
+tests/test_eval_cells.py runs real cells on the real model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 
 import pytest
 
-from experiments import harness
+from experiments import harness, report
 from experiments.harness import Cell
 
 
@@ -43,17 +45,74 @@ methods = ["kivi:bits=2"]
 def test_config_expands_the_grid_and_rejects_mistakes(tmp_path):
     path = tmp_path / "grid.toml"
     path.write_text(CONFIG)
-    cells, limit_gb = harness.load_config(path)
+    cells, limit_gb, workers = harness.load_config(path)
     assert len(cells) == 2 * 2 * 2 + 1 and all(c.trials == 4 for c in cells)
-    assert limit_gb == 16  # the default bound
+    assert (limit_gb, workers) == (16, 1)  # the defaults
     assert cells[-1] == Cell("niah_multikey", 512, "kivi:bits=2", trials=4)
+    assert not any(c.timed for c in cells)
     for bad, message in [(CONFIG.replace('"passkey"', '"trivia"'), "unknown task"),
                          (CONFIG.replace("snapkv:ratio", "snapkv:ration"), "ration"),
                          (CONFIG.replace("trials = 4", ""), "trials"),
-                         (CONFIG.replace('lengths = [512]', ''), "lacks")]:
+                         (CONFIG.replace('lengths = [512]', ''), "lacks"),
+                         (CONFIG + 'engines = ["vllm"]', "unknown engine"),
+                         (CONFIG + 'lenghts = [1]', "unknown"),
+                         (CONFIG.replace('"niah_multikey"', '"ppl"') + 'engines = ["kvpress"]',
+                          "retrieval tasks")]:
         path.write_text(bad)
         with pytest.raises(ValueError, match=message):
             harness.load_config(path)
+
+
+BLOCKS = """
+model = "smollm2"
+trials = 4
+batch = 4
+workers = 2
+[[grid]]
+tasks = ["passkey"]
+lengths = [1024]
+methods = ["full", "snapkv:ratio=0.5"]
+engines = ["kvjax", "kvpress"]
+batch = 8
+[[grid]]
+tasks = ["speed", "ppl"]
+lengths = [512]
+methods = ["full"]
+batches = [1, 8]
+trials = 3
+"""
+
+
+def test_blocks_override_settings_and_expand_engines_and_batches(tmp_path):
+    path = tmp_path / "grid.toml"
+    path.write_text(BLOCKS)
+    grid = harness.load_config(path)
+    assert grid.workers == 2
+    compare, rest = grid.cells[:4], grid.cells[4:]
+    assert [(c.method, c.engine, c.batch, c.warmup) for c in compare] == [
+        ("full", "kvjax", 8, True), ("full", "kvpress", 8, True),
+        ("snapkv:ratio=0.5", "kvjax", 8, True), ("snapkv:ratio=0.5", "kvpress", 8, True)]
+    assert all(c.timed and c.trials == 4 for c in compare)
+    assert [(c.task, c.batch, c.trials, c.timed) for c in rest] == [
+        ("speed", 1, 3, True), ("speed", 8, 3, True), ("ppl", 1, 3, False), ("ppl", 8, 3, False)]
+    path.write_text(BLOCKS.replace('"snapkv:ratio=0.5"]', '"snapkv:ratio=0.5+kivi:bits=4"]'))
+    with pytest.raises(ValueError, match="no kvpress press"):  # a chain has no press
+        harness.load_config(path)
+
+
+def test_untimed_cells_run_in_parallel_then_timed_cells_alone(tmp_path):
+    cells = [Cell("speed", 64, "full", trials=1), Cell("passkey", 100, "full", trials=1),
+             Cell("passkey", 200, "full", trials=1), Cell("passkey", 300, "full", trials=1)]
+    rows = harness.sweep(cells, tmp_path, limit_gb=8, fn=fake_cell, workers=3)
+    assert sorted(r["length"] for r in rows[:3]) == [100, 200, 300]
+    assert rows[3]["task"] == "speed"
+    assert harness.sweep(cells, tmp_path, limit_gb=8, fn=fake_cell, workers=3) == []
+
+
+def test_rows_of_older_sweeps_still_name_their_cell():
+    row = dict(task="passkey", length=1024, method="full", trials=5, model="smollm2", seed=0,
+               batch=5, max_new_tokens=32, status="ok")  # written before engine and warmup
+    assert harness.cell_of(row) == Cell("passkey", 1024, "full", 5, batch=5, max_new_tokens=32)
 
 
 def test_sweep_resumes_and_never_recomputes_a_finished_cell(tmp_path):
@@ -78,10 +137,62 @@ def test_report_tables_and_heatmaps(tmp_path):
     cells = [Cell(t, n, m, trials=2) for t in ("passkey", "variable_tracking")
              for n in (1024, 2048) for m in ("full", "snapkv:ratio=0.5")]
     harness.sweep(cells, tmp_path, limit_gb=8, fn=fake_cell)
-    text = harness.report(tmp_path)
-    assert "### passkey" in text and "| snapkv:ratio=0.5 | 0.29 | 0.57 |" in text
+    text = report.report(tmp_path)
+    assert "#### passkey" in text and "| `snapkv:ratio=0.5` | 0.29 | 0.57 |" in text
     assert (tmp_path / "passkey.png").stat().st_size > 0
     assert (tmp_path / "tables.md").read_text() == text
+
+
+def _write_rows(out, rows):
+    out.mkdir(exist_ok=True)
+    (out / "cells.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _row(cell, **fields):
+    return dict(asdict(cell), status="ok", **fields)
+
+
+def test_report_ppl_front_speed_depth_maps_and_kvpress_table(tmp_path):
+    ppl = {"full": (5.0, 1000), "snapkv:ratio=0.5": (5.5, 500), "knorm:ratio=0.5": (6.0, 500),
+           "kivi:bits=4": (5.1, 350), "quantize:bits=2": (40.0, 200)}
+    rows = [_row(Cell("ppl", 1024, m, trials=8), score=p, cache_bytes_per_token=b, prefix=768,
+                 tokens_scored=2048, text="kjv_genesis.txt") for m, (p, b) in ppl.items()]
+    rows += [_row(Cell("passkey", n, m, trials=4), score=0.5, scores=[1, 0, 1, 0],
+                  depths=[0.1, 0.5, 0.9, 0.1]) for n in (512, 1024) for m in ("full", "tova:ratio=0.5")]
+    rows += [_row(Cell("speed", n, "full", trials=3, batch=b), decode_ms=2.0 * n / 512,
+                  floor_ms=1.0, prefill_tok_s=1000.0, cache_bytes_per_seq=2 ** 20 * n / 512,
+                  bandwidth_gbs=10.0, peak_rss_gb=1.5) for n in (512, 1024) for b in (1, 8)]
+    compare = Cell("passkey", 512, "snapkv:ratio=0.5", trials=2, batch=8, warmup=True)
+    rows += [_row(compare, score=1.0, outputs=["12345.<|im_end|>", "777"], seconds_per_trial=0.5),
+             _row(dataclasses.replace(compare, engine="kvpress"), score=0.5,
+                  outputs=["12345.", "778"], seconds_per_trial=2.0)]
+    rows.append(dict(asdict(Cell("passkey", 4096, "full", trials=4)), status="killed: big"))
+    _write_rows(tmp_path, rows)
+    text = report.report(tmp_path)
+    # the front: kivi-4 (350 B) beats snapkv (500 B) and the full cache; int2 is the smallest
+    assert "| `kivi:bits=4` * | 5.100 | +2.0% | 350 | 0.350 |" in text
+    assert "| `snapkv:ratio=0.5` | 5.500 | +10.0% | 500 | 0.500 |" in text
+    assert "| `quantize:bits=2` * |" in text and "| `full` * | 5.000 | +0.0% |" in text
+    assert "| passkey | 512 | `snapkv:ratio=0.5` | 1.00 | 0.50 | 1/2 | 0.50 (batch 8) | " \
+           "2.00 (batch 1) | 4.0x |" in text
+    assert "| `full` | 8 | 1024 | 1000 | 4.0 | 1.0 | 4.00 | 2.0 | 1.5 |" in text
+    assert "killed: big" in text
+    for png in ("ppl_1024.png", "passkey_depth.png", "speed.png", "passkey.png"):
+        assert (tmp_path / png).stat().st_size > 0
+
+
+def test_results_section_is_replaced_in_place(tmp_path):
+    harness.sweep([Cell("passkey", 1024, "full", trials=2)], tmp_path / "eval", limit_gb=8,
+                  fn=fake_cell)
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Results\n\nwritten by hand\n")
+    report.write_results(tmp_path / "eval", results, header="Generated.\n\n")
+    first = results.read_text()
+    assert first.startswith("# Results\n\nwritten by hand\n") and "Generated." in first
+    assert "](eval/passkey.png)" in first  # image links relative to the Markdown file
+    results.write_text(first + "\nmore by hand\n")
+    report.write_results(tmp_path / "eval", results, header="Generated.\n\n")
+    assert results.read_text() == first + "\nmore by hand\n"
 
 
 def test_cli_eval_reports_a_bad_config_clearly(tmp_path, capsys):

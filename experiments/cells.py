@@ -1,0 +1,191 @@
+"""What one harness cell runs on kvjax: a retrieval task, continuation perplexity, or speed.
+
+Each `run_*` function loads the model, does the cell's work and returns one JSON-able
+row (the cell's fields, `status="ok"`, a `score` and the task's own measurements).
+They run inside the harness's worker processes (experiments/harness.py); the kvpress
+side of a comparison is experiments/kvpress_engine.py.
+
+* retrieval (`passkey` and the RULER-style tasks): contexts prefilled and compressed
+  by the method, the question appended (query-agnostic), greedy answer; `score` is the
+  mean of the per-trial scores (0..1, higher is better).
+* `ppl`: `trials` whole windows of `length` tokens of KJV Genesis; each window's first
+  3/4 is prefilled and compressed, the last 1/4 is fed on top and scored; `score` is
+  the perplexity of those tokens (lower is better). `cache_bytes_per_token` is the
+  compressed prefix's bytes per prefix token (float32 cache), so methods compare on
+  one memory axis.
+* `speed`: `batch` windows of `length` tokens of real prose; prefill + compression
+  and a decode of `max_new_tokens` tokens (end-of-sequence ignored), each timed after
+  a compiling run, medians over `trials` repeats; `score` is decode ms per step.
+
+Example:
+    >>> row = run_cell(Cell("ppl", 1024, "snapkv:ratio=0.5", trials=8, batch=8))
+    >>> row["score"], row["cache_bytes_per_token"]
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from experiments.harness import Cell
+
+DATA = Path(__file__).parent / "data"
+PPL_TEXT = DATA / "kjv_genesis.txt"
+SPEED_TEXT = DATA / "devils_dictionary.txt"
+PPL_PREFIX = 0.75  # fraction of each ppl window that is compressed; the rest is scored
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+class Prompts(NamedTuple):
+    contexts: list[list[int]]  # one per trial: what the method compresses
+    questions: list[list[int]]  # one per trial: appended after compression
+    score: Callable[[int, str], float]  # (trial index, generated text) -> 0..1
+    depths: list[float] | None  # passkey: the needle depth of each trial
+
+
+def make_prompts(cell: Cell, tokenizer) -> Prompts:
+    """The trials of a retrieval cell; passkey depths cycle over PASSKEY_DEPTHS."""
+    if cell.task == "passkey":
+        from experiments.passkey import make_trials, score_trials
+        per_depth = -(-cell.trials // len(PASSKEY_DEPTHS))
+        trials = make_trials(tokenizer, cell.length, PASSKEY_DEPTHS, per_depth, seed=cell.seed)
+        # by depth then trial; take round-robin so a cut keeps every depth and each batch
+        # of the cell is a fair sample of depths
+        order = sorted(range(len(trials)), key=lambda i: (i % per_depth, i // per_depth))
+        trials = [trials[i] for i in order][:cell.trials]
+        return Prompts([t.context for t in trials], [t.question for t in trials],
+                       lambda i, text: float(score_trials([trials[i]], [text])[0]),
+                       [t.depth for t in trials])
+    from experiments.ruler import make_task_trials, score
+    trials = make_task_trials(tokenizer, cell.task, cell.length, cell.trials, seed=cell.seed)
+    return Prompts([t.context for t in trials], [t.question for t in trials],
+                   lambda i, text: score(trials[i], text), None)
+
+
+def _setup(cell: Cell):
+    """(model, tokenizer, transform) with the persistent compilation cache on."""
+    from experiments.cli import enable_compilation_cache
+    from kvjax import parse_method
+    from models.loading import load_model
+
+    enable_compilation_cache()  # cells of one sweep share shapes: compile each once
+    model, tokenizer = load_model(cell.model)
+    return model, tokenizer, parse_method(cell.method)
+
+
+def run_retrieval_cell(cell: Cell) -> dict:
+    """Answer the cell's trials in batches of `cell.batch` and score them.
+
+    With `cell.warmup` the first batch runs once untimed first, so `seconds` (and
+    `seconds_per_trial`) exclude compilation.
+    """
+    from kvjax import nbytes
+    from models.sampler import generate
+
+    model, tokenizer, transform = _setup(cell)
+    prompts = make_prompts(cell, tokenizer)
+    run = lambda b: generate(model, prompts.questions[b:b + cell.batch],
+                             contexts=prompts.contexts[b:b + cell.batch], transform=transform,
+                             max_new_tokens=cell.max_new_tokens)
+    if cell.warmup:
+        run(0)
+    scores, texts, cache_bytes, start = [], [], [], time.perf_counter()
+    for b in range(0, cell.trials, cell.batch):
+        out = run(b)
+        for i, (row, n) in enumerate(zip(out.tokens, out.num_tokens)):
+            texts.append(tokenizer.decode(row[:n].tolist()))
+            scores.append(prompts.score(b + i, texts[-1]))
+        cache_bytes.append(nbytes(out.cache) / len(out.tokens))
+    seconds = time.perf_counter() - start
+    row = dict(asdict(cell), status="ok", score=sum(scores) / len(scores), scores=scores,
+               outputs=texts, cache_bytes_per_seq=max(cache_bytes), seconds=round(seconds, 2),
+               seconds_per_trial=round(seconds / cell.trials, 3))
+    if prompts.depths is not None:
+        row["depths"] = prompts.depths
+    return row
+
+
+def run_ppl_cell(cell: Cell) -> dict:
+    """Continuation perplexity of `cell.trials` windows under the method (see module doc)."""
+    import numpy as np
+
+    import kvjax
+    from experiments.ppl import window_ids
+    from models.sampler import prefill_and_compress
+    from models.scoring import score_continuations
+
+    model, tokenizer, transform = _setup(cell)
+    prefix = int(cell.length * PPL_PREFIX)
+    windows = window_ids(tokenizer, PPL_TEXT, cell.length, cell.trials)
+    nll, scored, kept_bytes, start = 0.0, 0, 0, time.perf_counter()
+    for b in range(0, len(windows), cell.batch):
+        group = windows[b:b + cell.batch]
+        conts = [w[prefix:] for w in group]
+        pre = prefill_and_compress(model, [w[:prefix] for w in group], transform=transform,
+                                   room=len(conts[0]))
+        kept_bytes += kvjax.nbytes(kvjax.shrink(pre.cache, 0))  # the prefix's cache, no room
+        for lp in score_continuations(model, pre, conts):
+            nll -= float(np.sum(lp, dtype=np.float64))
+            scored += len(lp)
+    return dict(asdict(cell), status="ok", score=float(np.exp(nll / scored)), nll=nll,
+                tokens_scored=scored, prefix=prefix, text=PPL_TEXT.name,
+                cache_bytes_per_token=kept_bytes / (len(windows) * prefix),
+                seconds=round(time.perf_counter() - start, 2))
+
+
+def run_speed_cell(cell: Cell) -> dict:
+    """Prefill(+compress) throughput, decode ms/step, cache bytes and the bandwidth floor."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import kvjax
+    from experiments.bench_decode import read_bandwidth_gbs
+    from experiments.ppl import window_ids
+    from models.sampler import decode, prefill_and_compress
+
+    model, tokenizer, transform = _setup(cell)
+    contexts = window_ids(tokenizer, SPEED_TEXT, cell.length, cell.batch)
+    new = cell.max_new_tokens
+
+    def timed(fn):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn())
+        return time.perf_counter() - start, out
+
+    def run_prefill():
+        return prefill_and_compress(model, contexts, transform=transform, room=new, max_write=1)
+
+    def run_decode(pre):  # the cache is donated: decode a fresh copy each time
+        return timed(lambda: decode(model, pre._replace(cache=jax.tree.map(jnp.copy, pre.cache)),
+                                    max_new_tokens=new, transform=transform, eos_ids=()).tokens)
+
+    _, pre = timed(run_prefill)  # compiles
+    prefill_s = statistics.median(timed(run_prefill)[0] for _ in range(cell.trials))
+    jax.block_until_ready(pre.cache)
+    run_decode(pre)  # compiles
+    decode_s = statistics.median(run_decode(pre)[0] for _ in range(cell.trials))
+    cache_bytes = kvjax.nbytes(pre.cache)
+    weight_bytes = kvjax.nbytes(nnx.state(model, nnx.Param))
+    bandwidth = read_bandwidth_gbs()
+    decode_ms = 1e3 * decode_s / (new - 1)  # new - 1 forward steps after the prefill's logits
+    return dict(asdict(cell), status="ok", score=decode_ms, decode_ms=decode_ms,
+                prefill_tok_s=cell.batch * cell.length / prefill_s,
+                cache_bytes_per_seq=cache_bytes / cell.batch,
+                floor_ms=1e3 * (weight_bytes + cache_bytes) / (bandwidth * 1e9),
+                bandwidth_gbs=bandwidth)
+
+
+def run_cell(cell: Cell) -> dict:
+    """The cell's row, by task and engine."""
+    if cell.engine == "kvpress":
+        from experiments.kvpress_engine import run_kvpress_cell
+        return run_kvpress_cell(cell)
+    if cell.task == "ppl":
+        return run_ppl_cell(cell)
+    if cell.task == "speed":
+        return run_speed_cell(cell)
+    return run_retrieval_cell(cell)

@@ -1,0 +1,296 @@
+"""Tables and plots of a `kvjax eval` sweep, and the generated section of docs/RESULTS.md.
+
+`report(out)` reads `<out>/cells.jsonl` (the newest row of each cell wins) and writes
+`<out>/tables.md` and PNGs beside it:
+
+* per retrieval task, score by method x length (`<task>.png`, a heatmap);
+* `passkey_depth.png`: needle depth x context length per method, the NIAH-style map;
+* `ppl.png`: continuation perplexity against cache bytes per token, every method;
+* `speed.png`: decode ms/step against context per method and batch, with the floor;
+* a kvjax-vs-kvpress table when the sweep has kvpress cells.
+
+`write_results(out, results_md)` puts the same text between the markers
+`<!-- kvjax eval: begin -->` and `<!-- kvjax eval: end -->` of a Markdown file (they are
+appended if absent); everything outside them is left as it is.
+
+Example:
+    >>> print(report(Path("docs/results/eval")))
+    >>> write_results(Path("docs/results/eval"), Path("docs/RESULTS.md"))
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from experiments.harness import RETRIEVAL_TASKS, cell_of, read_rows
+
+BEGIN, END = "<!-- kvjax eval: begin -->", "<!-- kvjax eval: end -->"
+
+
+def latest_rows(out: Path) -> list[dict]:
+    """One row per cell, the newest (a rerun's row replaces an earlier failure)."""
+    return list({cell_of(r).key: r for r in read_rows(out / "cells.jsonl")}.values())
+
+
+def _ok(rows):
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def _table(header: list[str], body: list[list]) -> list[str]:
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(str(x) for x in row) + " |" for row in body] + [""])
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+# ----------------------------------------------------------------------------- retrieval
+
+
+def retrieval_section(rows: list[dict], out: Path, images: str) -> list[str]:
+    """Score tables (method x length) and a heatmap per retrieval task, kvjax engine."""
+    lines = []
+    mine = [r for r in rows if r["task"] in RETRIEVAL_TASKS and r.get("engine", "kvjax") == "kvjax"]
+    for task in dict.fromkeys(r["task"] for r in mine):
+        sub = [r for r in mine if r["task"] == task]
+        lengths = sorted({r["length"] for r in sub})
+        methods = list(dict.fromkeys(r["method"] for r in sub))
+        cell = {(r["method"], r["length"]): r for r in sub}  # a later batch size wins
+        body = [[f"`{m}`"] + [_score_text(cell.get((m, n))) for n in lengths] for m in methods]
+        trials = sorted({r["trials"] for r in sub})
+        lines += [f"#### {task} (score, {'/'.join(map(str, trials))} trials per cell)", ""]
+        lines += _table(["method"] + [str(n) for n in lengths], body)
+        _score_heatmap(task, methods, lengths, cell, out / f"{task}.png")
+        lines += [f"![{task}]({images}{task}.png)", ""]
+    return lines
+
+
+def _score_text(r) -> str:
+    if r is None:
+        return ""
+    return f"{r['score']:.2f}" if r["status"] == "ok" else r["status"].split(":")[0]
+
+
+def _score_heatmap(task, methods, lengths, cell, path):
+    import numpy as np
+    plt = _plt()
+    grid = np.full((len(methods), len(lengths)), np.nan)
+    for i, m in enumerate(methods):
+        for j, n in enumerate(lengths):
+            r = cell.get((m, n))
+            if r is not None and r["status"] == "ok":
+                grid[i, j] = r["score"]
+    fig, ax = plt.subplots(figsize=(2.5 + 1.2 * len(lengths), 1 + 0.45 * len(methods)))
+    im = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(methods)), methods, fontsize=7)
+    for (i, j), v in np.ndenumerate(grid):
+        if not np.isnan(v):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xlabel("context tokens")
+    ax.set_title(task)
+    fig.colorbar(im, ax=ax, fraction=0.04)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def depth_section(rows: list[dict], out: Path, images: str) -> list[str]:
+    """NIAH-style passkey maps: accuracy by needle depth x context length, per method."""
+    import numpy as np
+    sub = [r for r in _ok(rows) if r["task"] == "passkey" and r.get("depths")
+           and r.get("engine", "kvjax") == "kvjax"]
+    methods = list(dict.fromkeys(r["method"] for r in sub))
+    lengths = sorted({r["length"] for r in sub})
+    if len(lengths) < 2:
+        return []
+    depths = sorted({d for r in sub for d in r["depths"]})
+    plt = _plt()
+    cols = min(len(methods), 3)
+    nrows = -(-len(methods) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.9 * nrows), squeeze=False)
+    for ax, method in zip(axes.flat, methods):
+        acc = np.full((len(depths), len(lengths)), np.nan)
+        for r in (r for r in sub if r["method"] == method):
+            for i, d in enumerate(depths):
+                hits = [s for s, dd in zip(r["scores"], r["depths"]) if dd == d]
+                if hits:
+                    acc[i, lengths.index(r["length"])] = sum(hits) / len(hits)
+        ax.imshow(acc, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for (i, j), v in np.ndenumerate(acc):
+            if not np.isnan(v):
+                ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=7)
+        ax.set_title(method, fontsize=8)
+        ax.set_xlabel("context tokens", fontsize=7)
+        ax.set_ylabel("needle depth", fontsize=7)
+    for ax in list(axes.flat)[len(methods):]:
+        ax.axis("off")
+    fig.suptitle("passkey accuracy by needle depth and context length")
+    fig.tight_layout()
+    fig.savefig(out / "passkey_depth.png", dpi=110)
+    plt.close(fig)
+    return [f"![passkey depth maps]({images}passkey_depth.png)", ""]
+
+
+# ----------------------------------------------------------------------------- ppl
+
+
+def ppl_section(rows: list[dict], out: Path, images: str) -> list[str]:
+    """Perplexity and cache bytes per method, sorted by bytes, with the Pareto front marked."""
+    sub = [r for r in _ok(rows) if r["task"] == "ppl" and r.get("engine", "kvjax") == "kvjax"]
+    if not sub:
+        return []
+    lines = []
+    for length in sorted({r["length"] for r in sub}):
+        group = sorted((r for r in sub if r["length"] == length),
+                       key=lambda r: (r["cache_bytes_per_token"], r["score"]))
+        full = next((r for r in group if r["method"] == "full"), None)
+        front, best = set(), float("inf")
+        for r in group:  # sorted by bytes: on the front if it beats every smaller cache
+            if r["score"] < best:
+                front.add(r["method"])
+                best = r["score"]
+        body = []
+        for r in group:
+            vs = "" if full is None else f"{100 * (r['score'] / full['score'] - 1):+.1f}%"
+            frac = "" if full is None else \
+                f"{r['cache_bytes_per_token'] / full['cache_bytes_per_token']:.3f}"
+            body.append([f"`{r['method']}`" + (" *" if r["method"] in front else ""),
+                         f"{r['score']:.3f}", vs, f"{r['cache_bytes_per_token']:.0f}", frac])
+        r0 = group[0]
+        lines += [f"#### Continuation perplexity ({r0['text']}, {r0['trials']} windows of "
+                  f"{length} tokens: the first {r0['prefix']} compressed, "
+                  f"{r0['tokens_scored']} scored)", "",
+                  "`*`: on the Pareto front (no method with a smaller cache has a lower "
+                  "perplexity). Bytes are per compressed context token, float32 cache.", ""]
+        lines += _table(["method", "ppl", "vs full", "bytes/token", "of full"], body)
+        _ppl_plot(group, full, out / f"ppl_{length}.png")
+        lines += [f"![ppl]({images}ppl_{length}.png)", ""]
+    return lines
+
+
+def _ppl_plot(group, full, path):
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    base = full["cache_bytes_per_token"] if full else 1.0
+    cmap = plt.get_cmap("tab20")
+    for i, r in enumerate(group):
+        ax.scatter(r["cache_bytes_per_token"] / base, r["score"], color=cmap(i % 20),
+                   label=r["method"], s=28, marker="os^Dv<>p"[i // 20 % 8])
+    ax.set_yscale("log")
+    ax.set_xlabel("cache bytes per token (fraction of the full float32 cache)")
+    ax.set_ylabel("continuation perplexity (log)")
+    ax.legend(fontsize=6, ncol=2, loc="upper right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- speed
+
+
+def speed_section(rows: list[dict], out: Path, images: str) -> list[str]:
+    sub = sorted((r for r in _ok(rows) if r["task"] == "speed"),
+                 key=lambda r: (r["batch"], r["length"]))
+    if not sub:
+        return []
+    body = [[f"`{r['method']}`", r["batch"], r["length"], f"{r['prefill_tok_s']:.0f}",
+             f"{r['decode_ms']:.1f}", f"{r['floor_ms']:.1f}",
+             f"{r['decode_ms'] / r['floor_ms']:.2f}", f"{r['cache_bytes_per_seq'] / 2**20:.1f}",
+             r.get("peak_rss_gb", "")] for r in sub]
+    r0 = sub[0]
+    lines = [f"#### Memory and speed ({r0['max_new_tokens']} decode steps, medians of "
+             f"{r0['trials']} timed runs after a compiling one; floor = (weights + whole cache) "
+             f"bytes / measured read bandwidth, {r0['bandwidth_gbs']:.1f} GB/s)", ""]
+    lines += _table(["method", "batch", "context", "prefill+compress tok/s", "decode ms/step",
+                     "floor ms", "x floor", "cache MiB/seq", "peak RSS GB"], body)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (method, batch) in dict.fromkeys((r["method"], r["batch"]) for r in sub):
+        pts = [r for r in sub if (r["method"], r["batch"]) == (method, batch)]
+        ax.plot([r["length"] for r in pts], [r["decode_ms"] for r in pts], "o-",
+                label=f"{method}, batch {batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("decode ms / step")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "speed.png", dpi=120)
+    plt.close(fig)
+    return lines + [f"![speed]({images}speed.png)", ""]
+
+
+# ----------------------------------------------------------------------------- kvpress
+
+
+def _normalized(text: str) -> str:
+    return " ".join(re.sub(r"<\|[^|]*\|>", " ", text).split())
+
+
+def compare_section(rows: list[dict]) -> list[str]:
+    """kvjax beside kvpress on the same cells: scores, same answers, seconds per trial."""
+    ok = _ok(rows)
+    theirs = [r for r in ok if r.get("engine") == "kvpress"]
+    if not theirs:
+        return []
+    same_cell = lambda r: (r["task"], r["length"], r["method"], r["trials"], r["seed"],
+                           r["max_new_tokens"])
+    mine = {same_cell(r): r for r in ok if r.get("engine", "kvjax") == "kvjax" and r.get("warmup")}
+    body = []
+    for t in theirs:
+        m = mine.get(same_cell(t))
+        if m is None:
+            continue
+        same = sum(_normalized(a) == _normalized(b) for a, b in zip(m["outputs"], t["outputs"]))
+        body.append([t["task"], t["length"], f"`{t['method']}`", f"{m['score']:.2f}",
+                     f"{t['score']:.2f}", f"{same}/{t['trials']}",
+                     f"{m['seconds_per_trial']:.2f} (batch {m['batch']})",
+                     f"{t['seconds_per_trial']:.2f} (batch 1)",
+                     f"{t['seconds_per_trial'] / m['seconds_per_trial']:.1f}x"])
+    if not body:
+        return []
+    return (["#### kvjax beside kvpress (same token ids, greedy, both warm; seconds per trial "
+             "are prefill + compression + answer, wall clock)", ""]
+            + _table(["task", "length", "method", "kvjax score", "kvpress score",
+                      "same answer", "kvjax s/trial", "kvpress s/trial", "kvjax speed-up"], body))
+
+
+# ----------------------------------------------------------------------------- all
+
+
+def report(out: Path, images: str = "") -> str:
+    """Every section's Markdown (image links prefixed by `images`); writes `<out>/tables.md`."""
+    rows = latest_rows(out)
+    failed = [r for r in rows if r.get("status") != "ok"]
+    lines = (compare_section(rows) + ppl_section(rows, out, images)
+             + depth_section(rows, out, images) + retrieval_section(rows, out, images)
+             + speed_section(rows, out, images))
+    if failed:
+        lines += ["#### Cells that did not finish", ""] + [
+            f"- {r['task']} {r['length']} `{r['method']}` ({r.get('engine', 'kvjax')}): "
+            f"{r['status']}" for r in failed] + [""]
+    text = "\n".join(lines)
+    (out / "tables.md").write_text(text)
+    return text
+
+
+def write_results(out: Path, results_md: Path, header: str = "") -> None:
+    """Replace the generated section of `results_md` with `header` + this sweep's report."""
+    images = os.path.relpath(out, results_md.parent).replace(os.sep, "/") + "/"
+    body = f"{BEGIN}\n{header}{report(out, images)}\n{END}"
+    text = results_md.read_text() if results_md.exists() else ""
+    if BEGIN in text and END in text:
+        text = text[:text.index(BEGIN)] + body + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + body + "\n"
+    results_md.write_text(text)

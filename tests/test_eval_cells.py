@@ -1,0 +1,83 @@
+"""The harness's cells on the real model: the ppl cell's metric against a direct computation,
+seeded reproducibility, the speed cell's measurements, the passkey trial order, and the
+kvpress press mapping."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from experiments import cells
+from experiments.harness import Cell
+from experiments.kvpress_engine import parse_press_spec
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from models.loading import load_model
+    return load_model("smollm2")
+
+
+def test_ppl_cell_equals_a_direct_computation(smollm2):
+    """The cell's perplexity is exp(mean NLL) of every window's last quarter, from the model's
+    own logits over the whole window (full cache: compression changes nothing)."""
+    import jax
+    import jax.numpy as jnp
+
+    from experiments.ppl import window_ids
+    from models.llama import new_cache
+
+    model, tokenizer = smollm2
+    row = cells.run_ppl_cell(Cell("ppl", 64, "full", trials=3, batch=2))
+    windows = np.asarray(window_ids(tokenizer, cells.PPL_TEXT, 64, 3))  # [3, 64]
+    positions = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), windows.shape)
+    logits, _ = model(jnp.asarray(windows), positions, new_cache(model.config, 3, 64))  # [3, 64, V]
+    logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1), np.float64)
+    nll = -sum(logp[b, t - 1, windows[b, t]] for b in range(3) for t in range(48, 64))
+    assert row["tokens_scored"] == 3 * 16 and row["prefix"] == 48
+    assert row["score"] == pytest.approx(math.exp(nll / 48), rel=1e-4)
+    assert row["cache_bytes_per_token"] > 0
+
+
+def test_cells_are_reproducible_and_compression_shrinks_the_cache(smollm2):
+    cell = Cell("ppl", 128, "snapkv:ratio=0.5+kivi:bits=4,group=16,residual=16", trials=2, batch=2)
+    first, second = cells.run_cell(cell), cells.run_cell(cell)
+    assert first["score"] == second["score"] and first["nll"] == second["nll"]
+    full = cells.run_cell(Cell("ppl", 128, "full", trials=2, batch=2))
+    assert first["cache_bytes_per_token"] < 0.3 * full["cache_bytes_per_token"]
+    assert first["score"] != full["score"]
+
+
+def test_speed_cell_measures_prefill_decode_and_bytes(smollm2):
+    full = cells.run_speed_cell(Cell("speed", 64, "full", trials=1, batch=2, max_new_tokens=4))
+    half = cells.run_speed_cell(Cell("speed", 64, "streaming_llm:ratio=0.5", trials=1, batch=2,
+                                     max_new_tokens=4))
+    for row in (full, half):
+        assert row["decode_ms"] > 0 and row["prefill_tok_s"] > 0 and row["floor_ms"] > 0
+        assert row["score"] == row["decode_ms"]
+    assert half["cache_bytes_per_seq"] < 0.7 * full["cache_bytes_per_seq"]
+
+
+def test_passkey_trials_take_depths_round_robin(smollm2):
+    _, tokenizer = smollm2
+    prompts = cells.make_prompts(Cell("passkey", 256, "full", trials=7), tokenizer)
+    assert prompts.depths == list(cells.PASSKEY_DEPTHS) + list(cells.PASSKEY_DEPTHS[:2])
+    assert len(prompts.contexts) == len(prompts.questions) == 7
+    assert all(250 <= len(c) <= 256 for c in prompts.contexts)
+
+
+def test_kvpress_specs_map_to_presses_or_fail_clearly():
+    assert parse_press_spec("full") is None
+    assert parse_press_spec("snapkv:ratio=0.25") == ("snapkv", 0.25, False)
+    assert parse_press_spec("snapkv:ratio=0.5,headwise=true") == ("snapkv", 0.5, True)
+    for bad in ("snapkv:ratio=0.5+kivi:bits=4", "kivi:bits=4", "h2o:ratio=0.5",
+                "snapkv:ratio=0.5,window=32", "tova:ratio=0.5,headwise=true"):
+        with pytest.raises(ValueError, match="no kvpress press"):
+            parse_press_spec(bad)
+    kvpress = pytest.importorskip("kvpress")  # the `compare` extra
+    from experiments.kvpress_engine import press_for
+    press = press_for("streaming_llm:ratio=0.5")
+    assert isinstance(press, kvpress.StreamingLLMPress) and press.compression_ratio == 0.5
+    assert isinstance(press_for("snapkv:ratio=0.5,headwise=true"), kvpress.AdaKVPress)
