@@ -1,7 +1,7 @@
 """Tables and plots of a `kvjax eval` sweep, and the generated section of docs/RESULTS.md.
 
 `report(out)` reads `<out>/cells.jsonl` (the newest row of each cell wins) and writes
-`<out>/tables.md` and PNGs beside it:
+`<out>/tables.md`, `<out>/cells.csv` (scalar fields) and PNGs beside it:
 
 * per retrieval task, score by method x length (`<task>.png`, a heatmap);
 * `passkey_depth.png`: needle depth x context length per method, the NIAH-style map;
@@ -281,7 +281,19 @@ def report(out: Path, images: str = "") -> str:
             f"{r['status']}" for r in failed] + [""]
     text = "\n".join(lines)
     (out / "tables.md").write_text(text)
+    write_csv(rows, out / "cells.csv")
     return text
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    """The rows' scalar fields (per-trial lists stay in cells.jsonl), one line per cell."""
+    import csv
+    names = list(dict.fromkeys(k for r in rows for k, v in r.items()
+                               if not isinstance(v, (list, dict))))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=names, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def write_results(out: Path, results_md: Path, header: str = "") -> None:

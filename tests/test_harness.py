@@ -177,6 +177,8 @@ def test_report_ppl_front_speed_depth_maps_and_kvpress_table(tmp_path):
            "2.00 (batch 1) | 4.0x |" in text
     assert "| `full` | 8 | 1024 | 1000 | 4.0 | 1.0 | 4.00 | 2.0 | 1.5 |" in text
     assert "killed: big" in text
+    table = (tmp_path / "cells.csv").read_text().splitlines()
+    assert len(table) == 1 + len(rows) and "cache_bytes_per_token" in table[0]
     for png in ("ppl_1024.png", "passkey_depth.png", "speed.png", "passkey.png"):
         assert (tmp_path / png).stat().st_size > 0
 
@@ -201,3 +203,11 @@ def test_cli_eval_reports_a_bad_config_clearly(tmp_path, capsys):
     path.write_text(CONFIG.replace('"passkey"', '"trivia"'))
     assert main(["eval", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
     assert "unknown task 'trivia'" in capsys.readouterr().err
+
+
+def test_cli_bench_runs_only_speed_cells(tmp_path, capsys):
+    from experiments.cli import main
+    path = tmp_path / "grid.toml"
+    path.write_text(CONFIG)
+    assert main(["bench", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
+    assert "no `speed` cells" in capsys.readouterr().err
