@@ -211,3 +211,16 @@ def test_cli_bench_runs_only_speed_cells(tmp_path, capsys):
     path.write_text(CONFIG)
     assert main(["bench", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
     assert "no `speed` cells" in capsys.readouterr().err
+
+
+def test_same_numbers_flags_a_changed_score_and_ignores_timings(tmp_path):
+    from experiments.same_numbers import differences
+    cells = [Cell("passkey", 100, "full", trials=2), Cell("speed", 64, "full", trials=1)]
+    for name in ("a", "b"):
+        harness.sweep(cells, tmp_path / name, limit_gb=8, fn=fake_cell)
+    assert differences(tmp_path / "a", tmp_path / "b") == (1, [])
+    rows = harness.read_rows(tmp_path / "b" / "cells.jsonl")
+    rows[0]["score"] += 0.5
+    _write_rows(tmp_path / "b", rows)
+    count, lines = differences(tmp_path / "a", tmp_path / "b")
+    assert count == 1 and lines == ["passkey 100 full (kvjax): score differ"]
