@@ -41,7 +41,7 @@ it, so an interrupted sweep resumes. Seeds are fixed: the same config gives the 
 numbers. The report (experiments/report.py) writes tables and plots.
 
     kvjax eval --config experiments/configs/smoke.toml --out docs/results/eval_smoke
-    kvjax bench --config experiments/configs/results.toml --out docs/results/eval  # speed cells only
+    kvjax bench --config experiments/configs/compare.toml --out results/bench  # speed cells only
 """
 
 from __future__ import annotations

@@ -38,6 +38,11 @@ def _ok(rows):
     return [r for r in rows if r.get("status") == "ok"]
 
 
+def _plain(row) -> bool:
+    """A kvjax row of the quality grid (side-by-side cells have their own table)."""
+    return row.get("engine", "kvjax") == "kvjax" and not row.get("warmup")
+
+
 def _table(header: list[str], body: list[list]) -> list[str]:
     return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
             + ["| " + " | ".join(str(x) for x in row) + " |" for row in body] + [""])
@@ -56,7 +61,7 @@ def _plt():
 def retrieval_section(rows: list[dict], out: Path, images: str) -> list[str]:
     """Score tables (method x length) and a heatmap per retrieval task, kvjax engine."""
     lines = []
-    mine = [r for r in rows if r["task"] in RETRIEVAL_TASKS and r.get("engine", "kvjax") == "kvjax"]
+    mine = [r for r in rows if r["task"] in RETRIEVAL_TASKS and _plain(r)]
     for task in dict.fromkeys(r["task"] for r in mine):
         sub = [r for r in mine if r["task"] == task]
         lengths = sorted({r["length"] for r in sub})
@@ -104,8 +109,7 @@ def _score_heatmap(task, methods, lengths, cell, path):
 def depth_section(rows: list[dict], out: Path, images: str) -> list[str]:
     """NIAH-style passkey maps: accuracy by needle depth x context length, per method."""
     import numpy as np
-    sub = [r for r in _ok(rows) if r["task"] == "passkey" and r.get("depths")
-           and r.get("engine", "kvjax") == "kvjax"]
+    sub = [r for r in _ok(rows) if r["task"] == "passkey" and r.get("depths") and _plain(r)]
     methods = list(dict.fromkeys(r["method"] for r in sub))
     lengths = sorted({r["length"] for r in sub})
     if len(lengths) < 2:
@@ -145,7 +149,7 @@ def depth_section(rows: list[dict], out: Path, images: str) -> list[str]:
 
 def ppl_section(rows: list[dict], out: Path, images: str) -> list[str]:
     """Perplexity and cache bytes per method, sorted by bytes, with the Pareto front marked."""
-    sub = [r for r in _ok(rows) if r["task"] == "ppl" and r.get("engine", "kvjax") == "kvjax"]
+    sub = [r for r in _ok(rows) if r["task"] == "ppl" and _plain(r)]
     if not sub:
         return []
     lines = []

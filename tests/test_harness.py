@@ -224,3 +224,12 @@ def test_same_numbers_flags_a_changed_score_and_ignores_timings(tmp_path):
     _write_rows(tmp_path / "b", rows)
     count, lines = differences(tmp_path / "a", tmp_path / "b")
     assert count == 1 and lines == ["passkey 100 full (kvjax): score differ"]
+
+
+def test_side_by_side_cells_stay_out_of_the_quality_tables(tmp_path):
+    plain = Cell("passkey", 1024, "full", trials=10)
+    warm = Cell("passkey", 1024, "full", trials=8, batch=8, warmup=True)
+    _write_rows(tmp_path, [_row(plain, score=0.3, scores=[0.3] * 10, depths=[0.1] * 10),
+                           _row(warm, score=0.9, outputs=["1"] * 8, seconds_per_trial=1.0)])
+    text = report.report(tmp_path)
+    assert "| `full` | 0.30 |" in text and "0.90" not in text
