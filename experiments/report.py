@@ -176,24 +176,33 @@ def ppl_section(rows: list[dict], out: Path, images: str) -> list[str]:
                   "`*`: on the Pareto front (no method with a smaller cache has a lower "
                   "perplexity). Bytes are per compressed context token, float32 cache.", ""]
         lines += _table(["method", "ppl", "vs full", "bytes/token", "of full"], body)
-        _ppl_plot(group, full, out / f"ppl_{length}.png")
+        _ppl_plot(group, full, front, out / f"ppl_{length}.png")
         lines += [f"![ppl]({images}ppl_{length}.png)", ""]
     return lines
 
 
-def _ppl_plot(group, full, path):
+def _ppl_plot(group, full, front, path):
+    """Perplexity against the cache fraction: all methods (log), and a zoom on the good ones."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), width_ratios=[1, 1.4])
     base = full["cache_bytes_per_token"] if full else 1.0
+    best = min(r["score"] for r in group)
     cmap = plt.get_cmap("tab20")
-    for i, r in enumerate(group):
-        ax.scatter(r["cache_bytes_per_token"] / base, r["score"], color=cmap(i % 20),
-                   label=r["method"], s=28, marker="os^Dv<>p"[i // 20 % 8])
-    ax.set_yscale("log")
-    ax.set_xlabel("cache bytes per token (fraction of the full float32 cache)")
-    ax.set_ylabel("continuation perplexity (log)")
-    ax.legend(fontsize=6, ncol=2, loc="upper right")
-    ax.grid(alpha=0.3)
+    on_front = [r for r in group if r["method"] in front]
+    for ax, zoom in zip(axes, (False, True)):
+        for i, r in enumerate(group):
+            ax.scatter(r["cache_bytes_per_token"] / base, r["score"], color=cmap(i % 20),
+                       label=r["method"] if zoom else None, s=30, marker="os^Dv<>p"[i // 20 % 8])
+        ax.plot([r["cache_bytes_per_token"] / base for r in on_front],
+                [r["score"] for r in on_front], "k--", lw=0.8,
+                label="Pareto front" if zoom else None)
+        ax.set_xlabel("cache bytes per token (fraction of the full float32 cache)")
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].set(ylabel="continuation perplexity (log)", title="every method")
+    axes[1].set_ylim(best * 0.99, best * 1.12)
+    axes[1].set(ylabel="continuation perplexity", title="within 12 % of the best")
+    axes[1].legend(fontsize=6, ncol=1, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
