@@ -92,17 +92,22 @@ def run_retrieval_cell(cell: Cell) -> dict:
                              max_new_tokens=cell.max_new_tokens)
     if cell.warmup:
         run(0)
-    scores, texts, cache_bytes, start = [], [], [], time.perf_counter()
+    texts, cache_bytes, start = [], [], time.perf_counter()
     for b in range(0, cell.trials, cell.batch):
         out = run(b)
-        for i, (row, n) in enumerate(zip(out.tokens, out.num_tokens)):
-            texts.append(tokenizer.decode(row[:n].tolist()))
-            scores.append(prompts.score(b + i, texts[-1]))
+        texts += [tokenizer.decode(row[:n].tolist()) for row, n in zip(out.tokens, out.num_tokens)]
         cache_bytes.append(nbytes(out.cache) / len(out.tokens))
-    seconds = time.perf_counter() - start
+    return retrieval_row(cell, prompts, texts, time.perf_counter() - start,
+                         cache_bytes_per_seq=max(cache_bytes))
+
+
+def retrieval_row(cell: Cell, prompts: Prompts, texts: list[str], seconds: float,
+                  **measured) -> dict:
+    """The result row of a retrieval cell (either engine): scores, outputs, seconds, depths."""
+    scores = [prompts.score(i, text) for i, text in enumerate(texts)]
     row = dict(asdict(cell), status="ok", score=sum(scores) / len(scores), scores=scores,
-               outputs=texts, cache_bytes_per_seq=max(cache_bytes), seconds=round(seconds, 2),
-               seconds_per_trial=round(seconds / cell.trials, 3))
+               outputs=texts, seconds=round(seconds, 2),
+               seconds_per_trial=round(seconds / cell.trials, 3), **measured)
     if prompts.depths is not None:
         row["depths"] = prompts.depths
     return row
@@ -165,7 +170,6 @@ def run_speed_cell(cell: Cell) -> dict:
 
     _, pre = timed(run_prefill)  # compiles
     prefill_s = statistics.median(timed(run_prefill)[0] for _ in range(cell.trials))
-    jax.block_until_ready(pre.cache)
     run_decode(pre)  # compiles
     decode_s = statistics.median(run_decode(pre)[0] for _ in range(cell.trials))
     cache_bytes = kvjax.nbytes(pre.cache)

@@ -107,9 +107,9 @@ def _block_cells(path, block: dict, shared: dict) -> list[Cell]:
     settings = dict(shared, **{k: block[k] for k in SHARED if k in block})
     if "trials" not in settings:
         raise ValueError(f"{path}: set `trials` (per cell)")
+    batch = settings.pop("batch", Cell.batch)
     engines = block.get("engines", ["kvjax"])
-    batches = block.get("batches", [settings.pop("batch", Cell.batch)])
-    settings.pop("batch", None)
+    batches = block.get("batches", [batch])
     cells = []
     for task, length, method, engine, batch in itertools.product(
             block["tasks"], block["lengths"], block["methods"], engines, batches):

@@ -27,9 +27,8 @@ Example:
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 
-from experiments.harness import Cell
+from experiments.harness import RETRIEVAL_TASKS, Cell
 
 PRESSES = {"streaming_llm": "StreamingLLMPress", "snapkv": "SnapKVPress",
            "pyramidkv": "PyramidKVPress", "tova": "TOVAPress", "knorm": "KnormPress",
@@ -38,13 +37,11 @@ PRESSES = {"streaming_llm": "StreamingLLMPress", "snapkv": "SnapKVPress",
 
 def parse_press_spec(method: str) -> tuple[str, float, bool] | None:
     """(name, ratio, headwise) of a method kvpress can run; None for `full`; else raises."""
-    from kvjax.methods import _parse_value
+    from kvjax.methods import split_part
 
     if method.strip() == "full":
         return None
-    name, _, args = method.partition(":")
-    kwargs = dict(item.split("=", 1) for item in filter(None, args.split(",")))
-    kwargs = {k.strip(): _parse_value(v.strip()) for k, v in kwargs.items()}
+    name, kwargs = split_part(method)
     headwise = bool(kwargs.pop("headwise", False))
     if "+" in method or name not in PRESSES or set(kwargs) != {"ratio"} or \
             (headwise and name != "snapkv"):
@@ -71,12 +68,12 @@ def run_kvpress_cell(cell: Cell) -> dict:
     import torch
     from transformers import pipeline
 
-    from experiments.cells import make_prompts
+    from experiments.cells import make_prompts, retrieval_row
     from experiments.hf_reference import load_hf_reference
     from models.loading import resolve_model_path
     from models.tokenizer import load_tokenizer
 
-    if cell.task in ("ppl", "speed"):
+    if cell.task not in RETRIEVAL_TASKS:
         raise ValueError(f"the kvpress engine runs retrieval tasks, not {cell.task!r}")
     press = press_for(cell.method)
     path = resolve_model_path(cell.model)
@@ -95,11 +92,4 @@ def run_kvpress_cell(cell: Cell) -> dict:
         answer(0)
     start = time.perf_counter()
     texts = [answer(i) for i in range(cell.trials)]
-    seconds = time.perf_counter() - start
-    scores = [prompts.score(i, t) for i, t in enumerate(texts)]
-    row = dict(asdict(cell), status="ok", score=sum(scores) / len(scores), scores=scores,
-               outputs=texts, seconds=round(seconds, 2),
-               seconds_per_trial=round(seconds / cell.trials, 3))
-    if prompts.depths is not None:
-        row["depths"] = prompts.depths
-    return row
+    return retrieval_row(cell, prompts, texts, time.perf_counter() - start)

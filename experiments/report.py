@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -256,12 +257,10 @@ def compare_section(rows: list[dict]) -> list[str]:
     theirs = [r for r in ok if r.get("engine") == "kvpress"]
     if not theirs:
         return []
-    same_cell = lambda r: (r["task"], r["length"], r["method"], r["trials"], r["seed"],
-                           r["max_new_tokens"])
-    mine = {same_cell(r): r for r in ok if r.get("engine", "kvjax") == "kvjax" and r.get("warmup")}
+    mine = {cell_of(r).key: r for r in ok if r.get("engine", "kvjax") == "kvjax"}
     body = []
     for t in theirs:
-        m = mine.get(same_cell(t))
+        m = mine.get(dataclasses.replace(cell_of(t), engine="kvjax").key)  # the same prompts
         if m is None:
             continue
         same = sum(_normalized(a) == _normalized(b) for a, b in zip(m["outputs"], t["outputs"]))

@@ -64,17 +64,23 @@ def _parse_value(text: str) -> int | float | bool | str:
     return text
 
 
-def _parse_part(part: str) -> CacheTransform:
+def split_part(part: str) -> tuple[str, dict]:
+    """"snapkv:ratio=0.5,window=32" -> ("snapkv", {"ratio": 0.5, "window": 32})."""
     name, _, args = part.partition(":")
     name = name.strip()
-    if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     kwargs = {}
     for item in filter(None, (a.strip() for a in args.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"method {name!r}: argument {item!r} is not key=value")
         kwargs[key.strip()] = _parse_value(value.strip())
+    return name, kwargs
+
+
+def _parse_part(part: str) -> CacheTransform:
+    name, kwargs = split_part(part)
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     layers = kwargs.pop("layers", None)
     try:
         transform = METHODS[name](**kwargs)
