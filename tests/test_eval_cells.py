@@ -76,7 +76,8 @@ def test_kvpress_specs_map_to_presses_or_fail_clearly():
                 "snapkv:ratio=0.5,window=32", "tova:ratio=0.5,headwise=true"):
         with pytest.raises(ValueError, match="no kvpress press"):
             parse_press_spec(bad)
-    kvpress = pytest.importorskip("kvpress")  # the `compare` extra
+    kvpress = pytest.importorskip(
+        "kvpress", reason="[optional] kvpress is in the `compare` extra, not installed")
     from experiments.kvpress_engine import press_for
     press = press_for("streaming_llm:ratio=0.5")
     assert isinstance(press, kvpress.StreamingLLMPress) and press.compression_ratio == 0.5

@@ -2,47 +2,26 @@
 
 They use the real SmolLM2-135M-Instruct tokenizer but not its weights: from
 the converted store next to the GGUF (tokenizer.json, well under a second) when
-`load_model` has filled it, else from the GGUF file (about 5 s); skipped when
-the GGUF is absent, as in tests/test_tokenizer.py.
+`load_model` has filled it, else from the GGUF file (about 5 s); the
+`smollm2_tokenizer` fixture of conftest.py fetches the model if it is missing.
 """
 
 from __future__ import annotations
 
-import os
 import re
-from pathlib import Path
 
 import pytest
 
 from experiments.passkey import (ANSWER_PREFIX, DATA_DIR, INSTRUCTION, NEEDLE, QUESTION,
                                  PasskeyTrial, make_trials, parse_answer, score_trials)
-from models.tokenizer import load_tokenizer
 
-DEFAULT_SMOLLM2 = Path("/root/.cache/kvjax/SmolLM2-135M-Instruct.Q4_1.gguf")
 LENGTHS = [1024, 2048, 4096]
 DEPTHS = [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
-def smollm2_path() -> Path:
-    try:
-        from models.hub import find_smollm2
-
-        return find_smollm2(download=False)
-    except (ImportError, FileNotFoundError):
-        return Path(os.environ.get("KVJAX_SMOLLM2", DEFAULT_SMOLLM2))
-
-
 @pytest.fixture(scope="module")
-def tok():
-    path = smollm2_path()
-    if not path.is_file():
-        pytest.skip(f"SmolLM2 GGUF not found at {path} (set KVJAX_SMOLLM2 to its path)")
-    from models.loading import converted_dir
-
-    converted = converted_dir(path)
-    if (converted / "tokenizer.json").is_file():
-        return load_tokenizer(converted)  # saved from this GGUF's tokenizer by load_model
-    return load_tokenizer(path)
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,15 @@ import re
 import pytest
 
 from experiments.ruler import SLACK, TASKS, TaskTrial, make_task_trials, score
-from tests.test_passkey_task import tok  # noqa: F401  (the real tokenizer fixture)
 
 
 @pytest.fixture(scope="module")
-def trials(tok):  # noqa: F811
+def tok(smollm2_tokenizer):
+    return smollm2_tokenizer
+
+
+@pytest.fixture(scope="module")
+def trials(tok):
     return {(task, n): make_task_trials(tok, task, n, trials=2, seed=1)
             for task in TASKS for n in (1024, 2048)}
 
@@ -23,7 +27,7 @@ def occurrences(text: str, s: str) -> int:
 
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("length", [1024, 2048])
-def test_contexts_are_on_target_and_answers_appear_as_specified(trials, tok, task, length):  # noqa: F811
+def test_contexts_are_on_target_and_answers_appear_as_specified(trials, tok, task, length):
     for t in trials[task, length]:
         assert length - SLACK <= len(t.context) <= length
         text = tok.decode(t.context)
@@ -56,14 +60,14 @@ def test_contexts_are_on_target_and_answers_appear_as_specified(trials, tok, tas
                 c for w, c in counts.items() if w not in t.answers)
 
 
-def test_prompt_is_the_encoded_chat(trials, tok):  # noqa: F811
+def test_prompt_is_the_encoded_chat(trials, tok):
     t = trials["niah_multikey", 1024][0]
     rendered = tok.decode(t.prompt, skip_special_tokens=False)
     assert tok.encode(rendered) == t.prompt
     assert rendered.rstrip().endswith("mentioned in the provided text is")
 
 
-def test_seeded_and_different_across_seeds(tok, trials):  # noqa: F811
+def test_seeded_and_different_across_seeds(tok, trials):
     again = make_task_trials(tok, "variable_tracking", 1024, trials=2, seed=1)
     assert [t.prompt for t in again] == [t.prompt for t in trials["variable_tracking", 1024]]
     other = make_task_trials(tok, "variable_tracking", 1024, trials=2, seed=2)
@@ -77,7 +81,7 @@ def test_score_is_the_fraction_of_answers_found():
     assert score(t, "I do not know.") == 0.0
 
 
-def test_bad_options_raise(tok):  # noqa: F811
+def test_bad_options_raise(tok):
     with pytest.raises(ValueError, match="unknown task"):
         make_task_trials(tok, "qa", 1024, 1)
     with pytest.raises(ValueError, match="more often"):

@@ -6,7 +6,7 @@ from flax import nnx
 
 from kvjax import CacheTransform
 from models.llama import Llama, LlamaConfig, new_cache
-from models.sampler import (Sampling, _decode, _prefill, generate, pad_prompts, sample_tokens)
+from models.sampler import Sampling, generate, pad_prompts, sample_tokens
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15]]
 
@@ -47,13 +47,13 @@ def test_stops_at_eos_and_pads_after(tiny_model):
         assert np.all(out.tokens[i, n:] == 0)
 
 
-def test_compiles_once_across_calls_with_same_shapes(tiny_model):
+def test_compiles_once_across_calls_with_same_shapes(tiny_model, count_traces):
     kwargs = dict(max_new_tokens=5, chunk=4, eos_ids=())
     generate(tiny_model, [[1, 2, 3, 4, 5], [6, 7]], **kwargs)
-    sizes = (_prefill._cache_size(), _decode._cache_size())
-    generate(tiny_model, [[9, 9, 9], [8, 8, 8, 8, 8, 8]], **kwargs)  # same padded shapes
-    generate(tiny_model, [[1, 1, 1, 1, 1, 1, 1], [2]], seed=3, **kwargs)
-    assert (_prefill._cache_size(), _decode._cache_size()) == sizes
+    with count_traces() as traces:
+        generate(tiny_model, [[9, 9, 9], [8, 8, 8, 8, 8, 8]], **kwargs)  # same padded shapes
+        generate(tiny_model, [[1, 1, 1, 1, 1, 1, 1], [2]], seed=3, **kwargs)
+    assert traces.count == 0
 
 
 def test_transform_runs_after_prefill_and_every_n_decode_steps(tiny_model):

@@ -3,14 +3,13 @@
 Two groups:
 * synthetic: tiny GGUF files written with gguf.GGUFWriter (always run); they
   pin the pre-tokenizer choice, special-token handling and error messages;
-* real: the SmolLM2-135M-Instruct GGUF (skipped when the file is absent; set
-  KVJAX_SMOLLM2 to point at it).
+* real: the SmolLM2-135M-Instruct GGUF (conftest's `smollm2_file` fetches it once;
+  KVJAX_SMOLLM2 may point at a local copy).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import gguf
@@ -21,7 +20,6 @@ from tokenizers import pre_tokenizers
 
 from models.tokenizer import Tokenizer, load_tokenizer
 
-DEFAULT_SMOLLM2 = Path("/root/.cache/kvjax/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
@@ -203,26 +201,9 @@ def test_bad_paths(tmp_path):
 # ----------------------------------------------------------------------------
 
 
-def smollm2_path() -> Path:
-    """Where the SmolLM2 GGUF is, or should be; never downloads.
-
-    models.hub.find_smollm2 when it can find the file, else $KVJAX_SMOLLM2 or
-    the default cache path.
-    """
-    try:
-        from models.hub import find_smollm2
-
-        return find_smollm2(download=False)
-    except (ImportError, FileNotFoundError):
-        return Path(os.environ.get("KVJAX_SMOLLM2", DEFAULT_SMOLLM2))
-
-
 @pytest.fixture(scope="module")
-def smol() -> Tokenizer:
-    path = smollm2_path()
-    if not path.is_file():
-        pytest.skip(f"SmolLM2 GGUF not found at {path} (set KVJAX_SMOLLM2 to its path)")
-    return load_tokenizer(path)  # ~5 s: GGUFReader parses 98k strings
+def smol(smollm2_file) -> Tokenizer:
+    return load_tokenizer(smollm2_file)  # ~5 s: GGUFReader parses 98k strings
 
 
 def test_smollm2_metadata(smol):
