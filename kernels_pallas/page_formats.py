@@ -1,24 +1,37 @@
-"""How one page of keys or values is stored, and how a kernel decodes it.
+"""How one page of keys or values is laid out for the kernel, and how the kernel decodes it.
 
-A *page* holds `page_size` consecutive slots of one (sequence, KV head). A
-format names the arrays that hold a pool of pages, says how a kernel's
-pipeline blocks them, and decodes one page to float32 `[page_size, D]`
-inside the kernel. The same decode runs in the plain-jnp reference, so a
-kernel and its reference read identical numbers.
+A *page* holds `page_size` (S) consecutive slots of one (sequence, KV head).
+A format names the arrays that hold a pool of P pages and decodes one page
+to float32 inside the kernel. The same decode runs in the plain-jnp
+reference, so a kernel and its reference read identical numbers.
+
+Kernel layout (docs/drafts/tpu-kernels.md): every array is indexed by page
+first, and packed pages keep the **slot axis last** (on TPU lanes), so a
+page is a lane-dense `[rows, S]` tile of 32-bit words that Mosaic loads
+without padding the small per-token axes to 128 lanes:
 
 | format | arrays (P pages of S slots) | decode |
 |---|---|---|
-| `Dense()` | `[P, S, D]` float32/bf16/fp8 | cast |
-| `PackedTokens(bits, group, symmetric)` | words `[P, S, D*bits/32]` uint32, scale `[P, S, D/G]`, offset (asymmetric) | per token, groups of G channels |
-| `PackedChannels(bits, symmetric)` | words `[P, S, D*bits/32]`, group id `[P, S, 1]` int32, scale table `[R, NG, D]`, offset table | per channel, one table row per group of tokens; table row `b*KVH + h` |
+| `Dense()` | `[P, S, D]` float32/bf16/fp8 | cast; `[S, D]` |
+| `PackedTokens(bits, group, symmetric, param_dtype)` | `[P, W + NW, S]` uint32: W = D*bits/32 code words, then NW rows of packed scale (and offset) | per token, groups of G channels; `[D, S]` |
+| `PackedChannels(bits, window, symmetric, param_dtype)` | `[P, W + 1, S]` uint32 (codes, then each slot's group index in the page's table window) and `[P, TW, D]` uint32 table window | per channel; `[D, S]` |
 
-The packed layouts are `kvjax.stores`' (strided bit planes, see
-`kvjax.quant.pack`): a `TokenCache` of `[B*KVH, C, ...]` arrays becomes a
-pool by a free reshape to `[B*KVH*C/S, S, ...]`.
+Parameters in 16-bit dtypes (float16, bfloat16) travel as pairs in uint32
+words (`pack_rows`: row i holds logical rows i and i + ceil(n/2)) and are
+widened to float32 in the kernel by bit operations: exact, 2 bytes each.
+float32 parameters travel as their bits. Mosaic does not load float16
+vectors, and a `[S, D/G]` parameter array would be padded to 128 lanes in
+TPU memory; this layout avoids both.
+
+`from_store` converts `kvjax.stores`' layout (`[P, S, ...]`, slot axis
+second) to this one; KIVI's per-row tables become per-page windows of
+`window` table rows (the groups a page's slots use), so the work per page
+is constant and attention is linear in context.
 
 Example:
     >>> fmt = PackedTokens(bits=4, group=32)
-    >>> fmt.check((words, scale, offset), head_dim=64)   # eager shape checks
+    >>> (pages,) = fmt.from_store(words, scale, offset)   # [P, 8 + 2, S] for D = 64
+    >>> fmt.check((pages,), head_dim=64)
 """
 
 from __future__ import annotations
@@ -30,75 +43,172 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-PAGE = "page"  # an array indexed by page: [P, S, ...]
-ROW = "row"  # an array indexed by (sequence, KV head) row: [R, ...] (per-row tables)
+PARAM_DTYPES = ("float16", "bfloat16", "float32")
+
+
+# ----------------------------------------------------------------------------- bit helpers
 
 
 def unpack_planes(words: jax.Array, bits: int) -> jax.Array:
-    """[S, W] uint32 -> [S, W * 32/bits] float32 codes (strided planes: element j*W + w)."""
+    """[W, S] uint32 -> [W * 32/bits, S] float32 codes (strided planes: channel j*W + w)."""
     mask = jnp.uint32((1 << bits) - 1)
     planes = [((words >> jnp.uint32(j * bits)) & mask).astype(jnp.int32)
               for j in range(32 // bits)]
-    return jnp.concatenate(planes, axis=-1).astype(jnp.float32)
+    return jnp.concatenate(planes, axis=0).astype(jnp.float32)
+
+
+def _half_to_f32(h: jax.Array, dtype: str) -> jax.Array:
+    """int32 holding 16 bits of a float16/bfloat16 -> float32, exactly, by bit operations."""
+    if dtype == "bfloat16":
+        return jax.lax.bitcast_convert_type(h << 16, jnp.float32)
+    sign, exp, man = (h >> 15) & 1, (h >> 10) & 31, h & 1023
+    normal = (sign << 31) | ((exp + 112) << 23) | (man << 13)
+    special = (sign << 31) | (255 << 23) | (man << 13)  # inf / nan
+    bits = jnp.where(exp == 31, special, normal)
+    tiny = man.astype(jnp.float32) * (2.0 ** -24)  # zero and subnormals
+    tiny = jnp.where(sign == 1, -tiny, tiny)
+    return jnp.where(exp == 0, tiny, jax.lax.bitcast_convert_type(bits, jnp.float32))
+
+
+def param_rows(n: int, dtype: str) -> int:
+    """uint32 rows that hold n logical parameter rows of `dtype`."""
+    return n if dtype == "float32" else -(-n // 2)
+
+
+def pack_rows(x: jax.Array, dtype: str) -> jax.Array:
+    """[..., n, L] parameters -> [..., param_rows(n), L] uint32 (16-bit: rows i and i+ceil(n/2))."""
+    if dtype == "float32":
+        return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    n = x.shape[-2]
+    half = -(-n // 2)
+    bits = jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16).astype(jnp.uint32)
+    pad = [(0, 0)] * (x.ndim - 2) + [(0, 2 * half - n), (0, 0)]
+    bits = jnp.pad(bits, pad)
+    lo, hi = bits[..., :half, :], bits[..., half:, :]
+    return lo | (hi << 16)
+
+
+def unpack_rows(words: jax.Array, n: int, dtype: str) -> jax.Array:
+    """Inverse of `pack_rows`: [m, L] uint32 -> [n, L] float32."""
+    if dtype == "float32":
+        return jax.lax.bitcast_convert_type(words, jnp.float32)[:n]
+    w = jax.lax.bitcast_convert_type(words, jnp.int32)
+    lo = _half_to_f32(w & 0xFFFF, dtype)
+    hi = _half_to_f32((w >> 16) & 0xFFFF, dtype)
+    return jnp.concatenate([lo, hi], axis=0)[:n]
+
+
+def expand_groups(params: jax.Array, group: int) -> jax.Array:
+    """[NG, S] per-group rows -> [NG*group, S]: each row repeated over its group's channels."""
+    ng, s = params.shape
+    return jnp.concatenate([jnp.broadcast_to(params[g:g + 1], (group, s)) for g in range(ng)],
+                           axis=0)
+
+
+def _onehot_expand(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """table [NW, D] f32, ids [1, S] int32 in [0, NW) -> [D, S]: column s is table row ids[s].
+
+    A one-hot matmul (a TPU has no vector gather): exact at HIGHEST precision.
+    """
+    hot = (ids == jax.lax.broadcasted_iota(jnp.int32, (table.shape[0], ids.shape[1]), 0))
+    return jax.lax.dot_general(table, hot.astype(jnp.float32), (((0,), (0,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- backends
 
 
 class Ops(NamedTuple):
-    """How a backend reads a block: `load(block)`, `unpack(words_block, bits)`, `gather(table_block, ids)`.
+    """How a backend reads a block: `load(block)` the whole page, `rows(block, start, n)` [n, L].
 
     A format's `decode` only calls these, so one decode serves the TPU kernel
     (blocks are VMEM refs), the GPU kernel (blocks are views of HBM refs)
-    and the reference (blocks are arrays).
+    and the reference (blocks are arrays). `take(block, rows)` (GPU only,
+    where Triton has no n-way concatenate) loads rows [N] (int32) -> [N, L].
     """
 
     load: Callable
-    unpack: Callable
-    gather: Callable
-
-
-def _take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
-    return jnp.take(table.astype(jnp.float32), ids[:, 0], axis=0)
-
-
-def _onehot_rows(table_ref, ids: jax.Array) -> jax.Array:
-    """One-hot [S, NG] @ table [NG, D]: exact at HIGHEST precision (a TPU has no row gather)."""
-    table = table_ref[...]
-    hot = ids == jax.lax.broadcasted_iota(jnp.int32, (ids.shape[0], table.shape[0]), 1)
-    return jnp.dot(hot.astype(jnp.float32), table.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    rows: Callable
+    take: Callable | None = None
 
 
 class PageRef(NamedTuple):
     """Page `page` of a whole-pool HBM ref (GPU: one indexer per load)."""
 
-    ref: Any  # [P, S, ...]
+    ref: Any  # [P, ...]
     page: jax.Array  # [] int32
 
 
-def _gpu_unpack(block: PageRef, bits: int) -> jax.Array:
-    """Element j*W + w is word w >> (j*bits): one gathered load, no lane concatenation."""
-    s, w = block.ref.shape[1:]
-    lane = jax.lax.broadcasted_iota(jnp.int32, (w * 32 // bits,), 0)
-    rows = jax.lax.broadcasted_iota(jnp.int32, (s, 1), 0)
-    words = block.ref[block.page, rows, (lane % w)[None, :]]  # [S, D]
-    shift = (lane // w * bits).astype(jnp.uint32)
-    return ((words >> shift[None, :]) & jnp.uint32((1 << bits) - 1)).astype(jnp.int32).astype(
-        jnp.float32)
+def _gpu_rows(block, start: int, n: int):
+    if isinstance(block, PageRef):
+        return block.ref[block.page, pl.ds(start, n), :]
+    return block[pl.ds(start, n), :]
 
 
-REFERENCE_OPS = Ops(load=lambda x: x, unpack=unpack_planes, gather=_take_rows)
-TPU_OPS = Ops(load=lambda r: r[...], unpack=lambda r, bits: unpack_planes(r[...], bits),
-              gather=_onehot_rows)
+def _gpu_take(block, rows: jax.Array) -> jax.Array:
+    ref = block.ref if isinstance(block, PageRef) else block
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, ref.shape[-1]), 1)
+    if isinstance(block, PageRef):
+        return ref[block.page, rows[:, None], lanes]
+    return ref[rows[:, None], lanes]
+
+
+def _take_codes(ops: Ops, block, head_dim: int, bits: int) -> jax.Array:
+    """Gathered unpack: channel c is word row c % W shifted by (c // W) * bits -> [D, S] f32."""
+    w = head_dim * bits // 32
+    c = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
+    words = ops.take(block, c % w)
+    shift = ((c // w) * bits).astype(jnp.uint32)[:, None]
+    return ((words >> shift) & jnp.uint32((1 << bits) - 1)).astype(jnp.int32).astype(jnp.float32)
+
+
+def _take_params(ops: Ops, block, start: int, logical: jax.Array, n: int, dtype: str):
+    """Gathered `unpack_rows`: logical parameter rows `logical` [N] -> [N, L] f32."""
+    if dtype == "float32":
+        return jax.lax.bitcast_convert_type(ops.take(block, start + logical), jnp.float32)
+    half = -(-n // 2)
+    words = jax.lax.bitcast_convert_type(ops.take(block, start + logical % half), jnp.int32)
+    return _half_to_f32((words >> ((logical // half) * 16)[:, None]) & 0xFFFF, dtype)
+
+
+REFERENCE_OPS = Ops(load=lambda x: x, rows=lambda x, start, n: x[start:start + n])
+TPU_OPS = Ops(load=lambda r: r[...], rows=lambda r, start, n: r[pl.ds(start, n), :])
 GPU_OPS = Ops(load=lambda b: b.ref[b.page] if isinstance(b, PageRef) else b[...],
-              unpack=_gpu_unpack,
-              gather=lambda r, ids: r[ids[:, 0]].astype(jnp.float32))
+              rows=_gpu_rows, take=_gpu_take)
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def _check_param_dtype(dtype: str) -> None:
+    if dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {PARAM_DTYPES}, got {dtype!r}")
+
+
+def _check_packed(pages: jax.Array, bits: int, head_dim: int, extra: int, what: str) -> None:
+    if bits not in (2, 4, 8):
+        raise ValueError(f"packed pages hold 2, 4 or 8-bit codes, got bits={bits}")
+    want = head_dim * bits // 32 + extra
+    if pages.ndim != 3 or pages.shape[1] != want or pages.dtype != jnp.uint32:
+        raise ValueError(f"{what} pages must be uint32 [P, {want}, S] ({bits}-bit codes of "
+                         f"head_dim {head_dim} and {extra} parameter rows), got {pages.dtype} "
+                         f"{pages.shape}")
+
+
+def _slots_last(x: jax.Array) -> jax.Array:
+    """[P, S, L] -> [P, L, S]."""
+    return jnp.swapaxes(x, 1, 2)
 
 
 @dataclasses.dataclass(frozen=True)
 class Dense:
     """Plain floats, `[P, S, D]`; any float dtype (float32, bfloat16, float8)."""
 
-    def kinds(self) -> tuple[str, ...]:
-        return (PAGE,)
+    slots_last = False
+
+    def arity(self) -> int:
+        return 1
 
     def check(self, arrays, head_dim: int) -> None:
         (x,) = arrays
@@ -107,9 +217,16 @@ class Dense:
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"dense pages must be a float dtype, got {x.dtype}")
 
-    def decode(self, blocks, ops: Ops) -> jax.Array:
-        """blocks: ([S, D],) -> [S, D] float32."""
-        return ops.load(blocks[0]).astype(jnp.float32)
+    def page_size(self, arrays) -> int:
+        return arrays[0].shape[1]
+
+    def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
+        """blocks: ([S, D],) -> [S, D] in `dtype`."""
+        return ops.load(blocks[0]).astype(dtype)
+
+    def store_bytes(self, head_dim: int, dtype) -> float:
+        """Bytes per slot the format stores."""
+        return head_dim * jnp.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,76 +236,178 @@ class PackedTokens:
     bits: int
     group: int
     symmetric: bool = False
+    param_dtype: str = "float16"
 
-    def kinds(self) -> tuple[str, ...]:
-        return (PAGE,) * (2 if self.symmetric else 3)
+    slots_last = True
+
+    def __post_init__(self):
+        _check_param_dtype(self.param_dtype)
+
+    def arity(self) -> int:
+        return 1
+
+    def n_params(self, head_dim: int) -> int:
+        return (head_dim // self.group) * (1 if self.symmetric else 2)
+
+    def param_words(self, head_dim: int) -> int:
+        return param_rows(self.n_params(head_dim), self.param_dtype)
 
     def check(self, arrays, head_dim: int) -> None:
-        _check_packed(arrays[0], self.bits, head_dim)
-        n, s = arrays[0].shape[:2]
-        for a in arrays[1:]:
-            if a.shape != (n, s, head_dim // self.group):
-                raise ValueError(f"per-token parameters must be {(n, s, head_dim // self.group)}, "
-                                 f"got {a.shape}")
+        if len(arrays) != 1:
+            raise ValueError(f"{self} takes one page array, got {len(arrays)}")
+        if self.group < 1 or head_dim % self.group:
+            raise ValueError(f"group {self.group} must divide head_dim {head_dim}")
+        _check_packed(arrays[0], self.bits, head_dim, self.param_words(head_dim), "per-token")
 
-    def decode(self, blocks, ops: Ops) -> jax.Array:
-        """blocks: (words [S, W], scale [S, D/G], offset?) -> [S, D] float32."""
-        codes = ops.unpack(blocks[0], self.bits)
-        per_channel = lambda b: jnp.repeat(ops.load(b).astype(jnp.float32), self.group, axis=-1)
-        scale = per_channel(blocks[1])
-        offset = (-(2 ** (self.bits - 1)) * scale if self.symmetric else per_channel(blocks[2]))
-        return codes * scale + offset
+    def page_size(self, arrays) -> int:
+        return arrays[0].shape[2]
+
+    def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array | None):
+        """kvjax.stores layout -> kernel layout.
+
+        words [P, S, W] uint32, scale/offset [P, S, D/G] -> ([P, W + NW, S] uint32,).
+        """
+        params = scale if self.symmetric else jnp.concatenate([scale, offset], axis=-1)
+        packed = pack_rows(_slots_last(params), self.param_dtype)  # [P, NW, S]
+        return (jnp.concatenate([_slots_last(words), packed], axis=1),)
+
+    def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
+        """blocks: ([W + NW, S],) -> [D, S] in `dtype`."""
+        d, n_words = head_dim, head_dim * self.bits // 32
+        ng, n = d // self.group, self.n_params(d)
+        if ops.take is not None:  # gathered loads, no concatenation
+            codes = _take_codes(ops, blocks[0], d, self.bits)
+            g = jax.lax.broadcasted_iota(jnp.int32, (d,), 0) // self.group
+            param = lambda r: _take_params(ops, blocks[0], n_words, r, n, self.param_dtype)
+            scale = param(g)
+            offset = None if self.symmetric else param(g + ng)
+        else:
+            codes = unpack_planes(ops.rows(blocks[0], 0, n_words), self.bits)  # [D, S]
+            params = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(d)), n,
+                                 self.param_dtype)  # [n, S]
+            scale = expand_groups(params[:ng], self.group)
+            offset = None if self.symmetric else expand_groups(params[ng:], self.group)
+        if offset is None:
+            offset = -(2.0 ** (self.bits - 1)) * scale
+        return (codes * scale + offset).astype(dtype)
+
+    def store_bytes(self, head_dim: int, dtype=None) -> float:
+        return head_dim * self.bits / 8 + self.n_params(head_dim) * \
+            jnp.dtype(self.param_dtype).itemsize
+
+
+def window_for(page_size: int, group: int, table_rows: int) -> int:
+    """Table rows a page of consecutive slots can use (groups of `group` tokens it overlaps),
+    rounded up to a power of two (Triton loads power-of-two blocks)."""
+    n = max(1, min(table_rows, (page_size - 1) // group + 2))
+    return 1 << (n - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedChannels:
-    """Per-channel codes (KIVI keys): each slot names its token group's row in a per-row table."""
+    """Per-channel codes (KIVI keys): each slot indexes a row of its page's table window.
+
+    Arrays: pages `[P, W + 1, S]` uint32 (codes, then each slot's row in the
+    window) and table `[P, TW, D]` uint32: `window` rows of scale (and
+    offset) per page, packed by `pack_rows`.
+    """
 
     bits: int
+    window: int
     symmetric: bool = False
+    param_dtype: str = "float16"
 
-    def kinds(self) -> tuple[str, ...]:
-        return (PAGE, PAGE) + (ROW,) * (1 if self.symmetric else 2)
+    slots_last = True
+
+    def __post_init__(self):
+        _check_param_dtype(self.param_dtype)
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 table rows, got {self.window}")
+
+    def arity(self) -> int:
+        return 2
+
+    def n_params(self) -> int:
+        return self.window * (1 if self.symmetric else 2)
 
     def check(self, arrays, head_dim: int) -> None:
-        _check_packed(arrays[0], self.bits, head_dim)
-        n, s = arrays[0].shape[:2]
-        if arrays[1].shape != (n, s, 1) or arrays[1].dtype != jnp.int32:
-            raise ValueError(f"group ids must be int32 {(n, s, 1)}, got {arrays[1].dtype} "
-                             f"{arrays[1].shape}")
-        for t in arrays[2:]:
-            if t.ndim != 3 or t.shape[-1] != head_dim:
-                raise ValueError(f"per-channel tables must be [R, NG, {head_dim}], got {t.shape}")
+        if len(arrays) != 2:
+            raise ValueError(f"{self} takes pages and a table window, got {len(arrays)} arrays")
+        pages, table = arrays
+        _check_packed(pages, self.bits, head_dim, 1, "per-channel")
+        want = (pages.shape[0], param_rows(self.n_params(), self.param_dtype), head_dim)
+        if table.shape != want or table.dtype != jnp.uint32:
+            raise ValueError(f"per-channel table windows must be uint32 {want}, got "
+                             f"{table.dtype} {table.shape}")
 
-    def decode(self, blocks, ops: Ops) -> jax.Array:
-        """blocks: (words [S, W], group id [S, 1], scale table [NG, D], offset table?) -> [S, D].
+    def page_size(self, arrays) -> int:
+        return arrays[0].shape[2]
 
-        Table rows are picked by `ops.gather`: a one-hot matmul on TPU, a
-        gathered load on GPU, `jnp.take` in the reference.
+    def window_start(self, group_id, valid, table_rows: int):
+        """Each page's first table row and whether its valid slots fit the window.
+
+        group_id [P, S] int, valid [P, S] bool -> (first [P] int32, fits [] bool).
+        A page's window starts at its smallest valid group id, moved down so
+        the window stays inside the table; `fits` is False when some page's
+        valid slots span more than `window` groups (eviction can spread them).
         """
-        codes = ops.unpack(blocks[0], self.bits)
-        ids = ops.load(blocks[1])
-        scale = ops.gather(blocks[2], ids)
-        offset = (-(2 ** (self.bits - 1)) * scale if self.symmetric
-                  else ops.gather(blocks[3], ids))
-        return codes * scale + offset
+        ids = group_id.astype(jnp.int32)
+        first = jnp.min(jnp.where(valid, ids, jnp.iinfo(jnp.int32).max), axis=1)
+        first = jnp.clip(first, 0, max(table_rows - self.window, 0))
+        local = ids - first[:, None]
+        fits = jnp.all(~valid | ((local >= 0) & (local < self.window)))
+        return first, fits
+
+    def from_store(self, words, group_id, valid, scale, offset, page_row):
+        """kvjax.stores layout -> kernel layout (exact where `window_start` says it fits).
+
+        words [P, S, W] uint32, group_id [P, S] int, valid [P, S] bool,
+        scale/offset [R, NG, D] per-row tables, page_row [P] int32 (the row
+        that owns each page) -> (pages [P, W + 1, S], table [P, TW, D]).
+        """
+        ng = scale.shape[1]
+        first, _ = self.window_start(group_id, valid, ng)
+        local = jnp.where(valid, group_id.astype(jnp.int32) - first[:, None], 0)
+        local = jnp.clip(local, 0, self.window - 1)
+        rows = jnp.minimum(first[:, None] + jnp.arange(self.window), ng - 1)  # [P, window]
+        take = lambda t: t[page_row[:, None], rows]  # [P, window, D]
+        params = take(scale) if self.symmetric else jnp.concatenate(
+            [take(scale), take(offset)], axis=1)
+        pages = jnp.concatenate([_slots_last(words), local.astype(jnp.uint32)[:, None]], axis=1)
+        return pages, pack_rows(params, self.param_dtype)
+
+    def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
+        """blocks: ([W + 1, S], table [TW, D]) -> [D, S] in `dtype`."""
+        n_words = head_dim * self.bits // 32
+        ids = jax.lax.bitcast_convert_type(ops.rows(blocks[0], n_words, 1), jnp.int32)  # [1, S]
+        if ops.take is not None:  # gathered loads, no concatenation
+            codes = _take_codes(ops, blocks[0], head_dim, self.bits)
+            r = jax.lax.broadcasted_iota(jnp.int32, (self.window,), 0)
+            param = lambda rows: _take_params(ops, blocks[1], 0, rows, self.n_params(),
+                                              self.param_dtype)
+            table_scale = param(r)
+            table_offset = None if self.symmetric else param(r + self.window)
+        else:
+            codes = unpack_planes(ops.rows(blocks[0], 0, n_words), self.bits)  # [D, S]
+            table = unpack_rows(ops.load(blocks[1]), self.n_params(), self.param_dtype)
+            table_scale = table[:self.window]
+            table_offset = None if self.symmetric else table[self.window:]
+        scale = _onehot_expand(table_scale, ids)
+        offset = (-(2.0 ** (self.bits - 1)) * scale if self.symmetric
+                  else _onehot_expand(table_offset, ids))
+        return (codes * scale + offset).astype(dtype)
+
+    def store_bytes(self, head_dim: int, dtype=None, group: int = 32) -> float:
+        """Bytes per slot of the store: codes, a 2-byte group id, and the table per token."""
+        params = head_dim * (1 if self.symmetric else 2) * jnp.dtype(self.param_dtype).itemsize
+        return head_dim * self.bits / 8 + 2 + params / group
 
 
 DENSE = Dense()
 Format = Dense | PackedTokens | PackedChannels
 
 
-def _check_packed(words: jax.Array, bits: int, head_dim: int) -> None:
-    if bits not in (2, 4, 8):
-        raise ValueError(f"packed pages hold 2, 4 or 8-bit codes, got bits={bits}")
-    want = head_dim * bits // 32
-    if words.ndim != 3 or words.shape[-1] != want or words.dtype != jnp.uint32:
-        raise ValueError(f"packed pages must be uint32 [P, S, {want}] for {bits}-bit codes "
-                         f"of head_dim {head_dim}, got {words.dtype} {words.shape}")
-
-
-def block_spec(kind: str, x: jax.Array, page_index, row_index) -> pl.BlockSpec:
-    """One page (or one row's table) of `x` per grid step: block `(None, *x.shape[1:])`."""
+def block_spec(x: jax.Array, page_index) -> pl.BlockSpec:
+    """One page of `x` per grid step: block `(None, *x.shape[1:])`."""
     zeros = (0,) * (x.ndim - 1)
-    index = page_index if kind == PAGE else row_index
-    return pl.BlockSpec((None, *x.shape[1:]), lambda *a: (index(*a), *zeros))
+    return pl.BlockSpec((None, *x.shape[1:]), lambda *a: (page_index(*a), *zeros))

@@ -49,8 +49,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.page_formats import (DENSE, GPU_OPS, PAGE, REFERENCE_OPS, TPU_OPS, Format,
-                                         PageRef, block_spec)
+from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Format, PageRef,
+                                         block_spec)
 
 EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
 NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
@@ -69,14 +69,16 @@ class Partial(NamedTuple):
 # ----------------------------------------------------------------------------- shared math
 
 
-def _softmax_step(q, k, v, kpos, qpos, carry, *, scale, window, softcap):
+def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, scale, window,
+                  softcap):
     """One page into the online softmax.
 
-    q [GT, D] f32, k/v [S, D] f32, kpos [1, S] int32, qpos [GT, 1] int32;
-    carry (m [GT, 1], l [GT, 1], acc [GT, D]).
+    q [GT, D] in the MXU operand dtype; k/v [S, D], or [D, S] when
+    `*_slots_last`, in the same dtype; kpos [1, S] int32, qpos [GT, 1] int32;
+    carry (m [GT, 1], l [GT, 1], acc [GT, D]) float32. Dots accumulate in f32.
     """
     m, l, acc = carry
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    s = jax.lax.dot_general(q, k, (((1,), (0 if k_slots_last else 1,)), ((), ())),
                             preferred_element_type=jnp.float32) * scale  # [GT, S]
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
@@ -87,7 +89,10 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, scale, window, softcap):
     m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
     p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
     correction = jnp.exp(m - m_new)
-    acc = acc * correction + jnp.dot(p, v, preferred_element_type=jnp.float32)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v,
+                             (((1,), (1 if v_slots_last else 0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [GT, D]
+    acc = acc * correction + pv
     return m_new, l * correction + p.sum(axis=1, keepdims=True), acc
 
 
@@ -108,7 +113,7 @@ def finish(p: Partial, q_shape: Sequence[int]) -> jax.Array:
 
 
 def group_queries(q: jax.Array, q_pos: jax.Array, kv_heads: int, rows: int | None = None):
-    """[B, T, H, D], [B, T] -> queries [B, KVH, G*T, D] f32 and positions [B, G*T, 1].
+    """[B, T, H, D], [B, T] -> queries [B, KVH, G*T, D] (q's dtype) and positions [B, G*T, 1].
 
     Row order is (g, t), as in `kvjax.attention`. `rows` pads the row axis
     (padding rows have position -1 and see nothing).
@@ -120,17 +125,29 @@ def group_queries(q: jax.Array, q_pos: jax.Array, kv_heads: int, rows: int | Non
     if rows is not None and rows > g * t:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g * t), (0, 0)))
         pos = jnp.pad(pos, ((0, 0), (0, rows - g * t), (0, 0)), constant_values=-1)
-    return qg.astype(jnp.float32), pos.astype(jnp.int32)
+    return qg, pos.astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- TPU (Mosaic)
 
 
+def _math(k_format, v_format, math, compute_dtype):
+    return dict(math, k_slots_last=k_format.slots_last, v_slots_last=v_format.slots_last,
+                compute_dtype=compute_dtype)
+
+
+def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops, *, head_dim,
+               compute_dtype, **math):
+    k = k_format.decode(k_blocks, ops, head_dim, compute_dtype)
+    v = v_format.decode(v_blocks, ops, head_dim, compute_dtype)
+    return _softmax_step(q.astype(compute_dtype), k, v, kpos, qpos, carry, **math)
+
+
 def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format, v_format,
                 kv_heads, pages_per_split, math):
     # tables_ref [B*KVH*NP] int32 (SMEM), counts_ref [B*KVH] int32 (SMEM)
-    # qpos_ref [GT, 1], q_ref [GT, D], pos_ref [1, S]; page blocks [S, ...]; tables [NG, D]
-    nk, nv = len(k_format.kinds()), len(v_format.kinds())
+    # qpos_ref [GT, 1], q_ref [GT, D], pos_ref [1, S]; one page block of each format array
+    nk, nv = k_format.arity(), v_format.arity()
     k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
     acc_out, m_out, l_out, m_sc, l_sc, acc_sc = refs[nk + nv:]
     b, h, split, j = (pl.program_id(i) for i in range(4))
@@ -143,10 +160,9 @@ def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_forma
 
     @pl.when(split * pages_per_split + j < counts_ref[b * kv_heads + h])
     def _page():
-        k, v = k_format.decode(k_refs, TPU_OPS), v_format.decode(v_refs, TPU_OPS)
         carry = (m_sc[...], l_sc[...], acc_sc[...])
-        m, l, acc = _softmax_step(q_ref[...].astype(jnp.float32), k, v, pos_ref[...],
-                                  qpos_ref[...], carry, **math)
+        m, l, acc = _page_step(q_ref[...], k_format, k_refs, v_format, v_refs, pos_ref[...],
+                               qpos_ref[...], carry, TPU_OPS, head_dim=q_ref.shape[-1], **math)
         m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
     @pl.when(j == pages_per_split - 1)
@@ -167,12 +183,6 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
         i = jnp.minimum(split * pages_per_split + j, last)
         return jnp.clip(tables_ref[row * table_len + i], 0, pos_pages.shape[0] - 1)
 
-    def row_index(bi, h, *_):
-        return bi * kvh + h
-
-    def specs(fmt, arrays):
-        return [block_spec(kind, x, page_index, row_index) for kind, x in zip(fmt.kinds(), arrays)]
-
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, split, j, *_: (split, bi, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -180,14 +190,13 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
         grid=(b, kvh, splits, pages_per_split),
         in_specs=[pl.BlockSpec((None, rows, 1), lambda bi, h, *_: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, *_: (bi, h, 0, 0)),
-                  block_spec(PAGE, pos_pages, page_index, row_index),
-                  *specs(k_format, k_arrays), *specs(v_format, v_arrays)],
+                  block_spec(pos_pages, page_index),
+                  *[block_spec(x, page_index) for x in (*k_arrays, *v_arrays)]],
         out_specs=[out_block(d), out_block(1), out_block(1)],
         scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
                         pltpu.VMEM((rows, d), jnp.float32)])
     kernel = functools.partial(_tpu_kernel, k_format=k_format, v_format=v_format,
-                               kv_heads=kvh,
-                               pages_per_split=pages_per_split, math=math)
+                               kv_heads=kvh, pages_per_split=pages_per_split, math=math)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid_spec=grid_spec,
@@ -205,25 +214,21 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
 def _gpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format, v_format,
                 pages_per_split, math):
     # tables_ref [B, KVH, NP], counts_ref [B, KVH]: whole arrays; qpos_ref [GT, 1];
-    # q_ref [GT, D]; pos_ref [P, 1, S] and page arrays [P, S, ...]: whole pools;
-    # per-row tables [NG, D]: this row's.
-    nk, nv = len(k_format.kinds()), len(v_format.kinds())
+    # q_ref [GT, D]; pos_ref [P, 1, S] and every format array [P, ...]: whole pools.
+    nk, nv = k_format.arity(), v_format.arity()
     k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
     acc_out, m_out, l_out = refs[nk + nv:]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q = q_ref[...].astype(jnp.float32)
+    q = q_ref[...]
     qpos = qpos_ref[...]
     first = split * pages_per_split
     last = jnp.minimum(first + pages_per_split, counts_ref[b, h])
 
-    def load(fmt, fmt_refs, page):
-        blocks = [PageRef(r, page) if kind == PAGE else r for kind, r in zip(fmt.kinds(), fmt_refs)]
-        return fmt.decode(blocks, GPU_OPS)
-
     def body(i, carry):
         page = tables_ref[b, h, i]
-        k, v = load(k_format, k_refs, page), load(v_format, v_refs, page)
-        return _softmax_step(q, k, v, pos_ref[page], qpos, carry, **math)
+        blocks = lambda fmt_refs: [PageRef(r, page) for r in fmt_refs]
+        return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), pos_ref[page],
+                          qpos, carry, GPU_OPS, head_dim=q.shape[-1], **math)
 
     rows, d = q.shape
     init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
@@ -236,10 +241,6 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
               pages_per_split, splits, math, interpret):
     b, kvh, rows, d = qg.shape
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    row_table = lambda x: pl.BlockSpec((None, *x.shape[1:]),
-                                       lambda bi, h, s: (bi * kvh + h, *(0,) * (x.ndim - 1)))
-    specs = lambda fmt, arrays: [whole(x) if kind == PAGE else row_table(x)
-                                 for kind, x in zip(fmt.kinds(), arrays)]
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, s: (s, bi, h, 0, 0))
     kernel = functools.partial(_gpu_kernel, k_format=k_format, v_format=v_format,
@@ -250,7 +251,7 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
         in_specs=[whole(tables), whole(counts),
                   pl.BlockSpec((None, rows, 1), lambda bi, h, s: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, s: (bi, h, 0, 0)),
-                  whole(pos_pages), *specs(k_format, k_arrays), *specs(v_format, v_arrays)],
+                  whole(pos_pages), *[whole(x) for x in (*k_arrays, *v_arrays)]],
         out_specs=[out_block(d), out_block(1), out_block(1)],
         out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, d), jnp.float32), state, state],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
@@ -288,28 +289,35 @@ def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_for
                          f"{pos_pages.dtype} {pos_pages.shape}")
     n_pages, _, page_size = pos_pages.shape
     for name, fmt, arrays in (("keys", k_format, k_arrays), ("values", v_format, v_arrays)):
-        if len(arrays) != len(fmt.kinds()):
+        if len(arrays) != fmt.arity():
             raise ValueError(f"paged_attention: {name} in format {fmt} take "
-                             f"{len(fmt.kinds())} arrays, got {len(arrays)}")
+                             f"{fmt.arity()} arrays, got {len(arrays)}")
         fmt.check(arrays, d)
-        for kind, x in zip(fmt.kinds(), arrays):
-            if kind == PAGE and x.shape[:2] != (n_pages, page_size):
-                raise ValueError(f"paged_attention: {name} pages {x.shape} do not match "
-                                 f"pos_pages ({n_pages} pages of {page_size} slots)")
-            if kind != PAGE and x.shape[0] != b * kvh:
-                raise ValueError(f"paged_attention: {name} per-row tables need {b * kvh} rows, "
-                                 f"got {x.shape}")
+        if arrays[0].shape[0] != n_pages or fmt.page_size(arrays) != page_size:
+            raise ValueError(f"paged_attention: {name} pages {arrays[0].shape} do not match "
+                             f"pos_pages ({n_pages} pages of {page_size} slots)")
     if pages_per_split < 1:
         raise ValueError(f"paged_attention: pages_per_split must be >= 1, got {pages_per_split}")
 
 
+def _compute_dtype(q_dtype, compute_dtype):
+    if compute_dtype is None:
+        return jnp.bfloat16 if q_dtype == jnp.bfloat16 else jnp.float32
+    if jnp.dtype(compute_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        raise ValueError(f"paged_attention: compute_dtype must be bfloat16 or float32, got "
+                         f"{compute_dtype}")
+    return jnp.dtype(compute_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("k_format", "v_format", "pages_per_split", "window",
-                                             "softcap", "scale", "backend", "interpret"))
+                                             "softcap", "scale", "backend", "interpret",
+                                             "compute_dtype"))
 def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
                             k_format: Format = DENSE, v_format: Format = DENSE,
                             pages_per_split: int = 8, window: int | None = None,
                             softcap: float | None = None, scale: float | None = None,
-                            backend: str = "tpu", interpret=False) -> Partial:
+                            backend: str = "tpu", interpret=False,
+                            compute_dtype=None) -> Partial:
     """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, k_format,
@@ -320,9 +328,10 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     rows = q.shape[1] * q.shape[2] // kvh
     if backend == "gpu":
         rows = max(GPU_MIN_ROWS, 1 << (rows - 1).bit_length())
-    qg, qpos = group_queries(q, q_pos, kvh, rows)
-    math = dict(scale=q.shape[-1] ** -0.5 if scale is None else scale, window=window,
-                softcap=softcap)
+    cdt = _compute_dtype(q.dtype, compute_dtype)
+    qg, qpos = group_queries(q.astype(cdt), q_pos, kvh, rows)
+    math = _math(k_format, v_format, dict(scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                          window=window, softcap=softcap), cdt)
     call = _tpu_call if backend == "tpu" else _gpu_call
     acc, m, l = call(qg, qpos, k_arrays, v_arrays, pos_pages, block_tables, num_pages,
                      k_format=k_format, v_format=v_format, pages_per_split=pages_per_split,
@@ -340,7 +349,7 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       q: [B, T, H, D] queries (after RoPE); H a multiple of KVH.
       q_pos: [B, T] int32 query positions; negative = padding (output zeros).
       k_pages, v_pages: the key/value pool in `k_format` / `v_format`
-        (an array, or a tuple of arrays; dense: [P, S, D]).
+        (an array, or a tuple of arrays; dense: [P, S, D]; see `page_formats`).
       pos_pages: [P, 1, S] int32 slot positions, EMPTY = -1.
       block_tables: [B, KVH, NP] int32 page indices in [0, P).
       num_pages: [B, KVH] int32 pages in use per row (<= NP).
@@ -349,6 +358,8 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       pages_per_split: pages per flash-decoding split (static).
       window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.
       backend: "tpu" (Mosaic) or "gpu" (Triton); interpret: as in pallas_call.
+      compute_dtype: MXU operand dtype (dots accumulate in float32); default
+        bfloat16 for bfloat16 queries, else float32.
     Returns:
       [B, T, H, D] float32.
     """
@@ -359,18 +370,18 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
 # ----------------------------------------------------------------------------- reference
 
 
-def gather_pages(fmt: Format, arrays, block_tables: jax.Array) -> jax.Array:
+def decode_pages(fmt: Format, arrays, head_dim: int) -> jax.Array:
+    """Decode every page of a pool in plain jnp: [P, S, D] float32."""
+    one = lambda *blocks: fmt.decode(blocks, REFERENCE_OPS, head_dim)
+    pages = jax.vmap(one)(*arrays)
+    return jnp.swapaxes(pages, 1, 2) if fmt.slots_last else pages
+
+
+def gather_pages(fmt: Format, arrays, block_tables: jax.Array, head_dim: int) -> jax.Array:
     """Decode every listed page in plain jnp: [B, KVH, NP*S, D] float32."""
     b, kvh, n_table = block_tables.shape
-    rows = block_tables.reshape(b * kvh, n_table)
-    picked = [x[rows] if kind == PAGE else x for kind, x in zip(fmt.kinds(), arrays)]
-    # per row r: page arrays [NP, S, ...], tables [NG, D]
-    axes = tuple(0 for _ in picked)
-    decode_row = jax.vmap(lambda *a: jax.vmap(
-        lambda *blocks: fmt.decode(blocks, REFERENCE_OPS),
-        in_axes=tuple(0 if kind == PAGE else None for kind in fmt.kinds()))(*a), in_axes=axes)
-    pages = decode_row(*picked)  # [R, NP, S, D]
-    return pages.reshape(b, kvh, -1, pages.shape[-1])
+    pages = decode_pages(fmt, arrays, head_dim)[block_tables]  # [B, KVH, NP, S, D]
+    return pages.reshape(b, kvh, -1, head_dim)
 
 
 def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
@@ -382,8 +393,8 @@ def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_table
     b, t, h, d = q.shape
     kvh, n_table = block_tables.shape[1:]
     page_size = pos_pages.shape[-1]
-    k = gather_pages(k_format, k_arrays, block_tables)  # [B, KVH, L, D]
-    v = gather_pages(v_format, v_arrays, block_tables)
+    k = gather_pages(k_format, k_arrays, block_tables, d)  # [B, KVH, L, D]
+    v = gather_pages(v_format, v_arrays, block_tables, d)
     pos = pos_pages[block_tables, 0].reshape(b, kvh, -1)  # [B, KVH, L]
     in_use = jnp.arange(n_table * page_size) < (num_pages * page_size)[..., None]
     pos = jnp.where(in_use, pos, EMPTY)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import Partial, finish, merge, paged_attention_partial
-from kvjax.cache import ResidualCache, TokenCache
+from kvjax.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.paging import PagedLayer
 from kvjax.stores import PackedChannels, PackedTokens, is_dense
 
@@ -51,36 +51,67 @@ def page_size_for(capacity: int) -> int | None:
     return None
 
 
-def _store_pages(store: Any, page: int):
-    """(format, arrays) of a store whose slot leaves are [R, C, ...], as pages of `page` slots."""
+def _param_dtype(store) -> str:
+    return jnp.dtype(store.scale.dtype).name
+
+
+def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False):
+    """(format, arrays) of a store whose slot leaves are [R, C, ...], as pages of `page` slots.
+
+    valid [R*C/page, page] bool marks the slots that hold tokens (KIVI's
+    table windows are placed by them). `wide`: KIVI windows span the whole
+    table (always exact; the fallback when a page's groups spread wider).
+    """
     as_pages = lambda x: x.reshape(-1, page, *x.shape[2:])
     if is_dense(store):
         return pf.DENSE, (as_pages(store),)
     if isinstance(store, PackedTokens):
-        fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None)
-        params = (store.scale,) if store.offset is None else (store.scale, store.offset)
-        return fmt, tuple(as_pages(x) for x in (store.words, *params))
+        fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None,
+                              param_dtype=_param_dtype(store))
+        offset = None if store.offset is None else as_pages(store.offset)
+        return fmt, fmt.from_store(as_pages(store.words), as_pages(store.scale), offset)
     if isinstance(store, PackedChannels):
-        fmt = pf.PackedChannels(store.bits, symmetric=store.offset is None)
-        ids = store.group_id.astype(jnp.int32)[..., None]
-        tables = (store.scale,) if store.offset is None else (store.scale, store.offset)
-        return fmt, (as_pages(store.words), as_pages(ids), *tables)
+        fmt = channel_format(store, page, wide)
+        words, ids = as_pages(store.words), as_pages(store.group_id)
+        page_row = jnp.arange(words.shape[0], dtype=jnp.int32) // (store.words.shape[1] // page)
+        return fmt, fmt.from_store(words, ids, valid, store.scale, store.offset, page_row)
     return None
 
 
-def kernel_inputs(layer: Any) -> dict | None:
+def channel_format(store: PackedChannels, page: int, wide: bool = False) -> pf.PackedChannels:
+    """The kernel format of a KIVI key store read in pages of `page` slots."""
+    window = (1 << (store.table_rows - 1).bit_length() if wide
+              else pf.window_for(page, store.group, store.table_rows))
+    return pf.PackedChannels(store.bits, window, symmetric=store.offset is None,
+                             param_dtype=_param_dtype(store))
+
+
+def _windows_fit(layer: Any, page: int) -> jax.Array | None:
+    """For a KIVI key store: do all pages' groups fit the narrow window? None otherwise."""
+    if not isinstance(layer, TokenCache) or not isinstance(layer.k, PackedChannels):
+        return None
+    store = layer.k
+    fmt = channel_format(store, page)
+    valid = (layer.pos != EMPTY).reshape(-1, page)
+    return fmt.window_start(store.group_id.reshape(-1, page), valid, store.table_rows)[1]
+
+
+def kernel_inputs(layer: Any, wide: bool = False) -> dict | None:
     """The kernel's keyword arguments for one layer, or None if the kernel cannot read it."""
     if isinstance(layer, PagedLayer):
         # a page store's slot leaves are already [P, S, ...]: the reshape is the identity
-        (kf, ka), (vf, va) = (_store_pages(layer.k, layer.page_size),
-                              _store_pages(layer.v, layer.page_size))
+        valid = layer.pos[:, 0] != EMPTY
+        (kf, ka), (vf, va) = (_store_pages(layer.k, layer.page_size, valid, wide),
+                              _store_pages(layer.v, layer.page_size, valid, wide))
         return dict(k_pages=ka, v_pages=va, k_format=kf, v_format=vf, pos_pages=layer.pos,
                     block_tables=layer.tables, num_pages=layer.num_pages_used)
     if not isinstance(layer, TokenCache) or layer.pooled:
         return None
     page = page_size_for(layer.capacity)
-    k, v = (None, None) if page is None else (_store_pages(layer.k, page),
-                                              _store_pages(layer.v, page))
+    if page is None:
+        return None
+    valid = (layer.pos != EMPTY).reshape(-1, page)
+    k, v = _store_pages(layer.k, page, valid, wide), _store_pages(layer.v, page, valid, wide)
     if k is None or v is None:
         return None
     b, kvh, c = layer.pos.shape
@@ -103,12 +134,17 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
     if isinstance(layer, ResidualCache):
         return merge(attend_partial(q, q_pos, layer.body, **kwargs),
                      attend_partial(q, q_pos, layer.recent, **kwargs))
-    inputs = kernel_inputs(layer)
-    if inputs is None:
+    if not supports_pallas(layer):
         raise ValueError(f"attend_pallas: the kernel does not read a {type(layer).__name__} "
                          f"of this layout (pooled, low-rank, or capacity without a page size "
                          f">= {MIN_PAGE}); use impl='xla'")
-    return paged_attention_partial(q, q_pos, **inputs, **kwargs)
+    call = lambda wide: paged_attention_partial(q, q_pos, **kernel_inputs(layer, wide), **kwargs)
+    fits = _windows_fit(layer, page_size_for(layer.capacity) or 0) \
+        if isinstance(layer, TokenCache) else None
+    if fits is None:
+        return call(False)
+    # KIVI: narrow per-page table windows unless eviction spread some page's groups
+    return jax.lax.cond(fits, lambda: call(False), lambda: call(True))
 
 
 def attend_pallas(q: jax.Array, q_pos: jax.Array, layer: Any, *, window: int | None = None,

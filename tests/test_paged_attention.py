@@ -134,19 +134,23 @@ def test_bfloat16_pages():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)  # same bf16 inputs, f32 math
 
 
-def packed_tokens(x, bits, group, symmetric):
-    q = quantize(x, bits, group, axis=-1, symmetric=symmetric, param_dtype=jnp.float16)
-    return (pack(q.codes, bits), q.scale) + (() if symmetric else (q.offset,))
+def packed_tokens(x, bits, group, symmetric, param_dtype="float16"):
+    """x [P, S, D] quantized per token by kvjax.quant, in the kernel's page layout."""
+    q = quantize(x, bits, group, axis=-1, symmetric=symmetric, param_dtype=jnp.dtype(param_dtype))
+    fmt = pf.PackedTokens(bits, group, symmetric, param_dtype)
+    return fmt.from_store(pack(q.codes, bits), q.scale, None if symmetric else q.offset)
 
 
-def packed_channels(rng, x, bits, rows, groups, symmetric):
-    """Per-channel codes of x [P, S, D] with random group ids into per-row tables."""
+def packed_channels(rng, x, bits, window, symmetric, param_dtype="float16"):
+    """Per-channel codes of x [P, S, D]: random codes, random slot rows of random page windows."""
     n, s, d = x.shape
     codes = jnp.asarray(rng.integers(0, 2 ** bits, size=x.shape), jnp.uint8)
-    ids = jnp.asarray(rng.integers(0, groups, size=(n, s, 1)), jnp.int32)
-    scale = jnp.asarray(rng.random((rows, groups, d)) * 0.1, jnp.float16)
-    offset = jnp.asarray(rng.normal(size=(rows, groups, d)), jnp.float16)
-    return (pack(codes, bits), ids, scale) + (() if symmetric else (offset,))
+    local = jnp.asarray(rng.integers(0, window, size=(n, 1, s)), jnp.uint32)
+    scale = rng.random((n, window, d)) * 0.1
+    offset = rng.normal(size=(n, window, d))
+    params = scale if symmetric else np.concatenate([scale, offset], axis=1)
+    pages = jnp.concatenate([jnp.swapaxes(pack(codes, bits), 1, 2), local], axis=1)
+    return pages, pf.pack_rows(jnp.asarray(params, param_dtype), param_dtype)
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
@@ -176,11 +180,11 @@ def test_packed_channel_keys(backend, bits, symmetric):
     lengths = [20, 33]
     k, v, pos, tables, counts = make_pool(rng, batch=2, kv_heads=2, page_size=16, head_dim=64,
                                           lengths=lengths)
-    kp = packed_channels(rng, k, bits, rows=4, groups=5, symmetric=symmetric)
+    kp = packed_channels(rng, k, bits, window=5, symmetric=symmetric)
     vp = packed_tokens(v, 2, 32, False)
     q, q_pos = queries(rng, 2, 1, 4, 64, lengths)
     got, want = run_both(q, q_pos, kp, vp, pos, tables, counts, backend,
-                         k_format=pf.PackedChannels(bits, symmetric),
+                         k_format=pf.PackedChannels(bits, 5, symmetric),
                          v_format=pf.PackedTokens(2, 32))
     np.testing.assert_allclose(got, want, **TOL)
 
@@ -191,10 +195,10 @@ def test_tpu_semantics_interpret_quantized():
     lengths = [3, 20]
     k, v, pos, tables, counts = make_pool(rng, batch=2, kv_heads=1, page_size=16, head_dim=64,
                                           lengths=lengths)
-    kp = packed_channels(rng, k, 4, rows=2, groups=3, symmetric=False)
+    kp = packed_channels(rng, k, 4, window=3, symmetric=False)
     q, q_pos = queries(rng, 2, 1, 3, 64, lengths)
     got, want = run_both(q, q_pos, kp, packed_tokens(v, 4, 32, False), pos, tables, counts, "tpu",
-                         interpret=pltpu.InterpretParams(), k_format=pf.PackedChannels(4),
+                         interpret=pltpu.InterpretParams(), k_format=pf.PackedChannels(4, 3),
                          v_format=pf.PackedTokens(4, 32))
     np.testing.assert_allclose(got, want, **TOL)
 
@@ -214,7 +218,7 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="backend"):
         call(q, q_pos, k, v, pos, tables, counts, backend="metal")
     with pytest.raises(ValueError, match="uint32"):
-        call(q, q_pos, (k, k[..., :2], k[..., :2]), v, pos, tables, counts,
+        call(q, q_pos, k, v, pos, tables, counts,
              k_format=pf.PackedTokens(4, 32))
     with pytest.raises(ValueError, match="int32"):
         call(q, q_pos, k, v, pos, tables.astype(jnp.int16), counts)
@@ -223,8 +227,8 @@ def test_bad_inputs_raise():
 FORMATS = {
     "dense-bf16": (pf.DENSE, lambda k: k.astype(jnp.bfloat16)),
     "int4-tokens": (pf.PackedTokens(4, 32), lambda k: packed_tokens(k, 4, 32, False)),
-    "int2-kivi-keys": (pf.PackedChannels(2), lambda k: packed_channels(
-        np.random.default_rng(0), k, 2, rows=4, groups=3, symmetric=False)),
+    "int2-kivi-keys": (pf.PackedChannels(2, 4), lambda k: packed_channels(
+        np.random.default_rng(0), k, 2, window=4, symmetric=False)),
 }
 
 
