@@ -13,6 +13,9 @@ from kvjax.kernel_attention import attend_pallas, supports_pallas
 from kvjax.paging import (NULL_PAGE, PagedLayer, PagePool, check_pool, drop_lowest_pages,
                           evict_pages, fork, init_paged_cache, page_scores, release, reserve)
 from kvjax.methods import METHODS, parse_method, register_method
+from kvjax.feature_maps import FeatureMap, elu_map, hedgehog, load_maps, random_features, save_maps
+from kvjax.recurrent import (FoldedLayer, LinearLayer, RecurrentState, fold_evicted,
+                             init_linear_layer, linear_state)
 from kvjax.stats import LayerStats, StatsSpec, init_stats
 from kvjax.transforms import CacheTransform, chain, full, on_layers
 
@@ -27,4 +30,6 @@ __all__ = [
     "NULL_PAGE", "PagePool", "PagedLayer", "attend_pallas", "check_pool", "drop_lowest_pages",
     "evict_pages", "fork", "init_paged_cache", "page_scores", "release", "reserve",
     "supports_pallas",
+    "FeatureMap", "FoldedLayer", "LinearLayer", "RecurrentState", "elu_map", "fold_evicted",
+    "hedgehog", "init_linear_layer", "linear_state", "load_maps", "random_features", "save_maps",
 ]

@@ -250,6 +250,8 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",
     """
     if impl not in IMPLS:
         raise ValueError(f"attend: unknown impl {impl!r}; available: {IMPLS}")
+    if hasattr(cache, "attend"):  # a layer that attends itself (kvjax.recurrent state layers)
+        return cache.attend(q, q_pos, impl=impl, window=window, softcap=softcap)
     if impl == "pallas":
         backend = pallas_backend()
         if backend is not None and supports_pallas(cache):

@@ -346,6 +346,8 @@ def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = 
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     def layout(layer):
+        if hasattr(layer, "shard_layout"):  # a layer that lays itself out (kvjax.recurrent)
+            return layer.shard_layout(mesh, batch_axis, kv_axis, layout)
         if isinstance(layer, ResidualCache):
             return ResidualCache(body=layout(layer.body), recent=layout(layer.recent),
                                  residual=layer.residual, block=layer.block)
@@ -389,6 +391,8 @@ def check_cache(cache: Sequence[TokenCache], spec: CacheSpec, batch: int) -> Non
 
 
 def _check_layer(i: int, layer: Any, spec: CacheSpec, batch: int) -> None:
+    if hasattr(layer, "check_layer"):  # a layer that checks itself (kvjax.recurrent)
+        return layer.check_layer(i, spec, batch)
     if hasattr(layer, "tables"):  # kvjax.paging.PagedLayer
         if (layer.batch, layer.kv_heads, layer.head_dim) != (batch, spec.kv_heads, spec.head_dim):
             raise ValueError(

@@ -207,6 +207,8 @@ def shrink(cache: Cache, room: int = 0, max_write: int | None = None) -> Cache:
 
 
 def _shrink_layer(layer: Layer, room: int, max_write: int) -> Layer:
+    if hasattr(layer, "shrink"):  # a layer that shrinks itself (kvjax.recurrent)
+        return layer.shrink(room, max_write)
     spt = layer.slots_per_token
     if not isinstance(layer, ResidualCache):
         return resize(layer, int(layer.length) + room * spt)

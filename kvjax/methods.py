@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 from kvjax import codecs, eviction
@@ -46,6 +47,8 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "low_rank": _low_rank_from_file,
 }
 """Registered method factories by CLI name; extended by `register_method`."""
+
+from kvjax import recurrent  # noqa: E402  (after METHODS: registers itself below)
 
 
 def register_method(name: str, factory: Callable[..., CacheTransform]) -> None:
@@ -82,6 +85,8 @@ def _parse_part(part: str) -> CacheTransform:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     layers = kwargs.pop("layers", None)
+    if layers is not None and "layers" in inspect.signature(METHODS[name]).parameters:
+        kwargs["layers"], layers = tuple(_parse_layers(str(layers))), None  # absolute indices
     try:
         transform = METHODS[name](**kwargs)
     except TypeError as e:
@@ -106,5 +111,18 @@ def parse_method(spec: str) -> CacheTransform:
     parts = [p for p in spec.split("+") if p.strip()]
     if not parts:
         raise ValueError("empty method spec")
-    transforms = [_parse_part(p) for p in parts]
+    transforms = []
+    for part in parts:
+        t = _parse_part(part)
+        if hasattr(t, "wrap"):  # fold: wraps the parts before it (kvjax.recurrent.Fold)
+            if not transforms:
+                raise ValueError(f"method part {part!r} folds what the parts before it evict; "
+                                 f"put an eviction policy first, e.g. 'snapkv:ratio=0.75+{part}'")
+            t = t.wrap(transforms[0] if len(transforms) == 1 else chain(*transforms))
+            transforms = []
+        transforms.append(t)
     return transforms[0] if len(transforms) == 1 else chain(*transforms)
+
+
+register_method("linear_state", recurrent.linear_state)
+register_method("fold", recurrent.fold)
