@@ -144,6 +144,11 @@ def test_overflow_is_flagged_and_raises_on_the_host():
     pool, layers = init_paged_cache(4, S, 1, 1, 8, D, num_layers=1)  # 3 usable pages
     pool, layers = reserve(pool, layers, jnp.array([3 * S]))
     check_pool(pool)
+    # reserved room counts: reserving within it again allocates nothing (no overflow)
+    pool, layers = reserve(pool, layers, jnp.array([3 * S]))
+    check_pool(pool, layers)
+    k = jnp.ones((1, 1, 3 * S, D))
+    layers = tuple(l.write(k, k, jnp.arange(3 * S)[None]) for l in layers)  # fill the pages
     pool, layers = reserve(pool, layers, jnp.array([1]))
     assert int(layers[0].tables[0, 0, 3]) == NULL_PAGE  # nothing allocated
     with pytest.raises(ValueError, match="overflow"):
