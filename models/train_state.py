@@ -1,0 +1,333 @@
+"""Train LESS / Hedgehog-style feature maps on a model's own queries and keys, with optax.
+
+The learned maps (`kvjax.feature_maps.hedgehog`: per layer and KV head, a
+query map `phi` and a key map `psi`, `x -> [exp(xW + b), exp(-(xW + b))]`) are
+fitted so that the hybrid attention of `kvjax.recurrent.hybrid_attend` —
+softmax over kept tokens plus the state's estimate of the evicted ones —
+matches full softmax attention:
+
+    loss(layer) = sum (hybrid - full)^2 / sum (kept_only - full)^2
+
+over every query of real prose, with a random eviction pattern (each token
+kept with probability `keep`, plus 4 sinks and the 16 tokens before every
+query, as an eviction policy keeps its window). So the loss is the
+attention-output error relative to eviction alone: below 1 means the
+folded state recovers part of what eviction lost; 0 is full attention.
+Every layer is trained at once (independent parameters, one summed loss),
+on queries, keys and values captured from the frozen model.
+
+Example:
+    >>> model, tok = load_model("smollm2")
+    >>> result = train_feature_maps(model, [text], tokenizer=tok, steps=200)
+    >>> save_maps("docs/results/feature_maps", result.maps)
+    >>> parse_method("snapkv:ratio=0.75+fold:map=docs/results/feature_maps")
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kvjax
+from kvjax.feature_maps import (FeatureMap, elu_map, hedgehog, hedgehog_features,
+                                random_features, save_maps, with_params)
+from kvjax.stats import StatsSpec
+from models.llama import Llama
+
+SINKS, RECENT = 4, 16  # tokens an eviction policy keeps anyway: the first ones and a window
+
+
+class Activations(NamedTuple):
+    """What attention sees in every layer, for N windows of T tokens."""
+
+    q: np.ndarray  # [L, N, T, H, D] float32 queries after RoPE
+    k: np.ndarray  # [L, N, KVH, T, D] float32 keys after RoPE
+    v: np.ndarray  # [L, N, KVH, T, D] float32 values
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _capture(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    n, t = tokens.shape
+    cfg = model.config
+    spec = StatsSpec(window=t)
+    cache = kvjax.init_model_cache(cfg.cache_spec, n, t)
+    stats = model.init_stats(spec, cache)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+    _, cache, stats = model.forward(tokens, pos, cache, stats, spec)
+    q = jnp.stack([s.queries for s in stats])  # [L, N, T, H, D]
+    fold = lambda x: x.reshape(n, cfg.num_kv_heads, t, cfg.head_dim)
+    return q, jnp.stack([fold(c.k) for c in cache]), jnp.stack([fold(c.v) for c in cache])
+
+
+def collect_activations(model: Llama, windows: Sequence[Sequence[int]],
+                        batch: int = 4) -> Activations:
+    """Run the frozen model over token windows (equal lengths) and keep q, k, v of every layer."""
+    if not windows or len({len(w) for w in windows}) != 1:
+        raise ValueError("collect_activations: need one or more token windows of equal length")
+    graphdef, state = nnx.split(model)
+    parts = [_capture(graphdef, state, jnp.asarray(windows[i:i + batch], jnp.int32))
+             for i in range(0, len(windows), batch)]
+    return Activations(*(np.concatenate([np.asarray(p[j]) for p in parts], axis=1)
+                         for j in range(3)))
+
+
+def keep_masks(key: jax.Array, n: int, t: int, keep: float) -> jax.Array:
+    """[N, T, T] bool: token j is kept (exact) for query i; else evicted (folded) if j <= i."""
+    drawn = jax.random.bernoulli(key, keep, (n, 1, t))
+    i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    return drawn | (j < SINKS) | (i - j < RECENT)
+
+
+def _group(q: jax.Array, kvh: int) -> jax.Array:
+    """[N, T, H, D] -> [N, KVH, G*T, D] (query head h reads KV head h // G)."""
+    n, t, h, d = q.shape
+    return q.reshape(n, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4).reshape(n, kvh, -1, d)
+
+
+def hybrid_errors(fq: jax.Array, fk: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                  keep: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Squared error of the hybrid and of eviction alone against full attention, summed.
+
+    Args:
+      fq: [N, KVH, G*T, F] query features; fk: [N, KVH, T, F] key features.
+      q: [N, KVH, G*T, D] grouped queries; k, v: [N, KVH, T, D]; keep: [N, T, T].
+    """
+    t, d = k.shape[2], k.shape[3]
+    g = q.shape[2] // t
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    kept = jnp.tile((keep & causal)[:, None], (1, 1, g, 1))  # [N, 1, G*T, T]
+    gone = jnp.tile((~keep & causal)[:, None], (1, 1, g, 1))
+    full = jnp.tile(causal[None, None], (1, 1, g, 1))
+    s = jnp.einsum("nkqd,nktd->nkqt", q, k) * d ** -0.5
+    target = jnp.einsum("nkqt,nktd->nkqd", jax.nn.softmax(jnp.where(full, s, -jnp.inf), -1), v)
+    s_kept = jnp.where(kept, s, -jnp.inf)
+    only = jnp.einsum("nkqt,nktd->nkqd", jax.nn.softmax(s_kept, -1), v)
+    a = jnp.einsum("nkqf,nktf->nkqt", fq, fk) * gone  # state weights of the evicted tokens
+    den_state = a.sum(-1)
+    m = jax.lax.stop_gradient(jnp.maximum(s_kept.max(-1), jnp.log(den_state + 1e-30)))
+    p = jnp.exp(s_kept - m[..., None])
+    scale = jnp.exp(-m)
+    num = jnp.einsum("nkqt,nktd->nkqd", p, v) + scale[..., None] * jnp.einsum(
+        "nkqt,nktd->nkqd", a, v)
+    out = num / (p.sum(-1) + scale * den_state)[..., None]
+    return jnp.sum((out - target) ** 2), jnp.sum((only - target) ** 2)
+
+
+def _rows_features(fm_apply, x: jax.Array, kvh: int) -> jax.Array:
+    """Apply a row-wise map ([R, M, D] with row r -> head r % KVH) to x [N, KVH, M, D]."""
+    n, _, m, d = x.shape
+    return fm_apply(x.reshape(n * kvh, m, d), kvh).reshape(n, kvh, m, -1)
+
+
+def _learned(params, x, kvh, which):
+    """Learned features of x [N, KVH, M, D] with params (wq, bq, wk, bk) [KVH, ...]."""
+    w, b = params[which], params[which + 1]
+    n = x.shape[0]
+    rows = lambda a: jnp.tile(a, (n,) + (1,) * (a.ndim - 1))
+    return hedgehog_features(x.reshape(n * kvh, *x.shape[2:]), rows(w), rows(b)).reshape(
+        n, kvh, x.shape[2], -1)
+
+
+def _layer_loss(params, q, k, v, keep):
+    """Relative error of one layer: hybrid vs eviction alone (q [N, T, H, D], k, v [N, KVH, T, D])."""
+    kvh = k.shape[1]
+    qg = _group(q, kvh)
+    err, base = hybrid_errors(_learned(params, qg, kvh, 0), _learned(params, k, kvh, 2),
+                              qg, k, v, keep)
+    return err / base
+
+
+@jax.jit
+def _loss(params, q, k, v, keep):
+    """Mean over layers of the relative error; params, q, k, v stacked over layers."""
+    return jnp.mean(jax.vmap(_layer_loss, in_axes=(0, 0, 0, 0, None))(params, q, k, v, keep))
+
+
+def relative_errors(fm_per_layer: Sequence[FeatureMap], acts: Activations,
+                    keep: jax.Array) -> np.ndarray:
+    """[L] hybrid error / eviction-alone error per layer for fixed maps (held-out evaluation)."""
+    out = []
+    kvh = acts.k.shape[2]
+    for layer, fm in enumerate(fm_per_layer):
+        q, k, v = (jnp.asarray(x[layer]) for x in acts)
+        qg = _group(q, kvh)
+        err, base = hybrid_errors(_rows_features(fm.query, qg, kvh),
+                                  _rows_features(fm.key, k, kvh), qg, k, v, keep)
+        out.append(float(err / base))
+    return np.asarray(out)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    maps: tuple[FeatureMap, ...]  # one learned map per layer
+    losses: list[float]  # training loss per step (mean relative error over layers)
+    heldout: dict[str, list[float]]  # map name -> per-layer relative error on held-out windows
+
+
+def token_windows(tokenizer, texts: Sequence[str], length: int, count: int) -> list[list[int]]:
+    """Up to `count` consecutive, non-overlapping windows of `length` tokens from `texts`."""
+    ids = [i for text in texts for i in tokenizer.encode(text)]
+    windows = [ids[s:s + length] for s in range(0, len(ids) - length + 1, length)][:count]
+    if not windows:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {length}")
+    return windows
+
+
+def train_feature_maps(model: Llama, windows: Sequence[Sequence[int]],
+                       heldout: Sequence[Sequence[int]] = (), *, features: int = 64,
+                       steps: int = 200, lr: float = 1e-2, keep: float = 0.25,
+                       batch: int = 4, seed: int = 0, progress: bool = True) -> TrainResult:
+    """Fit one learned map per layer on token `windows` (equal lengths) of real text.
+
+    Each step draws `batch` windows and a fresh eviction pattern (`keep`) and
+    takes one Adam step (optax) on every layer's map. With `heldout` windows,
+    the result reports the relative error of the learned maps, positive
+    random features (`features` of them) and elu+1 on them.
+    """
+    import optax
+    from tqdm.auto import tqdm
+
+    for name, value, low in (("features", features, 2), ("steps", steps, 1),
+                             ("batch", batch, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"train_feature_maps: {name} must be an int >= {low}, got {value!r}")
+    if not 0 < keep < 1:
+        raise ValueError(f"train_feature_maps: keep must be in (0, 1), got {keep!r}")
+    if not lr > 0:
+        raise ValueError(f"train_feature_maps: lr must be positive, got {lr!r}")
+    cfg = model.config
+    acts = collect_activations(model, windows)
+    n, t = acts.q.shape[1], acts.q.shape[2]
+    init = [hedgehog(cfg.num_kv_heads, cfg.head_dim, features, seed + i)
+            for i in range(cfg.num_layers)]
+    params = tuple(jnp.stack([jnp.asarray(m.params[j]) for m in init]) for j in range(4))
+    opt = optax.adam(lr)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, q, k, v, keep_mask):
+        loss, grads = jax.value_and_grad(_loss)(params, q, k, v, keep_mask)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    key = jax.random.key(seed)
+    rng = np.random.default_rng(seed)
+    losses = []
+    bar = tqdm(range(steps), desc="train-state", disable=not progress)
+    for _ in bar:
+        key, sub = jax.random.split(key)
+        pick = rng.choice(n, size=min(batch, n), replace=False)
+        mask = keep_masks(sub, len(pick), t, keep)
+        params, opt_state, loss = step(params, opt_state, *(jnp.asarray(x[:, pick])
+                                                             for x in acts), mask)
+        losses.append(float(loss))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    maps = tuple(with_params(init[i], [np.asarray(p[i]) for p in params])
+                 for i in range(cfg.num_layers))
+    report = {}
+    if heldout:
+        held = collect_activations(model, heldout)
+        mask = keep_masks(jax.random.key(seed + 1), held.q.shape[1], held.q.shape[2], keep)
+        d = cfg.head_dim
+        report = {"learned": maps,
+                  f"prf{features}": [random_features(d, features, seed)] * cfg.num_layers,
+                  "elu": [elu_map(d)] * cfg.num_layers}
+        report = {name: relative_errors(fms, held, mask).tolist() for name, fms in report.items()}
+    return TrainResult(maps, losses, report)
+
+
+def plot_losses(losses: Sequence[float], path: str | Path, heldout: dict | None = None) -> Path:
+    """The loss curve (and held-out errors per layer, if given) as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2 if heldout else 1, figsize=(11 if heldout else 6, 4))
+    axes = np.atleast_1d(axes)
+    axes[0].plot(losses)
+    axes[0].set(xlabel="step", ylabel="hybrid error / eviction-alone error",
+                title="training loss (mean over layers)")
+    axes[0].axhline(1.0, color="gray", lw=0.8, ls="--")
+    if heldout:
+        for name, errs in heldout.items():
+            axes[1].plot(errs, marker="o", ms=3, label=name)
+        axes[1].axhline(1.0, color="gray", lw=0.8, ls="--", label="eviction alone")
+        axes[1].set(xlabel="layer", ylabel="relative error (held-out)", yscale="log",
+                    title="held-out attention-output error")
+        axes[1].legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Arguments of `kvjax train-state` (also `python -m models.train_state`)."""
+    p = parser or argparse.ArgumentParser(
+        prog="kvjax train-state",
+        description="Train per-layer feature maps for linear_state / fold on real prose.")
+    p.add_argument("--out", required=True, help="directory for the maps (orbax), the loss "
+                   "curve PNG and a JSON summary")
+    p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
+    p.add_argument("--data", nargs="+", default=["experiments/data/devils_dictionary.txt"],
+                   help="text files to train on (default: The Devil's Dictionary; the "
+                   "perplexity eval reads KJV Genesis, so the two do not overlap)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per window")
+    p.add_argument("--windows", type=int, default=24, help="training windows")
+    p.add_argument("--heldout", type=int, default=8, help="held-out windows (after the "
+                   "training ones) for the error report")
+    p.add_argument("--features", type=int, default=64, help="features per map (even)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--keep", type=float, default=0.25, help="fraction of tokens kept exact "
+                   "in the training eviction pattern")
+    p.add_argument("--batch", type=int, default=4, help="windows per step")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
+    """`kvjax train-state`: train, save the maps, the curve and a summary; returns the summary."""
+    from models.loading import load_model
+    model, tokenizer = load_model(args.model)
+    texts = [Path(f).read_text() for f in args.data]
+    windows = token_windows(tokenizer, texts, args.seq_len, args.windows + args.heldout)
+    if len(windows) <= args.heldout:
+        raise ValueError(f"--data has {len(windows)} windows of {args.seq_len} tokens; need "
+                         f"more than --heldout {args.heldout}")
+    train, held = windows[:-args.heldout or None], windows[len(windows) - args.heldout:]
+    start = time.time()
+    result = train_feature_maps(model, train, held if args.heldout else (),
+                                features=args.features, steps=args.steps, lr=args.lr,
+                                keep=args.keep, batch=args.batch, seed=args.seed)
+    out = Path(args.out)
+    save_maps(out, result.maps)
+    plot_losses(result.losses, out / "loss.png", result.heldout)
+    summary = dict(args={k: v for k, v in vars(args).items() if k != "func"},
+                   seconds=round(time.time() - start, 1), train_windows=len(train),
+                   first_loss=result.losses[0], last_loss=result.losses[-1],
+                   heldout_mean={k: float(np.mean(v)) for k, v in result.heldout.items()},
+                   heldout=result.heldout)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    summary = run(build_parser().parse_args(argv))
+    print(json.dumps({k: summary[k] for k in ("seconds", "first_loss", "last_loss",
+                                                "heldout_mean")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
