@@ -220,6 +220,10 @@ class Dense:
     def page_size(self, arrays) -> int:
         return arrays[0].shape[1]
 
+    def shapes(self, n_pages: int, page_size: int, head_dim: int, dtype=jnp.bfloat16):
+        """The pool's arrays as `jax.ShapeDtypeStruct`s."""
+        return (jax.ShapeDtypeStruct((n_pages, page_size, head_dim), dtype),)
+
     def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
         """blocks: ([S, D],) -> [S, D] in `dtype`."""
         return ops.load(blocks[0]).astype(dtype)
@@ -261,6 +265,11 @@ class PackedTokens:
 
     def page_size(self, arrays) -> int:
         return arrays[0].shape[2]
+
+    def shapes(self, n_pages: int, page_size: int, head_dim: int, dtype=None):
+        """The pool's arrays as `jax.ShapeDtypeStruct`s."""
+        rows = head_dim * self.bits // 32 + self.param_words(head_dim)
+        return (jax.ShapeDtypeStruct((n_pages, rows, page_size), jnp.uint32),)
 
     def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array | None):
         """kvjax.stores layout -> kernel layout.
@@ -342,6 +351,13 @@ class PackedChannels:
 
     def page_size(self, arrays) -> int:
         return arrays[0].shape[2]
+
+    def shapes(self, n_pages: int, page_size: int, head_dim: int, dtype=None):
+        """The pool's arrays as `jax.ShapeDtypeStruct`s."""
+        rows = head_dim * self.bits // 32 + 1
+        tw = param_rows(self.n_params(), self.param_dtype)
+        return (jax.ShapeDtypeStruct((n_pages, rows, page_size), jnp.uint32),
+                jax.ShapeDtypeStruct((n_pages, tw, head_dim), jnp.uint32))
 
     def window_start(self, group_id, valid, table_rows: int):
         """Each page's first table row and whether its valid slots fit the window.

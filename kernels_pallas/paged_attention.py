@@ -78,8 +78,11 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
     carry (m [GT, 1], l [GT, 1], acc [GT, D]) float32. Dots accumulate in f32.
     """
     m, l, acc = carry
+    # f32 operands: full f32 products (Mosaic's default may be one bf16 pass); bf16: one pass
+    prec = lambda x: (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
+                      else jax.lax.Precision.DEFAULT)
     s = jax.lax.dot_general(q, k, (((1,), (0 if k_slots_last else 1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale  # [GT, S]
+                            precision=prec(q), preferred_element_type=jnp.float32) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     visible = (kpos != EMPTY) & (qpos >= 0) & (kpos <= qpos)
@@ -91,7 +94,7 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
     correction = jnp.exp(m - m_new)
     pv = jax.lax.dot_general(p.astype(v.dtype), v,
                              (((1,), (1 if v_slots_last else 0,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # [GT, D]
+                             precision=prec(v), preferred_element_type=jnp.float32)  # [GT, D]
     acc = acc * correction + pv
     return m_new, l * correction + p.sum(axis=1, keepdims=True), acc
 
