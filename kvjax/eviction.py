@@ -34,8 +34,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 from typing import Callable, NamedTuple
 
 import jax
@@ -60,21 +62,36 @@ def keep_top_k(scores: jax.Array, k: int, valid: jax.Array | None = None) -> jax
     if not 0 <= k <= c:
         raise ValueError(f"keep_top_k: k={k} must be within [0, {c}] slots")
     valid = jnp.ones(scores.shape, bool) if valid is None else valid
-    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
-    order = jnp.argsort(-scores, axis=-1, stable=True)[..., :k]  # [B, KVH, k]
+    order = best_first(scores, valid)[..., :k]  # [B, KVH, k]
     rows = jnp.zeros(scores.shape, bool)
     rows = jnp.put_along_axis(rows, order, True, axis=-1, inplace=False)
     return rows & valid
 
 
+def best_first(scores: jax.Array, valid: jax.Array) -> jax.Array:
+    """int32 slot order along the last axis, best first; NaN-safe.
+
+    Three tiers, each in descending score order with ties to the earlier
+    slot: valid slots with a number (+-inf included), then valid slots whose
+    score is NaN (in slot order), then invalid slots. So a NaN score never
+    lets an empty slot take a valid one's place.
+    """
+    s = scores.astype(jnp.float32)
+    nan = jnp.isnan(s)
+    tier = jnp.where(valid, nan.astype(jnp.int32), 2)  # 0 number, 1 NaN, 2 invalid
+    key = jnp.where(valid & ~nan, -s, 0.0) + 0.0  # + 0.0: -0.0 and 0.0 tie
+    slot = jax.lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 1)
+    return jax.lax.sort((tier, key, slot), dimension=s.ndim - 1, num_keys=3)[2]
+
+
 def rank(scores: jax.Array, valid: jax.Array) -> jax.Array:
     """int32 rank of every entry along the last axis (0 = best; ties to the earlier entry).
 
-    Invalid entries rank after all valid ones. `rank(...) < k` keeps the top
-    `k` for a `k` that may be traced and may differ per row.
+    Invalid entries rank after all valid ones, NaN scores after every valid
+    number (`best_first`). `rank(...) < k` keeps the top `k` for a `k` that
+    may be traced and may differ per row.
     """
-    scores = jnp.where(valid, scores.astype(jnp.float32), -jnp.inf)
-    order = jnp.argsort(-scores, axis=-1, stable=True)
+    order = best_first(scores, valid)
     return jnp.argsort(order, axis=-1).astype(jnp.int32)
 
 
@@ -238,13 +255,37 @@ def _init_budget(ratio: float | None, budget: int | None, seed: int, cache: Cach
                        key=jax.random.key(seed))
 
 
+def check_int(name: str, arg: str, value, low: int = 1) -> None:
+    """ValueError unless `value` is an int (not a bool) >= `low`; names the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: need {arg} >= {low} (an int), got {value!r}")
+
+
+def check_real(name: str, arg: str, value, low: float, high: float = math.inf,
+               high_open: bool = False) -> None:
+    """ValueError unless `value` is a finite real number in [low, high] (or [low, high))."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or value > high or (high_open and value == high):
+        bound = ")" if high_open else "]"
+        raise ValueError(f"{name}: {arg} must be a finite number in [{low}, {high}{bound}, "
+                         f"got {value!r}")
+
+
+def _check_bool(name: str, arg: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: {arg} must be true or false, got {value!r}")
+
+
 def _check_budget(name: str, ratio: float | None, budget: int | None) -> None:
     if (ratio is None) == (budget is None):
         raise ValueError(f"{name}: give exactly one of ratio (fraction evicted) or budget "
                          f"(tokens kept per KV head); got ratio={ratio}, budget={budget}")
-    if ratio is not None and not 0 <= ratio < 1:
-        raise ValueError(f"{name}: ratio is the fraction of tokens evicted, in [0, 1); got {ratio}")
-    if budget is not None and (not isinstance(budget, int) or budget < 1):
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                              or not 0 <= ratio < 1):
+        raise ValueError(f"{name}: ratio is the fraction of tokens evicted, in [0, 1); "
+                         f"got {ratio!r}")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                               or budget < 1):
         raise ValueError(f"{name}: budget must be a positive int, got {budget!r}")
 
 
@@ -312,9 +353,50 @@ Scorer = Callable[..., tuple[jax.Array, jax.Array]]
 """`scorer(layer, stats, budget [B], key) -> (scores [B, KVH, C] f32, protect [B, KVH, C] bool)`."""
 
 
+DEBUG_ENV = "KVJAX_DEBUG_CHECKS"
+_debug_checks = [os.environ.get(DEBUG_ENV, "") not in ("", "0")]
+
+
+def debug_checks_enabled() -> bool:
+    """Whether policies built now check their scores (`debug_checks`, $KVJAX_DEBUG_CHECKS=1
+    or `jax.config.update("jax_debug_nans", True)`)."""
+    return _debug_checks[-1] or bool(jax.config.jax_debug_nans)
+
+
+@contextlib.contextmanager
+def debug_checks(enabled: bool = True):
+    """Policies built inside this block raise when their scorer returns a NaN score.
+
+    The check (a `jax.debug.callback` on "any valid slot scored NaN") is
+    compiled into the policy's update, so it is chosen when the policy is
+    built, not when it runs. Off by default: NaN scores then rank below every
+    valid number (`best_first`) and the policy goes on.
+
+    Example:
+        >>> with debug_checks():
+        ...     t = parse_method("expected_attention:ratio=0.5")
+    """
+    _debug_checks.append(bool(enabled))
+    try:
+        yield
+    finally:
+        _debug_checks.pop()
+
+
+def _raise_on_nan(layer: int, count) -> None:
+    if int(count):
+        raise FloatingPointError(f"kvjax debug check: the eviction scorer gave {int(count)} "
+                                 f"NaN scores in layer {layer}")
+
+
+def _check_scores(layer: int, scores: jax.Array, valid: jax.Array) -> None:
+    jax.debug.callback(functools.partial(_raise_on_nan, layer),
+                       jnp.sum(jnp.isnan(scores) & valid))
+
+
 @functools.lru_cache(maxsize=None)
 def _scored_update(scorer: Scorer, schedule, window: int, beta: float, headwise: bool,
-                   alpha: float) -> Callable:
+                   alpha: float, debug: bool = False) -> Callable:
     def update(cache, state: BudgetState, stats=None):
         budgets = _layer_budgets(state, cache, schedule, window, beta)  # [L, B]
         keys = jax.random.split(state.key, len(cache) + 1)
@@ -324,6 +406,8 @@ def _scored_update(scorer: Scorer, schedule, window: int, beta: float, headwise:
                 layer = pool_heads(layer)
             seen = view(layer)  # dense slots of an encoded or residual layer
             scores, protect = scorer(seen, None if stats is None else stats[i], budgets[i], keys[i])
+            if debug:
+                _check_scores(i, scores, seen.pos != EMPTY)
             keep = _select(scores, seen.pos != EMPTY, protect, budgets[i], headwise, alpha)
             out.append(compact(layer, keep))
         return tuple(out), state._replace(layer_budget=budgets, key=keys[-1])
@@ -348,12 +432,16 @@ def scored_policy(name: str, scorer: Scorer, *, ratio: float | None, budget: int
         at least `alpha` of the per-head budget.
     """
     _check_budget(name, ratio, budget)
+    check_int(name, "window", window)
+    check_real(name, "beta", beta, 1e-6)
+    check_int(name, "seed", seed, 0)
+    _check_bool(name, "headwise", headwise)
     if not (schedule in ("uniform", "pyramid") or isinstance(schedule, tuple)):
         raise ValueError(f"{name}: schedule must be 'uniform', 'pyramid' or a tuple of "
                          f"per-layer weights, got {schedule!r}")
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"{name}: alpha must be in [0, 1], got {alpha}")
-    update = _scored_update(scorer, schedule, window, float(beta), bool(headwise), float(alpha))
+    check_real(name, "alpha", alpha, 0.0, 1.0)
+    update = _scored_update(scorer, schedule, window, float(beta), bool(headwise), float(alpha),
+                            debug_checks_enabled())
     return CacheTransform(functools.partial(_init_budget, ratio, budget, seed), update, stats)
 
 
@@ -496,8 +584,9 @@ def streaming_llm(sinks: int = 4, window: int | None = None, ratio: float | None
         >>> t = streaming_llm(sinks=4, window=508)   # <= 512 tokens per head
         >>> t = streaming_llm(ratio=0.5)             # as kvpress StreamingLLMPress(0.5)
     """
-    if sinks < 0 or (window is not None and window < 1):
-        raise ValueError(f"streaming_llm: need sinks >= 0 and window >= 1, got {sinks}, {window}")
+    check_int("streaming_llm", "sinks", sinks, 0)
+    if window is not None:
+        check_int("streaming_llm", "window", window)
     if window is not None:
         if ratio is not None or budget is not None:
             raise ValueError("streaming_llm: give window, or ratio / budget, not both")
@@ -520,8 +609,10 @@ def snapkv(ratio: float | None = None, budget: int | None = None, window: int = 
     KV head; the window itself is always kept. Query-agnostic when the window
     is the end of the context, query-aware when it is the question.
     """
-    if window < 1 or kernel < 1:
-        raise ValueError(f"snapkv: window and kernel must be >= 1, got {window}, {kernel}")
+    check_int("snapkv", "window", window)
+    check_int("snapkv", "kernel", kernel)
+    if kernel % 2 == 0:
+        raise ValueError(f"snapkv: kernel must be odd (a centred pooling window), got {kernel}")
     return scored_policy("snapkv", _snapkv_scorer(window, kernel), ratio=ratio, budget=budget,
                          stats=StatsSpec(window=window), window=window, **options)
 
@@ -552,10 +643,13 @@ def h2o(heavy: int | None = None, recent: int | None = None, ratio: float | None
     attention each slot receives (summed over the query heads of its KV
     head) during prefill and every decode step.
     """
+    check_real("h2o", "recent_fraction", recent_fraction, 0.0, 1.0)
     if heavy is not None or recent is not None:
-        if heavy is None or recent is None or ratio is not None or heavy < 0 or recent < 0:
+        if heavy is None or recent is None or ratio is not None:
             raise ValueError(f"h2o: give heavy and recent (>= 0) together, or ratio; got "
                              f"heavy={heavy}, recent={recent}, ratio={ratio}")
+        check_int("h2o", "heavy", heavy, 0)
+        check_int("h2o", "recent", recent, 0)
         budget = heavy + recent
     else:
         budget = None
@@ -575,6 +669,9 @@ def expected_attention(ratio: float | None = None, budget: int | None = None,
     `softmax(k.mu / sqrt(d) + k' S k / 2d)` averaged over its query heads,
     times `||v||`. The first `sinks` tokens are kept.
     """
+    check_int("expected_attention", "n_future", n_future)
+    check_int("expected_attention", "sinks", sinks, 0)
+    check_real("expected_attention", "epsilon", epsilon, 0.0)
     scorer = _expected_attention_scorer(n_future, sinks, bool(use_covariance), bool(use_vnorm),
                                         float(epsilon))
     return scored_policy("expected_attention", scorer, ratio=ratio, budget=budget,
