@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +28,85 @@ from pathlib import Path
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (`kvjax: error: ...`, exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"kvjax: error: {message}\n")
+
+
+class UsageError(ValueError):
+    """A bad command-line value: printed as one line, exit code 2."""
+
+
+# option -> (lowest, highest or None, what the option is); checked by `check_args`
+BOUNDS = {
+    "max_new_tokens": (1, None), "top_k": (0, None), "seed": (0, None),
+    "compress_every": (0, None), "context": (2, None), "stride": (1, None),
+    "max_tokens": (2, None), "batch_size": (1, None), "prefix": (0, None),
+    "tokens": (2, None), "window": (1, None),
+}
+
+
+def _bad(option: str, value, allowed: str) -> UsageError:
+    return UsageError(f"--{option.replace('_', '-')} {value}: {allowed}")
+
+
+def check_args(args) -> None:
+    """UsageError for a numeric option outside its range or an unusable path (before any work)."""
+    for name, (low, high) in BOUNDS.items():
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        if value < low or (high is not None and value > high):
+            raise _bad(name, value, f"must be an integer >= {low}"
+                       + (f" and <= {high}" if high is not None else ""))
+    temperature = getattr(args, "temperature", None)
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise _bad("temperature", temperature, "must be a finite number >= 0 (0 = greedy)")
+    top_p = getattr(args, "top_p", None)
+    if top_p is not None and not 0 < top_p <= 1:
+        raise _bad("top_p", top_p, "must be in (0, 1] (1 = no nucleus filter)")
+    if args.command == "ppl":
+        if args.stride is not None and args.stride > args.context:
+            raise _bad("stride", args.stride, f"must be in [1, --context {args.context}]")
+        if args.prefix >= args.context:
+            raise _bad("prefix", args.prefix, f"must be in [0, --context {args.context})")
+    if args.command == "generate" and not args.prompt.strip() and not args.chat:
+        raise _bad("prompt", repr(args.prompt), "must not be empty (or use --chat)")
+    for option in ("text", "context_file", "config"):
+        path = getattr(args, option, None)
+        if path is not None and not Path(path).is_file():
+            what = "is a directory" if Path(path).is_dir() else "not found"
+            raise _bad(option, path, f"{what}: need a file")
+    out = getattr(args, "out", None)
+    if out is not None:
+        check_writable(out, folder=args.command in ("eval", "bench"))
+
+
+def check_writable(path: Path, folder: bool) -> None:
+    """UsageError unless `path` (a results folder, or a file to write) can be written.
+
+    Probed for real (permission bits say nothing to root): the folder is
+    created and a scratch file written and removed in it.
+    """
+    path = Path(path)
+    if folder and path.exists() and not path.is_dir():
+        raise _bad("out", path, "is a file: need a folder")
+    if not folder and path.is_dir():
+        raise _bad("out", path, "is a directory: need a file name")
+    where = path if folder else path.parent
+    probe = where / f".kvjax-write-test-{os.getpid()}"
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+        if folder and (path / "cells.jsonl").exists():
+            open(path / "cells.jsonl", "a").close()
+    except OSError as e:
+        raise _bad("out", path, f"cannot be written ({e.strerror or e})") from None
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -37,7 +118,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvjax", description=__doc__.split("\n")[0])
+    parser = Parser(prog="kvjax", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (greedy by default)")
@@ -109,7 +190,28 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
 def _read_text(path: Path) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"text file not found: {path}")
-    return path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty")
+    return text
+
+
+def check_model_args(args, cfg) -> None:
+    """Checks that need the model: `layers=` of the method, lengths within its positions."""
+    from kvjax.methods import check_method
+
+    check_method(getattr(args, "method", "full"), cfg.num_layers)
+    limit = cfg.max_position
+    if args.command == "ppl" and args.context > limit:
+        raise _bad("context", args.context, f"must be <= the model's {limit} positions")
+    if args.command == "calibrate" and args.window > limit:
+        raise _bad("window", args.window, f"must be <= the model's {limit} positions")
+    if args.command == "generate" and args.max_new_tokens >= limit:
+        raise _bad("max_new_tokens", args.max_new_tokens,
+                   f"must be < the model's {limit} positions (the prompt needs some)")
 
 
 def build_prompt(tokenizer, prompt: str, context: str | None, chat: bool) -> str:
@@ -182,9 +284,10 @@ def _transform(spec: str):
 def enable_compilation_cache() -> None:
     """Keep compiled executables on disk so a second run skips XLA compilation."""
     import jax
-    from models.hub import cache_dir
+    from models.hub import cache_dir, repair_compilation_cache
 
     if jax.config.jax_compilation_cache_dir is None:
+        repair_compilation_cache(cache_dir() / "jit")  # a damaged entry would never heal
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jit"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
@@ -194,11 +297,20 @@ def cmd_eval(args) -> int:
     from experiments import harness, report
 
     try:
+        if not args.config.is_file():
+            raise _bad("config", args.config, "is a directory: need a file" if
+                       args.config.is_dir() else "not found")
         grid = harness.load_config(args.config)
         cells = [c for c in grid.cells if args.command == "eval" or c.task == "speed"]
         if not cells:
             raise ValueError(f"{args.config}: no `speed` cells to bench")
+        if args.report and not (args.out / "cells.jsonl").is_file():
+            raise _bad("out", args.out, "has no cells.jsonl to report on")
+        check_writable(args.out, folder=True)  # before the sweep, not after it
+        if args.results is not None:
+            check_results_file(args.results)
         if not args.report:
+            harness.check_models(cells)
             harness.sweep(cells, args.out, grid.max_rss_gb, workers=grid.workers)
         if args.results:
             report.write_results(args.out, args.results,
@@ -210,7 +322,25 @@ def cmd_eval(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, harness.Interrupted) as e:
+        print(f"kvjax: {e or 'interrupted'}", file=sys.stderr)
+        return 130
     return 0
+
+
+def check_results_file(path: Path) -> None:
+    """UsageError unless the --results Markdown file can be rewritten (checked before a sweep)."""
+    if path.is_dir():
+        raise _bad("results", path, "is a directory: need a Markdown file")
+    try:
+        if path.exists():
+            open(path, "a").close()
+        else:
+            check_writable(path, folder=False)
+    except OSError as e:
+        raise _bad("results", path, f"cannot be written ({e.strerror or e})") from None
+    except UsageError as e:
+        raise _bad("results", path, str(e).split(": ", 1)[-1]) from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,21 +349,27 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_eval(args)
     from models.loading import load_model
 
-    enable_compilation_cache()
     try:
+        check_args(args)
+        enable_compilation_cache()
         _transform(getattr(args, "method", "full"))
         for path in (getattr(args, "text", None), getattr(args, "context_file", None)):
             if path is not None:
                 _read_text(path)  # fail before the model loads
         model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
+        check_model_args(args, model.config)
         commands = {"generate": cmd_generate, "ppl": cmd_ppl, "calibrate": cmd_calibrate}
         result = commands[args.command](args, model, tokenizer)
-    except (FileNotFoundError, ValueError) as e:
+        result["model"] = args.model
+        text = json.dumps(result, allow_nan=False)  # a NaN is an error, not invalid JSON
+    except (FileNotFoundError, ValueError, OSError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
-    result["model"] = args.model
+    except KeyboardInterrupt:
+        print("kvjax: interrupted", file=sys.stderr)
+        return 130
     if args.json:
-        print(json.dumps(result))
+        print(text)
     elif args.command == "generate":
         print(result["text"])
     elif args.command == "calibrate":

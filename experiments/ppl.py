@@ -81,6 +81,11 @@ def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | Non
     ids = np.asarray(ids, np.int32)
     if ids.ndim != 1 or len(ids) < 2:
         raise ValueError(f"need a 1-D sequence of at least 2 token ids, got shape {ids.shape}")
+    limit = model.config.max_position
+    if context > limit:
+        raise ValueError(f"context {context} must be <= the model's {limit} positions")
+    if batch_size < 1 or chunk < 1:
+        raise ValueError(f"batch_size and chunk must be >= 1, got {batch_size}, {chunk}")
     transform = transform or full()
     if prefix or transform is not full():
         return _continuation_perplexity(model, ids, context, stride, batch_size, chunk, prefix,

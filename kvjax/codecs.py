@@ -76,10 +76,10 @@ class Codec:
 
 
 def _check_uniform(bits: int, group: int, axis: str, param_dtype: str) -> None:
-    if bits not in (2, 4, 8):
-        raise ValueError(f"bits must be 2, 4 or 8, got {bits}")
-    if group < 1:
-        raise ValueError(f"group must be a positive int, got {group}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 4, 8):
+        raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
+    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+        raise ValueError(f"group must be a positive int, got {group!r}")
     if axis not in AXES:
         raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
     if param_dtype not in PARAM_DTYPES:

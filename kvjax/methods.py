@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 from typing import Callable
@@ -80,13 +81,39 @@ def split_part(part: str) -> tuple[str, dict]:
     return name, kwargs
 
 
+def did_you_mean(word: str, choices) -> str:
+    """" (did you mean 'x'?)" for the closest of `choices`, or ""."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_keywords(name: str, factory: Callable, kwargs: dict) -> None:
+    """ValueError naming an argument the factory does not take (with a did-you-mean)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    known = [k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    if len(known) < len(params):  # **options: a scored policy passes them to scored_policy
+        known += [k for k in inspect.signature(eviction.scored_policy).parameters
+                  if k not in ("name", "scorer", "stats")]
+        known = list(dict.fromkeys(known))
+    for key in kwargs:
+        if key not in known:
+            raise ValueError(f"method {name!r}: bad arguments: unknown argument {key!r}"
+                             f"{did_you_mean(key, known)}; it takes "
+                             f"{', '.join(known) or 'no arguments'} (and layers)")
+
+
 def _parse_part(part: str) -> CacheTransform:
     name, kwargs = split_part(part)
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
+        raise ValueError(f"unknown method {name!r}{did_you_mean(name, METHODS)}; "
+                         f"available: {', '.join(sorted(METHODS))}")
     layers = kwargs.pop("layers", None)
     if layers is not None and "layers" in inspect.signature(METHODS[name]).parameters:
         kwargs["layers"], layers = tuple(_parse_layers(str(layers))), None  # absolute indices
+    _check_keywords(name, METHODS[name], kwargs)
     try:
         transform = METHODS[name](**kwargs)
     except TypeError as e:
@@ -95,19 +122,59 @@ def _parse_part(part: str) -> CacheTransform:
 
 
 def _parse_layers(text: str) -> list[int]:
-    """"3-5" -> [3, 4, 5]; "0;2;7" -> [0, 2, 7]."""
+    """"3-5" -> [3, 4, 5]; "0;2;7" -> [0, 2, 7]; ValueError for negative or reversed ranges."""
     try:
         if "-" in text:
             first, last = (int(x) for x in text.split("-"))
-            return list(range(first, last + 1))
-        return [int(x) for x in text.split(";")]
+            layers = list(range(first, last + 1))
+        else:
+            layers = [int(x) for x in text.split(";")]
     except ValueError:
-        raise ValueError(f"layers={text!r}: expected A-B or A;B;C") from None
+        raise ValueError(f"layers={text!r}: expected A-B or A;B;C with layer indices >= 0") \
+            from None
+    if not layers or min(layers) < 0:
+        raise ValueError(f"layers={text!r}: expected A-B (A <= B) or A;B;C with layer "
+                         f"indices >= 0")
+    return layers
+
+
+def method_layers(spec: str) -> list[tuple[str, list[int]]]:
+    """(part name, layers it names) for every part of `spec` with a `layers=` argument."""
+    out = []
+    for part in (p for p in spec.split("+") if p.strip()):
+        name, kwargs = split_part(part)
+        if "layers" in kwargs:
+            out.append((name, _parse_layers(str(kwargs["layers"]))))
+    return out
+
+
+def check_method(spec: str, num_layers: int) -> CacheTransform:
+    """`parse_method(spec)`, also checking every `layers=` against a model of `num_layers`.
+
+    Example:
+        >>> check_method("snapkv:ratio=0.5,layers=0-99", 30)   # ValueError: layers 0-29
+    """
+    transform = parse_method(spec)
+    for name, layers in method_layers(spec):
+        if max(layers) >= num_layers:
+            raise ValueError(f"method {name!r}: layers names layer {max(layers)}; the model "
+                             f"has {num_layers} layers, 0-{num_layers - 1}")
+    return transform
+
+
+def parse_method(spec: str) -> CacheTransform:
+    """The `CacheTransform` a spec string describes (see module docstring).
+
+    Policies built under `kvjax.eviction.debug_checks()` check their scores
+    for NaN; the flag is part of the cache key.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"a method spec is a string such as 'snapkv:ratio=0.5', got {spec!r}")
+    return _parse_method(spec, eviction.debug_checks_enabled())
 
 
 @functools.lru_cache(maxsize=None)
-def parse_method(spec: str) -> CacheTransform:
-    """The `CacheTransform` a spec string describes (see module docstring)."""
+def _parse_method(spec: str, debug: bool) -> CacheTransform:
     parts = [p for p in spec.split("+") if p.strip()]
     if not parts:
         raise ValueError("empty method spec")

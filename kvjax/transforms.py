@@ -103,5 +103,11 @@ def on_layers(transform: CacheTransform, layers: Sequence[int]) -> CacheTransfor
     if not layers or layers[0] < 0:
         raise ValueError(f"on_layers: need non-negative layer indices, got {layers}")
     init = transform.init
-    return CacheTransform(lambda cache: init(tuple(cache[i] for i in layers)),
+
+    def init_some(cache):
+        if layers[-1] >= len(cache):
+            raise ValueError(f"on_layers: layer {layers[-1]} does not exist; the cache has "
+                             f"{len(cache)} layers, 0-{len(cache) - 1}")
+        return init(tuple(cache[i] for i in layers))
+    return CacheTransform(init_some,
                           _layers_update(transform.update, layers), transform.stats)

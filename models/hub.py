@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -80,3 +81,83 @@ def find_smollm2(download: bool = True) -> Path:
           file=sys.stderr)
     _download_into(path)
     return path
+
+
+# ----------------------------------------------------------------------------- compilation cache
+
+JIT_VERIFIED = ".kvjax-verified.json"
+
+
+def _entry_ok(path: Path) -> bool:
+    """Whether a persistent compilation cache entry decompresses whole (zlib or zstd, as jax
+    writes it); a truncated or bit-flipped entry fails its checksum."""
+    import zlib
+
+    data = path.read_bytes()
+    if data[:4] == b"\x28\xb5\x2f\xfd":  # zstd frame
+        try:
+            import zstandard
+        except ImportError:
+            return True  # cannot check; jax itself will warn and recompile
+        try:
+            zstandard.ZstdDecompressor().decompressobj().decompress(data)
+            return True
+        except zstandard.ZstdError:
+            return False
+    try:
+        d = zlib.decompressobj()
+        d.decompress(data)
+        return d.eof and not d.unused_data
+    except zlib.error:
+        return False
+
+
+def repair_compilation_cache(folder: Path) -> list[str]:
+    """Remove damaged entries of jax's persistent compilation cache in `folder`.
+
+    jax warns about an entry it cannot read and recompiles, but never replaces
+    it, so every later run pays the compilation again. Entries not yet
+    verified (by name, size and mtime, kept in `.kvjax-verified.json`) are
+    decompressed once; a damaged one is deleted with a one-line notice and
+    jax writes a fresh one. Returns the names removed.
+    """
+    import json
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    record = folder / JIT_VERIFIED
+    try:
+        verified = json.loads(record.read_text())
+        if not isinstance(verified, dict):
+            verified = {}
+    except (OSError, ValueError):
+        verified = {}
+    removed, now = [], {}
+    for entry in folder.iterdir():
+        if not entry.name.endswith("-cache") or not entry.is_file():
+            continue
+        try:
+            stat = entry.stat()
+            stamp = [stat.st_size, stat.st_mtime_ns]
+            if time.time_ns() - stat.st_mtime_ns < 60e9:
+                continue  # possibly being written right now (jax writes in place)
+            if verified.get(entry.name) == stamp or _entry_ok(entry):
+                now[entry.name] = stamp
+                continue
+            entry.unlink()
+            removed.append(entry.name)
+        except OSError:  # a concurrent writer or remover: leave it to jax
+            continue
+    if removed:
+        print(f"kvjax: removed {len(removed)} damaged compilation cache "
+              f"entr{'y' if len(removed) == 1 else 'ies'} from {folder} (they are recompiled): "
+              f"{', '.join(removed)[:200]}", file=sys.stderr)
+    if now != verified:
+        try:
+            partial = record.with_name(f"{record.name}.{os.getpid()}")
+            partial.write_text(json.dumps(now))
+            partial.replace(record)
+        except OSError:
+            pass
+    return removed

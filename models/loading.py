@@ -315,16 +315,46 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.flo
 
     path = resolve_model_path(name_or_path)
     if path.is_dir():
-        return build_model(*load_hf_dir(path), dtype), load_tokenizer(path)
+        cfg, params = load_hf_dir(path)
+        tokenizer = load_tokenizer(path)
+        check_vocab(cfg, tokenizer, path)
+        return build_model(cfg, params, dtype), tokenizer
     converted = converted_dir(path)
-    if use_converted and (converted / "config.json").is_file():
-        cfg, params = load_converted(converted)
-        return build_model(cfg, params, dtype), load_tokenizer(converted)
+    if use_converted and converted.is_dir():
+        stored = _load_converted_checked(converted, path)
+        if stored is not None:
+            cfg, params, tokenizer = stored
+            check_vocab(cfg, tokenizer, path)
+            return build_model(cfg, params, dtype), tokenizer
     reader = open_gguf(path)  # parsed once for weights and tokenizer
     (cfg, params), tokenizer = load_gguf(reader), Tokenizer.from_gguf(reader)
+    check_vocab(cfg, tokenizer, path)
     if use_converted:
         save_converted(converted, cfg, params, tokenizer)
     return build_model(cfg, params, dtype), tokenizer
+
+
+def model_config(name_or_path: str | os.PathLike = "smollm2") -> LlamaConfig:
+    """The model's architecture without loading its weights (config.json, the converted
+    store's config or the GGUF metadata)."""
+    path = resolve_model_path(name_or_path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model "
+                                    f"directory")
+        return hf_config(json.loads((path / "config.json").read_text()))
+    try:  # the converted store's copy: 3 s faster than parsing the GGUF
+        return _converted_config(converted_dir(path))
+    except (OSError, ValueError, TypeError, KeyError):
+        return gguf_config(open_gguf(path))
+
+
+def check_vocab(cfg: LlamaConfig, tokenizer, source) -> None:
+    """ValueError when the tokenizer can produce ids the model has no embedding row for."""
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"{source}: the tokenizer has {tokenizer.vocab_size} token ids but the "
+                         f"model's vocabulary (vocab_size) is {cfg.vocab_size}; ids >= "
+                         f"{cfg.vocab_size} would read no embedding")
 
 
 # ----------------------------------------------------------------------------- converted store
@@ -341,8 +371,83 @@ def converted_dir(gguf_path: Path) -> Path:
     return cache_dir() / "converted" / hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
+MANIFEST = "manifest.json"
+
+
+def _file_crc(path: Path) -> str:
+    """CRC-32 of a file (0.5 s for SmolLM2's 538 MB of weights, page-cached)."""
+    import zlib
+
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and CRC-32 of every file of a converted store."""
+    files = sorted(f for f in folder.iterdir() if f.is_file() and f.name != MANIFEST)
+    manifest = {f.name: {"size": f.stat().st_size, "crc32": _file_crc(f)} for f in files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def store_damage(folder: Path) -> str | None:
+    """Why a converted store is unusable (a missing, resized or changed file), or None."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return "its manifest is missing or unreadable"
+    for name in ("config.json", "weights.safetensors"):
+        if name not in manifest:
+            return f"its manifest lacks {name}"
+    for name, want in manifest.items():
+        f = folder / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want.get("size"):
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {want.get('size')}"
+        if _file_crc(f) != want.get("crc32"):
+            return f"{name} does not match its checksum"
+    return None
+
+
+def _load_converted_checked(folder: Path, gguf_path: Path):
+    """(cfg, params, tokenizer) from a converted store, or None after removing a damaged one.
+
+    A store from before manifests is checked by loading it, then given a manifest.
+    """
+    from models.tokenizer import load_tokenizer
+
+    legacy = not (folder / MANIFEST).exists() and (folder / "config.json").is_file()
+    damage = None if legacy else store_damage(folder)
+    if damage is None:
+        try:
+            cfg, params = load_converted(folder)
+            tokenizer = load_tokenizer(folder)
+        except Exception as e:  # safetensors, JSON and tokenizer errors of a damaged file
+            damage = f"it does not load ({type(e).__name__}: {str(e)[:120]})"
+        else:
+            if legacy:
+                try:
+                    write_manifest(folder)
+                except OSError:
+                    pass
+            return cfg, params, tokenizer
+    print(f"kvjax: the converted copy of {gguf_path.name} in {folder} is damaged ({damage}); "
+          f"converting the GGUF again", file=sys.stderr)
+    trash = folder.with_name(f"{folder.name}.damaged-{os.getpid()}")
+    try:
+        folder.rename(trash)  # atomic: a concurrent reader sees the store or nothing
+    except OSError:
+        trash = folder
+    shutil.rmtree(trash, ignore_errors=True)
+    return None
+
+
 def save_converted(target: Path, cfg: LlamaConfig, params: Params, tokenizer) -> None:
-    """Store config, float32 weights and tokenizer; best effort (a full disk only warns)."""
+    """Store config, float32 weights, tokenizer and a manifest (size and CRC-32 of each
+    file); best effort (a full disk only warns)."""
     from safetensors.numpy import save_file
 
     partial = target.with_name(f"{target.name}.partial-{os.getpid()}")
@@ -352,6 +457,7 @@ def save_converted(target: Path, cfg: LlamaConfig, params: Params, tokenizer) ->
         save_file({"/".join(map(str, k)): np.ascontiguousarray(v) for k, v in params.items()},
                   str(partial / "weights.safetensors"))
         (partial / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        write_manifest(partial)
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
         print(f"kvjax: could not keep the converted model ({e}); the next load converts again",
@@ -367,11 +473,15 @@ def load_converted(source: Path) -> tuple[LlamaConfig, Params]:
     """Read what `save_converted` wrote."""
     from safetensors.numpy import load_file
 
+    key = lambda name: tuple(int(p) if p.isdigit() else p for p in name.split("/"))
+    return _converted_config(source), {key(k): v for k, v in load_file(str(source / "weights.safetensors")).items()}
+
+
+def _converted_config(source: Path) -> LlamaConfig:
     raw = json.loads((source / "config.json").read_text())
     raw["eos_ids"] = tuple(raw["eos_ids"])
     if raw["rope_freq_factors"] is not None:
         raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
     if raw["rope_scaling"] is not None:
         raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-    key = lambda name: tuple(int(p) if p.isdigit() else p for p in name.split("/"))
-    return LlamaConfig(**raw), {key(k): v for k, v in load_file(str(source / "weights.safetensors")).items()}
+    return LlamaConfig(**raw)

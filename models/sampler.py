@@ -205,6 +205,9 @@ def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
     chunk = min(chunk, max(len(p) for p in prompts)) if prompts else chunk
     padded = pad_prompts(prompts, chunk, 0)
     width = padded.tokens.shape[1]
+    if padded.lengths.max() > model.config.max_position:
+        raise ValueError(f"a prompt of {padded.lengths.max()} tokens exceeds the model's "
+                         f"{model.config.max_position} positions")
     capacity = width + room if capacity is None else capacity
     if width + room > capacity:
         raise ValueError(f"prompt ({padded.lengths.max()} tokens, {width} padded) plus {room} "
@@ -275,6 +278,9 @@ def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
     chunk = min(chunk, max(len(p) for p in suffixes))
     padded = pad_prompts(suffixes, chunk, 0)
     width = padded.tokens.shape[1]
+    if (pre.next_pos + padded.lengths).max() > model.config.max_position:
+        raise ValueError(f"the extended sequences reach {(pre.next_pos + padded.lengths).max()}"
+                         f" tokens, past the model's {model.config.max_position} positions")
     for i, layer in enumerate(pre.cache):
         free = kvjax.free_tokens(layer)
         if width > free:

@@ -52,6 +52,9 @@ def token_logprobs(model: Llama, tokens: jax.Array, positions: jax.Array, target
     if positions.shape != (b, t) or targets.shape != (b, t):
         raise ValueError(f"tokens {tokens.shape}, positions {positions.shape} and targets "
                          f"{targets.shape} must have the same [B, T] shape")
+    check_ids(model.config, tokens, positions)
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
     chunk = min(chunk, t)
     pad = -t % chunk
     left = lambda x, value: jnp.pad(jnp.asarray(x, jnp.int32), ((0, 0), (pad, 0)),
@@ -61,6 +64,22 @@ def token_logprobs(model: Llama, tokens: jax.Array, positions: jax.Array, target
     lp, _ = _token_logprobs(graphdef, state, left(tokens, 0), left(positions, kvjax.EMPTY),
                             left(targets, 0), cache, chunk)
     return lp[:, pad:]
+
+
+def check_ids(cfg, tokens, positions=None) -> None:
+    """ValueError for a token id outside the vocabulary or a position past the model's
+    positions (JAX would clamp them silently). Skipped for traced arrays."""
+    if isinstance(tokens, jax.core.Tracer) or isinstance(positions, jax.core.Tracer):
+        return
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+        raise ValueError(f"token ids must be in [0, {cfg.vocab_size}) (the model's vocabulary),"
+                         f" got {tokens.min()}..{tokens.max()}")
+    if positions is not None:
+        positions = np.asarray(positions)
+        if positions.size and positions.max() >= cfg.max_position:
+            raise ValueError(f"position {positions.max()} is past the model's "
+                             f"{cfg.max_position} positions")
 
 
 def continuation_logprobs(model: Llama, prefixes: Sequence[Sequence[int]],
@@ -107,6 +126,11 @@ def score_continuations(model: Llama, pre, continuations: Sequence[Sequence[int]
     if len(continuations) != len(pre.next_pos):
         raise ValueError(f"{len(continuations)} continuations for a batch of {len(pre.next_pos)}")
     padded, chunk = _padded(continuations, chunk)  # [B, W] left-padded
+    end = int(np.max(np.asarray(pre.next_pos) + np.array([len(c) for c in continuations])))
+    if end > model.config.max_position:
+        raise ValueError(f"prefix plus continuation reach position {end - 1}, past the "
+                         f"model's {model.config.max_position} positions")
+    check_ids(model.config, padded.tokens)
     width = padded.tokens.shape[1]
     for i, layer in enumerate(pre.cache):
         if width > kvjax.free_tokens(layer):
