@@ -38,16 +38,32 @@ def _flatten(state) -> tuple[list[str], list[jax.Array], Any]:
     return keys, [leaf for _, leaf in with_path], treedef
 
 
-def export_decode_step(model: Llama, batch: int, capacity: int, *,
-                       cache_dtype: Any = jnp.float32,
+def export_decode_step(model: Llama, batch: int | None = None, capacity: int | None = None, *,
+                       cache: Any = None, cache_dtype: Any = jnp.float32,
                        transform: kvjax.CacheTransform | None = None,
                        platforms: Sequence[str] | None = None) -> jax.export.Exported:
-    """`jax.export` of one decode step for a fixed batch and cache capacity.
+    """`jax.export` of one decode step for a fixed cache layout.
 
-    With a codec `transform` (e.g. `kvjax.kivi(bits=2)`) the step takes the
-    cache in that codec's layout, `transform.update` of a fresh cache, and
-    encodes every token it writes.
+    The layout is either an empty cache of `batch` sequences and `capacity`
+    slots (with a codec `transform`, e.g. `kvjax.kivi(bits=2)`, that codec's
+    layout: `transform.update` of a fresh cache), or that of `cache`, an
+    example cache (arrays or `jax.ShapeDtypeStruct`s), e.g. a prompt
+    compressed and shrunk by `snapkv:ratio=0.5+kivi:bits=4`. Every token the
+    step writes is encoded in the cache's own format.
+
+    Example:
+        >>> pre = prefill_and_compress(model, [ids], transform=parse_method(spec), room=64)
+        >>> exported = export_decode_step(model, cache=pre.cache)
     """
+    if cache is None:
+        for name, value in (("batch", batch), ("capacity", capacity)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"export_decode_step: {name} must be an int >= 1 (or pass an "
+                                 f"example cache=), got {value!r}")
+    elif batch is not None or capacity is not None or transform is not None:
+        raise ValueError("export_decode_step: give cache= (its layout) or batch and capacity "
+                         f"(and transform), not both; got batch={batch}, capacity={capacity}, "
+                         f"transform={transform}")
     graphdef, state = nnx.split(model)
 
     keys, _, treedef = _flatten(state)
@@ -58,12 +74,15 @@ def export_decode_step(model: Llama, batch: int, capacity: int, *,
         return logits[:, -1], cache
 
     def empty_cache():
-        cache = kvjax.init_model_cache(model.config.cache_spec, batch, capacity, cache_dtype)
-        return cache if transform is None else transform.update(cache, transform.init(cache),
+        if cache is not None:
+            return cache
+        fresh = kvjax.init_model_cache(model.config.cache_spec, batch, capacity, cache_dtype)
+        return fresh if transform is None else transform.update(fresh, transform.init(fresh),
                                                                 None)[0]
 
-    cache = jax.eval_shape(empty_cache)
-    tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    layout = jax.eval_shape(empty_cache)
+    kvjax.check_cache(layout, model.config.cache_spec, layout[0].batch)
+    tokens = jax.ShapeDtypeStruct((layout[0].batch, 1), jnp.int32)
     params = jax.eval_shape(lambda: params_dict(model))
     return jax.export.export(jax.jit(step, donate_argnums=3), platforms=platforms)(
-        params, tokens, tokens, cache)
+        params, tokens, tokens, layout)

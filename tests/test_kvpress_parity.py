@@ -4,13 +4,31 @@ The golden file (`experiments/make_golden_kvpress.py`, the `compare` extra)
 holds, for every press, the slots kvpress keeps per layer and KV head and the
 scores it computed. kvjax prefills the same token ids once, collecting the
 statistics every policy needs, then applies each policy to a copy of that
-cache. Kept positions must overlap kvpress's by >= 99% per layer and head;
-the scores of unprotected tokens must agree to float32 accuracy.
+cache.
 
-Measured: every case keeps exactly the positions kvpress keeps (100% overlap).
-Deliberate difference: none in the selection. Where two scores tie exactly
-(ctx2 knorm, layer 0, head 1: the same token twice, equal key norms) torch's
-top-k keeps the later one and kvjax the earlier; the overlap rule allows it.
+What is checked, for all 14 golden cases (SnapKV r=0.25/0.5/0.75, PyramidKV,
+StreamingLLM, Knorm, TOVA, ExpectedAttention r=0.25/0.5/0.75 and Ada-KV over
+SnapKV on the 640-token passage; SnapKV, Knorm, ExpectedAttention on the
+300-token one):
+
+* the kept positions are *identical* to kvpress's in every layer and KV head
+  (Ada-KV included: its per-head counts differ from head to head, and each
+  head keeps exactly kvpress's positions), with one listed exception;
+* the exception (`FLOAT_TIES`) is ctx2 Knorm, layer 0, KV head 1: positions
+  30, 48 and 78 hold the same token (id 655), and in layer 0 a key before
+  RoPE depends on the token only, and RoPE is a rotation, so the three keys
+  have equal norms in exact arithmetic. Float32 rounding of the rotation
+  leaves them within one ulp (1e-6 relative in kvpress's scores: -13.417133,
+  -13.417133, -13.417134), the budget boundary falls among them, and kvjax
+  keeps 48 where kvpress keeps 78. The test asserts that this swap and no
+  other happens, and that the swapped positions' kvpress scores lie within
+  1e-6 relative of the boundary score;
+* the scores of unprotected tokens agree to 2e-4 relative (Knorm, TOVA,
+  SnapKV, ExpectedAttention; PyramidKV and Ada-KV use SnapKV's scores).
+
+Budgets are equal by construction at these settings; the float64 `int()`
+boundary of kvpress's budget (`docs/DECISIONS.md`) is not hit by any golden
+ratio (640 and 300 times 0.25, 0.5, 0.75 are exact in float64).
 """
 
 import os
@@ -73,8 +91,24 @@ def cases(golden_file=GOLDEN):
     return sorted(k[:-len("_keep")] for k in names if k.endswith("_keep"))
 
 
+# case -> {(layer, KV head): (positions only kvjax keeps, positions only kvpress keeps)}:
+# the float ties the module docstring explains; every other row must be identical.
+FLOAT_TIES = {"ctx2_knorm_r0.50": {(0, 1): ({48}, {78})}}
+TIE_RTOL = 1e-6  # one float32 ulp of the scores, relative
+
+
+def differences(ours, theirs):
+    """{(layer, head): (only ours, only theirs)} of two [L, KVH, T] keep masks."""
+    out = {}
+    for layer, head in zip(*np.nonzero((ours != theirs).any(-1))):
+        only = lambda a, b: set(np.flatnonzero(a[layer, head] & ~b[layer, head]).tolist())
+        out[(int(layer), int(head))] = (only(ours, theirs), only(theirs, ours))
+    return out
+
+
 @pytest.mark.parametrize("case", cases())
 def test_kept_positions_match_kvpress(prefilled, golden, case):
+    """Exactly kvpress's positions per layer and KV head, except the listed float ties."""
     ctx, rest = case.split("_", 1)
     name, ratio = rest.rsplit("_r", 1)
     cache, stats, n = prefilled[ctx]
@@ -82,12 +116,16 @@ def test_kept_positions_match_kvpress(prefilled, golden, case):
     copy = jax.tree_util.tree_map(jnp.copy, cache)  # _compress donates its input
     out, _ = _compress(transform.update, copy, transform.init(copy), stats)
     ours, theirs = keep_by_position(out, n), golden[f"{case}_keep"]
-    assert ours.sum() == theirs.sum()  # the same budgets, layer by layer
-    np.testing.assert_array_equal(ours.sum(-1).sum(-1), theirs.sum(-1).sum(-1))
-    overlap = (ours & theirs).sum(-1) / np.maximum(theirs.sum(-1), 1)  # [L, KVH]
-    if name == "adakv_snapkv":  # budgets are shared by the heads of a layer
-        overlap = (ours & theirs).sum((-1, -2)) / theirs.sum((-1, -2))
-    assert overlap.min() >= 0.99, (case, float(overlap.min()))
+    np.testing.assert_array_equal(ours.sum(-1), theirs.sum(-1))  # budgets per layer and head
+    diff = differences(ours, theirs)
+    assert diff == FLOAT_TIES.get(case, {}), (case, diff)
+    scores = golden[f"{case}_scores"]
+    for (layer, head), (mine, kvpress) in diff.items():
+        s = scores[layer, head]
+        boundary = s[theirs[layer, head]].min()  # kvpress's smallest kept score
+        swapped = sorted(mine | kvpress)
+        assert np.all(np.abs(s[swapped] - boundary) <= TIE_RTOL * abs(boundary)), (
+            case, layer, head, swapped, s[swapped], boundary)
 
 
 @pytest.mark.parametrize("case", [c for c in cases() if c.split("_", 1)[1].rsplit("_r", 1)[0]
