@@ -14,10 +14,11 @@ approximates softmax attention:
   the same scale as a softmax numerator, so it can sit beside kept tokens
   under one normaliser (`kvjax.recurrent.FoldedLayer`).
 - `hedgehog`: learned, per KV head, separate query and key maps (LESS's
-  phi / psi): `phi(x) = [exp(xW + b), exp(-(xW + b))]` (Hedgehog's +/- pair with
+  phi / psi): `phi(x) = exp([xW, -xW] + b)` (Hedgehog's +/- pair with
   an exp output instead of a softmax, so the absolute scale is learned too),
   trained by `models.train_state.train_feature_maps` on a model's own queries
-  and keys.
+  and keys. A bias per feature (initialised to `-log(F)/2`, so an untrained
+  pair multiplies to about 1) carries the scale.
 
 A `FeatureMap` is a frozen, hashable value (its parameters are host numpy
 arrays, compared by content), so it can be a static field of a cache layer:
@@ -54,7 +55,7 @@ class FeatureMap:
 
     `params` (host numpy arrays, by kind):
       elu: ();  prf: (w [D, F],);
-      hedgehog: (wq [KVH, D, F/2], bq [KVH, F/2], wk [KVH, D, F/2], bk [KVH, F/2]).
+      hedgehog: (wq [KVH, D, F/2], bq [KVH, F], wk [KVH, D, F/2], bk [KVH, F]).
     """
 
     kind: str
@@ -149,10 +150,10 @@ def prf_features(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def hedgehog_features(x: jax.Array, w: jax.Array, b: jax.Array) -> jax.Array:
-    """[exp(xW + b), exp(-(xW + b))] for rows `x` [R, N, D], `w` [R, D, F/2], `b` [R, F/2]."""
-    u = jnp.einsum("rnd,rdf->rnf", x, w) + b[:, None, :]
-    u = jnp.clip(u, -LOG_CLIP, LOG_CLIP)
-    return jnp.concatenate([jnp.exp(u), jnp.exp(-u)], axis=-1)
+    """exp([xW, -xW] + b) for rows `x` [R, N, D], `w` [R, D, F/2], `b` [R, F]."""
+    u = jnp.einsum("rnd,rdf->rnf", x, w)
+    u = jnp.concatenate([u, -u], axis=-1) + b[:, None, :]
+    return jnp.exp(jnp.clip(u, -LOG_CLIP, LOG_CLIP))
 
 
 # ----------------------------------------------------------------------------- factories
@@ -191,8 +192,8 @@ def hedgehog(kv_heads: int, head_dim: int, features: int = 64, seed: int = 0) ->
     half = features // 2
     init = lambda: (rng.standard_normal((kv_heads, head_dim, half)) * head_dim ** -0.75
                     ).astype(np.float32)
-    zeros = np.zeros((kv_heads, half), np.float32)
-    return FeatureMap("hedgehog", head_dim, features, (init(), zeros, init(), zeros.copy()))
+    bias = np.full((kv_heads, features), -0.5 * np.log(features), np.float32)
+    return FeatureMap("hedgehog", head_dim, features, (init(), bias, init(), bias.copy()))
 
 
 def with_params(fm: FeatureMap, params: Sequence[Any]) -> FeatureMap:

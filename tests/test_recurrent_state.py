@@ -37,8 +37,8 @@ def _features_np(fm, x, head, which):
         xs = x * fm.head_dim ** -0.25
         return np.exp(xs @ w - 0.5 * (xs * xs).sum(-1, keepdims=True)) / np.sqrt(fm.features)
     w, b = (p.astype(np.float64)[head] for p in fm.params[which:which + 2])
-    u = np.clip(x @ w + b, -20, 20)
-    return np.concatenate([np.exp(u), np.exp(-u)], -1)
+    u = x @ w
+    return np.exp(np.clip(np.concatenate([u, -u], -1) + b, -20, 20))
 
 
 def linear_reference(q, k, v, pos, fm, decay):
