@@ -228,6 +228,10 @@ class Dense:
         """blocks: ([S, D],) -> [S, D] in `dtype`."""
         return ops.load(blocks[0]).astype(dtype)
 
+    def decode_flops(self, head_dim: int, page_size: int) -> int:
+        """Arithmetic of decoding one page (the kernel's cost estimate)."""
+        return 0
+
     def store_bytes(self, head_dim: int, dtype) -> float:
         """Bytes per slot the format stores."""
         return head_dim * jnp.dtype(dtype).itemsize
@@ -300,16 +304,20 @@ class PackedTokens:
             offset = -(2.0 ** (self.bits - 1)) * scale
         return (codes * scale + offset).astype(dtype)
 
+    def decode_flops(self, head_dim: int, page_size: int) -> int:
+        """codes * scale + offset per element."""
+        return 2 * head_dim * page_size
+
     def store_bytes(self, head_dim: int, dtype=None) -> float:
         return head_dim * self.bits / 8 + self.n_params(head_dim) * \
             jnp.dtype(self.param_dtype).itemsize
 
 
-def window_for(page_size: int, group: int, table_rows: int) -> int:
-    """Table rows a page of consecutive slots can use (groups of `group` tokens it overlaps),
-    rounded up to a power of two (Triton loads power-of-two blocks)."""
+def window_for(page_size: int, group: int, table_rows: int, pow2: bool = False) -> int:
+    """Table rows a page of consecutive slots can use (groups of `group` tokens it overlaps);
+    `pow2` rounds up to a power of two (Triton loads power-of-two blocks)."""
     n = max(1, min(table_rows, (page_size - 1) // group + 2))
-    return 1 << (n - 1).bit_length()
+    return 1 << (n - 1).bit_length() if pow2 else n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -412,6 +420,11 @@ class PackedChannels:
         offset = (-(2.0 ** (self.bits - 1)) * scale if self.symmetric
                   else _onehot_expand(table_offset, ids))
         return (codes * scale + offset).astype(dtype)
+
+    def decode_flops(self, head_dim: int, page_size: int) -> int:
+        """One-hot expansion of the window's scale (and offset) rows, then codes * scale + offset."""
+        expand = 2 * self.window * head_dim * page_size * (1 if self.symmetric else 2)
+        return expand + 2 * head_dim * page_size
 
     def store_bytes(self, head_dim: int, dtype=None, group: int = 32) -> float:
         """Bytes per slot of the store: codes, a 2-byte group id, and the table per token."""

@@ -203,12 +203,35 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid_spec=grid_spec,
+        cost_estimate=cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages,
+                                    tables, splits),
         out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, d), jnp.float32), state, state],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="kvjax_paged_attention_tpu",
     )(tables.reshape(-1), counts.reshape(-1), qpos, qg, pos_pages, *k_arrays, *v_arrays)
     return acc, m[..., 0], l[..., 0]
+
+
+def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
+                  splits) -> pl.CostEstimate:
+    """What the kernel does with full block tables, counted from its blocks and grid.
+
+    Bytes: every listed page's blocks (each format array and the slot
+    positions) once, the queries once per (row, split), the softmax state
+    out. Flops: both dots (2 * rows * S * D each) and each format's decode.
+    Compiled programs report this for the custom call (XLA cannot see inside).
+    """
+    b, kvh, rows, d = qg.shape
+    pages = b * kvh * tables.shape[-1]
+    page_size = pos_pages.shape[-1]
+    nbytes = lambda x: x.size // x.shape[0] * x.dtype.itemsize  # one page of a pool array
+    per_page = sum(nbytes(x) for x in (pos_pages, *k_arrays, *v_arrays))
+    io = splits * b * kvh * (rows * d * (qg.dtype.itemsize + 4) + rows * 4 * 3)
+    flops = pages * (4 * rows * page_size * d + k_format.decode_flops(d, page_size)
+                     + v_format.decode_flops(d, page_size))
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(pages * rows * page_size),
+                           bytes_accessed=int(pages * per_page + io))
 
 
 # ----------------------------------------------------------------------------- GPU (Triton)

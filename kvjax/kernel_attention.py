@@ -55,7 +55,8 @@ def _param_dtype(store) -> str:
     return jnp.dtype(store.scale.dtype).name
 
 
-def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False):
+def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False,
+                 backend: str = "tpu"):
     """(format, arrays) of a store whose slot leaves are [R, C, ...], as pages of `page` slots.
 
     valid [R*C/page, page] bool marks the slots that hold tokens (KIVI's
@@ -71,38 +72,44 @@ def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False):
         offset = None if store.offset is None else as_pages(store.offset)
         return fmt, fmt.from_store(as_pages(store.words), as_pages(store.scale), offset)
     if isinstance(store, PackedChannels):
-        fmt = channel_format(store, page, wide)
+        fmt = channel_format(store, page, wide, backend)
         words, ids = as_pages(store.words), as_pages(store.group_id)
         page_row = jnp.arange(words.shape[0], dtype=jnp.int32) // (store.words.shape[1] // page)
         return fmt, fmt.from_store(words, ids, valid, store.scale, store.offset, page_row)
     return None
 
 
-def channel_format(store: PackedChannels, page: int, wide: bool = False) -> pf.PackedChannels:
-    """The kernel format of a KIVI key store read in pages of `page` slots."""
-    window = (1 << (store.table_rows - 1).bit_length() if wide
-              else pf.window_for(page, store.group, store.table_rows))
+def channel_format(store: PackedChannels, page: int, wide: bool = False,
+                   backend: str = "tpu") -> pf.PackedChannels:
+    """The kernel format of a KIVI key store read in pages of `page` slots.
+
+    The window is the groups a page of consecutive slots overlaps (`wide`:
+    the whole table); a power of two for the GPU backend (Triton).
+    """
+    pow2 = backend == "gpu"
+    window = (pf.window_for(store.table_rows * store.group, store.group, store.table_rows, pow2)
+              if wide else pf.window_for(page, store.group, store.table_rows, pow2))
     return pf.PackedChannels(store.bits, window, symmetric=store.offset is None,
                              param_dtype=_param_dtype(store))
 
 
-def _windows_fit(layer: Any, page: int) -> jax.Array | None:
+def _windows_fit(layer: Any, page: int, backend: str) -> jax.Array | None:
     """For a KIVI key store: do all pages' groups fit the narrow window? None otherwise."""
     if not isinstance(layer, TokenCache) or not isinstance(layer.k, PackedChannels):
         return None
     store = layer.k
-    fmt = channel_format(store, page)
+    fmt = channel_format(store, page, backend=backend)
     valid = (layer.pos != EMPTY).reshape(-1, page)
     return fmt.window_start(store.group_id.reshape(-1, page), valid, store.table_rows)[1]
 
 
-def kernel_inputs(layer: Any, wide: bool = False) -> dict | None:
+def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict | None:
     """The kernel's keyword arguments for one layer, or None if the kernel cannot read it."""
     if isinstance(layer, PagedLayer):
         # a page store's slot leaves are already [P, S, ...]: the reshape is the identity
         valid = layer.pos[:, 0] != EMPTY
-        (kf, ka), (vf, va) = (_store_pages(layer.k, layer.page_size, valid, wide),
-                              _store_pages(layer.v, layer.page_size, valid, wide))
+        (kf, ka), (vf, va) = (_store_pages(layer.k, layer.page_size, valid, wide, backend),
+                              _store_pages(layer.v, layer.page_size, valid, wide, backend))
         return dict(k_pages=ka, v_pages=va, k_format=kf, v_format=vf, pos_pages=layer.pos,
                     block_tables=layer.tables, num_pages=layer.num_pages_used)
     if not isinstance(layer, TokenCache) or layer.pooled:
@@ -111,7 +118,8 @@ def kernel_inputs(layer: Any, wide: bool = False) -> dict | None:
     if page is None:
         return None
     valid = (layer.pos != EMPTY).reshape(-1, page)
-    k, v = _store_pages(layer.k, page, valid, wide), _store_pages(layer.v, page, valid, wide)
+    k, v = (_store_pages(layer.k, page, valid, wide, backend),
+            _store_pages(layer.v, page, valid, wide, backend))
     if k is None or v is None:
         return None
     b, kvh, c = layer.pos.shape
@@ -138,8 +146,10 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
         raise ValueError(f"attend_pallas: the kernel does not read a {type(layer).__name__} "
                          f"of this layout (pooled, low-rank, or capacity without a page size "
                          f">= {MIN_PAGE}); use impl='xla'")
-    call = lambda wide: paged_attention_partial(q, q_pos, **kernel_inputs(layer, wide), **kwargs)
-    fits = _windows_fit(layer, page_size_for(layer.capacity) or 0) \
+    backend = kwargs.get("backend", "tpu")
+    call = lambda wide: paged_attention_partial(q, q_pos, **kernel_inputs(layer, wide, backend),
+                                                **kwargs)
+    fits = _windows_fit(layer, page_size_for(layer.capacity) or 0, backend) \
         if isinstance(layer, TokenCache) else None
     if fits is None:
         return call(False)

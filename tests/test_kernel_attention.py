@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kernels_pallas import page_formats as pf
 from kvjax import kernel_attention as ka
 from kvjax.cache import init_cache, write
 
@@ -60,3 +61,23 @@ def test_unsupported_layouts_fall_back_and_cpu_uses_xla():
     got = kvjax.attend(q, q_pos, layer, impl="pallas")
     want = kvjax.attend(q, q_pos, layer, impl="xla")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_kivi_pages_whose_groups_spread_use_the_wide_window(backend):
+    """Eviction can leave a page's slots in groups far apart: the narrow per-page table window
+    does not fit, and the kernel reads the whole table instead - still equal to the reference."""
+    layer, q, q_pos = filled(3, 45, capacity=48)
+    layer = encode(layer, "kivi:bits=4,group=4,residual=8")
+    body = layer.body
+    page = ka.page_size_for(body.capacity)
+    assert pf.window_for(page, 4, body.k.table_rows) < body.k.table_rows  # a narrow window
+    assert ka._windows_fit(body, ka.page_size_for(body.capacity), backend) is not None
+    assert bool(ka._windows_fit(body, ka.page_size_for(body.capacity), backend))
+    ids = body.k.group_id
+    spread = body.replace(k=body.k.replace(group_id=ids[:, ::-1]))  # a page spans every group
+    assert not bool(ka._windows_fit(spread, ka.page_size_for(body.capacity), backend))
+    layer = layer.replace(body=spread)
+    got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=True, pages_per_split=1)
+    want = kvjax.attend(q, q_pos, layer, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
