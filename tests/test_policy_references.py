@@ -225,26 +225,20 @@ def test_h2o_ratio_splits_the_budget_as_documented(tiny_model, ratio, fraction):
             assert got[step][b] == kept, (b, step, budget, recent)
 
 
-@pytest.mark.slow
-def test_h2o_matches_the_reference_rule_on_smollm2_attention(smollm2):
-    """On the real model (the 300-token golden passage), kvjax's accumulated mass and H2O
-    selection against numpy's, from the same post-RoPE queries and keys: the attention
-    recomputed in float64 from the model's queries (the last-300 query window) and cached
-    keys, summed over the 3 query heads of each KV head. Identical per layer and KV head,
-    except where the reference's masses tie within NEAR_TIE at the boundary (listed)."""
+def smollm2_h2o_differences(model, ratio: float = 0.5) -> list[tuple[int, int, int]]:
+    """kvjax's H2O on SmolLM2 against numpy's rule: (layer, KV head, position) kept by one
+    side only. Asserts the mass agrees and that every difference is a near-tie."""
     import os
-    model, _ = smollm2
     golden = np.load(os.path.join(os.path.dirname(__file__), "golden", "kvpress_golden.npz"))
     ids = golden["ctx2_ids"].tolist()
     n = len(ids)
-    spec = kvjax.StatsSpec(window=n, attention_mass=True)
-    pre = prefill_batch(model, [ids], stats=spec, chunk=100)
-    t = kvjax.h2o(ratio=0.5)
-    out = compress(pre, t, shrink=False, keep_input=True)
-    budget, recent = h2o_budget(n, 0.5)
+    pre = prefill_batch(model, [ids], stats=kvjax.StatsSpec(window=n, attention_mass=True),
+                        chunk=100)
+    out = compress(pre, kvjax.h2o(ratio=ratio), shrink=False, keep_input=True)
+    budget, recent = h2o_budget(n, ratio)
     cfg = model.config
     g = cfg.num_heads // cfg.num_kv_heads
-    swaps = []
+    differ = []
     for i, layer in enumerate(pre.cache):
         q = np.asarray(pre.stats[i].queries, np.float64)[0]  # [T, H, D] post-RoPE
         assert (np.asarray(pre.stats[i].query_pos)[0] == np.arange(n)).all()
@@ -256,7 +250,7 @@ def test_h2o_matches_the_reference_rule_on_smollm2_attention(smollm2):
             s = np.einsum("thd,sd->hts", q[:, j * g:(j + 1) * g], k) / math.sqrt(cfg.head_dim)
             s = np.where(np.tril(np.ones((n, n), bool)), s, -np.inf)
             prob = np.exp(s - s.max(-1, keepdims=True))
-            mass = (prob / prob.sum(-1, keepdims=True)).sum((0, 1))  # [T]
+            mass = (prob / prob.sum(-1, keepdims=True)).sum((0, 1))  # [T] summed over G heads
             kv_mass = np.asarray(layer.mass)[0, j][slot_of]
             np.testing.assert_allclose(kv_mass, mass, rtol=1e-4, atol=1e-5 * mass.max())
             order = sorted(range(n - recent), key=lambda p: (-mass[p], p))
@@ -264,10 +258,22 @@ def test_h2o_matches_the_reference_rule_on_smollm2_attention(smollm2):
             got = {int(p) for p in np.asarray(out.cache[i].pos)[0, j] if p != EMPTY}
             assert len(got) == budget
             boundary = mass[order[budget - recent - 1]]
-            for p in got ^ want:  # only near-ties at the boundary may differ
+            for p in sorted(got ^ want):  # only near-ties at the boundary may differ
                 assert abs(mass[p] - boundary) <= NEAR_TIE * boundary, (i, j, p)
-                swaps.append((i, j, p))
-    assert len(swaps) <= 2 * 4, swaps  # listed on failure; measured: see the module docstring
+                differ.append((i, j, p))
+    return differ
+
+
+@pytest.mark.slow
+def test_h2o_matches_the_reference_rule_on_smollm2_attention(smollm2):
+    """On the real model (the 300-token golden passage, r=0.5: 75 recent + 75 heavy per head),
+    kvjax's accumulated mass and H2O selection against numpy's rule applied to the attention
+    recomputed in float64 from the same post-RoPE queries (a 300-query window) and cached
+    keys, summed over the 3 query heads of each KV head. The mass agrees to 1e-4 relative;
+    the kept positions are identical in all 30 layers x 3 KV heads (measured: no near-tie
+    swap; the check allows only swaps within NEAR_TIE of the boundary)."""
+    model, _ = smollm2
+    assert smollm2_h2o_differences(model) == []
 
 
 # ----------------------------------------------------------------------------- sliding window

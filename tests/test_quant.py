@@ -62,7 +62,12 @@ def test_fp8_saturates_instead_of_overflowing():
     for fmt in ("e4m3", "e5m2"):
         y = np.asarray(to_fp8(x, fmt).astype(jnp.float32))
         assert np.all(np.isfinite(y)) and y[0] > 400 and y[1] < -400
-    np.testing.assert_allclose(np.asarray(to_fp8(x, "e4m3").astype(jnp.float32))[2], 0.1, rtol=0.07)
+    # 0.1 = 1.6 * 2^-4 rounds to the nearest value with 3 (e4m3) or 2 (e5m2) mantissa bits:
+    # 1.625 * 2^-4 and 1.5 * 2^-4, within half a unit of the last place, 2^-4 and 2^-3 relative
+    for fmt, mantissa, want in (("e4m3", 3, 0.1015625), ("e5m2", 2, 0.09375)):
+        got = float(np.asarray(to_fp8(x, fmt).astype(jnp.float32))[2])
+        assert got == want, (fmt, got)
+        assert abs(got - 0.1) <= 0.1 * 2.0 ** -(mantissa + 1)
 
 
 def test_bad_arguments_raise():
