@@ -541,9 +541,10 @@ def _fold_update(policy_update, map_name, features: int, seed: int):
         kept, pstate = policy_update(tokens, pstate, stats)
         out = []
         for i, (old, before, after) in enumerate(zip(cache, tokens, kept)):
-            if isinstance(after, (LinearLayer, FoldedLayer)):
-                out.append(after)  # a layer the policy turned into a state itself
-                continue
+            if isinstance(after, (LinearLayer, FoldedLayer)) or (
+                    after is before and not isinstance(old, FoldedLayer)):
+                out.append(after)  # a state already, or a layer the policy left alone
+                continue  # (`on_layers` passes untouched layers through as they are)
             dense = _dense_rows(before, "fold")
             if isinstance(after, ResidualCache) or hasattr(after, "tables"):
                 raise ValueError("fold: the policy before fold must leave plain token layers "

@@ -162,6 +162,13 @@ def test_fold_of_evicted_tokens_equals_the_state_recomputed_from_scratch():
     np.testing.assert_allclose(cache[0].state.z, expect.z, rtol=1e-5, atol=1e-6)
 
 
+def test_fold_leaves_layers_the_policy_does_not_touch():
+    cache = tuple(_token_layer(seed=s)[1] for s in range(2))
+    t = kvjax.parse_method("knorm:budget=8,layers=0+fold:map=elu")
+    out, _ = t.update(cache, t.init(cache), None)
+    assert isinstance(out[0], FoldedLayer) and out[1] is cache[1]
+
+
 def test_hybrid_attention_is_one_softmax_shaped_ratio():
     """Kept tokens by softmax, evicted ones by the state: (sum_K e^s v + phi^T S) /
     (sum_K e^s + phi^T z), checked in float64 without the max shift."""
