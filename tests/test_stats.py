@@ -9,32 +9,54 @@ from models.llama import apply_rope, rope_frequencies
 from models.sampler import prefill_batch
 
 
+U = np.finfo(np.float32).eps / 2  # float32 unit roundoff, 2^-24
+
+
 def test_chunked_statistics_equal_whole_prompt_statistics(tiny_model):
+    """Chunked statistics against plain numpy (float64) over the whole prompt.
+
+    Tolerances are float32 error bounds, element-wise: a sum of n float32 terms is within
+    n*u of the sum of their magnitudes (u = 2^-24). The queries come from the same float32
+    ops in another chunking, so within (K+2)*u of |x| @ |W_q| (K = hidden size, doubled
+    through RoPE's pairs); the moments add n terms; the mass of a layer is H*T softmax
+    rows of C slots, each summing to 1 within (C+2)*u, then summed over the C slots.
+    """
     cfg = tiny_model.config
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 256, 21).tolist(), rng.integers(3, 256, 13).tolist()]
     spec = kvjax.StatsSpec(window=5, query_moments=True, moments_skip=2, attention_mass=True)
     pre = prefill_batch(tiny_model, prompts, stats=spec, chunk=4)
+    k, d = cfg.hidden_size, cfg.head_dim
     # the reference: layer-0 queries of the whole prompt, computed directly
     for b, ids in enumerate(prompts):
         x = tiny_model.embed[...][jnp.asarray(ids)][None].astype(jnp.float32)
         block = tiny_model.layers[0]
-        q = block.attn.q_proj(block.input_norm(x)).reshape(1, len(ids), cfg.num_heads, cfg.head_dim)
+        xn = block.input_norm(x)
+        q = block.attn.q_proj(xn).reshape(1, len(ids), cfg.num_heads, d)
         q_rot = apply_rope(q, jnp.arange(len(ids))[None], rope_frequencies(cfg))
         stats = pre.stats[0]
-        np.testing.assert_allclose(np.asarray(stats.queries[b]), np.asarray(q_rot[0, -5:]),
-                                   rtol=1e-5, atol=1e-5)
+        mag = (np.abs(np.asarray(xn)) @ np.abs(np.asarray(block.attn.q_proj.kernel[...])))
+        mag = mag.reshape(len(ids), cfg.num_heads, d)
+        mag = np.concatenate([mag[..., :d // 2] + mag[..., d // 2:]] * 2, axis=-1)  # RoPE pairs
+        err = np.abs(np.asarray(stats.queries[b]) - np.asarray(q_rot[0, -5:]))
+        assert np.all(err <= 2 * (k + 2) * U * mag[-5:]), err.max()
         assert np.asarray(stats.query_pos[b]).tolist() == list(range(len(ids) - 5, len(ids)))
         qs = np.asarray(q[0, 2:], np.float64)  # positions >= moments_skip
+        n = len(qs)
         mean, cov = query_mean_cov(stats)
-        centered = qs - qs.mean(0)
-        np.testing.assert_allclose(np.asarray(mean[b]), qs.mean(0), rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(np.asarray(cov[b]),
-                                   np.einsum("thi,thj->hij", centered, centered) / len(qs),
-                                   rtol=1e-3, atol=1e-4)
+        m = qs.mean(0)
+        centered = qs - m
+        want_cov = np.einsum("thi,thj->hij", centered, centered) / n
+        # mean: n float32 additions and a division, of queries a few ulps off
+        assert np.all(np.abs(np.asarray(mean[b]) - m) <= (n + 2) * U * np.abs(qs).mean(0))
+        # cov = E[q q'] - m m': n additions of products, then a subtraction (both terms' size)
+        size = np.einsum("thi,thj->hij", np.abs(qs), np.abs(qs)) / n + \
+            np.abs(m)[:, :, None] * np.abs(m)[:, None, :]
+        assert np.all(np.abs(np.asarray(cov[b]) - want_cov) <= (n + 4) * U * size)
     # every query's attention sums to one per head: the mass of a layer totals heads x tokens
     total = np.asarray(pre.cache[0].mass).sum((1, 2))
-    np.testing.assert_allclose(total, [cfg.num_heads * 21, cfg.num_heads * 13], rtol=1e-4)
+    c = pre.cache[0].capacity
+    np.testing.assert_allclose(total, [cfg.num_heads * 21, cfg.num_heads * 13], rtol=(2 * c + 4) * U)
 
 
 def test_mean_rotation_is_the_average_rope_matrix():
