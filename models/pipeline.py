@@ -1,0 +1,124 @@
+"""Ask a model questions about a context, with a cache method: the notebook-first API.
+
+`ask` does what kvpress's pipeline (`pipe(context, question=..., press=...)`)
+does, on a kvjax method spec: the context is prefilled and compressed first
+(query-agnostic), then the question (and an optional answer prefix opening
+the reply) is appended and the answer decoded, all jitted. It returns an
+`Answer` — text, token ids, the compressed cache and its bytes — that prints
+as one line. `ask_batch` does the same for many questions in one batch.
+
+Example:
+    >>> from models.loading import load_model
+    >>> model, tok = load_model("smollm2")
+    >>> answer = ask(model, tok, "What is the pass key?", method="streaming_llm:sinks=4,window=24",
+    ...              context="Remember this. The pass key is 71432. Keep it secret.",
+    ...              answer_prefix="The pass key is", max_new_tokens=8)
+    >>> "71432" in answer.text
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import kvjax
+from kvjax import Cache, CacheTransform
+from models.llama import Llama
+from models.sampler import GREEDY, Sampling, generate
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """One generated answer and the cache it was generated from."""
+
+    text: str  # the decoded answer (special tokens removed)
+    tokens: list[int]  # the answer's ids, the end token included if one was drawn
+    method: str  # the method spec (or "custom" for a CacheTransform)
+    context_tokens: int  # tokens compressed before the question was seen (0 without context)
+    prompt_tokens: int  # tokens of the question part (chat turn end, question, answer prefix)
+    cache_bytes: int  # exact bytes of this sequence's cache after generation
+    seconds: float  # wall time of the whole batch (prefill, compression, decode)
+    cache: Cache = dataclasses.field(repr=False)  # the batch's cache after generation
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def chat_prompt(tokenizer, question: str, context: str | None = None, *,
+                answer_prefix: str = "", chat: bool = True) -> tuple[list[int], list[int]]:
+    """(context ids, question ids): the rendered prompt cut right after the context.
+
+    The whole text is `context`, a blank line, `question` — inside the chat
+    template's user turn when `chat` — followed by `answer_prefix`, which opens
+    the assistant's reply (e.g. "The pass key is"; on a new line without `chat`). Without a context the first
+    list is empty. The cut is a paragraph break; when the two halves tokenize
+    differently from the whole (a merge across the cut) each half is encoded
+    on its own, so the question ids always follow the context ids exactly.
+    """
+    user = question if context is None else f"{context.rstrip()}\n\n{question}"
+    if chat:
+        full = tokenizer.apply_chat_template([{"role": "user", "content": user}],
+                                             add_generation_prompt=True) + answer_prefix
+    else:
+        full = f"{user}\n{answer_prefix}" if answer_prefix else user
+    if context is None:
+        return [], tokenizer.encode(full)
+    cut = full.index(context.rstrip()) + len(context.rstrip())
+    head, ids = tokenizer.encode(full[:cut]), tokenizer.encode(full)
+    if ids[:len(head)] == head and len(ids) > len(head):
+        return head, ids[len(head):]
+    return head, tokenizer.encode(full[cut:])
+
+
+def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
+              contexts: Sequence[str | None] | None = None, *,
+              method: str | CacheTransform = "full", answer_prefix: str = "", chat: bool = True,
+              max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int = 0,
+              compress_every: int = 0, impl: str = "xla") -> list[Answer]:
+    """`ask` for many questions at once (one batch; contexts may differ in length).
+
+    Either every question has a context or none has: the contexts are
+    compressed on their own first only when all are given.
+    """
+    contexts = [None] * len(questions) if contexts is None else list(contexts)
+    if len(contexts) != len(questions):
+        raise ValueError(f"contexts: {len(contexts)} contexts for {len(questions)} questions")
+    if not questions:
+        raise ValueError("questions: need at least one question, got none")
+    with_context = [c is not None for c in contexts]
+    if any(with_context) and not all(with_context):
+        raise ValueError("contexts: give a context for every question or for none")
+    transform = kvjax.parse_method(method) if isinstance(method, str) else method
+    split = [chat_prompt(tokenizer, q, c, answer_prefix=answer_prefix, chat=chat)
+             for q, c in zip(questions, contexts)]
+    heads, ids = [h for h, _ in split], [i for _, i in split]
+    start = time.perf_counter()
+    out = generate(model, ids, contexts=heads if all(with_context) else None,
+                   max_new_tokens=max_new_tokens, sampling=sampling, transform=transform,
+                   compress_every=compress_every, seed=seed, impl=impl)
+    seconds = time.perf_counter() - start
+    per_sequence = kvjax.nbytes(out.cache) // len(questions)
+    spec = method if isinstance(method, str) else "custom"
+    return [Answer(tokenizer.decode(row[:n]), row[:n].tolist(), spec, len(h), len(i),
+                   per_sequence, round(seconds, 3), out.cache)
+            for row, n, h, i in zip(out.tokens, out.num_tokens, heads, ids)]
+
+
+def ask(model: Llama, tokenizer, question: str, *, context: str | None = None,
+        method: str | CacheTransform = "full", answer_prefix: str = "", chat: bool = True,
+        max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int = 0,
+        compress_every: int = 0, impl: str = "xla") -> Answer:
+    """Answer `question` about `context` with the cache compressed by `method`.
+
+    `context` (optional) is prefilled and compressed before the question is
+    seen; `answer_prefix` opens the reply (kvpress's `answer_prefix`);
+    `method` is a spec such as "snapkv:ratio=0.5+kivi:bits=4" or a
+    `CacheTransform`. See `ask_batch` for many questions at once.
+    """
+    return ask_batch(model, tokenizer, [question], None if context is None else [context],
+                     method=method, answer_prefix=answer_prefix, chat=chat,
+                     max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                     compress_every=compress_every, impl=impl)[0]
+
