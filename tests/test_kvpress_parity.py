@@ -18,11 +18,12 @@ SnapKV on the 640-token passage; SnapKV, Knorm, ExpectedAttention on the
   30, 48 and 78 hold the same token (id 655), and in layer 0 a key before
   RoPE depends on the token only, and RoPE is a rotation, so the three keys
   have equal norms in exact arithmetic. Float32 rounding of the rotation
-  leaves them within one ulp (1e-6 relative in kvpress's scores: -13.417133,
-  -13.417133, -13.417134), the budget boundary falls among them, and kvjax
-  keeps 48 where kvpress keeps 78. The test asserts that this swap and no
-  other happens, and that the swapped positions' kvpress scores lie within
-  1e-6 relative of the boundary score;
+  leaves them one ulp apart, differently in torch and XLA: kvpress scores
+  30 and 78 at -13.417133 and 48 at -13.417134, kvjax 48 at -13.4171324
+  and 30 and 78 at -13.4171333. The budget leaves one slot for the three, so
+  kvjax keeps 48 and kvpress 78 (torch's tie-break). The test asserts that
+  this swap and no other happens, and that the swapped positions' kvpress
+  scores lie within 1e-6 relative of the boundary score;
 * the scores of unprotected tokens agree to 2e-4 relative (Knorm, TOVA,
   SnapKV, ExpectedAttention; PyramidKV and Ada-KV use SnapKV's scores).
 
