@@ -173,11 +173,12 @@ class PagedLayer:
         """Append T tokens per row at its length (`kvjax.write` calls this).
 
         k_new, v_new: [B, KVH, T, D]; pos_new: [B, T] int32 (negative =
-        padding: the slot is taken but stays EMPTY and zero). A page whose
-        first slot this write fills is scrubbed first. A token (position >= 0)
-        whose slot has no reserved page, or falls in a page shared by `fork`,
-        is dropped and sets `error` (`reserve` first); lengths never pass the
-        reserved pages.
+        padding: the slot is taken, EMPTY, with zero key and value). Every slot
+        of a page this write starts is written (tokens, then zeros and EMPTY past
+        the last one), so nothing a previous owner left is readable. A token
+        (position >= 0) whose slot has no reserved page, or falls in a page
+        shared by `fork`, is dropped and sets `error` (`reserve` first);
+        lengths never pass the reserved pages.
         """
         b, h, t, d = k_new.shape
         if (b, h, d) != (self.batch, self.kv_heads, self.head_dim) or v_new.shape != k_new.shape:
@@ -186,6 +187,8 @@ class PagedLayer:
                              f"head_dim={self.head_dim}]")
         if pos_new.shape != (b, t):
             raise ValueError(f"PagedLayer.write: positions {pos_new.shape}, expected {(b, t)}")
+        if t == 0:
+            return self
         s, n_table, n_pages = self.page_size, self.tables.shape[-1], self.pos.shape[0]
         slot = self.lengths[..., None] + jnp.arange(t)  # [B, KVH, T]
         page = jnp.take_along_axis(self.tables, jnp.minimum(slot // s, n_table - 1), axis=-1)
@@ -195,31 +198,43 @@ class PagedLayer:
         error = _first_error(self.error,
                              _error_at(real & shared, 5, slot),
                              _error_at(real & ~held, 6, slot))
-        layer = self._scrub_started_pages(t)
-        store = held & ~shared & real
-        page = jnp.where(store, page, n_pages).reshape(-1)  # out of range: dropped
+        layer = self._scrub_last_page(t)
+        page = jnp.where(held & ~shared, page, n_pages).reshape(-1)  # out of range: dropped
         offset = (slot % s).reshape(-1)
-        pos = jnp.broadcast_to(pos_new[:, None], (b, h, t)).reshape(-1).astype(jnp.int32)
+        keep = real.reshape(-1, 1)
+        pos = jnp.where(real, jnp.broadcast_to(pos_new[:, None], (b, h, t)), EMPTY)
         return layer.replace(
-            k=_scatter(layer.k, page, offset, k_new.reshape(-1, d)),
-            v=_scatter(layer.v, page, offset, v_new.reshape(-1, d)),
-            pos=layer.pos.at[page, 0, offset].set(pos, mode="drop"),
+            k=_scatter(layer.k, page, offset, jnp.where(keep, k_new.reshape(-1, d), 0)),
+            v=_scatter(layer.v, page, offset, jnp.where(keep, v_new.reshape(-1, d), 0)),
+            pos=layer.pos.at[page, 0, offset].set(pos.reshape(-1).astype(jnp.int32),
+                                                  mode="drop"),
             lengths=jnp.minimum(self.lengths + t, self.num_pages_held * s),
             error=error)
 
-    def _scrub_started_pages(self, t: int) -> "PagedLayer":
-        """Zero the keys/values and EMPTY the positions of every page whose first slot a
-        write of `t` tokens per row fills (at most ceil(t / S) pages per row)."""
+    def _scrub_last_page(self, t: int) -> "PagedLayer":
+        """Zero the keys/values and EMPTY the positions of each row's page that a write of `t`
+        tokens starts but does not fill (pages it fills are overwritten whole anyway).
+
+        At most one page per row; skipped (`lax.cond`) when no row starts one, as in most
+        decode steps."""
         s, n_table, n_pages = self.page_size, self.tables.shape[-1], self.pos.shape[0]
-        m = min(-(-t // s), n_table)
-        index = -(-self.lengths // s)[..., None] + jnp.arange(m)  # [B, KVH, m] table index
-        page = jnp.take_along_axis(self.tables, jnp.minimum(index, n_table - 1), axis=-1)
-        start = ((index < n_table) & (index * s < self.lengths[..., None] + t)
+        end = self.lengths + t  # [B, KVH] one past the last slot written
+        index = (end - 1) // s
+        page = jnp.take_along_axis(self.tables, jnp.minimum(index, n_table - 1)[..., None],
+                                   axis=-1)[..., 0]
+        start = ((index < n_table) & (index * s >= self.lengths) & (end % s != 0)
                  & (page != NULL_PAGE) & ~self.shared[page])
         page = jnp.where(start, page, n_pages).reshape(-1)
         zero = lambda x: x.at[page].set(0, mode="drop")
-        return self.replace(k=map_slot_leaves(self.k, zero), v=map_slot_leaves(self.v, zero),
-                            pos=self.pos.at[page].set(EMPTY, mode="drop"))
+
+        def scrub(kvp):
+            k, v, pos = kvp
+            return (map_slot_leaves(k, zero), map_slot_leaves(v, zero),
+                    pos.at[page].set(EMPTY, mode="drop"))
+
+        k, v, pos = jax.lax.cond(jnp.any(start), scrub, lambda kvp: kvp,
+                                 (self.k, self.v, self.pos))
+        return self.replace(k=k, v=v, pos=pos)
 
 
 def _scatter(store: Any, page: jax.Array, offset: jax.Array, x: jax.Array) -> Any:
@@ -269,18 +284,22 @@ def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, 
     if max_pages * page_size >= 2 ** 30:
         raise ValueError(f"init_paged_cache: max_pages * page_size = {max_pages * page_size} "
                          f"slots per row; must be below 2**30 (int32 lengths)")
-    if bits is None:
-        kv = jnp.zeros((num_pages, page_size, head_dim), dtype)
-    else:
-        kv = PackedTokens.empty(num_pages, page_size, head_dim, bits, group)
-    layer = PagedLayer(k=kv, v=kv, pos=jnp.full((num_pages, 1, page_size), EMPTY, jnp.int32),
-                       tables=jnp.full((batch, kv_heads, max_pages), NULL_PAGE, jnp.int32),
-                       lengths=jnp.zeros((batch, kv_heads), jnp.int32),
-                       shared=jnp.zeros((num_pages,), bool), error=jnp.zeros((4,), jnp.int32))
+    def pages():
+        if bits is None:
+            return jnp.zeros((num_pages, page_size, head_dim), dtype)
+        return PackedTokens.empty(num_pages, page_size, head_dim, bits, group)
+
+    def layer():  # every array its own buffer, so a jitted step may donate the cache
+        return PagedLayer(k=pages(), v=pages(),
+                          pos=jnp.full((num_pages, 1, page_size), EMPTY, jnp.int32),
+                          tables=jnp.full((batch, kv_heads, max_pages), NULL_PAGE, jnp.int32),
+                          lengths=jnp.zeros((batch, kv_heads), jnp.int32),
+                          shared=jnp.zeros((num_pages,), bool), error=jnp.zeros((4,), jnp.int32))
+
     pool = PagePool(refcount=jnp.zeros((num_pages,), jnp.int32),
                     overflow=jnp.zeros((), bool), page_size=page_size,
                     error=jnp.zeros((4,), jnp.int32))
-    return pool, (layer,) * num_layers
+    return pool, tuple(layer() for _ in range(num_layers))
 
 
 def _count_refs(tables: jax.Array, counted: jax.Array, num_pages: int) -> jax.Array:
@@ -407,7 +426,8 @@ def _reserve(pool: PagePool, layers: Sequence[PagedLayer], new_tokens: jax.Array
                          pos=copy(l.pos))
 
     return _finish(pool, layers, refcount, tables, layer.lengths,
-                   _first_error(pool.error, error), pool.overflow | ~fits, copy_pages)
+                   _first_error(pool.error, error), pool.overflow | (~fits & ~jnp.any(bad)),
+                   copy_pages)
 
 
 def release(pool: PagePool, layers: Sequence[PagedLayer], rows: Any):
@@ -533,8 +553,9 @@ def _describe_error(record) -> str | None:
 
 
 @jax.jit
-def _audit(pool: PagePool, layers: Sequence[PagedLayer]) -> dict:
-    """Counts of invariant violations (and an example index for some), as int32 scalars."""
+def _audit(pool: PagePool, layers: Sequence[PagedLayer]):
+    """[K] counts of violations of each invariant of `_AUDIT_MESSAGES`, [K] an example index
+    for each (page or row, where one helps), and the layers' first write error [4]."""
     layer = layers[0]
     n_pages, s = pool.num_pages, pool.page_size
     kvh = layer.kv_heads
@@ -598,7 +619,9 @@ def _audit(pool: PagePool, layers: Sequence[PagedLayer]) -> dict:
     out["past_length"] = (past, 0)
     out["empty_dirty"] = (empty_dirty, 0)
     layer_error = _first_error(*(l.error for l in layers))
-    return out, layer_error
+    counts = jnp.stack([jnp.asarray(out[name][0], jnp.int32) for name in _AUDIT_MESSAGES])
+    examples = jnp.stack([jnp.asarray(out[name][1], jnp.int32) for name in _AUDIT_MESSAGES])
+    return counts, examples, layer_error
 
 
 _AUDIT_MESSAGES = {
@@ -647,13 +670,13 @@ def check_pool(pool: PagePool, layers: Sequence[PagedLayer] | None = None) -> No
     if message is not None:
         problems.append(message)
     if layers is not None:
-        counts, layer_error = jax.device_get(_audit(pool, tuple(layers)))
+        counts, examples, layer_error = jax.device_get(_audit(pool, tuple(layers)))
         message = _describe_error(layer_error)
         if message is not None and message not in problems:
             problems.append(message)
-        for name, (n, i) in counts.items():
-            if int(n):
-                problems.append(_AUDIT_MESSAGES[name].format(n=int(n), i=int(i)))
+        for name, n, i in zip(_AUDIT_MESSAGES, counts.tolist(), examples.tolist()):
+            if n:
+                problems.append(_AUDIT_MESSAGES[name].format(n=n, i=i))
     if problems:
         raise PoolError("paged pool: " + "; ".join(problems))
 

@@ -255,6 +255,15 @@ def test_check_pool_reports_each_broken_invariant(case, message):
         check_pool(pool, layers)
 
 
+def test_an_empty_write_changes_nothing():
+    pool, layers = init_paged_cache(8, S, 2, 1, 4, D, num_layers=1)
+    pool, layers = reserve(pool, layers, jnp.array([3, 0]))
+    layer = layers[0].write(jnp.zeros((2, 1, 0, D)), jnp.zeros((2, 1, 0, D)),
+                            jnp.zeros((2, 0), jnp.int32))
+    assert layer is layers[0]
+    check_pool(pool, (layer,))
+
+
 def test_pool_functions_reject_malformed_arguments():
     pool, layers = init_paged_cache(8, S, 2, 1, 4, D, num_layers=1)
     with pytest.raises(ValueError, match=r"new_tokens.*\[2\]"):
