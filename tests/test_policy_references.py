@@ -209,6 +209,28 @@ def test_h2o_keeps_the_papers_heavy_hitters_and_recent_tokens(tiny_model, heavy,
             assert all(len(h) == heavy + recent for layer in kept for h in layer)
 
 
+def test_h2o_breaks_exact_ties_towards_the_earlier_token():
+    """Masses that tie exactly (here: in groups of three) keep the earliest tokens of a tie,
+    as the reference rule (`NumpyH2O.evict`) and kvjax's `keep_top_k` document."""
+    n, heavy, recent = 12, 4, 2
+    spec = kvjax.CacheSpec(1, 1, 4)
+    cache = kvjax.init_model_cache(spec, 1, n, track_mass=True)
+    kv = jnp.ones((1, 1, n, 4))
+    layer = kvjax.write(cache[0], kv, kv, jnp.arange(n)[None])
+    mass = np.array([1, 5, 5, 5, 2, 3, 3, 3, 0, 1, 9, 9], np.float32)  # recent: 10, 11
+    layer = layer.replace(mass=jnp.asarray(mass)[None, None])
+    t = kvjax.h2o(heavy=heavy, recent=recent)
+    out, _ = t.update((layer,), t.init((layer,)), None)
+    # heavy: the three 5s (1, 2, 3), then the first of the three 3s (5, not 6 or 7)
+    assert kept_positions(out, 0) == [[[1, 2, 3, 5, 10, 11]]]
+    ref = NumpyH2O.__new__(NumpyH2O)  # the reference's eviction alone, on the same masses
+    ref.cfg = LlamaConfig.tiny(num_layers=1, num_kv_heads=1, num_heads=1)
+    ref.pos, ref.mass, ref.margins = [[np.arange(n)]], [[mass.astype(np.float64)]], []
+    ref.k = ref.v = [[np.zeros((n, 4))]]
+    ref.evict(heavy + recent, recent)
+    assert ref.kept() == [[[1, 2, 3, 5, 10, 11]]]
+
+
 @pytest.mark.parametrize("ratio,fraction", [(0.5, 0.5), (0.75, 0.5), (0.3, 0.25)])
 def test_h2o_ratio_splits_the_budget_as_documented(tiny_model, ratio, fraction):
     """`h2o(ratio=r, recent_fraction=f)`: budget max(1, floor(n(1-r))), floor(f*budget) recent."""
