@@ -105,3 +105,31 @@ def test_wrong_cache_raises_at_trace_time():
         model(tokens, pos, new_cache(LlamaConfig.tiny(num_kv_heads=4), 2, 8))
     with pytest.raises(ValueError, match="positions"):
         model(tokens, pos[:, :2], new_cache(cfg, 2, 8))
+
+
+def test_bfloat16_model_is_float32_on_bfloat16_rounded_operands(monkeypatch):
+    """What bf16 weights compute, exactly: every matmul takes its operands rounded to bf16
+    (weights stored so, activations cast by `matmul`) and accumulates in float32, where a
+    product of two bf16 numbers (8-bit significands) is exact. So the bf16 model equals a
+    float32 model on bf16-rounded weights whose matmuls round their inputs to bf16, up to
+    float32 summation order (the same 1e-5 as the float32 tests above), not "a few percent"."""
+    import models.llama as llama
+    cfg = LlamaConfig.tiny()
+    m32 = Llama(cfg, rngs=nnx.Rngs(3))
+    graphdef, state = nnx.split(Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    m16 = nnx.merge(graphdef, jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16),
+                                                     nnx.state(m32)))
+    tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, cfg.vocab_size)
+    got, exact = full_forward(m16, tokens), full_forward(m32, tokens)
+    graphdef, state = nnx.split(m32)
+    rounded = nnx.merge(graphdef, jax.tree_util.tree_map(
+        lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), state))
+    bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+    monkeypatch.setattr(llama, "matmul", lambda x, w: jnp.dot(
+        bf16(x), w, preferred_element_type=jnp.float32))
+    monkeypatch.setattr(Llama, "logits", lambda self, h: jnp.einsum(
+        "...d,vd->...v", bf16(h), self.embed[...], preferred_element_type=jnp.float32))
+    want = full_forward(rounded, tokens)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
+    tol = 1e-5 * float(jnp.abs(want).max())
+    assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 100 * tol  # bf16 really differs
