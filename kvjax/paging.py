@@ -284,6 +284,7 @@ def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, 
     if max_pages * page_size >= 2 ** 30:
         raise ValueError(f"init_paged_cache: max_pages * page_size = {max_pages * page_size} "
                          f"slots per row; must be below 2**30 (int32 lengths)")
+
     def pages():
         if bits is None:
             return jnp.zeros((num_pages, page_size, head_dim), dtype)

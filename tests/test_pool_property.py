@@ -1,0 +1,384 @@
+"""Property test of the paged pool against a plain-Python shadow model (issue 21).
+
+A hypothesis state machine drives >= 10,000 random operations through the pool
+functions, jit-compiled once for one small pool shape: reserve, write (into shared
+pages and past the reserved pages too), reserve-then-write, fork, release, evict
+pages, and adversarial steps (NaN/Inf/huge keys and values and valid-looking
+positions planted in every page nobody reads, negative and overflowing counts,
+out-of-range fork sources, eager and under jit). After every operation:
+
+- `check_pool(pool, layers)` passes: every invariant holds, no flag is set (a step
+  that should set one is checked to set exactly the expected record, then cleared);
+- the pool's structure equals the shadow's (same pages per row, up to renaming;
+  same lengths, same free-page count);
+- what attention reads (the pages the kernel is handed, and the gathered dense view)
+  equals the shadow slot for slot, and every value a sequence can read is one it
+  wrote or inherited by fork.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, rule,
+                                 run_state_machine_as_test)
+
+from kvjax import EMPTY
+from kvjax.kernel_attention import kernel_inputs
+from kvjax.paging import (NULL_PAGE, check_pool, dense_view, evict_pages, fork,
+                          init_paged_cache, release, reserve)
+
+B, KVH, S, NP, P, D, LAYERS = 3, 2, 4, 4, 14, 4, 2
+CAP = NP * S
+MIN_OPERATIONS = 10_000
+ZERO4 = jnp.zeros((4,), jnp.int32)
+
+reserve_jit, fork_jit = jax.jit(reserve), jax.jit(fork)
+release_jit, evict_jit = jax.jit(release), jax.jit(evict_pages)
+
+
+@jax.jit
+def write_all(layers, k, v, pos):
+    return tuple(layer.write(k, v, pos) for layer in layers)
+
+
+@jax.jit
+def plant(layers, pages, value, pos):
+    """Garbage into pages [P] bool of every layer: keys/values `value`, positions `pos` [S]."""
+    def one(layer):
+        m = pages[:, None, None]
+        return layer.replace(k=jnp.where(m, value, layer.k), v=jnp.where(m, -value, layer.v),
+                             pos=jnp.where(m, pos[None, None, :], layer.pos))
+    return tuple(one(layer) for layer in layers)
+
+
+class Counter:
+    operations = 0
+
+
+class Shadow:
+    """The pool as plain Python: pages by shadow id with reference counts and slot contents
+    (None = EMPTY, else the key value written), rows as page lists and lengths, and the
+    values each row may read (written by it or inherited by fork)."""
+
+    def __init__(self):
+        self.refc, self.content, self.next_id = {}, {}, 1
+        self.pages = [[[] for _ in range(KVH)] for _ in range(B)]
+        self.length = [[0] * KVH for _ in range(B)]
+        self.allowed = [[set() for _ in range(KVH)] for _ in range(B)]
+
+    def new_page(self, content=None):
+        pid, self.next_id = self.next_id, self.next_id + 1
+        self.refc[pid] = 1
+        self.content[pid] = list(content) if content is not None else [("?",)] * S  # unread
+        return pid
+
+    def unref(self, pid):
+        self.refc[pid] -= 1
+        if self.refc[pid] == 0:
+            del self.refc[pid], self.content[pid]
+
+    @property
+    def free(self):
+        return P - 1 - len(self.refc)
+
+    def have(self, b, h):
+        return -(-self.length[b][h] // S)
+
+    def reserve(self, n):
+        """-> fits; applies the allocation when it fits (all or nothing)."""
+        plan, fresh = {}, 0
+        for b in range(B):
+            for h in range(KVH):
+                ln, held, have = self.length[b][h], len(self.pages[b][h]), self.have(b, h)
+                need = -(-(ln + n[b]) // S)
+                if need > NP:
+                    return False
+                cow = ln % S != 0 and n[b] > 0 and self.refc[self.pages[b][h][have - 1]] > 1
+                grow = max(need - held, 0)
+                plan[b, h] = (cow, grow)
+                fresh += grow + cow
+        if fresh > self.free:
+            return False
+        for (b, h), (cow, grow) in plan.items():
+            pages = self.pages[b][h]
+            if cow:
+                old = pages[self.have(b, h) - 1]
+                pages[self.have(b, h) - 1] = self.new_page(self.content[old])
+                self.unref(old)
+            pages.extend(self.new_page() for _ in range(grow))
+        return True
+
+    def write(self, values, real, positions):
+        """values [B, KVH, T] key values; real [B, T]; -> expected layer error record."""
+        t = values.shape[-1]
+        shared_err = unheld_err = None
+        for b in range(B):
+            for h in range(KVH):
+                ln, pages = self.length[b][h], self.pages[b][h]
+                shared = lambda idx: self.refc[pages[idx]] > 1
+                for idx in range(self.have(b, h), len(pages)):  # pages this write starts
+                    if idx * S < ln + t and not shared(idx):
+                        self.content[pages[idx]] = [None] * S
+                for i in range(t):
+                    slot = ln + i
+                    if slot >= len(pages) * S:
+                        if real[b, i] and unheld_err is None:
+                            unheld_err = (6, b, h, slot)
+                    elif shared(slot // S):
+                        if real[b, i] and shared_err is None:
+                            shared_err = (5, b, h, slot)
+                    elif real[b, i]:
+                        self.content[pages[slot // S]][slot % S] = (float(values[b, h, i]),
+                                                                    int(positions[b, i]))
+                        self.allowed[b][h].add(float(values[b, h, i]))
+                self.length[b][h] = min(ln + t, len(pages) * S)
+        return shared_err or unheld_err or (0, 0, 0, 0)
+
+    def fork(self, source):
+        """-> expected pool error record (all or nothing)."""
+        for b, s in enumerate(source):
+            if not -1 <= s < B:
+                return (3, b, s, B)
+        for b, s in enumerate(source):
+            if s >= 0:
+                written = max(self.length[b])
+                held = max(len(p) for p in self.pages[b])
+                if written or held:
+                    return (4, b, written, held)
+        old = ([[list(p) for p in row] for row in self.pages], [list(r) for r in self.length],
+               [[set(a) for a in row] for row in self.allowed])
+        for b, s in enumerate(source):
+            if s < 0:
+                continue
+            for h in range(KVH):
+                ln = old[1][s][h]
+                inherited = old[0][s][h][:-(-ln // S)]
+                for pid in inherited:
+                    self.refc[pid] += 1
+                self.pages[b][h], self.length[b][h] = list(inherited), ln
+                self.allowed[b][h] = set(old[2][s][h])
+        return (0, 0, 0, 0)
+
+    def release(self, rows):
+        for b in np.nonzero(rows)[0]:
+            for h in range(KVH):
+                for pid in self.pages[b][h]:
+                    self.unref(pid)
+                self.pages[b][h], self.length[b][h] = [], 0
+                self.allowed[b][h] = set()
+
+    def evict(self, drop):
+        for b in range(B):
+            for h in range(KVH):
+                gone = [i for i in range(self.have(b, h) - 1) if drop[b, h, i]]
+                for i in gone:
+                    self.unref(self.pages[b][h][i])
+                self.pages[b][h] = [p for i, p in enumerate(self.pages[b][h]) if i not in gone]
+                self.length[b][h] -= S * len(gone)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    @initialize()
+    def start(self):
+        self.pool, self.layers = init_paged_cache(P, S, B, KVH, NP, D, num_layers=LAYERS)
+        self.shadow = Shadow()
+        self.next_token = 1
+        self.next_pos = [0] * B
+
+    # ---- helpers
+    def clear_flags(self):
+        self.pool = self.pool.replace(error=ZERO4, overflow=jnp.zeros((), bool))
+
+    def expect_pool_error(self, record):
+        np.testing.assert_array_equal(np.asarray(self.pool.error), record)
+        self.clear_flags()
+
+    def do_reserve(self, n, jit):
+        fits = self.shadow.reserve(n)
+        self.pool, self.layers = (reserve_jit if jit else reserve)(
+            self.pool, self.layers, jnp.asarray(n, jnp.int32))
+        assert bool(self.pool.overflow) == (not fits)
+        np.testing.assert_array_equal(np.asarray(self.pool.error), ZERO4)
+        self.clear_flags()
+        return fits
+
+    def do_write(self, t, padding):
+        tokens = self.next_token + np.arange(B * t).reshape(B, t)
+        self.next_token += B * t
+        real = ~np.asarray(padding, bool).reshape(B, t)
+        positions = np.full((B, t), EMPTY, np.int32)
+        for b in range(B):
+            for i in range(t):
+                if real[b, i]:
+                    positions[b, i] = self.next_pos[b]
+                    self.next_pos[b] += 1
+        values = (tokens[:, None, :] * KVH + np.arange(KVH)[None, :, None]).astype(np.float32)
+        expected = self.shadow.write(values, real, positions)
+        k = jnp.broadcast_to(jnp.asarray(values)[..., None], (B, KVH, t, D))
+        self.layers = write_all(self.layers, k, -k, jnp.asarray(positions))
+        for layer in self.layers:
+            np.testing.assert_array_equal(np.asarray(layer.error), expected)
+        self.layers = tuple(layer.replace(error=ZERO4) for layer in self.layers)
+
+    # ---- operations
+    @rule(n=st.lists(st.integers(0, 6), min_size=B, max_size=B), jit=st.booleans())
+    def reserve_room(self, n, jit):
+        Counter.operations += 1
+        self.do_reserve(n, jit)
+
+    @rule(t=st.sampled_from([1, 2, 3, 5]), padding=st.lists(st.booleans(), min_size=15,
+                                                              max_size=15))
+    def write_without_reserve(self, t, padding):
+        Counter.operations += 1
+        self.do_write(t, [p and i % 3 == 0 for i, p in enumerate(padding[:B * t])])
+
+    @rule(t=st.sampled_from([1, 2, 3, 5]), padding=st.lists(st.booleans(), min_size=15,
+                                                              max_size=15))
+    def reserve_then_write(self, t, padding):
+        Counter.operations += 2
+        if self.do_reserve([t] * B, jit=True):
+            self.do_write(t, [p and i % 4 == 0 for i, p in enumerate(padding[:B * t])])
+
+    @rule(dst=st.integers(0, B - 1), source=st.integers(0, B - 1), first=st.booleans(),
+          jit=st.booleans())
+    def fork_sequence(self, dst, source, first, jit):
+        Counter.operations += 1
+        if first:  # the usual way: release the dst, then fork into it
+            self.release_rows(np.arange(B) == dst)
+        src = np.full(B, -1)
+        src[dst] = source
+        expected = self.shadow.fork(src.tolist())
+        self.pool, self.layers = (fork_jit if jit else fork)(self.pool, self.layers,
+                                                             jnp.asarray(src, jnp.int32))
+        assert bool(self.pool.overflow) == (expected[0] == 4)
+        self.expect_pool_error(expected)
+        if expected[0] == 0:
+            self.next_pos[dst] = self.next_pos[source]
+
+    def release_rows(self, rows):
+        self.shadow.release(rows)
+        self.pool, self.layers = release_jit(self.pool, self.layers, jnp.asarray(rows))
+        for b in np.nonzero(rows)[0]:
+            self.next_pos[b] = 0
+
+    @rule(rows=st.lists(st.booleans(), min_size=B, max_size=B))
+    def release_sequences(self, rows):
+        Counter.operations += 1
+        self.release_rows(np.asarray(rows, bool))
+
+    @rule(bits=st.integers(0, 2 ** (B * KVH * NP) - 1))
+    def evict(self, bits):
+        Counter.operations += 1
+        drop = np.array([(bits >> i) & 1 for i in range(B * KVH * NP)], bool).reshape(B, KVH, NP)
+        self.shadow.evict(drop)
+        self.pool, self.layers = evict_jit(self.pool, self.layers, jnp.asarray(drop))
+
+    @rule(value=st.sampled_from([np.nan, np.inf, -np.inf, 1e30]), shift=st.integers(-3, 40))
+    def plant_garbage(self, value, shift):
+        """Adversary: garbage in every page no row reads (free pages and reserved ones)."""
+        Counter.operations += 1
+        layer = self.layers[0]
+        used = np.arange(NP) < np.asarray(layer.num_pages_used)[..., None]
+        read = np.zeros(P, bool)
+        read[np.asarray(layer.tables)[used]] = True
+        pages = ~read
+        pages[NULL_PAGE] = False
+        self.layers = plant(self.layers, jnp.asarray(pages), jnp.float32(value),
+                            jnp.arange(S, dtype=jnp.int32) + shift)
+
+    @rule(b=st.integers(0, B - 1), bad=st.sampled_from([-1, -5, CAP + 1, 2 ** 31 - 1]),
+          jit=st.booleans())
+    def reserve_bad_count(self, b, bad, jit):
+        Counter.operations += 1
+        n = np.ones(B, np.int64)
+        n[b] = bad
+        code = 1 if bad < 0 else 2
+        before = (np.asarray(self.pool.refcount), np.asarray(self.layers[0].tables))
+        if jit:
+            self.pool, self.layers = reserve_jit(self.pool, self.layers,
+                                                 jnp.asarray(n.astype(np.int32)))
+            assert not bool(self.pool.overflow)
+            self.expect_pool_error((code, b, bad, CAP))
+        else:
+            with pytest.raises(ValueError, match=rf"new_tokens\[{b}\] = {bad}"):
+                reserve(self.pool, self.layers, n)
+        np.testing.assert_array_equal(np.asarray(self.pool.refcount), before[0])
+        np.testing.assert_array_equal(np.asarray(self.layers[0].tables), before[1])
+
+    @rule(b=st.integers(0, B - 1), bad=st.sampled_from([-2, -100, B, B + 7]), jit=st.booleans())
+    def fork_bad_source(self, b, bad, jit):
+        Counter.operations += 1
+        src = np.full(B, -1, np.int32)
+        src[b] = bad
+        if jit:
+            self.pool, self.layers = fork_jit(self.pool, self.layers, jnp.asarray(src))
+            self.expect_pool_error((3, b, bad, B))
+        else:
+            with pytest.raises(ValueError, match=rf"source\[{b}\] = {bad}"):
+                fork(self.pool, self.layers, jnp.asarray(src))
+
+    # ---- after every operation
+    @invariant()
+    def pool_matches_the_shadow(self):
+        if not hasattr(self, "pool"):
+            return
+        check_pool(self.pool, self.layers)  # every invariant, no flag
+        sh = self.shadow
+        refcount, layers = jax.device_get(snapshot(self.pool, self.layers))
+        assert int((refcount[1:] == 0).sum()) == sh.free
+        ids = {}  # device page -> shadow page: must be one-to-one
+        for got in layers:
+            for b in range(B):
+                for h in range(KVH):
+                    mine, ln, have = sh.pages[b][h], sh.length[b][h], sh.have(b, h)
+                    row = got["tables"][b, h]
+                    assert got["lengths"][b, h] == ln
+                    assert list(row[len(mine):]) == [NULL_PAGE] * (NP - len(mine))
+                    for dev, pid in zip(row[:len(mine)], mine):
+                        assert ids.setdefault(int(dev), pid) == pid
+                    # every slot the kernel may read: the pages it is handed, whole
+                    assert got["num_pages"][b, h] == have
+                    pages = row[:have]
+                    k, v = got["k"][pages].reshape(-1, D), got["v"][pages].reshape(-1, D)
+                    pos = got["pos"][pages].reshape(-1)
+                    want = [slot for pid in mine[:have] for slot in sh.content[pid]]
+                    assert ("?",) not in want, "a row reads a page nobody scrubbed"
+                    empty = np.array([w is None for w in want], bool)
+                    want_k = np.array([0.0 if w is None else w[0] for w in want], np.float32)
+                    want_pos = np.array([EMPTY if w is None else w[1] for w in want], np.int32)
+                    assert np.array_equal(pos, want_pos), (b, h, pos, want_pos)
+                    assert np.array_equal(k, np.repeat(want_k[:, None], D, 1)), (b, h, k, want)
+                    assert np.array_equal(v, -k), (b, h, v)  # EMPTY: zero, so 0 * x stays 0
+                    assert set(want_k[~empty].tolist()) <= sh.allowed[b][h]  # written/inherited
+                    # the dense view (XLA paths): the same slots up to the length, nothing after
+                    vpos, vk = got["vpos"][b, h], got["vk"][b * KVH + h]
+                    assert np.array_equal(vpos[:ln], pos[:ln]), (b, h, vpos, pos)
+                    assert np.all(vpos[ln:] == EMPTY)
+                    assert np.isfinite(vk).all() and np.isfinite(got["vv"][b * KVH + h]).all()
+                    assert set(vk[vpos != EMPTY, 0].tolist()) <= sh.allowed[b][h]
+        assert len(set(ids.values())) == len(ids)
+
+
+@jax.jit
+def snapshot(pool, layers):
+    """Everything the invariant reads, in one transfer: per layer its tables, lengths,
+    pages, what the kernel is handed (`kernel_inputs`) and the dense view."""
+    out = []
+    for layer in layers:
+        view, inputs = dense_view(layer), kernel_inputs(layer)
+        out.append(dict(tables=layer.tables, lengths=layer.lengths, k=layer.k, v=layer.v,
+                        pos=layer.pos[:, 0], num_pages=inputs["num_pages"], vk=view.k,
+                        vv=view.v, vpos=view.pos))
+    return pool.refcount, out
+
+
+def test_pool_against_shadow_model():
+    Counter.operations = 0
+    # derandomized: the same operations on every run (CI is reproducible)
+    run_state_machine_as_test(PoolMachine, settings=settings(
+        max_examples=260, stateful_step_count=50, derandomize=True, database=None,
+        deadline=None, suppress_health_check=list(HealthCheck)))
+    print(f"{Counter.operations} pool operations against the shadow model")
+    assert Counter.operations >= MIN_OPERATIONS, Counter.operations
