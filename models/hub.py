@@ -161,3 +161,27 @@ def repair_compilation_cache(folder: Path) -> list[str]:
         except OSError:
             pass
     return removed
+
+
+COMPILATION_CACHE_ENV = "KVJAX_COMPILATION_CACHE"
+
+
+def enable_compilation_cache() -> Path | None:
+    """Keep compiled executables in `cache_dir()/jit`, so a second run (a restarted notebook
+    kernel, the next CLI call, another eval worker) skips XLA compilation.
+
+    Called when `models` is imported. Opt out with `KVJAX_COMPILATION_CACHE=0`; a
+    `jax_compilation_cache_dir` you configured yourself is left alone. Damaged entries are
+    removed first (`repair_compilation_cache`). Returns the folder in use, or None.
+    """
+    import jax
+
+    if os.environ.get(COMPILATION_CACHE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if jax.config.jax_compilation_cache_dir is not None:
+        return Path(jax.config.jax_compilation_cache_dir)
+    folder = cache_dir() / "jit"
+    repair_compilation_cache(folder)  # a damaged entry would never heal
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return folder
