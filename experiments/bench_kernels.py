@@ -74,8 +74,9 @@ def make_inputs(key, batch, context, page_size, shape):
 
 
 def packed(x, bits):
+    """x [P, S, D] quantized per token (groups of 32, float16 parameters), in the kernel layout."""
     qz = quantize(x.astype(jnp.float32), bits, 32, axis=-1, param_dtype=jnp.float16)
-    return pack(qz.codes, bits), qz.scale, qz.offset
+    return pf.PackedTokens(bits, 32).from_store(pack(qz.codes, bits), qz.scale, qz.offset)
 
 
 def nbytes(*arrays) -> int:

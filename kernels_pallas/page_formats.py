@@ -6,15 +6,19 @@ to float32 inside the kernel. The same decode runs in the plain-jnp
 reference, so a kernel and its reference read identical numbers.
 
 Kernel layout (docs/drafts/tpu-kernels.md): every array is indexed by page
-first, and packed pages keep the **slot axis last** (on TPU lanes), so a
-page is a lane-dense `[rows, S]` tile of 32-bit words that Mosaic loads
-without padding the small per-token axes to 128 lanes:
+first. Packed pages keep the **slot axis last** (on TPU lanes) and are
+**lane-flat**: a page's logical `[rows, S]` words lie side by side in one
+`[1, rows * S]` row (row r at lanes `r*S ...`). TPU tiles the two minor dims
+of an array (8 sublanes x 128 lanes for 32 bits); a `[P, rows, S]` array with
+rows not a multiple of 8 would be padded or stored page-minor by XLA and
+copied to row-major before every kernel call, while `[P, 1, L]` is tiled
+(1, 128): no padding, no copy, one contiguous DMA per page.
 
 | format | arrays (P pages of S slots) | decode |
 |---|---|---|
 | `Dense()` | `[P, S, D]` float32/bf16/fp8 | cast; `[S, D]` |
-| `PackedTokens(bits, group, symmetric, param_dtype)` | `[P, W + NW, S]` uint32: W = D*bits/32 code words, then NW rows of packed scale (and offset) | per token, groups of G channels; `[D, S]` |
-| `PackedChannels(bits, window, symmetric, param_dtype)` | `[P, W + 1, S]` uint32 (codes, then each slot's group index in the page's table window) and `[P, TW, D]` uint32 table window | per channel; `[D, S]` |
+| `PackedTokens(bits, group, symmetric, param_dtype)` | `[P, 1, (W + NW) * S]` uint32: W = D*bits/32 rows of code words, then NW rows of packed scale (and offset) | per token, groups of G channels; `[D, S]` |
+| `PackedChannels(bits, window, symmetric, param_dtype)` | `[P, 1, (W + 1) * S]` uint32 (codes, then each slot's row in the page's table window) and `[P, 1, TW * D]` uint32 table window | per channel; `[D, S]` |
 
 Parameters in 16-bit dtypes (float16, bfloat16) travel as pairs in uint32
 words (`pack_rows`: row i holds logical rows i and i + ceil(n/2)) and are
@@ -30,7 +34,7 @@ is constant and attention is linear in context.
 
 Example:
     >>> fmt = PackedTokens(bits=4, group=32)
-    >>> (pages,) = fmt.from_store(words, scale, offset)   # [P, 8 + 2, S] for D = 64
+    >>> (pages,) = fmt.from_store(words, scale, offset)   # [P, 1, (8 + 2) * S] for D = 64
     >>> fmt.check((pages,), head_dim=64)
 """
 
@@ -120,12 +124,15 @@ def _onehot_expand(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 class Ops(NamedTuple):
-    """How a backend reads a block: `load(block)` the whole page, `rows(block, start, n)` [n, L].
+    """How a backend reads a lane-flat block `[1, rows * width]`: `rows(block, start, n, width)`.
 
-    A format's `decode` only calls these, so one decode serves the TPU kernel
-    (blocks are VMEM refs), the GPU kernel (blocks are views of HBM refs)
-    and the reference (blocks are arrays). `take(block, rows)` (GPU only,
-    where Triton has no n-way concatenate) loads rows [N] (int32) -> [N, L].
+    Every packed array keeps one page as one lane-dense row (see module
+    docstring); `rows` cuts logical rows `[start, start + n)` of `width`
+    lanes out of it -> [n, width]. A format's `decode` only calls this, so
+    one decode serves the TPU kernel (blocks are VMEM refs), the GPU kernel
+    (blocks are pages of HBM refs) and the reference (blocks are arrays).
+    `take(block, rows, width)` (GPU only: Triton has no n-way concatenate)
+    gathers logical rows `rows` [N] int32 -> [N, width].
     """
 
     load: Callable
@@ -140,42 +147,61 @@ class PageRef(NamedTuple):
     page: jax.Array  # [] int32
 
 
-def _gpu_rows(block, start: int, n: int):
+def _lanes(block) -> int:
+    return (block.ref if isinstance(block, PageRef) else block).shape[-1]
+
+
+def _tpu_rows(ref, start: int, n: int, width: int):
+    pieces = [ref[:, pl.ds((start + i) * width, width)] for i in range(n)]  # [1, width] each
+    return pieces[0] if n == 1 else jnp.concatenate(pieces, axis=0)
+
+
+def _reference_rows(x, start: int, n: int, width: int):
+    return x.reshape(-1, width)[start:start + n]
+
+
+def _gpu_rows(block, start: int, n: int, width: int):
+    lanes = pl.ds(start * width, n * width)
+    out = block.ref[block.page, :, lanes] if isinstance(block, PageRef) else block[:, lanes]
+    return out if n == 1 else out.reshape(n, width)
+
+
+def _gpu_take(block, rows: jax.Array, width: int) -> jax.Array:
+    lanes = rows[:, None] * width + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
     if isinstance(block, PageRef):
-        return block.ref[block.page, pl.ds(start, n), :]
-    return block[pl.ds(start, n), :]
+        return block.ref[block.page, 0, lanes]
+    return block[0, lanes]
 
 
-def _gpu_take(block, rows: jax.Array) -> jax.Array:
-    ref = block.ref if isinstance(block, PageRef) else block
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, ref.shape[-1]), 1)
-    if isinstance(block, PageRef):
-        return ref[block.page, rows[:, None], lanes]
-    return ref[rows[:, None], lanes]
-
-
-def _take_codes(ops: Ops, block, head_dim: int, bits: int) -> jax.Array:
+def _take_codes(ops: Ops, block, head_dim: int, bits: int, width: int) -> jax.Array:
     """Gathered unpack: channel c is word row c % W shifted by (c // W) * bits -> [D, S] f32."""
     w = head_dim * bits // 32
     c = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
-    words = ops.take(block, c % w)
+    words = ops.take(block, c % w, width)
     shift = ((c // w) * bits).astype(jnp.uint32)[:, None]
     return ((words >> shift) & jnp.uint32((1 << bits) - 1)).astype(jnp.int32).astype(jnp.float32)
 
 
-def _take_params(ops: Ops, block, start: int, logical: jax.Array, n: int, dtype: str):
-    """Gathered `unpack_rows`: logical parameter rows `logical` [N] -> [N, L] f32."""
+def _take_params(ops: Ops, block, start: int, logical: jax.Array, n: int, dtype: str,
+                 width: int):
+    """Gathered `unpack_rows`: logical parameter rows `logical` [N] -> [N, width] f32."""
     if dtype == "float32":
-        return jax.lax.bitcast_convert_type(ops.take(block, start + logical), jnp.float32)
+        return jax.lax.bitcast_convert_type(ops.take(block, start + logical, width), jnp.float32)
     half = -(-n // 2)
-    words = jax.lax.bitcast_convert_type(ops.take(block, start + logical % half), jnp.int32)
+    words = jax.lax.bitcast_convert_type(ops.take(block, start + logical % half, width),
+                                         jnp.int32)
     return _half_to_f32((words >> ((logical // half) * 16)[:, None]) & 0xFFFF, dtype)
 
 
-REFERENCE_OPS = Ops(load=lambda x: x, rows=lambda x, start, n: x[start:start + n])
-TPU_OPS = Ops(load=lambda r: r[...], rows=lambda r, start, n: r[pl.ds(start, n), :])
+REFERENCE_OPS = Ops(load=lambda x: x, rows=_reference_rows)
+TPU_OPS = Ops(load=lambda r: r[...], rows=_tpu_rows)
 GPU_OPS = Ops(load=lambda b: b.ref[b.page] if isinstance(b, PageRef) else b[...],
               rows=_gpu_rows, take=_gpu_take)
+
+
+def lane_flat(x: jax.Array) -> jax.Array:
+    """[P, R, L] -> [P, 1, R*L]: a page's rows side by side on lanes (row r at lanes r*L...)."""
+    return x.reshape(x.shape[0], 1, -1)
 
 
 # ----------------------------------------------------------------------------- formats
@@ -190,10 +216,11 @@ def _check_packed(pages: jax.Array, bits: int, head_dim: int, extra: int, what: 
     if bits not in (2, 4, 8):
         raise ValueError(f"packed pages hold 2, 4 or 8-bit codes, got bits={bits}")
     want = head_dim * bits // 32 + extra
-    if pages.ndim != 3 or pages.shape[1] != want or pages.dtype != jnp.uint32:
-        raise ValueError(f"{what} pages must be uint32 [P, {want}, S] ({bits}-bit codes of "
-                         f"head_dim {head_dim} and {extra} parameter rows), got {pages.dtype} "
-                         f"{pages.shape}")
+    if (pages.ndim != 3 or pages.shape[1] != 1 or pages.shape[2] % want
+            or pages.dtype != jnp.uint32):
+        raise ValueError(f"{what} pages must be lane-flat uint32 [P, 1, {want} * S] ({bits}-bit "
+                         f"codes of head_dim {head_dim} and {extra} parameter rows), got "
+                         f"{pages.dtype} {pages.shape}")
 
 
 def _slots_last(x: jax.Array) -> jax.Array:
@@ -217,7 +244,7 @@ class Dense:
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"dense pages must be a float dtype, got {x.dtype}")
 
-    def page_size(self, arrays) -> int:
+    def page_size(self, arrays, head_dim: int) -> int:
         return arrays[0].shape[1]
 
     def shapes(self, n_pages: int, page_size: int, head_dim: int, dtype=jnp.bfloat16):
@@ -267,36 +294,39 @@ class PackedTokens:
             raise ValueError(f"group {self.group} must divide head_dim {head_dim}")
         _check_packed(arrays[0], self.bits, head_dim, self.param_words(head_dim), "per-token")
 
-    def page_size(self, arrays) -> int:
-        return arrays[0].shape[2]
+    def rows(self, head_dim: int) -> int:
+        return head_dim * self.bits // 32 + self.param_words(head_dim)
+
+    def page_size(self, arrays, head_dim: int) -> int:
+        return arrays[0].shape[2] // self.rows(head_dim)
 
     def shapes(self, n_pages: int, page_size: int, head_dim: int, dtype=None):
         """The pool's arrays as `jax.ShapeDtypeStruct`s."""
-        rows = head_dim * self.bits // 32 + self.param_words(head_dim)
-        return (jax.ShapeDtypeStruct((n_pages, rows, page_size), jnp.uint32),)
+        return (jax.ShapeDtypeStruct((n_pages, 1, self.rows(head_dim) * page_size), jnp.uint32),)
 
     def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array | None):
         """kvjax.stores layout -> kernel layout.
 
-        words [P, S, W] uint32, scale/offset [P, S, D/G] -> ([P, W + NW, S] uint32,).
+        words [P, S, W] uint32, scale/offset [P, S, D/G] -> ([P, 1, (W + NW) * S] uint32,).
         """
         params = scale if self.symmetric else jnp.concatenate([scale, offset], axis=-1)
         packed = pack_rows(_slots_last(params), self.param_dtype)  # [P, NW, S]
-        return (jnp.concatenate([_slots_last(words), packed], axis=1),)
+        return (lane_flat(jnp.concatenate([_slots_last(words), packed], axis=1)),)
 
     def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
-        """blocks: ([W + NW, S],) -> [D, S] in `dtype`."""
+        """blocks: ([1, (W + NW) * S],) -> [D, S] in `dtype`."""
         d, n_words = head_dim, head_dim * self.bits // 32
         ng, n = d // self.group, self.n_params(d)
+        s = _lanes(blocks[0]) // self.rows(d)
         if ops.take is not None:  # gathered loads, no concatenation
-            codes = _take_codes(ops, blocks[0], d, self.bits)
+            codes = _take_codes(ops, blocks[0], d, self.bits, s)
             g = jax.lax.broadcasted_iota(jnp.int32, (d,), 0) // self.group
-            param = lambda r: _take_params(ops, blocks[0], n_words, r, n, self.param_dtype)
+            param = lambda r: _take_params(ops, blocks[0], n_words, r, n, self.param_dtype, s)
             scale = param(g)
             offset = None if self.symmetric else param(g + ng)
         else:
-            codes = unpack_planes(ops.rows(blocks[0], 0, n_words), self.bits)  # [D, S]
-            params = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(d)), n,
+            codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]
+            params = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(d), s), n,
                                  self.param_dtype)  # [n, S]
             scale = expand_groups(params[:ng], self.group)
             offset = None if self.symmetric else expand_groups(params[ng:], self.group)
@@ -347,25 +377,27 @@ class PackedChannels:
     def n_params(self) -> int:
         return self.window * (1 if self.symmetric else 2)
 
+    def table_rows(self) -> int:
+        return param_rows(self.n_params(), self.param_dtype)
+
     def check(self, arrays, head_dim: int) -> None:
         if len(arrays) != 2:
             raise ValueError(f"{self} takes pages and a table window, got {len(arrays)} arrays")
         pages, table = arrays
         _check_packed(pages, self.bits, head_dim, 1, "per-channel")
-        want = (pages.shape[0], param_rows(self.n_params(), self.param_dtype), head_dim)
+        want = (pages.shape[0], 1, self.table_rows() * head_dim)
         if table.shape != want or table.dtype != jnp.uint32:
-            raise ValueError(f"per-channel table windows must be uint32 {want}, got "
+            raise ValueError(f"per-channel table windows must be lane-flat uint32 {want}, got "
                              f"{table.dtype} {table.shape}")
 
-    def page_size(self, arrays) -> int:
-        return arrays[0].shape[2]
+    def page_size(self, arrays, head_dim: int) -> int:
+        return arrays[0].shape[2] // (head_dim * self.bits // 32 + 1)
 
     def shapes(self, n_pages: int, page_size: int, head_dim: int, dtype=None):
         """The pool's arrays as `jax.ShapeDtypeStruct`s."""
         rows = head_dim * self.bits // 32 + 1
-        tw = param_rows(self.n_params(), self.param_dtype)
-        return (jax.ShapeDtypeStruct((n_pages, rows, page_size), jnp.uint32),
-                jax.ShapeDtypeStruct((n_pages, tw, head_dim), jnp.uint32))
+        return (jax.ShapeDtypeStruct((n_pages, 1, rows * page_size), jnp.uint32),
+                jax.ShapeDtypeStruct((n_pages, 1, self.table_rows() * head_dim), jnp.uint32))
 
     def window_start(self, group_id, valid, table_rows: int):
         """Each page's first table row and whether its valid slots fit the window.
@@ -387,7 +419,7 @@ class PackedChannels:
 
         words [P, S, W] uint32, group_id [P, S] int, valid [P, S] bool,
         scale/offset [R, NG, D] per-row tables, page_row [P] int32 (the row
-        that owns each page) -> (pages [P, W + 1, S], table [P, TW, D]).
+        that owns each page) -> (pages [P, 1, (W + 1) * S], table [P, 1, TW * D]).
         """
         ng = scale.shape[1]
         first, _ = self.window_start(group_id, valid, ng)
@@ -398,22 +430,24 @@ class PackedChannels:
         params = take(scale) if self.symmetric else jnp.concatenate(
             [take(scale), take(offset)], axis=1)
         pages = jnp.concatenate([_slots_last(words), local.astype(jnp.uint32)[:, None]], axis=1)
-        return pages, pack_rows(params, self.param_dtype)
+        return lane_flat(pages), lane_flat(pack_rows(params, self.param_dtype))
 
     def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
-        """blocks: ([W + 1, S], table [TW, D]) -> [D, S] in `dtype`."""
+        """blocks: ([1, (W + 1) * S], table [1, TW * D]) -> [D, S] in `dtype`."""
         n_words = head_dim * self.bits // 32
-        ids = jax.lax.bitcast_convert_type(ops.rows(blocks[0], n_words, 1), jnp.int32)  # [1, S]
+        s = _lanes(blocks[0]) // (n_words + 1)
+        ids = jax.lax.bitcast_convert_type(ops.rows(blocks[0], n_words, 1, s), jnp.int32)  # [1, S]
         if ops.take is not None:  # gathered loads, no concatenation
-            codes = _take_codes(ops, blocks[0], head_dim, self.bits)
+            codes = _take_codes(ops, blocks[0], head_dim, self.bits, s)
             r = jax.lax.broadcasted_iota(jnp.int32, (self.window,), 0)
             param = lambda rows: _take_params(ops, blocks[1], 0, rows, self.n_params(),
-                                              self.param_dtype)
+                                              self.param_dtype, head_dim)
             table_scale = param(r)
             table_offset = None if self.symmetric else param(r + self.window)
         else:
-            codes = unpack_planes(ops.rows(blocks[0], 0, n_words), self.bits)  # [D, S]
-            table = unpack_rows(ops.load(blocks[1]), self.n_params(), self.param_dtype)
+            codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]
+            table = unpack_rows(ops.rows(blocks[1], 0, self.table_rows(), head_dim),
+                                self.n_params(), self.param_dtype)
             table_scale = table[:self.window]
             table_offset = None if self.symmetric else table[self.window:]
         scale = _onehot_expand(table_scale, ids)

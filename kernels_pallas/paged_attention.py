@@ -56,6 +56,7 @@ EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
 NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
 BACKENDS = ("tpu", "gpu")
 GPU_MIN_ROWS = 16  # tl.dot needs at least 16 rows
+BLOCK_TOKENS = 512  # TPU: slots copied per grid step by default
 
 
 class Partial(NamedTuple):
@@ -146,29 +147,68 @@ def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops
     return _softmax_step(q.astype(compute_dtype), k, v, kpos, qpos, carry, **math)
 
 
-def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format, v_format,
-                kv_heads, pages_per_split, math):
+def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, *refs, k_format, v_format, kv_heads,
+                table_len, pages_per_block, blocks_per_split, math):
     # tables_ref [B*KVH*NP] int32 (SMEM), counts_ref [B*KVH] int32 (SMEM)
-    # qpos_ref [GT, 1], q_ref [GT, D], pos_ref [1, S]; one page block of each format array
+    # qpos_ref [GT, 1], q_ref [GT, D] (VMEM blocks of this (b, h));
+    # refs: the pools in HBM (pos [P, 1, S], then each format array [P, ...]), the outputs,
+    # a VMEM double buffer [2, NPB, ...] per pool, DMA semaphores [2], softmax state.
     nk, nv = k_format.arity(), v_format.arity()
-    k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
-    acc_out, m_out, l_out, m_sc, l_sc, acc_sc = refs[nk + nv:]
+    n = 1 + nk + nv
+    pools, (acc_out, m_out, l_out), bufs = refs[:n], refs[n:n + 3], refs[n + 3:2 * n + 3]
+    sem, m_sc, l_sc, acc_sc = refs[2 * n + 3:]
     b, h, split, j = (pl.program_id(i) for i in range(4))
+    row = b * kv_heads + h
+    count = counts_ref[row]
+    first = lambda blk: (split * blocks_per_split + blk) * pages_per_block
+
+    def copies(blk, slot):
+        """The DMAs of block `blk`'s pages in use into buffer `slot`, as (when, copy) pairs."""
+        out = []
+        for i in range(pages_per_block):
+            idx = first(blk) + i
+            page = tables_ref[row * table_len + jnp.minimum(idx, table_len - 1)]
+            page = jnp.clip(page, 0, pools[0].shape[0] - 1)
+            out.append((idx < count, [pltpu.make_async_copy(pool.at[page], buf.at[slot, i],
+                                                            sem.at[slot])
+                                      for pool, buf in zip(pools, bufs)]))
+        return out
+
+    def run(blk, slot, method):
+        for when, dmas in copies(blk, slot):
+            @pl.when(when)
+            def _():
+                for dma in dmas:
+                    getattr(dma, method)()
+
+    slot = jax.lax.rem(j, 2)
 
     @pl.when(j == 0)
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        run(0, 0, "start")
 
-    @pl.when(split * pages_per_split + j < counts_ref[b * kv_heads + h])
-    def _page():
-        carry = (m_sc[...], l_sc[...], acc_sc[...])
-        m, l, acc = _page_step(q_ref[...], k_format, k_refs, v_format, v_refs, pos_ref[...],
-                               qpos_ref[...], carry, TPU_OPS, head_dim=q_ref.shape[-1], **math)
+    @pl.when(j + 1 < blocks_per_split)
+    def _prefetch():  # the next block's pages copy while this block computes
+        run(j + 1, 1 - slot, "start")
+
+    @pl.when(first(j) < count)
+    def _block():
+        run(j, slot, "wait")
+        q, qpos = q_ref[...], qpos_ref[...]
+
+        def page(i, carry):
+            pos, *blocks = [buf.at[slot, i] for buf in bufs]
+            return _page_step(q, k_format, blocks[:nk], v_format, blocks[nk:], pos[...], qpos,
+                              carry, TPU_OPS, head_dim=q_ref.shape[-1], **math)
+
+        in_use = jnp.minimum(count - first(j), pages_per_block)
+        m, l, acc = jax.lax.fori_loop(0, in_use, page, (m_sc[...], l_sc[...], acc_sc[...]))
         m_sc[...], l_sc[...], acc_sc[...] = m, l, acc
 
-    @pl.when(j == pages_per_split - 1)
+    @pl.when(j == blocks_per_split - 1)
     def _store():
         acc_out[...] = acc_sc[...]
         m_out[...] = m_sc[...]
@@ -176,30 +216,28 @@ def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_forma
 
 
 def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_format, v_format,
-              pages_per_split, splits, math, interpret):
+              pages_per_split, pages_per_block, splits, math, interpret):
     b, kvh, rows, d = qg.shape
-    table_len = tables.shape[-1]
-
-    def page_index(bi, h, split, j, tables_ref, counts_ref):
-        row = bi * kvh + h
-        last = jnp.maximum(counts_ref[row] - 1, 0)  # past the end: repeat, no new copy
-        i = jnp.minimum(split * pages_per_split + j, last)
-        return jnp.clip(tables_ref[row * table_len + i], 0, pos_pages.shape[0] - 1)
-
+    pools = (pos_pages, *k_arrays, *v_arrays)
+    blocks_per_split = pages_per_split // pages_per_block
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, split, j, *_: (split, bi, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
-        grid=(b, kvh, splits, pages_per_split),
+        grid=(b, kvh, splits, blocks_per_split),
         in_specs=[pl.BlockSpec((None, rows, 1), lambda bi, h, *_: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, *_: (bi, h, 0, 0)),
-                  block_spec(pos_pages, page_index),
-                  *[block_spec(x, page_index) for x in (*k_arrays, *v_arrays)]],
+                  *[hbm] * len(pools)],
         out_specs=[out_block(d), out_block(1), out_block(1)],
-        scratch_shapes=[pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
+        scratch_shapes=[*[pltpu.VMEM((2, pages_per_block, *x.shape[1:]), x.dtype) for x in pools],
+                        pltpu.SemaphoreType.DMA((2,)),
+                        pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
                         pltpu.VMEM((rows, d), jnp.float32)])
     kernel = functools.partial(_tpu_kernel, k_format=k_format, v_format=v_format,
-                               kv_heads=kvh, pages_per_split=pages_per_split, math=math)
+                               kv_heads=kvh, table_len=tables.shape[-1],
+                               pages_per_block=pages_per_block,
+                               blocks_per_split=blocks_per_split, math=math)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid_spec=grid_spec,
@@ -209,7 +247,7 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="kvjax_paged_attention_tpu",
-    )(tables.reshape(-1), counts.reshape(-1), qpos, qg, pos_pages, *k_arrays, *v_arrays)
+    )(tables.reshape(-1), counts.reshape(-1), qpos, qg, *pools)
     return acc, m[..., 0], l[..., 0]
 
 
@@ -319,7 +357,7 @@ def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_for
             raise ValueError(f"paged_attention: {name} in format {fmt} take "
                              f"{fmt.arity()} arrays, got {len(arrays)}")
         fmt.check(arrays, d)
-        if arrays[0].shape[0] != n_pages or fmt.page_size(arrays) != page_size:
+        if arrays[0].shape[0] != n_pages or fmt.page_size(arrays, d) != page_size:
             raise ValueError(f"paged_attention: {name} pages {arrays[0].shape} do not match "
                              f"pos_pages ({n_pages} pages of {page_size} slots)")
     if pages_per_split < 1:
@@ -335,22 +373,46 @@ def _compute_dtype(q_dtype, compute_dtype):
     return jnp.dtype(compute_dtype)
 
 
+def block_sizes(n_table: int, page_size: int, pages_per_split: int,
+                pages_per_block: int | None) -> tuple[int, int, int]:
+    """(pages per grid step, pages per split (a multiple of it), splits) for a table of n_table.
+
+    By default a TPU grid step copies at least `BLOCK_TOKENS` slots (one DMA
+    per page, double-buffered), so per-step overhead amortises over >= 512
+    tokens.
+    """
+    n_table = max(n_table, 1)
+    npb = pages_per_block or -(-BLOCK_TOKENS // page_size)
+    npb = max(1, min(npb, n_table))
+    per_split = -(-max(pages_per_split, npb) // npb) * npb
+    per_split = min(per_split, -(-n_table // npb) * npb)
+    return npb, per_split, -(-n_table // per_split)
+
+
 @functools.partial(jax.jit, static_argnames=("k_format", "v_format", "pages_per_split", "window",
                                              "softcap", "scale", "backend", "interpret",
-                                             "compute_dtype"))
+                                             "compute_dtype", "pages_per_block"))
 def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
                             k_format: Format = DENSE, v_format: Format = DENSE,
                             pages_per_split: int = 8, window: int | None = None,
                             softcap: float | None = None, scale: float | None = None,
                             backend: str = "tpu", interpret=False,
-                            compute_dtype=None) -> Partial:
+                            compute_dtype=None, pages_per_block: int | None = None) -> Partial:
     """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, k_format,
                   v_format, pages_per_split, backend)
     kvh = block_tables.shape[1]
-    pages_per_split = min(pages_per_split, max(block_tables.shape[2], 1))
-    splits = max(-(-block_tables.shape[2] // pages_per_split), 1)
+    if pages_per_block is not None and pages_per_block < 1:
+        raise ValueError(f"paged_attention: pages_per_block must be >= 1, got {pages_per_block}")
+    n_table = block_tables.shape[2]
+    if backend == "tpu":
+        npb, pages_per_split, splits = block_sizes(n_table, pos_pages.shape[-1], pages_per_split,
+                                                   pages_per_block)
+        extra = dict(pages_per_block=npb)
+    else:
+        pages_per_split = min(pages_per_split, max(n_table, 1))
+        splits, extra = max(-(-n_table // pages_per_split), 1), {}
     rows = q.shape[1] * q.shape[2] // kvh
     if backend == "gpu":
         rows = max(GPU_MIN_ROWS, 1 << (rows - 1).bit_length())
@@ -361,7 +423,7 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     call = _tpu_call if backend == "tpu" else _gpu_call
     acc, m, l = call(qg, qpos, k_arrays, v_arrays, pos_pages, block_tables, num_pages,
                      k_format=k_format, v_format=v_format, pages_per_split=pages_per_split,
-                     splits=splits, math=math, interpret=interpret)
+                     splits=splits, math=math, interpret=interpret, **extra)
     out = Partial(acc[0], m[0], l[0])
     for i in range(1, splits):
         out = merge(out, Partial(acc[i], m[i], l[i]))
@@ -381,7 +443,9 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       num_pages: [B, KVH] int32 pages in use per row (<= NP).
       k_format, v_format: `page_formats.Dense()`, `PackedTokens(...)`,
         `PackedChannels(...)`.
-      pages_per_split: pages per flash-decoding split (static).
+      pages_per_split: pages per flash-decoding split (static; TPU: rounded up
+        to a multiple of pages_per_block).
+      pages_per_block: TPU pages per grid step (default: >= 512 slots).
       window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.
       backend: "tpu" (Mosaic) or "gpu" (Triton); interpret: as in pallas_call.
       compute_dtype: MXU operand dtype (dots accumulate in float32); default

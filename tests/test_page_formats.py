@@ -87,6 +87,7 @@ def test_per_token_pages_decode_like_numpy(bits, group, symmetric, param_dtype):
     params = scale if symmetric else np.concatenate([scale, offset], axis=-1)  # [P, S, n]
     pages = np.concatenate([numpy_words(codes, bits),
                             numpy_pairs(np.swapaxes(params, 1, 2), param_dtype)], axis=1)
+    pages = pages.reshape(p, 1, -1)  # lane-flat: row r of a page at lanes r*S...
     fmt = pf.PackedTokens(bits, group, symmetric, param_dtype)
     fmt.check((jnp.asarray(pages),), d)
     f32_close(decode_pages(fmt, (jnp.asarray(pages),), d), want)
@@ -110,7 +111,7 @@ def test_per_channel_pages_decode_like_numpy(bits, symmetric, param_dtype):
     table = numpy_pairs(scale if symmetric else np.concatenate([scale, offset], axis=1),
                         param_dtype)
     fmt = pf.PackedChannels(bits, window, symmetric, param_dtype)
-    arrays = (jnp.asarray(pages), jnp.asarray(table))
+    arrays = (jnp.asarray(pages.reshape(p, 1, -1)), jnp.asarray(table.reshape(p, 1, -1)))
     fmt.check(arrays, d)
     f32_close(decode_pages(fmt, arrays, d), want)
 

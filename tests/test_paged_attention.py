@@ -150,7 +150,8 @@ def packed_channels(rng, x, bits, window, symmetric, param_dtype="float16"):
     offset = rng.normal(size=(n, window, d))
     params = scale if symmetric else np.concatenate([scale, offset], axis=1)
     pages = jnp.concatenate([jnp.swapaxes(pack(codes, bits), 1, 2), local], axis=1)
-    return pages, pf.pack_rows(jnp.asarray(params, param_dtype), param_dtype)
+    return pf.lane_flat(pages), pf.lane_flat(pf.pack_rows(jnp.asarray(params, param_dtype),
+                                                          param_dtype))
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
