@@ -338,7 +338,7 @@ def trained(model):
     rng = np.random.default_rng(0)
     windows = rng.integers(3, 250, (6, 48)).tolist()
     return train_feature_maps(model, windows[:4], windows[4:], features=8, steps=40, lr=3e-2,
-                              batch=2, progress=False)
+                              queries=16, batch=2, progress=False)
 
 
 def test_optax_training_lowers_the_loss(trained):
