@@ -49,16 +49,20 @@ MODELS = {"SmolLM2-135M": dict(kv_heads=3, heads=9, head_dim=64),
 MiB = 2 ** 20
 
 
-def formats(ctx: int):
-    """name -> (k_format, v_format, dense dtype, store bytes per slot for k and v at head_dim d)."""
+def formats(ctx: int, head_dim: int):
+    """name -> (k_format, v_format, dense dtype, store bytes per slot for k and v at head_dim d).
+
+    Dense pages are read slot-last below 128 lanes, as `kvjax.kernel_attention` does on TPU.
+    """
     ng = ctx // GROUP
+    dense = pf.DENSE_T if head_dim % 128 else pf.DENSE
     win = pf.window_for(PAGE, GROUP, ng)
     tok = lambda bits, g, sym=False: pf.PackedTokens(bits, g, sym)
     tok_bytes = lambda bits, g, sym=False: lambda d: d * bits / 8 + (d // g) * (1 if sym else 2) * 2
     kivi_bytes = lambda bits: lambda d: d * bits / 8 + 2 + 2 * d * 2 / GROUP
     return {
-        "bf16": (pf.DENSE, pf.DENSE, jnp.bfloat16, lambda d: 2 * d, lambda d: 2 * d),
-        "fp8-e4m3": (pf.DENSE, pf.DENSE, jnp.float8_e4m3fn, lambda d: d, lambda d: d),
+        "bf16": (dense, dense, jnp.bfloat16, lambda d: 2 * d, lambda d: 2 * d),
+        "fp8-e4m3": (dense, dense, jnp.float8_e4m3fn, lambda d: d, lambda d: d),
         "int8 g64": (tok(8, 64), tok(8, 64), None, tok_bytes(8, 64), tok_bytes(8, 64)),
         "int4 g32": (tok(4, 32), tok(4, 32), None, tok_bytes(4, 32), tok_bytes(4, 32)),
         "int4 g64": (tok(4, 64), tok(4, 64), None, tok_bytes(4, 64), tok_bytes(4, 64)),
@@ -92,7 +96,7 @@ def pool_copies(hlo: str) -> int:
 def measure(chip: str, model: str, name: str, batch: int, ctx: int, pages_per_split: int = 8):
     device = tc.tpu_device(chip)
     shape = MODELS[model]
-    k_fmt, v_fmt, dense_dtype, k_bytes, v_bytes = formats(ctx)[name]
+    k_fmt, v_fmt, dense_dtype, k_bytes, v_bytes = formats(ctx, shape["head_dim"])[name]
     args = abstract_args(device, k_fmt, v_fmt, dense_dtype, batch=batch, ctx=ctx, **shape)
     fn = functools.partial(paged_attention, k_format=k_fmt, v_format=v_fmt, backend="tpu",
                            pages_per_split=pages_per_split)
@@ -124,7 +128,7 @@ def main(argv=None):
         for batch in (8, 64):
             for ctx in (4096, 32768):
                 base = None
-                for name in formats(ctx):
+                for name in formats(ctx, MODELS[model]["head_dim"]):
                     row = measure(args.chip, model, name, batch, ctx)
                     base = base or row["kernel_mb"]
                     row["x_bf16"] = round(row["kernel_mb"] / base, 3)

@@ -16,7 +16,7 @@ copied to row-major before every kernel call, while `[P, 1, L]` is tiled
 
 | format | arrays (P pages of S slots) | decode |
 |---|---|---|
-| `Dense()` | `[P, S, D]` float32/bf16/fp8 | cast; `[S, D]` |
+| `Dense(slots_last)` | `[P, S, D]` (or `[P, D, S]`) float32/bf16/fp8 | cast |
 | `PackedTokens(bits, group, symmetric, param_dtype)` | `[P, 1, (W + NW) * S]` uint32: W = D*bits/32 rows of code words, then NW rows of packed scale (and offset) | per token, groups of G channels; `[D, S]` |
 | `PackedChannels(bits, window, symmetric, param_dtype)` | `[P, 1, (W + 1) * S]` uint32 (codes, then each slot's row in the page's table window) and `[P, 1, TW * D]` uint32 table window | per channel; `[D, S]` |
 
@@ -230,29 +230,38 @@ def _slots_last(x: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Dense:
-    """Plain floats, `[P, S, D]`; any float dtype (float32, bfloat16, float8)."""
+    """Plain floats (float32, bfloat16, float8): `[P, S, D]`, or `[P, D, S]` with `slots_last`.
 
-    slots_last = False
+    `slots_last` suits head dims below 128 lanes on TPU: XLA keeps a
+    `[.., S, 64]` cache page-minor in memory (no lane padding), so its
+    `swapaxes` to `[P, D, S]` is free, while the row-major `[P, S, D]`
+    Mosaic needs would be a copy of the pool before every call.
+    """
+
+    slots_last: bool = False
 
     def arity(self) -> int:
         return 1
 
     def check(self, arrays, head_dim: int) -> None:
         (x,) = arrays
-        if x.ndim != 3 or x.shape[-1] != head_dim:
-            raise ValueError(f"dense pages must be [P, S, {head_dim}], got {x.shape}")
+        axis = 1 if self.slots_last else 2
+        if x.ndim != 3 or x.shape[axis] != head_dim:
+            want = f"[P, {head_dim}, S]" if self.slots_last else f"[P, S, {head_dim}]"
+            raise ValueError(f"dense pages must be {want}, got {x.shape}")
         if not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(f"dense pages must be a float dtype, got {x.dtype}")
 
     def page_size(self, arrays, head_dim: int) -> int:
-        return arrays[0].shape[1]
+        return arrays[0].shape[2 if self.slots_last else 1]
 
     def shapes(self, n_pages: int, page_size: int, head_dim: int, dtype=jnp.bfloat16):
         """The pool's arrays as `jax.ShapeDtypeStruct`s."""
-        return (jax.ShapeDtypeStruct((n_pages, page_size, head_dim), dtype),)
+        shape = (n_pages, head_dim, page_size) if self.slots_last else (n_pages, page_size, head_dim)
+        return (jax.ShapeDtypeStruct(shape, dtype),)
 
     def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
-        """blocks: ([S, D],) -> [S, D] in `dtype`."""
+        """blocks: ([S, D] or [D, S],) -> the same in `dtype`."""
         return ops.load(blocks[0]).astype(dtype)
 
     def decode_flops(self, head_dim: int, page_size: int) -> int:
@@ -467,6 +476,7 @@ class PackedChannels:
 
 
 DENSE = Dense()
+DENSE_T = Dense(slots_last=True)
 Format = Dense | PackedTokens | PackedChannels
 
 

@@ -65,6 +65,8 @@ def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False,
     """
     as_pages = lambda x: x.reshape(-1, page, *x.shape[2:])
     if is_dense(store):
+        if backend == "tpu" and store.shape[-1] % 128:  # D < 128 lanes: XLA keeps it page-minor
+            return pf.DENSE_T, (jnp.swapaxes(as_pages(store), 1, 2),)
         return pf.DENSE, (as_pages(store),)
     if isinstance(store, PackedTokens):
         fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None,

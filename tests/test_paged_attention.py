@@ -125,6 +125,21 @@ def test_merge_is_softmax_over_the_union():
                                **TOL)
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_dense_pages_with_slots_last(backend):
+    """Dense(slots_last=True) reads [P, D, S] pages: the same attention as [P, S, D]."""
+    rng = np.random.default_rng(9)
+    lengths = [1, 40, 64]
+    k, v, pos, tables, counts = make_pool(rng, batch=3, kv_heads=1, page_size=16, head_dim=64,
+                                          lengths=lengths, dtype=jnp.bfloat16)
+    q, q_pos = queries(rng, 3, 1, 3, 64, lengths)
+    t = lambda x: jnp.swapaxes(x, 1, 2)
+    got, want = run_both(q, q_pos, t(k), v, pos, tables, counts, backend, k_format=pf.DENSE_T)
+    np.testing.assert_allclose(got, want, **TOL)
+    got, want = run_both(q, q_pos, k, t(v), pos, tables, counts, backend, v_format=pf.DENSE_T)
+    np.testing.assert_allclose(got, want, **TOL)
+
+
 def test_bfloat16_pages():
     rng = np.random.default_rng(6)
     k, v, pos, tables, counts = make_pool(rng, batch=2, kv_heads=2, page_size=32, head_dim=128,

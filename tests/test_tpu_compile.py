@@ -66,6 +66,10 @@ VARIANTS = [
             table=6, pages_per_split=2),
     Variant("dense-bf16 d64 p128 prefill16 gqa3 window softcap", DENSE, DENSE, 64, 128, 16, 3,
             kv_heads=3, window=100, softcap=30.0),
+    Variant("dense-bf16 slots-last d64 p256 decode gqa3 split", pf.DENSE_T, pf.DENSE_T, 64, 256,
+            1, 3, kv_heads=3, table=8, pages_per_split=4),
+    Variant("fp8-e4m3 slots-last d64 p64 prefill4 gqa2", pf.DENSE_T, pf.DENSE_T, 64, 64, 4, 2,
+            page_dtype=jnp.float8_e4m3fn),
     Variant("fp8-e4m3 d128 p64 decode gqa4 split", DENSE, DENSE, 128, 64, 1, 4,
             page_dtype=jnp.float8_e4m3fn, pages_per_split=2),
     Variant("fp8-e5m2 d64 p32 prefill5 gqa2 f32-q", DENSE, DENSE, 64, 32, 5, 2,
@@ -148,7 +152,8 @@ def test_variants_cover_every_format_and_path():
         assert ("PackedTokens", bits, False) in kinds and ("PackedTokens", bits, True) in kinds
     for bits in (4, 2):
         assert ("PackedChannels", bits, False) in kinds
-    dense = {jnp.dtype(v.page_dtype).name for v in VARIANTS if v.k_format == DENSE}
+    dense = {jnp.dtype(v.page_dtype).name for v in VARIANTS if isinstance(v.k_format, pf.Dense)}
+    assert pf.DENSE_T in {v.k_format for v in VARIANTS}
     assert {"float32", "bfloat16", "float8_e4m3fn"} <= dense
     assert {v.head_dim for v in VARIANTS} == {64, 128}
     assert {16, 32, 64, 128, 256} <= {v.page_size for v in VARIANTS}
