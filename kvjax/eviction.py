@@ -439,6 +439,9 @@ def scored_policy(name: str, scorer: Scorer, *, ratio: float | None, budget: int
     if not (schedule in ("uniform", "pyramid") or isinstance(schedule, tuple)):
         raise ValueError(f"{name}: schedule must be 'uniform', 'pyramid' or a tuple of "
                          f"per-layer weights, got {schedule!r}")
+    if isinstance(schedule, tuple):
+        for weight in schedule:
+            check_real(name, "every schedule weight", weight, 1e-6)
     check_real(name, "alpha", alpha, 0.0, 1.0)
     update = _scored_update(scorer, schedule, window, float(beta), bool(headwise), float(alpha),
                             debug_checks_enabled())

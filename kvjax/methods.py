@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+from pathlib import Path
 from typing import Callable
 
 from kvjax import codecs, eviction
@@ -28,7 +29,17 @@ from kvjax.transforms import CacheTransform, chain, full, on_layers
 def _low_rank_from_file(rank: int, basis: str, key_rank: int | None = None,
                         value_rank: int | None = None) -> CacheTransform:
     """`low_rank` with its basis read from an .npz file (`kvjax calibrate --out FILE`)."""
-    return low_rank(LowRankBasis.load(basis), rank, key_rank, value_rank)
+    if Path(str(basis)).is_dir():
+        raise ValueError(f"low_rank: basis={basis} is a directory; pass the .npz file that "
+                         f"`kvjax calibrate --out FILE` wrote")
+    try:
+        loaded = LowRankBasis.load(basis)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # numpy and zipfile errors on a file that is not a basis
+        raise ValueError(f"low_rank: basis={basis} is not a basis written by `kvjax calibrate` "
+                         f"({type(e).__name__}: {e})") from None
+    return low_rank(loaded, rank, key_rank, value_rank)
 
 
 METHODS: dict[str, Callable[..., CacheTransform]] = {
@@ -77,6 +88,8 @@ def split_part(part: str) -> tuple[str, dict]:
         key, eq, value = item.partition("=")
         if not eq:
             raise ValueError(f"method {name!r}: argument {item!r} is not key=value")
+        if key.strip() in kwargs:
+            raise ValueError(f"method {name!r}: argument {key.strip()!r} is given twice")
         kwargs[key.strip()] = _parse_value(value.strip())
     return name, kwargs
 
