@@ -37,11 +37,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"kvjax: error: {message}\n")
 
 
+class BadResult(Exception):
+    """A run that finished with a meaningless result (NaN): exit code 1, never printed."""
+
+
 class UsageError(ValueError):
     """A bad command-line value: printed as one line, exit code 2."""
 
 
-# option -> (lowest, highest or None, what the option is); checked by `check_args`
+# integer option -> (lowest, highest or None); checked by `check_args` before any work
 BOUNDS = {
     "max_new_tokens": (1, None), "top_k": (0, None), "seed": (0, None),
     "compress_every": (0, None), "context": (2, None), "stride": (1, None),
@@ -79,8 +83,9 @@ def check_args(args) -> None:
     for option in ("text", "context_file", "config"):
         path = getattr(args, option, None)
         if path is not None and not Path(path).is_file():
-            what = "is a directory" if Path(path).is_dir() else "not found"
-            raise _bad(option, path, f"{what}: need a file")
+            kind = "config" if option == "config" else "text"
+            raise _bad(option, path, "is a directory: need a file" if Path(path).is_dir()
+                       else f"{kind} file not found")
     out = getattr(args, "out", None)
     if out is not None:
         check_writable(out, folder=args.command in ("eval", "bench"))
@@ -270,6 +275,9 @@ def cmd_ppl(args, model, tokenizer) -> dict:
     start = time.perf_counter()
     result = perplexity(model, ids, args.context, args.stride, batch_size=args.batch_size,
                         prefix=args.prefix, transform=_transform(args.method))
+    if not math.isfinite(result.ppl):
+        raise BadResult(f"perplexity is {result.ppl} (summed NLL {result.nll}): the model gave "
+                        f"non-finite log-probabilities; not reporting it")
     return {"ppl": result.ppl, "nll": result.nll, "tokens_scored": result.tokens_scored,
             "text_tokens": len(ids), "context": args.context,
             "stride": args.stride or args.context, "prefix": args.prefix,
@@ -299,7 +307,7 @@ def cmd_eval(args) -> int:
     try:
         if not args.config.is_file():
             raise _bad("config", args.config, "is a directory: need a file" if
-                       args.config.is_dir() else "not found")
+                       args.config.is_dir() else "config file not found")
         grid = harness.load_config(args.config)
         cells = [c for c in grid.cells if args.command == "eval" or c.task == "speed"]
         if not cells:
@@ -365,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
+    except BadResult as e:
+        print(f"kvjax: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("kvjax: interrupted", file=sys.stderr)
         return 130

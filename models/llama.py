@@ -73,6 +73,11 @@ class LlamaConfig:
                              f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: head_dim {self.head_dim} must be even for RoPE")
+        for name in ("rope_theta", "rms_norm_eps"):
+            value = getattr(self, name)
+            if isinstance(value, (str, bool)) or not 0 < float(value) < float("inf"):
+                raise ValueError(f"LlamaConfig.{name} must be a positive finite number, "
+                                 f"got {value!r}")
 
     @property
     def cache_spec(self) -> CacheSpec:

@@ -313,6 +313,13 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.flo
     """
     from models.tokenizer import Tokenizer, load_tokenizer
 
+    try:
+        floating = jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:
+        floating = False
+    if not floating:
+        raise ValueError(f"dtype must be a floating-point type such as jnp.float32 or "
+                         f"jnp.bfloat16, got {dtype!r}")
     path = resolve_model_path(name_or_path)
     if path.is_dir():
         cfg, params = load_hf_dir(path)

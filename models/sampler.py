@@ -45,7 +45,9 @@ class Sampling:
     top_p: float = 1.0  # 1 = no nucleus filter
 
     def __post_init__(self):
-        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+        finite = self.temperature >= 0 and self.temperature < float("inf")  # NaN fails too
+        whole = isinstance(self.top_k, (int, np.integer)) and self.top_k >= 0
+        if not finite or not whole or not 0 < self.top_p <= 1:
             raise ValueError(f"bad sampling settings {self}: need temperature >= 0, "
                              f"top_k >= 0, 0 < top_p <= 1")
 
@@ -191,6 +193,13 @@ class Prefilled(NamedTuple):
     next_pos: np.ndarray  # [B] int32 position of each sequence's next token
 
 
+def _check_token_ids(tokens: np.ndarray, vocab_size: int) -> None:
+    """ValueError for an id the embedding has no row for (JAX would clamp it silently)."""
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}) (the model's vocabulary), "
+                         f"got {tokens.min()}..{tokens.max()}")
+
+
 def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
                   stats: StatsSpec = NO_STATS, room: int = 0, capacity: int | None = None,
                   chunk: int = 256, cache_dtype: Any = jnp.float32,
@@ -202,9 +211,12 @@ def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
     One prefill can serve several policies: collect the union of their
     `transform.stats` and `compress` it once per policy with `keep_input=True`.
     """
+    if not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     chunk = min(chunk, max(len(p) for p in prompts)) if prompts else chunk
     padded = pad_prompts(prompts, chunk, 0)
     width = padded.tokens.shape[1]
+    _check_token_ids(padded.tokens, model.config.vocab_size)
     if padded.lengths.max() > model.config.max_position:
         raise ValueError(f"a prompt of {padded.lengths.max()} tokens exceeds the model's "
                          f"{model.config.max_position} positions")
@@ -278,6 +290,7 @@ def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
     chunk = min(chunk, max(len(p) for p in suffixes))
     padded = pad_prompts(suffixes, chunk, 0)
     width = padded.tokens.shape[1]
+    _check_token_ids(padded.tokens, model.config.vocab_size)
     if (pre.next_pos + padded.lengths).max() > model.config.max_position:
         raise ValueError(f"the extended sequences reach {(pre.next_pos + padded.lengths).max()}"
                          f" tokens, past the model's {model.config.max_position} positions")
@@ -325,8 +338,11 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     `functools.partial(kvjax.shard_cache, mesh=mesh)`; jit follows its sharding.
     `impl="pallas"` runs attention in the Pallas kernels on TPU/GPU (`kvjax.attend`).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if not isinstance(compress_every, (int, np.integer)) or compress_every < 0:
+        raise ValueError(f"compress_every must be an int >= 0 (0 = only after prefill), got "
+                         f"{compress_every!r}")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     cfg = model.config

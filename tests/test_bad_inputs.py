@@ -193,7 +193,55 @@ def test_layers_beyond_the_model_are_a_value_error(tiny_model):
                  transform=parse_method("knorm:ratio=0.5,layers=0-99"))
 
 
+def test_more_spec_mistakes(tmp_path):
+    with pytest.raises(ValueError, match="argument 'ratio' is given twice"):
+        parse_method("snapkv:ratio=0.5,ratio=0.3")
+    (tmp_path / "notes.txt").write_text("not a basis")
+    with pytest.raises(ValueError, match="notes.txt is not a basis written by `kvjax calibrate`"):
+        parse_method(f"low_rank:rank=4,basis={tmp_path / 'notes.txt'}")
+    with pytest.raises(ValueError, match="is a directory; pass the .npz file"):
+        parse_method(f"low_rank:rank=4,basis={tmp_path}")
+    with pytest.raises(ValueError, match="every schedule weight must be a finite number"):
+        kvjax.knorm(ratio=0.5, schedule=(-1.0, 3.0))
+
+
 # ----------------------------------------------------------------------------- model entries
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m, g: g(m, [[300, 5]], max_new_tokens=2), r"token ids must be in \[0, 256\)"),
+    (lambda m, g: g(m, [[-3, 5]], max_new_tokens=2), r"token ids must be in \[0, 256\)"),
+    (lambda m, g: g(m, [[3, 5]], max_new_tokens=2.5), "max_new_tokens must be an int >= 1, got 2.5"),
+    (lambda m, g: g(m, [[3, 5]], max_new_tokens=2, compress_every=-1),
+     "compress_every must be an int >= 0"),
+    (lambda m, g: g(m, [[3, 5]], max_new_tokens=2, chunk=0), "chunk must be an int >= 1, got 0"),
+])
+def test_generate_rejects_bad_arguments(tiny_model, call, message):
+    from models.sampler import generate
+    with pytest.raises(ValueError, match=message):
+        call(tiny_model, generate)
+
+
+@pytest.mark.parametrize("settings", [(float("nan"), 0, 1.0), (float("inf"), 0, 1.0),
+                                      (1.0, 2.5, 1.0), (1.0, 0, float("nan"))])
+def test_sampling_rejects_nan_and_non_integer_settings(settings):
+    from models.sampler import Sampling
+    with pytest.raises(ValueError, match="bad sampling settings"):
+        Sampling(*settings)
+
+
+@pytest.mark.parametrize("field, value", [("rope_theta", 0.0), ("rope_theta", float("nan")),
+                                          ("rms_norm_eps", -1e-5), ("max_position", 0)])
+def test_model_configs_that_would_give_nan_are_refused(field, value):
+    from models.llama import LlamaConfig
+    with pytest.raises(ValueError, match=f"LlamaConfig.{field} must be"):
+        LlamaConfig.tiny(**{field: value})
+
+
+def test_load_model_rejects_a_non_float_dtype(tiny_gguf):
+    from models.loading import load_model
+    with pytest.raises(ValueError, match="dtype must be a floating-point type"):
+        load_model(tiny_gguf, dtype=jnp.int32)
 
 
 def test_model_entries_check_positions_and_token_ids(tiny_model):
@@ -281,7 +329,7 @@ def test_cli_rejects_bad_numbers_with_one_line(capsys, tmp_path, tiny_gguf, argv
 
 @pytest.mark.parametrize("argv, message", [
     (["ppl", "--context", "64", "--text", "{tmp}"], "--text {tmp}: is a directory: need a file"),
-    (["ppl", "--context", "64", "--text", "{tmp}/none.txt"], "--text {tmp}/none.txt: not found"),
+    (["ppl", "--context", "64", "--text", "{tmp}/none.txt"], "--text {tmp}/none.txt: text file not found"),
     (["ppl", "--context", "64", "--text", "{tmp}/binary.txt"], "is not UTF-8 text"),
     (["ppl", "--context", "64", "--text", "{tmp}/empty.txt"], "is empty"),
     (["generate", "--prompt", "hi", "--context-file", "{tmp}"], "is a directory: need a file"),
@@ -308,6 +356,17 @@ def test_cli_accepts_good_input_on_the_tiny_model(capsys, tiny_gguf):
     # two windows of 128; the first token of each is not scored (no context)
     assert result["text_tokens"] == 256 and result["tokens_scored"] == 254
     assert 1 < result["ppl"] < 128 * 2  # a random tiny model: near its 128-token vocabulary
+
+
+def test_a_nan_perplexity_is_an_error_not_invalid_json(capsys, tiny_gguf, monkeypatch):
+    import experiments.ppl
+    from experiments.ppl import Perplexity
+    monkeypatch.setattr(experiments.ppl, "perplexity",
+                        lambda *a, **k: Perplexity(float("nan"), float("nan"), 10))
+    code, out, err = cli(capsys, "ppl", "--model", tiny_gguf, "--text", DATA / "kjv_genesis.txt",
+                         "--context", "64", "--max-tokens", "128", "--json")
+    assert code == 1 and out == "" and err.count("\n") == 1
+    assert "perplexity is nan" in err and "not reporting it" in err
 
 
 # ----------------------------------------------------------------------------- self-repair
