@@ -135,6 +135,8 @@ def run_ppl_cell(cell: Cell) -> dict:
         for lp in score_continuations(model, pre, conts):
             nll -= float(np.sum(lp, dtype=np.float64))
             scored += len(lp)
+    if not np.isfinite(nll):  # a NaN is a failed cell, never a score in the tables
+        raise FloatingPointError(f"the summed NLL of {scored} tokens is {nll}")
     return dict(asdict(cell), status="ok", score=float(np.exp(nll / scored)), nll=nll,
                 tokens_scored=scored, prefix=prefix, text=PPL_TEXT.name,
                 cache_bytes_per_token=kept_bytes / (len(windows) * prefix),

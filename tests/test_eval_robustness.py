@@ -227,3 +227,20 @@ def test_ctrl_c_on_a_real_sweep_exits_130_without_a_traceback(tmp_path):
     kept = harness.read_rows(rows)
     assert sorted((r["length"], r["method"]) for r in kept) == [(256, "full"),
                                                                 (256, "snapkv:ratio=0.5")]
+
+
+def test_a_nan_perplexity_cell_fails_instead_of_scoring(tmp_path, monkeypatch):
+    import numpy as np
+
+    import models.scoring
+    from experiments.cells import run_ppl_cell
+    from tests.test_loading import write_gguf
+
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "cache"))
+    gguf = write_gguf(tmp_path / "tiny.gguf", "llama_tied")
+    monkeypatch.setattr(models.scoring, "score_continuations",
+                        lambda model, pre, conts, **k: [np.full(len(c), np.nan, np.float32)
+                                                        for c in conts])
+    cell = Cell("ppl", 64, "full", trials=1, batch=1, model=str(gguf))
+    with pytest.raises(FloatingPointError, match="the summed NLL of 16 tokens is nan"):
+        run_ppl_cell(cell)
