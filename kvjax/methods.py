@@ -68,6 +68,44 @@ def register_method(name: str, factory: Callable[..., CacheTransform]) -> None:
     METHODS[name] = factory
 
 
+PLUGINS_ENV = "KVJAX_PLUGINS"
+_loaded_plugins: set[str] = set()
+
+
+def load_plugins(spec: str | None = None) -> None:
+    """Import the plugin files or modules in `spec` (default `$KVJAX_PLUGINS`), once each.
+
+    `spec` is `os.pathsep`-separated: `.py` files or importable module names
+    whose import calls `register_method`. `parse_method` calls this when it
+    meets an unknown name, so the command line and every `kvjax eval` worker
+    (which inherit the environment) find methods defined outside kvjax.
+    """
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    for item in filter(None, (spec if spec is not None else
+                              os.environ.get(PLUGINS_ENV, "")).split(os.pathsep)):
+        if item in _loaded_plugins:
+            continue
+        if item.endswith(".py"):
+            path = Path(item).expanduser()
+            if not path.is_file():
+                raise ValueError(f"{PLUGINS_ENV}: plugin file {item} does not exist")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules.setdefault(path.stem, module)
+            module_spec.loader.exec_module(module)
+        else:
+            try:
+                importlib.import_module(item)
+            except ImportError as e:
+                raise ValueError(f"{PLUGINS_ENV}: cannot import plugin module {item!r} "
+                                 f"({e})") from None
+        _loaded_plugins.add(item)
+
+
 def _parse_value(text: str) -> int | float | bool | str:
     for cast in (int, float):
         try:
@@ -120,6 +158,8 @@ def _check_keywords(name: str, factory: Callable, kwargs: dict) -> None:
 
 def _parse_part(part: str) -> CacheTransform:
     name, kwargs = split_part(part)
+    if name not in METHODS:
+        load_plugins()
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}{did_you_mean(name, METHODS)}; "
                          f"available: {', '.join(sorted(METHODS))}")

@@ -15,7 +15,7 @@ NOTEBOOKS = sorted((ROOT / "experiments" / "notebooks").glob("*.ipynb"))
 
 
 def test_there_are_notebooks():
-    assert {p.stem for p in NOTEBOOKS} >= {"quickstart"}
+    assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "your_own_policy"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
@@ -38,12 +38,13 @@ def test_readme_quickstart_is_the_notebooks_first_cell():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_runs_top_to_bottom(path, smollm2_file):
+def test_runs_top_to_bottom(path, smollm2_file, tmp_path):
+    """In a temporary folder (the policy notebook writes its plugin and results there)."""
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=900, kernel_name="python3",
-                   resources={"metadata": {"path": str(ROOT)}}).execute()  # raises on error
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()  # raises on error
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.output_type == "error"]
     assert not errors
