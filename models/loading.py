@@ -285,15 +285,19 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
 
 
 def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """`smollm2` -> the default GGUF (found or fetched); otherwise an existing path."""
+    """`smollm2` -> the default GGUF (found or fetched); an existing path as it is; a Hugging
+    Face repo id ('org/name' or 'org/name@revision') -> its snapshot in the hub cache."""
+    from models.hub import find_smollm2, from_hugging_face, is_repo_id
+
     if str(name_or_path) == "smollm2":
-        from models.hub import find_smollm2
         return find_smollm2()
     path = Path(name_or_path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model {str(name_or_path)!r} not found: pass 'smollm2', "
-                                f"a .gguf file or a Hugging Face model directory")
-    return path
+    if path.exists():
+        return path
+    if is_repo_id(str(name_or_path)):
+        return from_hugging_face(str(name_or_path))
+    raise FileNotFoundError(f"model {str(name_or_path)!r} not found: pass 'smollm2', a .gguf "
+                            f"file, a Hugging Face model directory or repo id (org/name)")
 
 
 def load_weights(name_or_path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
