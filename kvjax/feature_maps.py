@@ -17,8 +17,10 @@ approximates softmax attention:
   phi / psi): `phi(x) = exp([xW, -xW] + b)` (Hedgehog's +/- pair with
   an exp output instead of a softmax, so the absolute scale is learned too),
   trained by `models.train_state.train_feature_maps` on a model's own queries
-  and keys. A bias per feature (initialised to `-log(F)/2`, so an untrained
-  pair multiplies to about 1) carries the scale.
+  and keys. A bias per feature carries the scale; it starts at
+  `-log(F)/2 - 4`, so an untrained pair multiplies to about e^-8 and training
+  starts from eviction alone (the state adds almost nothing) rather than from
+  a state that swamps the kept tokens.
 
 A `FeatureMap` is a frozen, hashable value (its parameters are host numpy
 arrays, compared by content), so it can be a static field of a cache layer:
@@ -47,6 +49,7 @@ import numpy as np
 
 KINDS = ("elu", "prf", "hedgehog")
 LOG_CLIP = 20.0  # learned exp features: |exponent| <= 20, so a feature product stays < e^40
+BIAS_OFFSET = 4.0  # untrained learned pair: phi.psi ~ e^-8, so training starts at eviction alone
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -192,7 +195,7 @@ def hedgehog(kv_heads: int, head_dim: int, features: int = 64, seed: int = 0) ->
     half = features // 2
     init = lambda: (rng.standard_normal((kv_heads, head_dim, half)) * head_dim ** -0.75
                     ).astype(np.float32)
-    bias = np.full((kv_heads, features), -0.5 * np.log(features), np.float32)
+    bias = np.full((kv_heads, features), -0.5 * np.log(features) - BIAS_OFFSET, np.float32)
     return FeatureMap("hedgehog", head_dim, features, (init(), bias, init(), bias.copy()))
 
 
