@@ -57,11 +57,12 @@ class Variant(NamedTuple):
     q_dtype: object = BF16
     page_dtype: object = BF16  # dense pages only
     batch: int = 2
+    pages_per_block: int | None = None  # TPU pages per grid step (default: >= 512 slots)
 
 
 VARIANTS = [
-    Variant("dense-f32 d64 p16 decode mha", DENSE, DENSE, 64, 16, 1, 1, q_dtype=F32,
-            page_dtype=F32, table=8),
+    Variant("dense-f32 d64 p16 decode mha 2-page blocks 2 splits", DENSE, DENSE, 64, 16, 1, 1,
+            q_dtype=F32, page_dtype=F32, table=8, pages_per_block=2),
     Variant("dense-bf16 d128 p256 decode gqa8 split", DENSE, DENSE, 128, 256, 1, 8, kv_heads=1,
             table=6, pages_per_split=2),
     Variant("dense-bf16 d64 p128 prefill16 gqa3 window softcap", DENSE, DENSE, 64, 128, 16, 3,
@@ -92,8 +93,8 @@ VARIANTS = [
             PT(8, 64, param_dtype="float32"), 128, 32, 1, 4),
     Variant("kivi4 keys int4 values d64 p64 decode gqa3", PC(4, 4), PT(4, 32), 64, 64, 1, 3,
             kv_heads=3),
-    Variant("kivi2 keys int2 values d128 p256 decode gqa4 split", PC(2, 16), PT(2, 32), 128, 256,
-            1, 4, table=4, pages_per_split=2),
+    Variant("kivi2 keys int2 values d128 p256 decode gqa4 split 1-page blocks", PC(2, 16),
+            PT(2, 32), 128, 256, 1, 4, table=4, pages_per_split=2, pages_per_block=1),
     Variant("kivi4 keys int2 values d128 p16 prefill16 gqa8 window softcap", PC(4, 2), PT(2, 32),
             128, 16, 16, 8, kv_heads=1, window=30, softcap=50.0),
     Variant("kivi2-sym keys int4 values d64 p32 decode gqa1 f32-q", PC(2, 2, True), PT(4, 32), 64,
@@ -122,7 +123,7 @@ def compile_variant(v: Variant, chip: str):
     device = tc.tpu_device(chip)
     fn = functools.partial(paged_attention, k_format=v.k_format, v_format=v.v_format,
                            pages_per_split=v.pages_per_split, window=v.window,
-                           softcap=v.softcap, backend="tpu")
+                           softcap=v.softcap, backend="tpu", pages_per_block=v.pages_per_block)
     return tc.compile_for(device, fn, *variant_args(v, device))
 
 
@@ -160,6 +161,7 @@ def test_variants_cover_every_format_and_path():
     assert {1, 2, 3, 4, 6, 8} <= {v.gqa for v in VARIANTS}
     assert any(v.t == 1 for v in VARIANTS) and any(v.t > 1 for v in VARIANTS)
     assert any(v.pages_per_split < v.table for v in VARIANTS)
+    assert any(v.pages_per_block and v.pages_per_block < v.pages_per_split for v in VARIANTS)
     assert any(v.window for v in VARIANTS) and any(v.softcap for v in VARIANTS)
     assert {jnp.dtype(v.q_dtype).name for v in VARIANTS} == {"float32", "bfloat16"}
 
