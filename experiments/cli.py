@@ -11,8 +11,9 @@
         --results docs/RESULTS.md         # the quality grid, < 60 min on 2 cores
     kvjax bench --config experiments/configs/compare.toml --out results/bench
 
-Every command takes `--model smollm2|PATH` (a .gguf file or a Hugging Face
-directory), `--method NAME[:k=v,...]` and `--json` (one JSON object on stdout).
+Every command takes `--model smollm2|PATH|ORG/NAME[@REV]` (a .gguf file, a Hugging Face
+directory or repo id), `--method NAME[:k=v,...]` and `--json` (one JSON object on stdout).
+`generate --answer-prefix TEXT` opens the reply (kvpress's answer_prefix).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-file", type=Path,
                    help="text placed before the prompt (the part a method compresses)")
     g.add_argument("--chat", action="store_true", help="wrap in the model's chat template")
+    g.add_argument("--answer-prefix", default="",
+                   help="text that opens the reply, after the prompt (e.g. 'The pass key is')")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0)
@@ -219,53 +222,19 @@ def check_model_args(args, cfg) -> None:
                    f"must be < the model's {limit} positions (the prompt needs some)")
 
 
-def build_prompt(tokenizer, prompt: str, context: str | None, chat: bool) -> str:
-    """The full prompt text: context first, then the prompt (inside the chat template)."""
-    user = prompt if context is None else f"{context.rstrip()}\n\n{prompt}"
-    if not chat:
-        return user
-    return tokenizer.apply_chat_template([{"role": "user", "content": user}],
-                                         add_generation_prompt=True)
-
-
-def split_prompt(tokenizer, prompt: str, context: str, chat: bool) -> tuple[list[int], list[int]]:
-    """(context ids, prompt ids) of `build_prompt`'s text, cut right after the context.
-
-    The context is compressed before the prompt is seen (query-agnostic). The
-    cut is a paragraph break; when the two halves tokenize differently from
-    the whole (a merge across the cut) the halves are encoded on their own.
-    """
-    full = build_prompt(tokenizer, prompt, context, chat)
-    cut = full.index(context.rstrip()) + len(context.rstrip())
-    head, ids = tokenizer.encode(full[:cut]), tokenizer.encode(full)
-    if ids[:len(head)] == head and len(ids) > len(head):
-        return head, ids[len(head):]
-    return head, tokenizer.encode(full[cut:])
-
-
 def cmd_generate(args, model, tokenizer) -> dict:
-    from kvjax import nbytes
-    from models.sampler import Sampling, generate
+    from models.pipeline import ask
+    from models.sampler import Sampling
 
-    context = _read_text(args.context_file) if args.context_file else None
-    if context is None:
-        ids, contexts = tokenizer.encode(build_prompt(tokenizer, args.prompt, None, args.chat)), None
-    else:
-        head, ids = split_prompt(tokenizer, args.prompt, context, args.chat)
-        contexts = [head]
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    start = time.perf_counter()
-    out = generate(model, [ids], contexts=contexts, max_new_tokens=args.max_new_tokens,
-                   sampling=sampling, transform=_transform(args.method), seed=args.seed,
-                   compress_every=args.compress_every, impl=args.impl)
-    seconds = time.perf_counter() - start
-    tokens = out.tokens[0, :out.num_tokens[0]].tolist()
-    return {"text": tokenizer.decode(tokens), "tokens": tokens,
-            "prompt_tokens": len(ids) + (len(contexts[0]) if contexts else 0),
-            "context_tokens": len(contexts[0]) if contexts else 0,
-            "cache_bytes": nbytes(out.cache),
-            "method": args.method, "seconds": round(seconds, 3)}
-
+    answer = ask(model, tokenizer, args.prompt, method=args.method, chat=args.chat,
+                 context=_read_text(args.context_file) if args.context_file else None,
+                 answer_prefix=args.answer_prefix, max_new_tokens=args.max_new_tokens,
+                 sampling=Sampling(args.temperature, args.top_k, args.top_p), seed=args.seed,
+                 compress_every=args.compress_every, impl=args.impl)
+    return {"text": answer.text, "tokens": answer.tokens,
+            "prompt_tokens": answer.context_tokens + answer.question_tokens,
+            "context_tokens": answer.context_tokens, "cache_bytes": answer.cache_bytes,
+            "method": args.method, "seconds": answer.seconds}
 
 
 def cmd_ppl(args, model, tokenizer) -> dict:

@@ -191,6 +191,7 @@ def enable_compilation_cache() -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     return folder
 
+
 def is_repo_id(name: str) -> bool:
     """True for a Hugging Face repo id, 'org/name' or 'org/name@revision'."""
     return re.fullmatch(r"[\w.-]+/[\w.-]+(@[\w./-]+)?", name) is not None

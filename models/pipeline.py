@@ -37,7 +37,7 @@ class Answer:
     tokens: list[int]  # the answer's ids, the end token included if one was drawn
     method: str  # the method spec (or "custom" for a CacheTransform)
     context_tokens: int  # tokens compressed before the question was seen (0 without context)
-    prompt_tokens: int  # tokens of the question part (chat turn end, question, answer prefix)
+    question_tokens: int  # tokens after the context: question, chat turn end, answer prefix
     cache_bytes: int  # exact bytes of this sequence's cache after generation
     seconds: float  # wall time of the whole batch (prefill, compression, decode)
     cache: Cache = dataclasses.field(repr=False)  # the batch's cache after generation
@@ -48,7 +48,7 @@ class Answer:
 
 def chat_prompt(tokenizer, question: str, context: str | None = None, *,
                 answer_prefix: str = "", chat: bool = True) -> tuple[list[int], list[int]]:
-    """(context ids, question ids): the rendered prompt cut right after the context.
+    """(context ids, question ids): the rendered prompt, cut right after the context.
 
     The whole text is `context`, a blank line, `question` — inside the chat
     template's user turn when `chat` — followed by `answer_prefix`, which opens

@@ -41,7 +41,7 @@ def test_ask_is_generate_on_the_split_prompt_and_batches_like_single_questions(s
               answer_prefix="It came", max_new_tokens=6)
     assert isinstance(one, Answer) and one.tokens == want.tokens[0, :want.num_tokens[0]].tolist()
     assert one.text == tok.decode(one.tokens) and str(one) == one.text
-    assert (one.context_tokens, one.prompt_tokens) == (len(head), len(ids))
+    assert (one.context_tokens, one.question_tokens) == (len(head), len(ids))
     assert one.cache_bytes == kvjax.nbytes(one.cache) and "cache=" not in repr(one)
     short = "The lamp was red."
     batch = ask_batch(model, tok, ["When did the fog come?", "What colour was the lamp?"],
@@ -62,3 +62,22 @@ def test_bad_arguments_name_the_argument(tiny_model, smollm2_tokenizer):
         ask_batch(tiny_model, tok, ["a", "b"], ["c", None])
     with pytest.raises(ValueError, match="unknown method"):
         ask(tiny_model, tok, "a", method="nope")
+
+
+@pytest.mark.slow
+def test_cli_answer_prefix_finds_the_pass_key(capsys, tmp_path, smollm2_file):
+    """`kvjax generate --answer-prefix` is `ask` on the command line: with the reply opened by
+    the prefix, the full cache reads the number out of a context it saw before the question."""
+    import json
+
+    from experiments.cli import main
+
+    context = tmp_path / "context.txt"
+    context.write_text("There is a pass key hidden in this note. The pass key is 58213. "
+                       "Remember it. " + "The grass is green and the sky is blue. " * 20)
+    code = main(["generate", "--model", str(smollm2_file), "--chat", "--context-file",
+                 str(context), "--prompt", "What is the pass key?", "--answer-prefix",
+                 "The pass key is", "--max-new-tokens", "8", "--json"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "58213" in result["text"] and result["context_tokens"] > 0
