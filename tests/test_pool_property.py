@@ -29,7 +29,7 @@ from kvjax.kernel_attention import kernel_inputs
 from kvjax.paging import (NULL_PAGE, check_pool, dense_view, evict_pages, fork,
                           init_paged_cache, release, reserve)
 
-B, KVH, S, NP, P, D, LAYERS = 3, 2, 4, 4, 14, 4, 2
+B, KVH, S, NP, P, D, LAYERS = 3, 2, 4, 4, 19, 4, 2
 CAP = NP * S
 MIN_OPERATIONS = 10_000
 ZERO4 = jnp.zeros((4,), jnp.int32)
@@ -245,6 +245,9 @@ class PoolMachine(RuleBasedStateMachine):
           jit=st.booleans())
     def fork_sequence(self, dst, source, first, jit):
         Counter.operations += 1
+        written = [b for b in range(B) if max(self.shadow.length[b]) > 0 and b != dst]
+        if written:  # prefer sharing something
+            source = written[source % len(written)]
         if first:  # the usual way: release the dst, then fork into it
             self.release_rows(np.arange(B) == dst)
         src = np.full(B, -1)
@@ -256,6 +259,14 @@ class PoolMachine(RuleBasedStateMachine):
         self.expect_pool_error(expected)
         if expected[0] == 0:
             self.next_pos[dst] = self.next_pos[source]
+
+    @rule(dst=st.integers(0, B - 1), source=st.integers(0, B - 1), t=st.sampled_from([1, 2, 5]),
+          padding=st.lists(st.booleans(), min_size=15, max_size=15))
+    def fork_then_write_without_reserve(self, dst, source, t, padding):
+        """Both sharers write at once, no reserve: a partly filled shared page is refused."""
+        self.fork_sequence(dst, source, first=True, jit=True)
+        Counter.operations += 1
+        self.do_write(t, [p and i % 3 == 0 for i, p in enumerate(padding[:B * t])])
 
     def release_rows(self, rows):
         self.shadow.release(rows)
