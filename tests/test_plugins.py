@@ -69,3 +69,40 @@ def test_a_fresh_process_finds_the_plugin_through_the_environment(plugin_file):
                           timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "CacheTransform"
+
+
+def readme_policy() -> str:
+    from pathlib import Path
+    import re
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("### Write your own policy", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_policy_is_the_notebooks_and_runs_through_the_sampler(tiny_model, tmp_path,
+                                                                     monkeypatch):
+    import nbformat
+    import numpy as np
+    from pathlib import Path
+
+    from models.sampler import generate
+
+    notebook = Path(__file__).parents[1] / "experiments" / "notebooks" / "your_own_policy.ipynb"
+    cells = [c.source for c in nbformat.read(notebook, as_version=4).cells
+             if c.cell_type == "code" and c.source.startswith("%%writefile")]
+    assert readme_policy().strip() == cells[0].split("\n", 1)[1].strip()
+    path = tmp_path / "readme_vnorm_policy.py"
+    path.write_text(readme_policy())
+    monkeypatch.setenv(methods.PLUGINS_ENV, str(path))
+    try:
+        transform = kvjax.parse_method("vnorm:ratio=0.5+kivi:bits=4,group=4,residual=4")
+        prompts = [list(range(5, 40)), list(range(7, 20))]
+        out = generate(tiny_model, prompts, max_new_tokens=4, transform=transform, eos_ids=())
+        assert out.tokens.shape == (2, 4)
+        for layer in out.cache:  # per KV head: half of the 35-token prompt, then 3 new tokens
+            held = (np.asarray(layer.recent.pos[0]) >= 0).sum(-1) + (
+                np.asarray(layer.body.pos[0]) >= 0).sum(-1)
+            np.testing.assert_array_equal(held, [35 // 2 + 3] * layer.kv_heads)
+    finally:
+        methods.METHODS.pop("vnorm", None)
+        methods._loaded_plugins.discard(str(path))
