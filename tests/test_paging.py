@@ -30,6 +30,7 @@ def write_tokens(layers, ids, positions):
 
 def check_invariants(pool, layers, shadow):
     """refcounts equal table references; rows hold exactly the tokens written to them."""
+    check_pool(pool, layers)  # and every invariant the pool audits (no flag left set)
     layer = layers[0]
     tables, lengths = np.asarray(layer.tables), np.asarray(layer.lengths)
     refs = np.zeros(P, int)
@@ -100,7 +101,8 @@ def test_pool_invariants_under_random_operations(ops):
             ok = len(shadow[dst]) == 0
             pool, layers = fork(pool, layers, jnp.asarray(source, jnp.int32))
             assert bool(pool.overflow) == (not ok)
-            pool = pool.replace(overflow=jnp.zeros((), bool))
+            assert int(pool.error[0]) == (0 if ok else 4)  # "target is not empty"
+            pool = pool.replace(overflow=jnp.zeros((), bool), error=jnp.zeros((4,), jnp.int32))
             if ok:
                 shadow[dst] = list(shadow[src])
         else:  # evict pages chosen by the bits of op[1]; the same pages for every head
