@@ -259,14 +259,11 @@ def _transform(spec: str):
 
 
 def enable_compilation_cache() -> None:
-    """Keep compiled executables on disk so a second run skips XLA compilation."""
-    import jax
-    from models.hub import cache_dir, repair_compilation_cache
+    """Keep compiled executables on disk so a second run skips XLA compilation (damaged
+    entries are removed first); see `models.hub.enable_compilation_cache`."""
+    from models.hub import enable_compilation_cache as enable
 
-    if jax.config.jax_compilation_cache_dir is None:
-        repair_compilation_cache(cache_dir() / "jit")  # a damaged entry would never heal
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jit"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    enable()
 
 
 def cmd_eval(args) -> int:
