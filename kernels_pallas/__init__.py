@@ -5,6 +5,9 @@
 - `page_formats`: how a page is stored (dense, per-token packed, KIVI
   per-channel) and decoded, shared by kernels and references.
 
+- `tpu_compile`: compile for a TPU without one (deviceless libtpu).
+
 `kvjax.attend(impl="pallas")` dispatches here on TPU/GPU; tests run the
-kernels in interpret mode on CPU and lower them with `jax.export`.
+kernels in interpret mode on CPU, lower them with `jax.export`, and compile
+them with the real Mosaic compiler for v5e/v6e (`tests/test_tpu_compile.py`).
 """

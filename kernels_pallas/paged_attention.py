@@ -7,7 +7,8 @@ decoded to float32 inside the kernel, never in HBM.
 
 Layout (docs/DECISIONS.md, "Paged pool"):
 - a pool of P pages, each `S` consecutive slots of one (sequence, KV head):
-  keys and values as their format's arrays (dense: `[P, S, D]`), and
+  keys and values as their format's arrays (dense: `[P, S, D]`; packed:
+  lane-flat `[P, 1, rows * S]` uint32, see `page_formats`), and
   `pos_pages` `[P, 1, S]` int32 with the absolute position of every slot
   (`EMPTY = -1` for a free or evicted slot);
 - `block_tables` `[B, KVH, NP]` int32: the pages of row (b, h) in slot
@@ -23,14 +24,20 @@ rule of `kvjax.attention_mask`. Scores are `q.k * scale`, soft-capped as
 
 Backends:
 - `"tpu"`: Mosaic. Block tables and page counts are scalar-prefetched to
-  SMEM; the grid `(B, KVH, splits, pages per split)` walks pages and the
-  pipeline double-buffers their DMAs; grid steps past a row's last page
-  repeat its index (no copy) and skip compute. Online softmax state lives
-  in VMEM scratch.
+  SMEM; the pools stay in HBM (`memory_space=pl.ANY`). The grid
+  `(B, KVH, splits, blocks per split)` walks blocks of `pages_per_block`
+  pages (default >= 512 slots): each page in use is copied to VMEM by its
+  own async DMA, the next block's copies start before this block computes
+  (two buffers), and pages past a row's count are neither copied nor
+  computed. MXU operands are bf16 for bf16 queries (f32 accumulation), f32
+  at HIGHEST otherwise. Online softmax state lives in VMEM scratch.
+  `tests/test_tpu_compile.py` compiles every variant with Mosaic for v5e
+  and v6e (deviceless); no TPU has run it.
 - `"gpu"`: Pallas on Triton (a justified fallback, docs/DECISIONS.md): one
   program per (sequence, KV head, split) loops over its pages, loading each
   page through the block table; query rows are padded to 16 for `tl.dot`.
-Both split the pages into `pages_per_split` chunks (flash-decoding); the
+Both split the pages into `pages_per_split` chunks (flash-decoding; TPU:
+a multiple of `pages_per_block`); the
 per-split partial softmax states are merged in plain jnp.
 
 Example:
