@@ -299,6 +299,9 @@ def cmd_eval(args) -> int:
     except (KeyboardInterrupt, harness.Interrupted) as e:
         print(f"kvjax: {e or 'interrupted'}", file=sys.stderr)
         return 130
+    except OSError as e:  # e.g. the disk filled up during the sweep: finished rows are kept
+        print(f"kvjax: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

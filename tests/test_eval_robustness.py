@@ -244,3 +244,26 @@ def test_a_nan_perplexity_cell_fails_instead_of_scoring(tmp_path, monkeypatch):
     cell = Cell("ppl", 64, "full", trials=1, batch=1, model=str(gguf))
     with pytest.raises(FloatingPointError, match="the summed NLL of 16 tokens is nan"):
         run_ppl_cell(cell)
+
+
+def test_a_write_failure_during_the_sweep_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "check_models", lambda cells: None)
+    monkeypatch.setattr(harness, "run_in_worker", lambda fn, cell, limit_gb: fake_cell(cell))
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if str(path).endswith("cells.jsonl") and "a" in mode and full_disk.rows_written >= 1:
+            raise OSError(28, "No space left on device")
+        if str(path).endswith("cells.jsonl") and "a" in mode:
+            full_disk.rows_written += 1
+        return real_open(path, mode, *args, **kwargs)
+    full_disk.rows_written = -1  # the pre-sweep writability probe opens it once
+    monkeypatch.setattr("builtins.open", full_disk)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "cells.jsonl").write_text("")
+    code, _, err = cli(capsys, "eval", "--config", config(tmp_path), "--out", out)
+    monkeypatch.undo()
+    assert code == 1 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == "kvjax: error: [Errno 28] No space left on device"
+    assert len(harness.read_rows(out / "cells.jsonl")) == 1  # the row written before is kept
