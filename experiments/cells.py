@@ -17,8 +17,11 @@ side of a comparison is experiments/kvpress_engine.py.
   and a decode of `max_new_tokens` tokens (end-of-sequence ignored), each timed after
   a compiling run, medians over `trials` repeats; `score` is decode ms per step.
 
+`run_kvjax_cell` picks the cell's `run_*` by task; `experiments.harness.run_cell` picks
+the engine.
+
 Example:
-    >>> row = run_cell(Cell("ppl", 1024, "snapkv:ratio=0.5", trials=8, batch=8))
+    >>> row = run_kvjax_cell(Cell("ppl", 1024, "snapkv:ratio=0.5", trials=8, batch=8))
     >>> row["score"], row["cache_bytes_per_token"]
 """
 
@@ -30,7 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from experiments.harness import Cell
+from experiments.grid import Cell
 
 DATA = Path(__file__).parent / "data"
 PPL_TEXT = DATA / "kjv_genesis.txt"
@@ -67,8 +70,8 @@ def make_prompts(cell: Cell, tokenizer) -> Prompts:
 
 def _setup(cell: Cell):
     """(model, tokenizer, transform) with the persistent compilation cache on."""
-    from experiments.cli import enable_compilation_cache
     from kvjax import parse_method
+    from models.hub import enable_compilation_cache
     from models.loading import load_model
 
     enable_compilation_cache()  # cells of one sweep share shapes: compile each once
@@ -185,11 +188,10 @@ def run_speed_cell(cell: Cell) -> dict:
                 bandwidth_gbs=bandwidth)
 
 
-def run_cell(cell: Cell) -> dict:
-    """The cell's row, by task and engine."""
-    if cell.engine == "kvpress":
-        from experiments.kvpress_engine import run_kvpress_cell
-        return run_kvpress_cell(cell)
+def run_kvjax_cell(cell: Cell) -> dict:
+    """The cell's row on kvjax, by task (the engine is picked by `harness.run_cell`)."""
+    if cell.engine != "kvjax":
+        raise ValueError(f"run_kvjax_cell runs engine 'kvjax' cells, not {cell.engine!r}")
     if cell.task == "ppl":
         return run_ppl_cell(cell)
     if cell.task == "speed":

@@ -258,14 +258,6 @@ def _transform(spec: str):
     return parse_method(spec)
 
 
-def enable_compilation_cache() -> None:
-    """Keep compiled executables on disk so a second run skips XLA compilation (damaged
-    entries are removed first); see `models.hub.enable_compilation_cache`."""
-    from models.hub import enable_compilation_cache as enable
-
-    enable()
-
-
 def cmd_eval(args) -> int:
     """Run the grid's unfinished cells (each in a worker process), then write the report."""
     from experiments import harness, report
@@ -324,11 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("eval", "bench"):
         return cmd_eval(args)
+    from models.hub import enable_compilation_cache
     from models.loading import load_model
 
     try:
         check_args(args)
-        enable_compilation_cache()
+        enable_compilation_cache()  # a second run skips XLA compilation
         _transform(getattr(args, "method", "full"))
         for path in (getattr(args, "text", None), getattr(args, "context_file", None)):
             if path is not None:

@@ -308,15 +308,16 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown methods {sorted(unknown)}; available: {list(METHODS)}")
     if not args.plot_only:
-        from experiments.cli import CALIBRATION_TEXT, enable_compilation_cache
         from models.calibration import calibrate_low_rank
+        from models.hub import enable_compilation_cache
         from models.loading import load_model
 
         enable_compilation_cache()
         model, tokenizer = load_model(args.model)
         basis = args.out / "lowrank_basis.npz"
         if not basis.exists() and any(BASIS in METHODS[x] for x in args.methods):
-            ids = tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))[-16384:]
+            text = Path(__file__).parent / "data" / "devils_dictionary.txt"  # as `kvjax calibrate`
+            ids = tokenizer.encode(text.read_text(encoding="utf-8"))[-16384:]
             calibrate_low_rank(model, ids).save(basis)
         if "memory" in args.tasks:
             run_memory(model, tokenizer, args.out, args.methods, basis, args.ppl_text)

@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.plot_only:
-        from experiments.cli import enable_compilation_cache
+        from models.hub import enable_compilation_cache
         from models.loading import load_model
 
         enable_compilation_cache()

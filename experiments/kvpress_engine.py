@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 
-from experiments.harness import RETRIEVAL_TASKS, Cell
+from experiments.grid import RETRIEVAL_TASKS, Cell
 
 PRESSES = {"streaming_llm": "StreamingLLMPress", "snapkv": "SnapKVPress",
            "pyramidkv": "PyramidKVPress", "tova": "TOVAPress", "knorm": "KnormPress",

@@ -25,7 +25,7 @@ import os
 import re
 from pathlib import Path
 
-from experiments.harness import RETRIEVAL_TASKS, cell_of, read_rows
+from experiments.grid import RETRIEVAL_TASKS, cell_of, read_rows
 
 BEGIN, END = "<!-- kvjax eval: begin -->", "<!-- kvjax eval: end -->"
 

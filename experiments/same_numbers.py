@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.harness import cell_of
+from experiments.grid import cell_of
 from experiments.report import latest_rows
 
 COMPARED = ("score", "scores", "outputs", "nll", "tokens_scored", "cache_bytes_per_token",

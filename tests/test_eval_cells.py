@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from experiments import cells
-from experiments.harness import Cell
+from experiments import cells, harness
+from experiments.grid import Cell
 from experiments.kvpress_engine import parse_press_spec
 
 
@@ -43,9 +43,9 @@ def test_ppl_cell_equals_a_direct_computation(smollm2):
 
 def test_cells_are_reproducible_and_compression_shrinks_the_cache(smollm2):
     cell = Cell("ppl", 128, "snapkv:ratio=0.5+kivi:bits=4,group=16,residual=16", trials=2, batch=2)
-    first, second = cells.run_cell(cell), cells.run_cell(cell)
+    first, second = harness.run_cell(cell), harness.run_cell(cell)
     assert first["score"] == second["score"] and first["nll"] == second["nll"]
-    full = cells.run_cell(Cell("ppl", 128, "full", trials=2, batch=2))
+    full = cells.run_kvjax_cell(Cell("ppl", 128, "full", trials=2, batch=2))
     assert first["cache_bytes_per_token"] < 0.3 * full["cache_bytes_per_token"]
     assert first["score"] != full["score"]
 

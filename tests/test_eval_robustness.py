@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import harness
-from experiments.harness import Cell
+from experiments import grid, harness
+from experiments.grid import Cell
 
 ROOT = Path(__file__).parents[1]
 TINY_HF = ROOT / "tests" / "golden" / "tiny_hf" / "llama_tied"  # 2 layers, 128 positions
@@ -112,14 +112,14 @@ def test_a_damaged_line_is_skipped_with_file_and_line_and_its_cell_reruns(tmp_pa
     # the second row cut short, as by a killed write, and no newline after the last one
     path.write_text(lines[0] + "\n" + lines[1][:40] + "\n" + lines[2][:25])
     capsys.readouterr()
-    rows = harness.read_rows(path)
+    rows = grid.read_rows(path)
     err = capsys.readouterr().err
     assert [r["length"] for r in rows] == [100]
     assert f"{path}:2: skipping a damaged result line" in err and f"{path}:3:" in err
     again = harness.sweep(cells, tmp_path, limit_gb=8, fn=fake_cell)
     assert sorted(r["length"] for r in again) == [200, 300]  # the damaged cells rerun
     capsys.readouterr()
-    rows = harness.read_rows(path)  # the new rows were not glued onto the cut line
+    rows = grid.read_rows(path)  # the new rows were not glued onto the cut line
     assert sorted(r["length"] for r in rows) == [100, 200, 300]
     from experiments import report
     assert "passkey" in report.report(tmp_path)
@@ -191,16 +191,16 @@ def test_an_interrupt_keeps_every_finished_row(tmp_path, capsys, monkeypatch):
     code, _, err = cli(capsys, "eval", "--config", config(tmp_path), "--out", out)
     assert code == 130 and "Traceback" not in err
     assert "interrupted: 1 finished cells kept" in err and "rerun the same command" in err
-    rows = harness.read_rows(out / "cells.jsonl")
+    rows = grid.read_rows(out / "cells.jsonl")
     assert [(r["length"], r["method"]) for r in rows] == [(256, "full")]
 
 
 SCRIPT = """
 import sys
-from experiments import cells, harness
+from experiments import harness
 from experiments.cli import main
 import tests.test_eval_robustness as t
-cells.run_cell = t.slow_cell
+harness.run_cell = t.slow_cell
 harness.check_models = lambda cells: None
 sys.exit(main(["eval", "--config", sys.argv[1], "--out", sys.argv[2]]))
 """
@@ -224,7 +224,7 @@ def test_ctrl_c_on_a_real_sweep_exits_130_without_a_traceback(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     assert "interrupted: 2 finished cells kept" in err
-    kept = harness.read_rows(rows)
+    kept = grid.read_rows(rows)
     assert sorted((r["length"], r["method"]) for r in kept) == [(256, "full"),
                                                                 (256, "snapkv:ratio=0.5")]
 
@@ -266,4 +266,4 @@ def test_a_write_failure_during_the_sweep_is_one_line(tmp_path, capsys, monkeypa
     monkeypatch.undo()
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "kvjax: error: [Errno 28] No space left on device"
-    assert len(harness.read_rows(out / "cells.jsonl")) == 1  # the row written before is kept
+    assert len(grid.read_rows(out / "cells.jsonl")) == 1  # the row written before is kept

@@ -10,8 +10,8 @@ from dataclasses import asdict
 
 import pytest
 
-from experiments import harness, report
-from experiments.harness import Cell
+from experiments import grid, harness, report
+from experiments.grid import Cell
 
 
 def fake_cell(cell: Cell) -> dict:
@@ -86,9 +86,9 @@ trials = 3
 def test_blocks_override_settings_and_expand_engines_and_batches(tmp_path):
     path = tmp_path / "grid.toml"
     path.write_text(BLOCKS)
-    grid = harness.load_config(path)
-    assert grid.workers == 2
-    compare, rest = grid.cells[:4], grid.cells[4:]
+    loaded = harness.load_config(path)
+    assert loaded.workers == 2
+    compare, rest = loaded.cells[:4], loaded.cells[4:]
     assert [(c.method, c.engine, c.batch, c.warmup) for c in compare] == [
         ("full", "kvjax", 8, True), ("full", "kvpress", 8, True),
         ("snapkv:ratio=0.5", "kvjax", 8, True), ("snapkv:ratio=0.5", "kvpress", 8, True)]
@@ -112,7 +112,7 @@ def test_untimed_cells_run_in_parallel_then_timed_cells_alone(tmp_path):
 def test_rows_of_older_sweeps_still_name_their_cell():
     row = dict(task="passkey", length=1024, method="full", trials=5, model="smollm2", seed=0,
                batch=5, max_new_tokens=32, status="ok")  # written before engine and warmup
-    assert harness.cell_of(row) == Cell("passkey", 1024, "full", 5, batch=5, max_new_tokens=32)
+    assert grid.cell_of(row) == Cell("passkey", 1024, "full", 5, batch=5, max_new_tokens=32)
 
 
 def test_sweep_resumes_and_never_recomputes_a_finished_cell(tmp_path):
@@ -219,7 +219,7 @@ def test_same_numbers_flags_a_changed_score_and_ignores_timings(tmp_path):
     for name in ("a", "b"):
         harness.sweep(cells, tmp_path / name, limit_gb=8, fn=fake_cell)
     assert differences(tmp_path / "a", tmp_path / "b") == (1, [])
-    rows = harness.read_rows(tmp_path / "b" / "cells.jsonl")
+    rows = grid.read_rows(tmp_path / "b" / "cells.jsonl")
     rows[0]["score"] += 0.5
     _write_rows(tmp_path / "b", rows)
     count, lines = differences(tmp_path / "a", tmp_path / "b")

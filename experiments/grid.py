@@ -1,0 +1,202 @@
+"""The grid of `kvjax eval`: cell and grid types, the TOML config's structure, result rows.
+
+Pure data and file I/O, the bottom of the pipeline's layering (it imports no other
+pipeline module, and nothing of jax):
+
+    grid  <-  cells (kvjax engine), kvpress_engine  <-  harness (dispatch, sweep)  <-  report, cli
+
+`read_config(path)` checks a config's keys, types and ranges and expands its
+`[[grid]]` blocks into `Cell`s; `experiments.harness.load_config` adds the checks that
+need the engines (every method spec parses). A result row is one JSON object per line
+of `cells.jsonl`: the cell's fields plus what the cell measured; `cell_of(row)` is its
+cell, `read_rows(path)` reads a file of them (skipping damaged lines), `done_keys(path)`
+the cells already finished.
+
+Example:
+    >>> cell = Cell("passkey", 1024, "snapkv:ratio=0.5", trials=10)
+    >>> cell_of({"task": "passkey", "length": 1024, "method": "snapkv:ratio=0.5",
+    ...          "trials": 10, "status": "ok", "score": 1.0}) == cell
+    True
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import json
+import math
+import sys
+import tomllib
+from dataclasses import astuple, dataclass, fields
+from pathlib import Path
+from typing import NamedTuple
+
+from experiments.ruler import TASKS as RULER_TASKS
+
+RETRIEVAL_TASKS = ("passkey",) + RULER_TASKS
+TASKS = RETRIEVAL_TASKS + ("ppl", "speed")
+ENGINES = ("kvjax", "kvpress")
+SHARED = ("model", "trials", "seed", "batch", "max_new_tokens")  # settable at top or per block
+BLOCK_KEYS = ("tasks", "lengths", "methods", "engines", "batches", "warmup", *SHARED)
+TOP_KEYS = ("grid", "max_rss_gb", "workers", *SHARED)
+# setting -> lowest allowed int value
+INT_SETTINGS = {"trials": 1, "seed": 0, "batch": 1, "max_new_tokens": 1, "workers": 1}
+
+
+def _hint(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_keys(path, where: str, table: dict, allowed) -> None:
+    for key in table:
+        if key not in allowed:
+            raise ValueError(f"{path}: unknown {where} key {key!r}{_hint(key, allowed)}; "
+                             f"allowed: {', '.join(allowed)}")
+
+
+def _check_settings(path, where: str, table: dict) -> None:
+    """ValueError for a setting of the wrong type or outside its range (names file and key)."""
+    for key, low in INT_SETTINGS.items():
+        if key in table:
+            value = table[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{path}: {where}{key} = {value!r}: must be an integer >= {low}")
+    if "model" in table and not (isinstance(table["model"], str) and table["model"]):
+        raise ValueError(f"{path}: {where}model = {table['model']!r}: must be 'smollm2' or a path")
+    if "max_rss_gb" in table:
+        value = table["max_rss_gb"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{path}: max_rss_gb = {value!r}: must be a number > 0 (GB)")
+
+
+def _check_list(path, key: str, value, kind, low: int | None = None) -> None:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{path}: [[grid]] {key} = {value!r}: must be a non-empty list")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, kind) or \
+                (low is not None and item < low):
+            need = f"integers >= {low}" if low is not None else "strings"
+            raise ValueError(f"{path}: [[grid]] {key} has {item!r}: must hold {need}")
+
+
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    length: int  # context tokens (ppl: window tokens)
+    method: str  # a kvjax method spec, e.g. "snapkv:ratio=0.5+kivi:bits=4"
+    trials: int  # prompts (ppl: windows; speed: timed repeats)
+    model: str = "smollm2"
+    seed: int = 0
+    batch: int = 10
+    max_new_tokens: int = 24
+    engine: str = "kvjax"
+    warmup: bool = False  # time a warm run (one untimed batch first)
+
+    @property
+    def key(self) -> tuple:
+        return astuple(self)
+
+    @property
+    def timed(self) -> bool:
+        """Its timings are results: it runs alone."""
+        return self.task == "speed" or self.warmup
+
+
+class Grid(NamedTuple):
+    cells: list[Cell]  # in config order
+    max_rss_gb: float  # memory bound of one worker
+    workers: int  # untimed cells run this many at a time
+
+
+def _block_cells(path, block: dict, shared: dict) -> list[Cell]:
+    _check_keys(path, "[[grid]]", block, BLOCK_KEYS)
+    missing = {"tasks", "lengths", "methods"} - set(block)
+    if missing:
+        raise ValueError(f"{path}: a [[grid]] block lacks {sorted(missing)}")
+    _check_settings(path, "[[grid]] ", block)
+    _check_list(path, "tasks", block["tasks"], str)
+    _check_list(path, "lengths", block["lengths"], int, 2)
+    _check_list(path, "methods", block["methods"], str)
+    if "engines" in block:
+        _check_list(path, "engines", block["engines"], str)
+    if "batches" in block:
+        _check_list(path, "batches", block["batches"], int, 1)
+    if not isinstance(block.get("warmup", False), bool):
+        raise ValueError(f"{path}: [[grid]] warmup = {block['warmup']!r}: must be true or false")
+    settings = dict(shared, **{k: block[k] for k in SHARED if k in block})
+    if "trials" not in settings:
+        raise ValueError(f"{path}: set `trials` (per cell)")
+    batch = settings.pop("batch", Cell.batch)
+    engines = block.get("engines", ["kvjax"])
+    batches = block.get("batches", [batch])
+    cells = []
+    for task, length, method, engine, batch in itertools.product(
+            block["tasks"], block["lengths"], block["methods"], engines, batches):
+        if task not in TASKS:
+            raise ValueError(f"{path}: unknown task {task!r}; tasks: {TASKS}")
+        if engine not in ENGINES:
+            raise ValueError(f"{path}: unknown engine {engine!r}; engines: {ENGINES}")
+        if engine == "kvpress" and task not in RETRIEVAL_TASKS:
+            raise ValueError(f"{path}: the kvpress engine runs retrieval tasks, not {task!r}")
+        cells.append(Cell(task, int(length), method, batch=int(batch),
+                          engine=engine, warmup=block.get("warmup", len(engines) > 1),
+                          **settings))
+    return cells
+
+
+def read_config(path: Path) -> Grid:
+    """The cells of a TOML grid config, the worker memory bound and the worker count
+    (structure only: method specs are checked by `experiments.harness.load_config`)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        config = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a valid TOML file: {e}") from None
+    _check_keys(path, "top-level", config, TOP_KEYS)
+    _check_settings(path, "", config)
+    blocks = config.get("grid", [])
+    if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+        raise ValueError(f"{path}: `grid` must be [[grid]] tables")
+    shared = {k: config[k] for k in SHARED if k in config}
+    cells = [c for block in blocks for c in _block_cells(path, block, shared)]
+    if not cells:
+        raise ValueError(f"{path}: no [[grid]] cells")
+    return Grid(cells, float(config.get("max_rss_gb", 16)), int(config.get("workers", 1)))
+
+
+# ----------------------------------------------------------------------------- result rows
+
+
+def cell_of(row: dict) -> Cell:
+    """The cell a result row belongs to (fields a row lacks take their defaults)."""
+    return Cell(**{f.name: row[f.name] for f in fields(Cell) if f.name in row})
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The result rows of a cells.jsonl file; a damaged line (a truncated write, an edit)
+    is skipped with a warning naming the file and line, so it never blocks a rerun."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace")
+                                  .splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            cell_of(row)  # a row must name its cell
+        except (ValueError, TypeError) as e:
+            print(f"kvjax: warning: {path}:{number}: skipping a damaged result line "
+                  f"({type(e).__name__}: {str(e)[:80]}); its cell runs again", file=sys.stderr)
+            continue
+        rows.append(row)
+    return rows
+
+
+def done_keys(path: Path) -> set:
+    """Keys of the cells finished with status ok in a results file."""
+    if not path.exists():
+        return set()
+    return {cell_of(r).key for r in read_rows(path) if r.get("status") == "ok"}
