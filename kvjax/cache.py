@@ -157,11 +157,21 @@ Cache = tuple[Layer, ...]
 """A model's cache: one `TokenCache` (or `ResidualCache`) per decoder layer."""
 
 
+def flush_span(layer: ResidualCache) -> int:
+    """The most slots one flush can move (static): whole blocks of `recent` beyond `residual`.
+
+    Zero when the exact part has fewer than `residual + block` slots (a prompt
+    shorter than the window and a group, shrunk to its size): then nothing
+    ever flushes and the exact part is a plain dense cache of its capacity.
+    """
+    return max(0, layer.recent.capacity - layer.residual) // layer.block * layer.block
+
+
 def _flush(layer: ResidualCache) -> ResidualCache:
     """Move the oldest whole blocks of `recent` into the body, keeping >= `residual` recent."""
     recent, body, block = layer.recent, layer.body, layer.block
     moved = jnp.maximum(0, (recent.length - layer.residual) // block) * block  # slots to move
-    span = (recent.capacity - layer.residual) // block * block  # most slots a flush moves
+    span = flush_span(layer)  # most slots a flush moves; moved <= span since length <= capacity
     if span == 0:
         return layer
 
@@ -207,10 +217,18 @@ def split_slots(layer: ResidualCache, x: jax.Array) -> tuple[jax.Array, jax.Arra
 
 
 def free_tokens(layer: Layer) -> int:
-    """How many more tokens fit `layer` (host side), counted in tokens, not slots."""
+    """How many more tokens fit `layer` (host side), counted in tokens, not slots.
+
+    A residual layer whose exact part can flush holds at most `residual`
+    tokens beyond its body's capacity (every flush then fits the body); one
+    that cannot flush (`flush_span == 0`) holds what its exact part has room for.
+    """
     if isinstance(layer, ResidualCache):
-        free = (layer.body.capacity - int(layer.body.length) - int(layer.recent.length)
-                + layer.residual)
+        if flush_span(layer) == 0:
+            free = layer.recent.capacity - int(layer.recent.length)
+        else:
+            free = (layer.body.capacity - int(layer.body.length) - int(layer.recent.length)
+                    + layer.residual)
         return max(0, free) // layer.slots_per_token
     return (layer.capacity - int(layer.length)) // layer.slots_per_token
 
@@ -278,11 +296,16 @@ def write(cache: Layer, k_new: jax.Array, v_new: jax.Array,
         return cache.write(k_new, v_new, pos_new)
     if isinstance(cache, ResidualCache):
         slots = k_new.shape[2] * cache.slots_per_token
-        if cache.residual + cache.block - 1 + slots > cache.recent.capacity:
+        # a layer that can flush keeps up to residual + block - 1 slots after a flush;
+        # one that cannot (a short prompt) is a plain dense cache (free_tokens checks the rest)
+        held = cache.residual + cache.block - 1 if flush_span(cache) else 0
+        if not held and not isinstance(cache.recent.length, jax.core.Tracer):
+            held = int(cache.recent.length)  # outside jit the cursor is known: check it exactly
+        if held + slots > cache.recent.capacity:
             raise ValueError(
                 f"write: {k_new.shape[2]} new tokens do not fit the exact part of a residual "
-                f"layer ({cache.recent.capacity} slots, of which up to "
-                f"{cache.residual + cache.block - 1} hold the residual); shrink with more room")
+                f"layer ({cache.recent.capacity} slots, of which up to {held} hold the "
+                f"residual); shrink with more room")
         cache = _flush(cache)
         return cache.replace(recent=write(cache.recent, k_new, v_new, pos_new))
     b, h, t, d = k_new.shape

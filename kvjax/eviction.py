@@ -136,6 +136,8 @@ def compact(cache: Layer, keep: jax.Array, capacity: int | None = None) -> Layer
     capacity = c if capacity is None else capacity
     if keep.shape != (b, kvh, c):
         raise ValueError(f"compact: keep mask {keep.shape} does not match slots {(b, kvh, c)}")
+    if c == 0 and capacity == 0:  # no slots, nothing to move (the empty body of a short prompt)
+        return cache
     if capacity < 1:
         raise ValueError(f"compact: capacity must be positive, got {capacity}")
     keep = keep & (cache.pos != EMPTY)
@@ -231,8 +233,11 @@ def _shrink_layer(layer: Layer, room: int, max_write: int) -> Layer:
         return resize(layer, int(layer.length) + room * spt)
     recent = int(layer.recent.length)
     flush = max(0, recent + room * spt - layer.residual) if room else 0  # no write, no flush
+    if recent + room * spt < layer.residual + layer.block:  # never a whole block to flush:
+        flush = 0  # the exact part holds every token (a short prompt, a short generation)
     body = resize(layer.body, int(layer.body.length) + flush)
-    keep = max(recent, layer.residual + layer.block - 1 + max_write * spt) if room else recent
+    keep = max(recent, layer.residual + layer.block - 1 + max_write * spt) if flush else \
+        recent + room * spt
     return layer.replace(body=body, recent=resize(layer.recent, keep))
 
 

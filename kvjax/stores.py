@@ -380,7 +380,9 @@ def fold_rows(store: Any, rows: int) -> Any:
     if isinstance(store, (PackedChannels, Latent)):
         raise ValueError(f"head-wise budgets (pooled layout) do not support a "
                          f"{type(store).__name__} store: its parameters belong to one KV head")
-    return map_slot_leaves(store, lambda x: x.reshape(rows, -1, *x.shape[2:]))
+    # explicit slot count: a store with no slots (C = 0) cannot infer a -1 axis
+    return map_slot_leaves(store, lambda x: x.reshape(rows, x.shape[0] * x.shape[1] // rows,
+                                                      *x.shape[2:]))
 
 
 def map_slot_leaves(store: Any, fn) -> Any:
