@@ -40,6 +40,11 @@ one at a time. A finished cell is one JSON line in `<out>/cells.jsonl`; a rerun 
 it, so an interrupted sweep resumes. Seeds are fixed: the same config gives the same
 numbers. The report (experiments/report.py) writes tables and plots.
 
+Layering (no import circle; tests/test_import_layers.py): the cell and grid types, the
+config's structure and the row files are experiments/grid.py; the engines
+(experiments/cells.py, experiments/kvpress_engine.py) import only it; this module picks
+the engine (`run_cell`) and runs the sweep; report and CLI sit on top.
+
     kvjax eval --config experiments/configs/smoke.toml --out docs/results/eval_smoke
     kvjax bench --config experiments/configs/compare.toml --out results/bench  # speed cells only
 """

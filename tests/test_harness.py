@@ -233,3 +233,10 @@ def test_side_by_side_cells_stay_out_of_the_quality_tables(tmp_path):
                            _row(warm, score=0.9, outputs=["1"] * 8, seconds_per_trial=1.0)])
     text = report.report(tmp_path)
     assert "| `full` | 0.30 |" in text and "0.90" not in text
+
+
+def test_the_kvjax_engine_refuses_a_kvpress_cell():
+    """The engine is picked by `harness.run_cell`; the kvjax engine never runs another's cell."""
+    from experiments.cells import run_kvjax_cell
+    with pytest.raises(ValueError, match="engine 'kvjax' cells, not 'kvpress'"):
+        run_kvjax_cell(Cell("passkey", 256, "full", trials=1, engine="kvpress"))
