@@ -217,7 +217,8 @@ def from_hugging_face(repo: str) -> Path:
     repo_id, _, revision = repo.partition("@")
     try:
         return Path(snapshot_download(repo_id, revision=revision or None,
-                                      allow_patterns=list(HF_FILES)))
+                                      allow_patterns=list(HF_FILES),
+                                      local_files_only=constants.HF_HUB_OFFLINE))
     except RevisionNotFoundError:
         raise FileNotFoundError(f"model {repo!r}: the repo has no revision {revision!r}") \
             from None
