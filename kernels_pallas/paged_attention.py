@@ -22,6 +22,12 @@ A key slot is visible to a query when `pos != EMPTY`, `pos <= q_pos`,
 rule of `kvjax.attention_mask`. Scores are `q.k * scale`, soft-capped as
 `softcap * tanh(s / softcap)` when asked.
 
+With a `window`, each row starts at its first page that can hold a visible
+slot (`window_start_pages`: the leading pages whose largest position is at
+or below `min(q_pos) - window`); the pages before it are neither copied nor
+computed. The start is computed from the slot positions themselves (one int32
+per listed slot, read by XLA), so it is exact for any pool layout.
+
 Backends:
 - `"tpu"`: Mosaic. Block tables and page counts are scalar-prefetched to
   SMEM; the pools stay in HBM (`memory_space=pl.ANY`). The grid
@@ -154,9 +160,10 @@ def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops
     return _softmax_step(q.astype(compute_dtype), k, v, kpos, qpos, carry, **math)
 
 
-def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, *refs, k_format, v_format, kv_heads,
+def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_format, v_format, kv_heads,
                 table_len, pages_per_block, blocks_per_split, math):
-    # tables_ref [B*KVH*NP] int32 (SMEM), counts_ref [B*KVH] int32 (SMEM)
+    # tables_ref [B*KVH*NP] int32 (SMEM), counts_ref / starts_ref [B*KVH] int32 (SMEM): the
+    # row's pages [start, count) of its table are read, from start on in blocks
     # qpos_ref [GT, 1], q_ref [GT, D] (VMEM blocks of this (b, h));
     # refs: the pools in HBM (pos [P, 1, S], then each format array [P, ...]), the outputs,
     # a VMEM double buffer [2, NPB, ...] per pool, DMA semaphores [2], softmax state.
@@ -167,7 +174,8 @@ def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, *refs, k_format, v_form
     b, h, split, j = (pl.program_id(i) for i in range(4))
     row = b * kv_heads + h
     count = counts_ref[row]
-    first = lambda blk: (split * blocks_per_split + blk) * pages_per_block
+    start = starts_ref[row]
+    first = lambda blk: start + (split * blocks_per_split + blk) * pages_per_block
 
     def copies(blk, slot):
         """The DMAs of block `blk`'s pages in use into buffer `slot`, as (when, copy) pairs."""
@@ -222,8 +230,8 @@ def _tpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, *refs, k_format, v_form
         l_out[...] = l_sc[...]
 
 
-def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_format, v_format,
-              pages_per_split, pages_per_block, splits, math, interpret):
+def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
+              v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages):
     b, kvh, rows, d = qg.shape
     pools = (pos_pages, *k_arrays, *v_arrays)
     blocks_per_split = pages_per_split // pages_per_block
@@ -231,7 +239,7 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, split, j, *_: (split, bi, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=(b, kvh, splits, blocks_per_split),
         in_specs=[pl.BlockSpec((None, rows, 1), lambda bi, h, *_: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, *_: (bi, h, 0, 0)),
@@ -249,26 +257,28 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
     acc, m, l = pl.pallas_call(
         kernel, grid_spec=grid_spec,
         cost_estimate=cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages,
-                                    tables, splits),
+                                    tables, splits, read_pages),
         out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, d), jnp.float32), state, state],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="kvjax_paged_attention_tpu",
-    )(tables.reshape(-1), counts.reshape(-1), qpos, qg, *pools)
+    )(tables.reshape(-1), counts.reshape(-1), starts.reshape(-1), qpos, qg, *pools)
     return acc, m[..., 0], l[..., 0]
 
 
 def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
-                  splits) -> pl.CostEstimate:
+                  splits, read_pages: int | None = None) -> pl.CostEstimate:
     """What the kernel does with full block tables, counted from its blocks and grid.
 
-    Bytes: every listed page's blocks (each format array and the slot
-    positions) once, the queries once per (row, split), the softmax state
-    out. Flops: both dots (2 * rows * S * D each) and each format's decode.
-    Compiled programs report this for the custom call (XLA cannot see inside).
+    Bytes: `read_pages` pages per row (default: the whole table; with a
+    window, `window_pages`) with each format array and the slot positions
+    once, the queries once per (row, split), the softmax state out. Flops:
+    both dots (2 * rows * S * D each) and each format's decode. Compiled
+    programs report this for the custom call (XLA cannot see inside).
     """
     b, kvh, rows, d = qg.shape
-    pages = b * kvh * tables.shape[-1]
+    n_table = tables.shape[-1]
+    pages = b * kvh * (n_table if read_pages is None else min(read_pages, n_table))
     page_size = pos_pages.shape[-1]
     nbytes = lambda x: x.size // x.shape[0] * x.dtype.itemsize  # one page of a pool array
     per_page = sum(nbytes(x) for x in (pos_pages, *k_arrays, *v_arrays))
@@ -282,9 +292,9 @@ def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
 # ----------------------------------------------------------------------------- GPU (Triton)
 
 
-def _gpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format, v_format,
-                pages_per_split, math):
-    # tables_ref [B, KVH, NP], counts_ref [B, KVH]: whole arrays; qpos_ref [GT, 1];
+def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format,
+                v_format, pages_per_split, math):
+    # tables_ref [B, KVH, NP], counts_ref / starts_ref [B, KVH]: whole arrays; qpos_ref [GT, 1];
     # q_ref [GT, D]; pos_ref [P, 1, S] and every format array [P, ...]: whole pools.
     nk, nv = k_format.arity(), v_format.arity()
     k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
@@ -292,7 +302,7 @@ def _gpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_forma
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q = q_ref[...]
     qpos = qpos_ref[...]
-    first = split * pages_per_split
+    first = starts_ref[b, h] + split * pages_per_split
     last = jnp.minimum(first + pages_per_split, counts_ref[b, h])
 
     def body(i, carry):
@@ -308,8 +318,8 @@ def _gpu_kernel(tables_ref, counts_ref, qpos_ref, q_ref, pos_ref, *refs, k_forma
     acc_out[...], m_out[...], l_out[...] = acc, m, l
 
 
-def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_format, v_format,
-              pages_per_split, splits, math, interpret):
+def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
+              v_format, pages_per_split, splits, math, interpret, read_pages):
     b, kvh, rows, d = qg.shape
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
@@ -319,7 +329,7 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid=(b, kvh, splits),
-        in_specs=[whole(tables), whole(counts),
+        in_specs=[whole(tables), whole(counts), whole(starts),
                   pl.BlockSpec((None, rows, 1), lambda bi, h, s: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, s: (bi, h, 0, 0)),
                   whole(pos_pages), *[whole(x) for x in (*k_arrays, *v_arrays)]],
@@ -327,7 +337,7 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, *, k_form
         out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, d), jnp.float32), state, state],
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret, name="kvjax_paged_attention_gpu",
-    )(tables, counts, qpos, qg, pos_pages, *k_arrays, *v_arrays)
+    )(tables, counts, starts, qpos, qg, pos_pages, *k_arrays, *v_arrays)
     return acc, m[..., 0], l[..., 0]
 
 
@@ -396,6 +406,41 @@ def block_sizes(n_table: int, page_size: int, pages_per_split: int,
     return npb, per_split, -(-n_table // per_split)
 
 
+def window_start_pages(q_pos: jax.Array, pos_pages: jax.Array, block_tables: jax.Array,
+                       num_pages: jax.Array, window: int | None) -> jax.Array:
+    """[B, KVH] int32: each row's leading pages that no query of its sequence sees (skippable).
+
+    A slot at position p is visible to a query at q only if p > q - window,
+    so a page whose largest position is <= min(valid q_pos) - window holds
+    nothing visible (EMPTY = -1 included). The count of such pages at the
+    head of the row's table (at most `num_pages`) is where the kernel starts.
+    Exact for any pool: it reads the positions, one int32 per listed slot
+    (XLA fuses the gather into the max). A row with no valid query skips all
+    its pages. Without a window: zeros.
+    """
+    if window is None:
+        return jnp.zeros(num_pages.shape, jnp.int32)
+    q_min = jnp.min(jnp.where(q_pos >= 0, q_pos, jnp.iinfo(jnp.int32).max - window), axis=1)
+    page_max = pos_pages[block_tables, 0].max(axis=-1)  # [B, KVH, NP]
+    dead = page_max <= (q_min - window)[:, None, None]
+    lead = jnp.cumprod(dead.astype(jnp.int32), axis=-1).sum(axis=-1)
+    return jnp.minimum(lead, num_pages).astype(jnp.int32)
+
+
+def window_pages(window: int | None, q_len: int, page_size: int) -> int | None:
+    """Most pages a row reads with a window when its positions advance one per slot.
+
+    The T queries of a chunk see slots `min(q) - window + 1 .. max(q)`:
+    window + T - 1 consecutive slots, spanning at most this many pages. (Rows
+    with holes or compacted slots may read more; the kernel reads what
+    `window_start_pages` leaves.) None without a window.
+    """
+    if window is None:
+        return None
+    span = window + q_len - 1
+    return (span + page_size - 2) // page_size + 1
+
+
 @functools.partial(jax.jit, static_argnames=("k_format", "v_format", "pages_per_split", "window",
                                              "softcap", "scale", "backend", "interpret",
                                              "compute_dtype", "pages_per_block"))
@@ -428,9 +473,11 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     math = _math(k_format, v_format, dict(scale=q.shape[-1] ** -0.5 if scale is None else scale,
                                           window=window, softcap=softcap), cdt)
     call = _tpu_call if backend == "tpu" else _gpu_call
-    acc, m, l = call(qg, qpos, k_arrays, v_arrays, pos_pages, block_tables, num_pages,
+    starts = window_start_pages(q_pos, pos_pages, block_tables, num_pages, window)
+    acc, m, l = call(qg, qpos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, starts,
                      k_format=k_format, v_format=v_format, pages_per_split=pages_per_split,
-                     splits=splits, math=math, interpret=interpret, **extra)
+                     splits=splits, math=math, interpret=interpret,
+                     read_pages=window_pages(window, q.shape[1], pos_pages.shape[-1]), **extra)
     out = Partial(acc[0], m[0], l[0])
     for i in range(1, splits):
         out = merge(out, Partial(acc[i], m[i], l[i]))
@@ -454,6 +501,8 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
         to a multiple of pages_per_block).
       pages_per_block: TPU pages per grid step (default: >= 512 slots).
       window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.
+        With a window, pages wholly before it are skipped
+        (`window_start_pages`).
       backend: "tpu" (Mosaic) or "gpu" (Triton); interpret: as in pallas_call.
       compute_dtype: MXU operand dtype (dots accumulate in float32); default
         bfloat16 for bfloat16 queries, else float32.

@@ -286,3 +286,60 @@ def test_kernel_lowers_for_tpu_and_gpu(platform, name):
         q.astype(jnp.bfloat16), q_pos, encode(k), v.astype(jnp.bfloat16), pos, tables, counts)
     text = exported.mlir_module()
     assert ("tpu_custom_call" if backend == "tpu" else "triton") in text
+
+
+def _long_window_pool(rng, page_size, lengths, kv_heads=2, head_dim=64):
+    return make_pool(rng, batch=len(lengths), kv_heads=kv_heads, page_size=page_size,
+                     head_dim=head_dim, lengths=lengths)
+
+
+@pytest.mark.parametrize("interpret", [True, pltpu.InterpretParams(), "gpu"],
+                         ids=["tpu-generic", "tpu-dma", "gpu"])
+@pytest.mark.parametrize("t", [1, 5])
+def test_pages_outside_the_window_are_not_read(interpret, t):
+    """Most pages lie before the window: the kernel matches the reference, and poisoning every
+    page wholly outside the window (NaN keys and values) changes nothing, so they are not read."""
+    rng = np.random.default_rng(20 + t)
+    page, window = 16, 20
+    lengths = [200, 37, 3, 150]  # 13, 3, 1, 10 pages; the window covers 2-3 of them
+    k, v, pos, tables, counts = _long_window_pool(rng, page, lengths)
+    q, q_pos = queries(rng, len(lengths), t, 4, 64, lengths)
+    backend, interp = ("gpu", True) if interpret == "gpu" else ("tpu", interpret)
+    kw = dict(window=window, pages_per_split=4, softcap=30.0)
+    if backend == "tpu":
+        kw["pages_per_block"] = 2
+    got, want = run_both(q, q_pos, k, v, pos, tables, counts, backend, interpret=interp, **kw)
+    np.testing.assert_allclose(got, want, **TOL)
+    # pages whose every slot is at or below min(q_pos) - window: nobody sees them
+    outside = np.zeros(k.shape[0], bool)
+    for b, n in enumerate(lengths):
+        dead_pages = max(int(q_pos[b].min()) - window + 1, 0) // page
+        outside[np.asarray(tables)[b, :, :dead_pages].ravel()] = True
+    assert outside.sum() >= 20  # most of the 27 listed pages of the long rows
+    poison = jnp.asarray(outside)[:, None, None]
+    kn, vn = jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v)
+    poisoned = paged_attention(q, q_pos, kn, vn, pos, tables, counts, backend=backend,
+                               interpret=interp, **kw)
+    np.testing.assert_array_equal(np.asarray(poisoned), got)
+
+
+def test_window_start_pages_is_exact_for_any_slot_order():
+    """Starts come from the slot positions, not from an assumed order: a row whose first page
+    holds its newest tokens starts at 0, a row of old pages before recent ones skips the old."""
+    from kernels_pallas.paged_attention import window_start_pages
+    s = 4
+    pos = np.full((6, 1, s), EMPTY, np.int32)
+    pos[0, 0] = [96, 97, 98, 99]  # newest tokens, listed first in row 0
+    pos[1, 0] = [0, 1, 2, 3]
+    pos[2, 0] = [4, 5, EMPTY, 7]
+    pos[3, 0] = [90, 91, 92, EMPTY]
+    pos[4, 0] = [EMPTY] * 4  # an evicted page
+    tables = jnp.asarray([[[0, 1, 2, 3]], [[1, 4, 2, 3]], [[1, 2, 3, 0]]], jnp.int32)
+    counts = jnp.asarray([[4], [4], [2]], jnp.int32)
+    q_pos = jnp.asarray([[99, -1], [99, 98], [-1, -1]], jnp.int32)
+    starts = window_start_pages(q_pos, jnp.asarray(pos), tables, counts, window=10)
+    # row 0: page 0 is visible -> 0; row 1: pages 1, 4, 2 are all <= 98 - 10 -> 3;
+    # row 2: no valid query -> every in-use page skipped (2)
+    np.testing.assert_array_equal(np.asarray(starts), [[0], [3], [2]])
+    assert np.all(np.asarray(window_start_pages(q_pos, jnp.asarray(pos), tables, counts,
+                                                window=None)) == 0)

@@ -207,3 +207,42 @@ def test_smollm2_decode_step_with_kivi_chain_compiles(monkeypatch, capsys):
               f"{time.time() - start:.0f} s")
     # per layer: the recent part, and the body with narrow and wide KIVI table windows
     assert kernels == cfg.num_layers * 3
+
+
+def test_window_shrinks_the_compiled_cost_in_proportion(capsys):
+    """With a 512-token window over 4096-token rows the compiled program (kernel estimate + the
+    XLA start computation) moves about the window's share of the pages: at most 9 of 64 pages
+    of 64 slots (window + T - 1 slots span <= 9 pages), plus 4 bytes per listed slot of positions
+    read to find the starts."""
+    from kernels_pallas.paged_attention import (cost_estimate, window_pages,
+                                                window_start_pages)
+
+    base = Variant("dense-bf16 d128 p64 decode gqa4 ctx4096", DENSE, DENSE, 128, 64, 1, 4,
+                   table=64, pages_per_split=64)
+    windowed = base._replace(name=base.name + " window512", window=512)
+    cost = {}
+    for v in (base, windowed):
+        compiled = compile_variant(v, "v5e")
+        cost[v.window] = compiled.cost_analysis()["bytes accessed"]
+    device = tc.tpu_device("v5e")
+    args = variant_args(base, device)
+    rows = base.gqa * base.t
+    qg = jax.ShapeDtypeStruct((base.batch, base.kv_heads, rows, base.head_dim), BF16)
+    est = lambda n: cost_estimate(qg, DENSE, args[2], DENSE, args[3], args[4], args[5], 1,
+                                  n).bytes_accessed
+    assert window_pages(512, 1, 64) == 9
+    # the XLA ops that find the starts (a gather of the listed slots' positions and a max),
+    # compiled alone at the same shapes
+    q_pos, pos, tables, counts = args[1], args[4], args[5], args[6]
+    starts = tc.compile_for(device, functools.partial(window_start_pages, window=512), q_pos, pos,
+                            tables, counts).cost_analysis()["bytes accessed"]
+    ratio = cost[512] / cost[None]
+    with capsys.disabled():
+        print(f"\nwindow 512 of 4096 (batch 2, 2 KV heads, D 128, bf16): compiled bytes "
+              f"{cost[512] / 2**20:.2f} MiB vs {cost[None] / 2**20:.2f} MiB without "
+              f"({ratio:.3f}x; kernel estimate {est(9) / est(None):.3f}x = 9/64 pages plus "
+              f"queries; start computation {starts / 2**20:.2f} MiB)")
+    # the kernel's share shrinks to 9 of 64 pages per row; the rest of the program only
+    # gains the start computation
+    assert est(9) < est(None) * 10 / 64
+    assert cost[512] <= est(9) + (cost[None] - est(None)) + starts + 4096
