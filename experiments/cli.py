@@ -6,6 +6,7 @@
     kvjax ppl --text experiments/data/kjv_genesis.txt --context 1024 --prefix 768 \
         --method snapkv:ratio=0.5+kivi:bits=2
     kvjax calibrate --out basis.npz        # then --method low_rank:rank=32,basis=basis.npz
+    kvjax train-state --out maps           # then --method snapkv:budget=192+fold:map=maps
     kvjax eval --config experiments/configs/smoke.toml --out results/smoke
     kvjax eval --config experiments/configs/results.toml --out docs/results/eval \
         --results docs/RESULTS.md         # the quality grid, < 60 min on 2 cores
@@ -167,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also rewrite the generated section of this Markdown file "
                             "(e.g. docs/RESULTS.md)")
 
+    from models.train_state import build_parser as train_state_arguments
+    train_state_arguments(sub.add_parser(
+        "train-state", help="train feature maps for linear_state / fold with optax"))
+
     c = sub.add_parser("calibrate", help="low-rank K/V bases from real text (for low_rank)")
     c.add_argument("--model", default="smollm2", help="as for the other commands")
     c.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
@@ -312,10 +317,29 @@ def check_results_file(path: Path) -> None:
         raise _bad("results", path, str(e).split(": ", 1)[-1]) from None
 
 
+def cmd_train_state(args) -> int:
+    """Train feature maps (`models.train_state`); prints a JSON summary."""
+    from models.train_state import run
+
+    try:
+        summary = run(args)
+    except (FileNotFoundError, ValueError, OSError) as e:
+        print(f"kvjax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvjax: interrupted", file=sys.stderr)
+        return 130
+    print(json.dumps({k: summary[k] for k in ("seconds", "first_loss", "last_loss",
+                                               "heldout_mean")}, allow_nan=False))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("eval", "bench"):
         return cmd_eval(args)
+    if args.command == "train-state":
+        return cmd_train_state(args)
     from models.hub import enable_compilation_cache
     from models.loading import load_model
 

@@ -322,6 +322,30 @@ def plot_losses(losses: Sequence[float], path: str | Path, heldout: dict | None 
     return path
 
 
+DEFAULT_TEXT = Path(__file__).resolve().parents[1] / "experiments" / "data" / \
+    "devils_dictionary.txt"  # shipped with kvjax; the perplexity eval reads KJV Genesis
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """ValueError naming the first option out of its range (before the model loads)."""
+    rules = [("seq_len", args.seq_len > args.queries, f"must be > --queries {args.queries}"),
+             ("queries", args.queries >= 1, "must be >= 1"),
+             ("windows", args.windows >= 1, "must be >= 1"),
+             ("heldout", args.heldout >= 0, "must be >= 0"),
+             ("features", args.features >= 2 and args.features % 2 == 0, "must be even, >= 2"),
+             ("steps", args.steps >= 1, "must be >= 1"),
+             ("lr", 0 < args.lr < float("inf"), "must be a positive number"),
+             ("keep", 0 < args.keep < 1, "must be in (0, 1)"),
+             ("batch", 1 <= args.batch <= args.windows, "must be in [1, --windows]"),
+             ("seed", args.seed >= 0, "must be >= 0")]
+    for name, ok, allowed in rules:
+        if not ok:
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: {allowed}")
+    for path in args.data:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--data {path}: not a file")
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """Arguments of `kvjax train-state` (also `python -m models.train_state`)."""
     p = parser or argparse.ArgumentParser(
@@ -330,7 +354,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--out", required=True, help="directory for the maps (orbax), the loss "
                    "curve PNG and a JSON summary")
     p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
-    p.add_argument("--data", nargs="+", default=["experiments/data/devils_dictionary.txt"],
+    p.add_argument("--data", nargs="+", default=[str(DEFAULT_TEXT)],
                    help="text files to train on (default: The Devil's Dictionary; the "
                    "perplexity eval reads KJV Genesis, so the two do not overlap)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per window")
@@ -352,6 +376,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def run(args: argparse.Namespace) -> dict:
     """`kvjax train-state`: train, save the maps, the curve and a summary; returns the summary."""
     from models.loading import load_model
+    check_args(args)
     model, tokenizer = load_model(args.model)
     texts = [Path(f).read_text() for f in args.data]
     windows = token_windows(tokenizer, texts, args.seq_len, args.windows + args.heldout)

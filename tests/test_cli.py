@@ -66,8 +66,28 @@ def test_generate_compresses_a_context_file(capsys, tmp_path):
     (["ppl", "--model", "{gguf}", "--text", str(DATA / "kjv_genesis.txt"), "--context", "64",
       "--max-tokens", "100", "--method", "knorm:ratio=0.5"], "prefix"),
     (["generate", "--model", "{gguf}", "--prompt", "hi", "--method", "snapkv:ratio=2"], "ratio"),
+    (["train-state", "--out", "/tmp/x", "--steps", "0"], "--steps 0: must be >= 1"),
+    (["train-state", "--out", "/tmp/x", "--features", "3"], "--features 3: must be even"),
+    (["train-state", "--out", "/tmp/x", "--data", "/no/such.txt"], "--data /no/such.txt"),
 ])
 def test_bad_input_gives_one_clear_error(capsys, argv, message):
     argv = [a.replace("{gguf}", str(smollm2_path())) for a in argv]
     code, _, err = run(capsys, *argv)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_train_state_writes_maps_a_curve_and_a_summary(capsys, tmp_path):
+    """`kvjax train-state` on the real model, a few optax steps on tiny windows: the maps load
+    as a fold method, and the summary is JSON with the losses."""
+    import kvjax
+
+    code, out, err = run(capsys, "train-state", "--model", str(smollm2_path()), "--out",
+                         str(tmp_path), "--seq-len", "64", "--queries", "16", "--windows", "2",
+                         "--heldout", "1", "--batch", "1", "--steps", "3", "--features", "8")
+    assert code == 0, err
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["last_loss"] <= summary["first_loss"]
+    assert {"learned", "elu"} <= set(summary["heldout_mean"])
+    assert (tmp_path / "loss.png").is_file() and (tmp_path / "summary.json").is_file()
+    assert isinstance(kvjax.parse_method(f"snapkv:ratio=0.5+fold:map={tmp_path}"),
+                      kvjax.CacheTransform)
