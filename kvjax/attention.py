@@ -245,8 +245,14 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",
     gathered into a dense view for the XLA paths.
 
     Example:
+        >>> from kvjax import init_cache, write
+        >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 1, 3, 4))  # [B, KVH, T, D]
         >>> cache = write(init_cache(1, 1, 8, 4), k, v, jnp.arange(3)[None])
-        >>> out = attend(q, jnp.array([[2]]), cache)   # q: [1, 1, H, 4]
+        >>> q = jax.random.normal(jax.random.key(1), (1, 1, 2, 4))      # [B, T, H, D]
+        >>> out = attend(q, jnp.array([[2]]), cache)
+        >>> out.shape, bool(jnp.allclose(out, attend(q, jnp.array([[2]]), cache,
+        ...                                          impl="reference"), atol=1e-6))
+        ((1, 1, 2, 4), True)
     """
     if impl not in IMPLS:
         raise ValueError(f"attend: unknown impl {impl!r}; available: {IMPLS}")

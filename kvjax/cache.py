@@ -10,8 +10,8 @@ Example:
     >>> cache = init_cache(batch=2, kv_heads=3, capacity=16, head_dim=64)
     >>> k = v = jnp.ones((2, 3, 4, 64))           # four new tokens [B, KVH, T, D]
     >>> cache = write(cache, k, v, jnp.arange(4)[None].repeat(2, 0))
-    >>> int(cache.length), nbytes(cache)
-    (4, 49348)
+    >>> int(cache.length), nbytes(cache)   # k, v 2*3*16*64*4 B each + pos 2*3*16*4 + length 4
+    (4, 49540)
 """
 
 from __future__ import annotations
@@ -363,8 +363,10 @@ def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = 
     the few `pos` rows it needs.
 
     Example:
-        >>> mesh = jax.make_mesh((4, 2), ("batch", "kv"))
-        >>> cache = shard_cache(cache, mesh)
+        >>> mesh = jax.make_mesh((1, 1), ("batch", "kv"))   # e.g. (4, 2) on 8 devices
+        >>> cache = shard_cache(init_model_cache(CacheSpec(2, 1, 4), 1, 8), mesh)
+        >>> tuple(cache[0].k.sharding.spec), tuple(cache[0].pos.sharding.spec)
+        ((('batch', 'kv'), None, None), ('batch', 'kv', None))
     """
     from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -27,9 +27,16 @@ Memory. Compaction is in place: capacity is static inside jit. `shrink`
 tokens, so `nbytes` falls to the budget.
 
 Example:
-    >>> t = snapkv(ratio=0.5)                         # window 64, kernel 5
-    >>> cache, state = t.update(cache, t.init(cache), stats)
-    >>> cache = shrink(cache, room=32)                # budget + 32 free slots per layer
+    >>> import kvjax
+    >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 4), batch=1, capacity=16)
+    >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 1, 8, 4))  # 8 tokens [B, KVH, T, D]
+    >>> cache = tuple(kvjax.write(layer, k, v, jnp.arange(8)[None]) for layer in cache)
+    >>> t = knorm(ratio=0.5)     # needs no stats; snapkv & co. take the model's (kvjax.stats)
+    >>> cache, state = t.update(cache, t.init(cache), None)
+    >>> kvjax.num_valid(cache[0]).tolist(), kvjax.nbytes(cache)   # 4 of 8 kept, in place
+    ([[4]], 1160)
+    >>> kvjax.nbytes(shrink(cache, room=2))   # 2 layers x 6 slots x (2 x 4 x 4 B + 4 B) + 2 x 4 B
+    440
 """
 
 from __future__ import annotations
@@ -219,7 +226,11 @@ def shrink(cache: Cache, room: int = 0, max_write: int | None = None) -> Cache:
     parts are cut to the tokens they hold.
 
     Example:
-        >>> cache = shrink(cache, room=max_new_tokens)
+        >>> import kvjax
+        >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 4), batch=1, capacity=64)
+        >>> cache = shrink(cache, room=8)   # nothing written yet: room for 8 tokens
+        >>> cache[0].k.shape, cache[0].pos.shape
+        ((1, 8, 4), (1, 1, 8))
     """
     return tuple(_shrink_layer(layer, room, room if max_write is None else max_write)
                  for layer in cache)
@@ -378,8 +389,11 @@ def debug_checks(enabled: bool = True):
     valid number (`best_first`) and the policy goes on.
 
     Example:
+        >>> from kvjax import parse_method
         >>> with debug_checks():
-        ...     t = parse_method("expected_attention:ratio=0.5")
+        ...     t = parse_method("expected_attention:ratio=0.5")   # this policy checks
+        ...     debug_checks_enabled()
+        True
     """
     _debug_checks.append(bool(enabled))
     try:

@@ -29,7 +29,10 @@ never recompiles.
 
 Example:
     >>> fm = random_features(head_dim=64, features=128, seed=0)
-    >>> fm.query(q, kv_heads=3).shape   # q [B*KVH, N, 64] -> [B*KVH, N, 128]
+    >>> q = jax.random.normal(jax.random.key(0), (6, 5, 64))  # [B*KVH, N, D]
+    >>> phi = fm.query(q, kv_heads=3)
+    >>> phi.shape, bool((phi > 0).all())   # [B*KVH, N, F], positive features
+    ((6, 5, 128), True)
 """
 
 from __future__ import annotations

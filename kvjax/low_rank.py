@@ -12,12 +12,19 @@ then RoPE must be re-applied after reconstruction, so scores would need the
 full keys.) DECISIONS.md records this.
 
 Example:
+    >>> import kvjax, os, tempfile
+    >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 8), batch=1, capacity=32)
+    >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 1, 32, 8))   # [B, KVH, T, D]
+    >>> cache = tuple(kvjax.write(c, k, v, jnp.arange(32)[None]) for c in cache)
     >>> moments = None
-    >>> for cache in caches_of_calibration_text:           # dense caches after prefill
-    ...     moments = accumulate_moments(moments, cache)
+    >>> for c in [cache]:                      # dense caches of calibration text, after prefill
+    ...     moments = accumulate_moments(moments, c)
     >>> basis = basis_from_moments(moments)                  # LowRankBasis
-    >>> basis.save("smollm2_basis.npz"); basis = LowRankBasis.load("smollm2_basis.npz")
-    >>> t = low_rank(basis, rank=32)
+    >>> path = os.path.join(tempfile.mkdtemp(), "basis.npz")
+    >>> basis.save(path); basis = LowRankBasis.load(path)
+    >>> basis.keys.shape, basis.tokens                       # [L, KVH, D, D], tokens per head
+    ((2, 1, 8, 8), 32)
+    >>> t = low_rank(basis, rank=4)
 """
 
 from __future__ import annotations
@@ -109,7 +116,14 @@ def low_rank(basis: LowRankBasis, rank: int, key_rank: int | None = None,
     rank equal to head_dim is lossless (up to float rounding).
 
     Example:
-        >>> t = low_rank(LowRankBasis.load("basis.npz"), rank=32)   # half the bytes
+        >>> import kvjax
+        >>> eye = np.broadcast_to(np.eye(8, dtype=np.float32), (2, 1, 8, 8))  # [L, KVH, D, D]
+        >>> energy = np.ones((2, 1, 8), np.float32)
+        >>> t = low_rank(LowRankBasis(eye, eye, energy, energy, tokens=1), rank=4)  # D / 2
+        >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 8), batch=1, capacity=32)
+        >>> small, _ = t.update(cache, t.init(cache), None)
+        >>> kvjax.nbytes(cache), kvjax.nbytes(small)  # k, v 32x8 -> 32x4 floats, + 8x4 bases
+        (4360, 2824)
     """
     d = basis.keys.shape[-1]
     ranks = (key_rank or rank, value_rank or rank)

@@ -205,7 +205,10 @@ def check_method(spec: str, num_layers: int) -> CacheTransform:
     """`parse_method(spec)`, also checking every `layers=` against a model of `num_layers`.
 
     Example:
-        >>> check_method("snapkv:ratio=0.5,layers=0-99", 30)   # ValueError: layers 0-29
+        >>> check_method("snapkv:ratio=0.5,layers=0-99", 30)
+        Traceback (most recent call last):
+        ...
+        ValueError: method 'snapkv': layers names layer 99; the model has 30 layers, 0-29
     """
     transform = parse_method(spec)
     for name, layers in method_layers(spec):

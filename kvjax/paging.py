@@ -45,11 +45,15 @@ it into `pool.error`. `check_pool(pool)` raises on the flags on the host;
 a step (or a few).
 
 Example:
-    >>> pool, layers = init_paged_cache(num_pages=64, page_size=16, batch=2, kv_heads=3,
-    ...                                 max_pages=8, head_dim=64, num_layers=30)
-    >>> pool, layers = reserve(pool, layers, jnp.array([20, 5]))   # room for the prompts
+    >>> pool, layers = init_paged_cache(num_pages=8, page_size=4, batch=2, kv_heads=1,
+    ...                                 max_pages=4, head_dim=4, num_layers=2)
+    >>> pool, layers = reserve(pool, layers, jnp.array([6, 3]))    # room for the prompts
+    >>> k = v = jnp.ones((2, 1, 6, 4))                               # [B, KVH, T, D]
+    >>> pos = jnp.array([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]])  # -1: padding
     >>> layers = [layer.write(k, v, pos) for layer in layers]       # the model does this
     >>> check_pool(pool, layers)
+    >>> pool.refcount.tolist()   # page 0 is the null page; 6 tokens take 2 pages, 3 take 1
+    [0, 1, 1, 1, 0, 0, 0, 0]
 """
 
 from __future__ import annotations

@@ -14,9 +14,14 @@ offset) per group; `dequantize` inverts it to within half a step:
 constant group gets scale 0 and dequantizes exactly.
 
 Example:
-    >>> q = quantize(k, bits=4, group=32, axis=-1)          # k: [..., D] per token
+    >>> k = jax.random.normal(jax.random.key(0), (2, 8, 64))  # [..., D] per token
+    >>> q = quantize(k, bits=4, group=32, axis=-1)
     >>> words = pack(q.codes, 4)                              # [..., D // 8] uint32
+    >>> words.shape
+    (2, 8, 8)
     >>> k_hat = dequantize(q._replace(codes=unpack(words, 4, k.shape[-1])), group=32, axis=-1)
+    >>> bool(jnp.all(jnp.abs(k - k_hat) <= jnp.repeat(q.scale, 32, -1) / 2))  # the error bound
+    True
 """
 
 from __future__ import annotations

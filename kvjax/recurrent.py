@@ -27,9 +27,15 @@ sampler handle like a `TokenCache` (they implement the layer hooks `write`,
   softmax-shaped ratio over both (see `hybrid_attend`).
 
 Example:
-    >>> t = linear_state("prf", layers=(0, 1))        # layers 0, 1 become linear
+    >>> import kvjax
+    >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 4), batch=1, capacity=8)
+    >>> k = v = jnp.ones((1, 1, 6, 4))                                 # [B, KVH, T, D]
+    >>> cache = tuple(kvjax.write(c, k, v, jnp.arange(6)[None]) for c in cache)
+    >>> t = linear_state("prf", layers=(0,), features=32)   # layer 0 becomes linear
     >>> cache, _ = t.update(cache, t.init(cache), None)
-    >>> t = fold_evicted(snapkv(ratio=0.75), "prf")   # LESS: evicted tokens folded
+    >>> [type(layer).__name__ for layer in cache]
+    ['LinearLayer', 'TokenCache']
+    >>> t = fold_evicted(kvjax.snapkv(ratio=0.75), "prf")   # LESS: evicted tokens folded
 """
 
 from __future__ import annotations
@@ -491,7 +497,9 @@ def linear_state(map: str | FeatureMap = "prf", layers: Sequence[int] | None = N
     (0, 1], one or one per KV head) forgets old tokens geometrically.
 
     Example:
-        >>> t = parse_method("linear_state:map=prf,features=128,layers=0-9")
+        >>> from kvjax import parse_method
+        >>> t = parse_method("linear_state:map=prf,features=128,layers=0-9")  # the same as
+        >>> t = linear_state("prf", layers=range(10), features=128)
     """
     check_map_name(map)
     _check_count("linear_state", "features", features)

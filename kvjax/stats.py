@@ -16,10 +16,17 @@ decode step), so no statistic ever needs a `T x T` matrix:
   belongs to slots and must move with them when a policy compacts the cache.
 
 Example:
-    >>> spec = StatsSpec(window=64)
-    >>> stats = init_stats(spec, cache, num_heads=9)
-    >>> h, cache, stats = model.forward(tokens, positions, cache, stats, spec)
-    >>> stats[0].queries.shape          # [B, 64, H, D]
+    >>> from flax import nnx
+    >>> from kvjax import init_model_cache
+    >>> from models.llama import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))   # 4 query heads of 16
+    >>> cache = init_model_cache(model.config.cache_spec, batch=1, capacity=16)
+    >>> spec = StatsSpec(window=4)
+    >>> stats = model.init_stats(spec, cache)   # init_stats(spec, cache, 4, inv_freq)
+    >>> tokens = jnp.arange(8)[None]             # 8 tokens at positions 0..7
+    >>> h, cache, stats = model.forward(tokens, tokens, cache, stats, spec)
+    >>> stats[0].queries.shape, stats[0].query_pos.tolist()   # [B, window, H, D]: the last 4
+    ((1, 4, 4, 16), [[4, 5, 6, 7]])
 """
 
 from __future__ import annotations

@@ -21,8 +21,10 @@ moves codes and group ids, the table stays, so nothing is requantized.
 
 Example:
     >>> s = PackedTokens.empty(rows=6, capacity=128, dim=64, bits=4, group=32)
-    >>> s = put(s, x, at=jnp.int32(0))        # x: [6, T, 64] float
-    >>> read(s).shape                          # (6, 128, 64) float32
+    >>> x = jax.random.normal(jax.random.key(0), (6, 10, 64))  # [R, T, D]: 10 new tokens
+    >>> s = put(s, x, at=jnp.int32(0))
+    >>> s.words.shape, read(s).shape, read(s).dtype   # 64 4-bit codes = 8 words per token
+    ((6, 128, 8), (6, 128, 64), dtype('float32'))
 """
 
 from __future__ import annotations

@@ -11,9 +11,13 @@ whatever statistics the decoder collected (None when a transform needs none).
 Both functions must be jit-traceable and keep every shape static.
 
 Example:
+    >>> import kvjax
+    >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 4), batch=1, capacity=8)
     >>> t = chain(full(), full())
     >>> state = t.init(cache)
-    >>> new_cache, state = t.update(cache, state, None)   # new_cache is cache
+    >>> new_cache, state = t.update(cache, state, None)
+    >>> new_cache is cache          # full() keeps every token: the very same cache
+    True
 """
 
 from __future__ import annotations
@@ -96,8 +100,11 @@ def on_layers(transform: CacheTransform, layers: Sequence[int]) -> CacheTransfor
     whole cache (a per-layer budget schedule counts them from 0).
 
     Example:
+        >>> from kvjax import snapkv, streaming_llm
         >>> t = chain(on_layers(snapkv(ratio=0.5), range(0, 15)),
         ...           on_layers(streaming_llm(ratio=0.5), range(15, 30)))
+        >>> t.stats.window      # the chain collects what snapkv needs: its 64 latest queries
+        64
     """
     layers = tuple(sorted(set(int(i) for i in layers)))
     if not layers or layers[0] < 0:
