@@ -1,8 +1,15 @@
 """Calibration runs on real text: per-head low-rank bases for `kvjax.low_rank`.
 
 Example:
-    >>> basis = calibrate_low_rank(model, tokenizer.encode(text)[-16384:])
-    >>> basis.save("smollm2_basis.npz")
+    >>> from flax import nnx
+    >>> from models.llama import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))   # random weights, vocab 256
+    >>> ids = list(range(3, 67))       # real use: tokenizer.encode(text)[-16384:]
+    >>> basis = calibrate_low_rank(model, ids, window=32, batch=2, progress=False)
+    >>> basis.keys.shape, basis.tokens   # [L, KVH, D, D], tokens per sequence and head
+    ((2, 2, 16, 16), 64)
+    >>> import os, tempfile
+    >>> basis.save(os.path.join(tempfile.mkdtemp(), "basis.npz"))
 """
 
 from __future__ import annotations

@@ -6,10 +6,17 @@ no Flax to run), a token batch, their positions and the cache pytree:
     step(params, tokens [B, 1], positions [B, 1], cache) -> (logits [B, V], cache)
 
 Example:
-    >>> exported = export_decode_step(model, batch=1, capacity=2048)
+    >>> from flax import nnx
+    >>> from models.llama import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))   # random weights, vocab 256
+    >>> exported = export_decode_step(model, batch=1, capacity=16)
     >>> blob = exported.serialize()                      # bytes, e.g. to disk
     >>> step = jax.export.deserialize(blob)
+    >>> cache = kvjax.init_model_cache(model.config.cache_spec, batch=1, capacity=16)
+    >>> tokens, positions = jnp.array([[5]]), jnp.array([[0]])
     >>> logits, cache = step.call(params_dict(model), tokens, positions, cache)
+    >>> logits.shape, int(cache[0].length)
+    ((1, 256), 1)
 """
 
 from __future__ import annotations
@@ -52,8 +59,17 @@ def export_decode_step(model: Llama, batch: int | None = None, capacity: int | N
     step writes is encoded in the cache's own format.
 
     Example:
-        >>> pre = prefill_and_compress(model, [ids], transform=parse_method(spec), room=64)
-        >>> exported = export_decode_step(model, cache=pre.cache)
+        >>> from flax import nnx
+        >>> from models.llama import Llama, LlamaConfig
+        >>> from models.sampler import prefill_and_compress
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> t = kvjax.parse_method("snapkv:ratio=0.5,window=8")
+        >>> pre = prefill_and_compress(model, [list(range(3, 67))], transform=t, room=8)
+        >>> exported = export_decode_step(model, cache=pre.cache)   # 32 kept + 8 free slots
+        >>> logits, cache = exported.call(params_dict(model), jnp.array([[7]]),
+        ...                               jnp.asarray(pre.next_pos)[:, None], pre.cache)
+        >>> logits.shape, kvjax.num_valid(cache[0]).tolist()
+        ((1, 256), [[33, 33]])
     """
     if cache is None:
         for name, value in (("batch", batch), ("capacity", capacity)):

@@ -9,7 +9,10 @@ Two formats:
 
 Example:
     >>> model, tokenizer = load_model("smollm2")            # the default model
-    >>> model, tokenizer = load_model("/path/to/model.gguf", dtype=jnp.bfloat16)
+    >>> model.config.num_layers, tokenizer.decode(tokenizer.encode("Hello world"))
+    (30, 'Hello world')
+
+    Any other: `load_model("/path/to/model.gguf", dtype=jnp.bfloat16)`.
 """
 
 from __future__ import annotations

@@ -12,9 +12,11 @@ A cache transform runs after prefill and, optionally, every `compress_every`
 decode steps.
 
 Example:
-    >>> model, tok = load_model("smollm2")
-    >>> out = generate(model, [tok.encode("The capital of France is")], max_new_tokens=8)
+    >>> from models.loading import load_model
+    >>> model, tok = load_model("smollm2")                   # the real SmolLM2-135M
+    >>> out = generate(model, [tok.encode("The capital of France is")], max_new_tokens=2)
     >>> tok.decode(out.tokens[0])
+    ' Paris.'
 """
 
 from __future__ import annotations
@@ -266,8 +268,14 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
     """`prefill_batch` collecting what `transform` needs, then `compress`.
 
     Example:
-        >>> pre = prefill_and_compress(model, [ids], transform=snapkv(ratio=0.5), room=64)
-        >>> kvjax.nbytes(pre.cache)   # about half the full cache
+        >>> from flax import nnx
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> ids = list(range(3, 67))                                     # 64 tokens
+        >>> half = prefill_and_compress(model, [ids], transform=kvjax.snapkv(ratio=0.5), room=8)
+        >>> full = prefill_and_compress(model, [ids], room=8)
+        >>> kvjax.nbytes(half.cache), kvjax.nbytes(full.cache)   # 32 + 8 slots vs 64 + 8
+        (21128, 38024)
     """
     transform = transform or full()
     pre = prefill_batch(model, prompts, stats=transform.stats, room=room, capacity=capacity,

@@ -4,8 +4,14 @@ Only `[B, chunk, vocab]` logits exist at a time, so long windows never hold a
 `[B, T, vocab]` tensor nor a `T x T` score matrix.
 
 Example:
-    >>> lp = token_logprobs(model, tokens, positions, targets)   # [B, T]
-    >>> nll = -lp[:, :-1].sum()
+    >>> from flax import nnx
+    >>> from models.llama import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))   # random weights, vocab 256
+    >>> tokens = jnp.arange(3, 11)[None]; positions = jnp.arange(8)[None]
+    >>> lp = token_logprobs(model, tokens, positions, jnp.roll(tokens, -1, axis=1))  # [B, T]
+    >>> nll = -lp[:, :-1].sum()      # the last target wrapped around: left out
+    >>> lp.shape, round(float(nll), 1)   # random weights: about 7 x log(256) = 38.8
+    ((1, 8), 38.9)
 """
 
 from __future__ import annotations
@@ -98,8 +104,14 @@ def continuation_logprobs(model: Llama, prefixes: Sequence[Sequence[int]],
       one float32 array of len(cont[b]) per sequence.
 
     Example:
-        >>> lp = continuation_logprobs(model, [ids[:512]], [ids[512:1024]],
-        ...                            transform=snapkv(ratio=0.5))
+        >>> from flax import nnx
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> ids = list(range(3, 67))
+        >>> lp = continuation_logprobs(model, [ids[:48]], [ids[48:]],
+        ...                            transform=kvjax.snapkv(ratio=0.5, window=8))
+        >>> [x.shape for x in lp], bool((lp[0] < 0).all())
+        ([(16,)], True)
     """
     from models.sampler import prefill_and_compress
 

@@ -22,10 +22,16 @@ Every layer is trained at once (independent parameters, one summed loss),
 on queries, keys and values captured from the frozen model.
 
 Example:
-    >>> model, tok = load_model("smollm2")
-    >>> result = train_feature_maps(model, [text], tokenizer=tok, steps=200)
-    >>> save_maps("docs/results/feature_maps", result.maps)
-    >>> parse_method("snapkv:ratio=0.75+fold:map=docs/results/feature_maps")
+    >>> import tempfile
+    >>> from kvjax import parse_method, save_maps
+    >>> from models.llama import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))   # real use: load_model("smollm2")
+    >>> windows = [list(range(3, 67))] * 2   # real use: token_windows(tok, texts, 1024, n)
+    >>> result = train_feature_maps(model, windows, steps=2, queries=16, progress=False)
+    >>> len(result.maps), result.maps[0].kind, len(result.losses)   # one map per layer
+    (2, 'hedgehog', 2)
+    >>> where = str(save_maps(tempfile.mkdtemp(), result.maps))
+    >>> t = parse_method(f"snapkv:ratio=0.75+fold:map={where}")
 """
 
 from __future__ import annotations
