@@ -12,7 +12,9 @@ Example:
     >>> model = Llama(cfg, rngs=nnx.Rngs(0))
     >>> cache = kvjax.init_model_cache(cfg.cache_spec, batch=1, capacity=32)
     >>> tokens = jnp.array([[1, 2, 3]]); positions = jnp.arange(3)[None]
-    >>> logits, cache = model(tokens, positions, cache)   # [1, 3, vocab]
+    >>> logits, cache = model(tokens, positions, cache)
+    >>> logits.shape, int(cache[0].length)                # [B, T, vocab]; 3 tokens cached
+    ((1, 3, 256), 3)
 """
 
 from __future__ import annotations
