@@ -12,10 +12,13 @@ Layout (docs/DECISIONS.md, "Paged pool"):
   `pos_pages` `[P, 1, S]` int32 with the absolute position of every slot
   (`EMPTY = -1` for a free or evicted slot);
 - `block_tables` `[B, KVH, NP]` int32: the pages of row (b, h) in slot
-  order; only the first `num_pages[b, h]` entries are read.
-
-Per-head tables make a `TokenCache` (`[B*KVH, C, D]`) a pool by a free
-reshape, and let head-wise budgets (Ada-KV) hold different page counts.
+  order; only the first `num_pages[b, h]` entries are read. Or, when every
+  KV head of a sequence uses the same pages, `[B, NP]` shared by its heads
+  with a static `head_stride`: head h reads page `block_tables[b, i] + h *
+  head_stride` (a `TokenCache`, `[B*KVH, C, D]` read as `[B*KVH*C/S, S, D]`,
+  is this with head_stride = C/S). Shared tables are KVH times smaller in
+  SMEM; per-head tables remain for head-wise budgets (Ada-KV), whose heads
+  hold different pages.
 
 A key slot is visible to a query when `pos != EMPTY`, `pos <= q_pos`,
 `q_pos >= 0` and, with a sliding `window`, `q_pos - pos < window`: the
@@ -160,9 +163,10 @@ def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops
     return _softmax_step(q.astype(compute_dtype), k, v, kpos, qpos, carry, **math)
 
 
-def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_format, v_format, kv_heads,
-                table_len, pages_per_block, blocks_per_split, math):
-    # tables_ref [B*KVH*NP] int32 (SMEM), counts_ref / starts_ref [B*KVH] int32 (SMEM): the
+def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_format, v_format,
+                kv_heads, table_len, head_stride, pages_per_block, blocks_per_split, math):
+    # tables_ref [B*KVH*NP], or shared [B*NP] when head_stride is set, int32 (SMEM);
+    # counts_ref / starts_ref [B*KVH] int32 (SMEM): the
     # row's pages [start, count) of its table are read, from start on in blocks
     # qpos_ref [GT, 1], q_ref [GT, D] (VMEM blocks of this (b, h));
     # refs: the pools in HBM (pos [P, 1, S], then each format array [P, ...]), the outputs,
@@ -173,6 +177,7 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_fo
     sem, m_sc, l_sc, acc_sc = refs[2 * n + 3:]
     b, h, split, j = (pl.program_id(i) for i in range(4))
     row = b * kv_heads + h
+    table_row, head_offset = (row, 0) if head_stride is None else (b, h * head_stride)
     count = counts_ref[row]
     start = starts_ref[row]
     first = lambda blk: start + (split * blocks_per_split + blk) * pages_per_block
@@ -182,7 +187,8 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_fo
         out = []
         for i in range(pages_per_block):
             idx = first(blk) + i
-            page = tables_ref[row * table_len + jnp.minimum(idx, table_len - 1)]
+            entry = table_row * table_len + jnp.minimum(idx, table_len - 1)
+            page = tables_ref[entry] + head_offset
             page = jnp.clip(page, 0, pools[0].shape[0] - 1)
             out.append((idx < count, [pltpu.make_async_copy(pool.at[page], buf.at[slot, i],
                                                             sem.at[slot])
@@ -231,7 +237,8 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_fo
 
 
 def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
-              v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages):
+              v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages,
+              head_stride):
     b, kvh, rows, d = qg.shape
     pools = (pos_pages, *k_arrays, *v_arrays)
     blocks_per_split = pages_per_split // pages_per_block
@@ -250,7 +257,7 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
                         pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
                         pltpu.VMEM((rows, d), jnp.float32)])
     kernel = functools.partial(_tpu_kernel, k_format=k_format, v_format=v_format,
-                               kv_heads=kvh, table_len=tables.shape[-1],
+                               kv_heads=kvh, table_len=tables.shape[-1], head_stride=head_stride,
                                pages_per_block=pages_per_block,
                                blocks_per_split=blocks_per_split, math=math)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
@@ -293,7 +300,7 @@ def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
 
 
 def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format,
-                v_format, pages_per_split, math):
+                v_format, pages_per_split, math, head_stride):
     # tables_ref [B, KVH, NP], counts_ref / starts_ref [B, KVH]: whole arrays; qpos_ref [GT, 1];
     # q_ref [GT, D]; pos_ref [P, 1, S] and every format array [P, ...]: whole pools.
     nk, nv = k_format.arity(), v_format.arity()
@@ -306,7 +313,8 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
     last = jnp.minimum(first + pages_per_split, counts_ref[b, h])
 
     def body(i, carry):
-        page = tables_ref[b, h, i]
+        page = (tables_ref[b, h, i] if head_stride is None
+                else tables_ref[b, i] + h * head_stride)
         blocks = lambda fmt_refs: [PageRef(r, page) for r in fmt_refs]
         return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), pos_ref[page],
                           qpos, carry, GPU_OPS, head_dim=q.shape[-1], **math)
@@ -319,13 +327,14 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
 
 
 def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
-              v_format, pages_per_split, splits, math, interpret, read_pages):
+              v_format, pages_per_split, splits, math, interpret, read_pages, head_stride):
     b, kvh, rows, d = qg.shape
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, s: (s, bi, h, 0, 0))
     kernel = functools.partial(_gpu_kernel, k_format=k_format, v_format=v_format,
-                               pages_per_split=pages_per_split, math=math)
+                               pages_per_split=pages_per_split, math=math,
+                               head_stride=head_stride)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid=(b, kvh, splits),
@@ -349,17 +358,23 @@ def _as_arrays(x) -> tuple[jax.Array, ...]:
 
 
 def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_format, v_format,
-                  pages_per_split, backend):
+                  pages_per_split, backend, head_stride=None):
     if backend not in BACKENDS:
         raise ValueError(f"paged_attention: backend must be one of {BACKENDS}, got {backend!r}")
     if q.ndim != 4 or q_pos.shape != q.shape[:2]:
         raise ValueError(f"paged_attention: q must be [B, T, H, D] and q_pos [B, T]; got "
                          f"{q.shape} and {q_pos.shape}")
     b, _, h, d = q.shape
-    if tables.ndim != 3 or tables.shape[0] != b or tables.dtype != jnp.int32:
-        raise ValueError(f"paged_attention: block_tables must be int32 [B={b}, KVH, NP], got "
-                         f"{tables.dtype} {tables.shape}")
-    kvh = tables.shape[1]
+    if tables.ndim not in (2, 3) or tables.shape[0] != b or tables.dtype != jnp.int32:
+        raise ValueError(f"paged_attention: block_tables must be int32 [B={b}, KVH, NP] (per "
+                         f"head) or [B={b}, NP] (shared), got {tables.dtype} {tables.shape}")
+    if (tables.ndim == 2) != (head_stride is not None):
+        raise ValueError(f"paged_attention: head_stride is required with shared [B, NP] "
+                         f"block_tables and only with them; got head_stride={head_stride} with "
+                         f"block_tables {tables.shape}")
+    if head_stride is not None and head_stride < 0:
+        raise ValueError(f"paged_attention: head_stride must be >= 0, got {head_stride}")
+    kvh = tables.shape[1] if tables.ndim == 3 else counts.shape[-1]
     if h % kvh:
         raise ValueError(f"paged_attention: {h} query heads are not a multiple of {kvh} KV heads")
     if counts.shape != (b, kvh) or counts.dtype != jnp.int32:
@@ -406,6 +421,15 @@ def block_sizes(n_table: int, page_size: int, pages_per_split: int,
     return npb, per_split, -(-n_table // per_split)
 
 
+def per_head_tables(block_tables: jax.Array, kv_heads: int,
+                    head_stride: int | None) -> jax.Array:
+    """[B, KVH, NP] tables: as given, or shared [B, NP] tables expanded by head_stride."""
+    if head_stride is None:
+        return block_tables
+    heads = jnp.arange(kv_heads, dtype=jnp.int32)[None, :, None] * head_stride
+    return block_tables[:, None, :] + heads
+
+
 def window_start_pages(q_pos: jax.Array, pos_pages: jax.Array, block_tables: jax.Array,
                        num_pages: jax.Array, window: int | None) -> jax.Array:
     """[B, KVH] int32: each row's leading pages that no query of its sequence sees (skippable).
@@ -443,21 +467,23 @@ def window_pages(window: int | None, q_len: int, page_size: int) -> int | None:
 
 @functools.partial(jax.jit, static_argnames=("k_format", "v_format", "pages_per_split", "window",
                                              "softcap", "scale", "backend", "interpret",
-                                             "compute_dtype", "pages_per_block"))
+                                             "compute_dtype", "pages_per_block",
+                                             "head_stride"))
 def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
                             k_format: Format = DENSE, v_format: Format = DENSE,
                             pages_per_split: int = 8, window: int | None = None,
                             softcap: float | None = None, scale: float | None = None,
                             backend: str = "tpu", interpret=False,
-                            compute_dtype=None, pages_per_block: int | None = None) -> Partial:
+                            compute_dtype=None, pages_per_block: int | None = None,
+                            head_stride: int | None = None) -> Partial:
     """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, k_format,
-                  v_format, pages_per_split, backend)
-    kvh = block_tables.shape[1]
+                  v_format, pages_per_split, backend, head_stride)
+    kvh = num_pages.shape[1]
     if pages_per_block is not None and pages_per_block < 1:
         raise ValueError(f"paged_attention: pages_per_block must be >= 1, got {pages_per_block}")
-    n_table = block_tables.shape[2]
+    n_table = block_tables.shape[-1]
     if backend == "tpu":
         npb, pages_per_split, splits = block_sizes(n_table, pos_pages.shape[-1], pages_per_split,
                                                    pages_per_block)
@@ -473,11 +499,13 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     math = _math(k_format, v_format, dict(scale=q.shape[-1] ** -0.5 if scale is None else scale,
                                           window=window, softcap=softcap), cdt)
     call = _tpu_call if backend == "tpu" else _gpu_call
-    starts = window_start_pages(q_pos, pos_pages, block_tables, num_pages, window)
+    starts = window_start_pages(q_pos, pos_pages, per_head_tables(block_tables, kvh, head_stride),
+                                num_pages, window)
     acc, m, l = call(qg, qpos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, starts,
                      k_format=k_format, v_format=v_format, pages_per_split=pages_per_split,
                      splits=splits, math=math, interpret=interpret,
-                     read_pages=window_pages(window, q.shape[1], pos_pages.shape[-1]), **extra)
+                     read_pages=window_pages(window, q.shape[1], pos_pages.shape[-1]),
+                     head_stride=head_stride, **extra)
     out = Partial(acc[0], m[0], l[0])
     for i in range(1, splits):
         out = merge(out, Partial(acc[i], m[i], l[i]))
@@ -493,13 +521,16 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       k_pages, v_pages: the key/value pool in `k_format` / `v_format`
         (an array, or a tuple of arrays; dense: [P, S, D]; see `page_formats`).
       pos_pages: [P, 1, S] int32 slot positions, EMPTY = -1.
-      block_tables: [B, KVH, NP] int32 page indices in [0, P).
+      block_tables: [B, KVH, NP] int32 page indices in [0, P); or [B, NP]
+        shared by a sequence's KV heads, with `head_stride`.
       num_pages: [B, KVH] int32 pages in use per row (<= NP).
       k_format, v_format: `page_formats.Dense()`, `PackedTokens(...)`,
         `PackedChannels(...)`.
       pages_per_split: pages per flash-decoding split (static; TPU: rounded up
         to a multiple of pages_per_block).
       pages_per_block: TPU pages per grid step (default: >= 512 slots).
+      head_stride: with shared [B, NP] tables (static): KV head h of row b
+        reads page `block_tables[b, i] + h * head_stride`.
       window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.
         With a window, pages wholly before it are skipped
         (`window_start_pages`).
@@ -533,9 +564,11 @@ def gather_pages(fmt: Format, arrays, block_tables: jax.Array, head_dim: int) ->
 def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
                               k_format: Format = DENSE, v_format: Format = DENSE,
                               window: int | None = None, softcap: float | None = None,
-                              scale: float | None = None, **_) -> jax.Array:
+                              scale: float | None = None, head_stride: int | None = None,
+                              **_) -> jax.Array:
     """Plain-jnp paged attention: gather and decode every page, one masked softmax, float32."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
+    block_tables = per_head_tables(block_tables, num_pages.shape[1], head_stride)
     b, t, h, d = q.shape
     kvh, n_table = block_tables.shape[1:]
     page_size = pos_pages.shape[-1]

@@ -4,8 +4,10 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
 
 - `PagedLayer`: as it is.
 - `TokenCache` (per-head layout): each row's `C` slots are `C/S` pages of
-  `S` slots, by a free reshape of `[B*KVH, C, ...]` to `[B*KVH*C/S, S, ...]`,
-  with identity block tables; only the pages below the write cursor are read.
+  `S` slots, by a free reshape of `[B*KVH, C, ...]` to `[B*KVH*C/S, S, ...]`;
+  its KV heads share one block table per sequence (`[B, C/S]`, head h at
+  page offset `h * C/S`: KVH times less SMEM than per-head tables); only the
+  pages below the write cursor are read.
   `S` is the largest power of two <= 256 that divides `C` (at least 8).
 - `ResidualCache` (KIVI): the encoded body and the exact recent part are two
   kernel calls whose softmax states are merged.
@@ -126,10 +128,13 @@ def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict 
         return None
     b, kvh, c = layer.pos.shape
     per_row = c // page
-    tables = jnp.arange(b * kvh * per_row, dtype=jnp.int32).reshape(b, kvh, per_row)
+    # one table per sequence, shared by its heads: row (b, h)'s page i is (b*KVH + h)*per_row + i
+    tables = (jnp.arange(b, dtype=jnp.int32)[:, None] * (kvh * per_row)
+              + jnp.arange(per_row, dtype=jnp.int32))
     used = jnp.full((b, kvh), (layer.length + page - 1) // page, jnp.int32)
     return dict(k_pages=k[1], v_pages=v[1], k_format=k[0], v_format=v[0],
-                pos_pages=layer.pos.reshape(-1, 1, page), block_tables=tables, num_pages=used)
+                pos_pages=layer.pos.reshape(-1, 1, page), block_tables=tables, num_pages=used,
+                head_stride=per_row)
 
 
 def supports_pallas(layer: Any) -> bool:

@@ -81,3 +81,21 @@ def test_kivi_pages_whose_groups_spread_use_the_wide_window(backend):
     got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=True, pages_per_split=1)
     want = kvjax.attend(q, q_pos, layer, impl="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+def test_token_cache_pages_use_one_table_per_sequence():
+    """A TokenCache's KV heads share their sequence's block table ([B, C/S] with a head stride of
+    C/S pages), and the shared table names exactly the pages per-head tables would."""
+    from kernels_pallas.paged_attention import per_head_tables
+    layer, q, q_pos = filled(4, 40, capacity=48, batch=2, kvh=3)
+    inputs = ka.kernel_inputs(layer)
+    page = ka.page_size_for(48)
+    assert inputs["block_tables"].shape == (2, 48 // page)
+    assert inputs["head_stride"] == 48 // page
+    per_head = per_head_tables(inputs["block_tables"], 3, inputs["head_stride"])
+    np.testing.assert_array_equal(np.asarray(per_head).ravel(), np.arange(2 * 3 * 48 // page))
+    for backend in ("tpu", "gpu"):
+        got = ka.attend_pallas(q, q_pos, layer, window=20, backend=backend, interpret=True,
+                               pages_per_split=1)
+        want = kvjax.attend(q, q_pos, layer, impl="reference", window=20)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)

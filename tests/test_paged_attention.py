@@ -343,3 +343,62 @@ def test_window_start_pages_is_exact_for_any_slot_order():
     np.testing.assert_array_equal(np.asarray(starts), [[0], [3], [2]])
     assert np.all(np.asarray(window_start_pages(q_pos, jnp.asarray(pos), tables, counts,
                                                 window=None)) == 0)
+
+
+def shared_pool(rng, *, batch, kv_heads, page_size, head_dim, lengths, spare=2):
+    """A pool whose KV heads share one table per sequence: head h of a sequence's page i lies at
+    table[b, i] + h * stride (head planes of `stride` pages, sequences' pages shuffled in them)."""
+    n_table = max(-(-max(lengths) // page_size), 1)
+    stride = batch * n_table + spare
+    tables = rng.permutation(stride)[: batch * n_table].reshape(batch, n_table).astype(np.int32)
+    n_pages = kv_heads * stride
+    pos = np.full((n_pages, 1, page_size), EMPTY, np.int32)
+    for b, n in enumerate(lengths):
+        for h in range(kv_heads):
+            for i in range(n):
+                pos[tables[b, i // page_size] + h * stride, 0, i % page_size] = i
+    counts = np.array([[-(-n // page_size)] * kv_heads for n in lengths], np.int32)
+    k = jnp.asarray(rng.normal(size=(n_pages, page_size, head_dim)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(n_pages, page_size, head_dim)), jnp.float32)
+    return k, v, jnp.asarray(pos), jnp.asarray(tables), jnp.asarray(counts), stride
+
+
+@pytest.mark.parametrize("interpret", [True, pltpu.InterpretParams(), "gpu"],
+                         ids=["tpu-generic", "tpu-dma", "gpu"])
+def test_block_tables_shared_by_kv_heads(interpret):
+    """[B, NP] tables with a head stride read the same pages as the per-head [B, KVH, NP]
+    tables they stand for, and match the reference, with a window and several blocks."""
+    from kernels_pallas.paged_attention import per_head_tables
+    rng = np.random.default_rng(31)
+    lengths = [0, 70, 17, 33]
+    k, v, pos, tables, counts, stride = shared_pool(rng, batch=4, kv_heads=3, page_size=16,
+                                                    head_dim=64, lengths=lengths)
+    q, q_pos = queries(rng, 4, 2, 6, 64, lengths)
+    backend, interp = ("gpu", True) if interpret == "gpu" else ("tpu", interpret)
+    kw = dict(pages_per_split=2, window=40, k_format=pf.PackedTokens(4, 32))
+    if backend == "tpu":
+        kw["pages_per_block"] = 2
+    kp = packed_tokens(k, 4, 32, False)
+    got, want = run_both(q, q_pos, kp, v, pos, tables, counts, backend, interpret=interp,
+                         head_stride=stride, **kw)
+    np.testing.assert_allclose(got, want, **TOL)
+    full = per_head_tables(tables, 3, stride)
+    assert full.shape == (4, 3, 5) and int(full[1, 2, 0]) == int(tables[1, 0]) + 2 * stride
+    per_head = paged_attention(q, q_pos, kp, v, pos, full, counts, backend=backend,
+                               interpret=interp, **kw)
+    np.testing.assert_array_equal(got, np.asarray(per_head))
+    assert np.all(got[0] == 0)
+
+
+def test_shared_tables_need_a_head_stride():
+    rng = np.random.default_rng(0)
+    k, v, pos, tables, counts = make_pool(rng, batch=1, kv_heads=2, page_size=16, head_dim=64,
+                                          lengths=[5])
+    q, q_pos = queries(rng, 1, 1, 4, 64, [5])
+    call = functools.partial(paged_attention, interpret=True)
+    with pytest.raises(ValueError, match="head_stride is required"):
+        call(q, q_pos, k, v, pos, tables[:, 0], counts)
+    with pytest.raises(ValueError, match="head_stride is required"):
+        call(q, q_pos, k, v, pos, tables, counts, head_stride=1)
+    with pytest.raises(ValueError, match="head_stride must be >= 0"):
+        call(q, q_pos, k, v, pos, tables[:, 0], counts, head_stride=-1)

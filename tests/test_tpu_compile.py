@@ -9,7 +9,7 @@ numbers there (interpret-mode tests check the numbers).
 The variants are a covering set, not the full product: every page format
 (dense f32/bf16/fp8, int8/int4/int2 per token with and without offsets,
 16-bit and f32 parameters, KIVI 4/2-bit keys with 4/2-bit values, narrow and
-wide table windows), head dims 64 and 128, page sizes 16 to 256, decode and
+wide table windows), per-head and shared block tables, head dims 64 and 128, page sizes 16 to 256, decode and
 prefill chunks, flash-decoding splits, window and soft-cap, GQA groups 1 to
 8, f32 and bf16 MXU operands; and the whole SmolLM2-shaped decode step with
 `impl="pallas"` over a KIVI chain cache.
@@ -58,6 +58,7 @@ class Variant(NamedTuple):
     page_dtype: object = BF16  # dense pages only
     batch: int = 2
     pages_per_block: int | None = None  # TPU pages per grid step (default: >= 512 slots)
+    shared_tables: bool = False  # [B, NP] tables shared by a sequence's KV heads (head_stride)
 
 
 VARIANTS = [
@@ -104,6 +105,11 @@ VARIANTS = [
     Variant("kivi2 f32-params keys int2 values d64 p64 prefill4 gqa2", PC(2, 4, param_dtype="float32"),
             PT(2, 32), 64, 64, 4, 2),
     Variant("kivi4 keys dense-bf16 values d128 p128 decode gqa4", PC(4, 8), DENSE, 128, 128, 1, 4),
+    Variant("dense-bf16 shared tables d64 p64 decode gqa3 window split", DENSE, DENSE, 64, 64, 1,
+            3, kv_heads=3, table=8, pages_per_split=4, pages_per_block=2, window=200,
+            shared_tables=True),
+    Variant("kivi2 shared tables keys int2 values d128 p32 prefill4 gqa4", PC(2, 2), PT(2, 32),
+            128, 32, 4, 4, shared_tables=True),
 ]
 
 
@@ -116,14 +122,16 @@ def variant_args(v: Variant, device):
     heads = v.kv_heads * v.gqa
     return (a((v.batch, v.t, heads, v.head_dim), v.q_dtype), a((v.batch, v.t), jnp.int32),
             pool(v.k_format), pool(v.v_format), a((n_pages, 1, v.page_size), jnp.int32),
-            a((v.batch, v.kv_heads, v.table), jnp.int32), a((v.batch, v.kv_heads), jnp.int32))
+            a((v.batch, v.table) if v.shared_tables else (v.batch, v.kv_heads, v.table),
+              jnp.int32), a((v.batch, v.kv_heads), jnp.int32))
 
 
 def compile_variant(v: Variant, chip: str):
     device = tc.tpu_device(chip)
     fn = functools.partial(paged_attention, k_format=v.k_format, v_format=v.v_format,
                            pages_per_split=v.pages_per_split, window=v.window,
-                           softcap=v.softcap, backend="tpu", pages_per_block=v.pages_per_block)
+                           softcap=v.softcap, backend="tpu", pages_per_block=v.pages_per_block,
+                           head_stride=v.batch * v.table if v.shared_tables else None)
     return tc.compile_for(device, fn, *variant_args(v, device))
 
 
@@ -164,6 +172,7 @@ def test_variants_cover_every_format_and_path():
     assert any(v.pages_per_block and v.pages_per_block < v.pages_per_split for v in VARIANTS)
     assert any(v.window for v in VARIANTS) and any(v.softcap for v in VARIANTS)
     assert {jnp.dtype(v.q_dtype).name for v in VARIANTS} == {"float32", "bfloat16"}
+    assert any(v.shared_tables for v in VARIANTS) and not all(v.shared_tables for v in VARIANTS)
 
 
 def test_smollm2_decode_step_with_kivi_chain_compiles(monkeypatch, capsys):
@@ -246,3 +255,32 @@ def test_window_shrinks_the_compiled_cost_in_proportion(capsys):
     # gains the start computation
     assert est(9) < est(None) * 10 / 64
     assert cost[512] <= est(9) + (cost[None] - est(None)) + starts + 4096
+
+
+@pytest.mark.parametrize("chip", tc.CHIPS)
+def test_shared_tables_fit_smem_where_per_head_tables_do_not(chip, capsys):
+    """Batch 64 x 32k tokens x 8 KV heads in pages of 64: per-head [B, KVH, NP] int32 tables are
+    1 MiB, all of SMEM, and Mosaic rejects the kernel; the [B, NP] tables its heads share are
+    128 KiB and it compiles."""
+    b, kvh, g, d, s, ctx = 64, 8, 4, 128, 64, 32768
+    n_table = ctx // s
+    device = tc.tpu_device(chip)
+    a = lambda shape, dtype: tc.abstract(shape, dtype, device)
+    fmt = PT(4, 32)
+    n_pages = b * kvh * n_table
+    pool = tuple(a(x.shape, x.dtype) for x in fmt.shapes(n_pages, s, d))
+
+    def compile_with(tables_shape, head_stride):
+        fn = functools.partial(paged_attention, k_format=fmt, v_format=fmt, backend="tpu",
+                               pages_per_split=n_table, head_stride=head_stride)
+        return tc.compile_for(device, fn, a((b, 1, kvh * g, d), BF16), a((b, 1), jnp.int32),
+                              pool, pool, a((n_pages, 1, s), jnp.int32),
+                              a(tables_shape, jnp.int32), a((b, kvh), jnp.int32))
+
+    with pytest.raises(Exception, match="(?i)smem"):
+        compile_with((b, kvh, n_table), None)
+    compile_with((b, n_table), kvh * n_table)
+    with capsys.disabled():
+        print(f"\n{chip}: batch 64 x 32k x 8 KV heads, pages of 64: per-head tables "
+              f"{b * kvh * n_table * 4 // 1024} KiB overflow SMEM; shared tables "
+              f"{b * n_table * 4 // 1024} KiB compile")
