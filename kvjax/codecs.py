@@ -162,7 +162,12 @@ def quantize(bits: int = 4, group: int = 32, axis: str = "token", symmetric: boo
         error bound `scale / 2` still holds).
 
     Example:
-        >>> t = quantize(bits=4, group=32)           # 4.5 bits per element with fp16 params
+        >>> import kvjax
+        >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(1, 1, 64), batch=1, capacity=16)
+        >>> t = quantize(bits=4, group=32)   # scale + offset in fp16 per 32 channels
+        >>> small, _ = t.update(cache, t.init(cache), None)
+        >>> kvjax.nbytes(small[0].k) * 8 / (16 * 64)   # bits per element: 4 + 2 x 16 / 32
+        5.0
     """
     codec = _uniform(bits, group, axis, symmetric, param_dtype)
     if residual < 0:
@@ -195,7 +200,12 @@ def fp8(fmt: str = "e4m3") -> CacheTransform:
     """Store keys and values as float8 (`e4m3` or `e5m2`); values beyond the range saturate.
 
     Example:
-        >>> t = fp8("e4m3")        # 1 byte per element, no scales
+        >>> import kvjax
+        >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(1, 1, 64), batch=1, capacity=16)
+        >>> t = fp8("e4m3")
+        >>> small, _ = t.update(cache, t.init(cache), None)
+        >>> str(small[0].k.dtype), kvjax.nbytes(small[0].k)   # 1 byte per element, no scales
+        ('float8_e4m3fn', 1024)
     """
     if fmt not in ("e4m3", "e5m2"):
         raise ValueError(f"fp8 format must be 'e4m3' or 'e5m2', got {fmt!r}")
