@@ -343,6 +343,35 @@ class PackedTokens:
             offset = -(2.0 ** (self.bits - 1)) * scale
         return (codes * scale + offset).astype(dtype)
 
+    def scales_scores(self, head_dim: int) -> bool:
+        """True when a key page can be applied as codes plus a scale per slot on the scores.
+
+        Symmetric codes with one group spanning D: k_s = scale_s * (c_s - 2**(bits-1)), so
+        q . k_s = scale_s * (q . (c_s - 2**(bits-1))) exactly (the centred codes are
+        integers of at most 8 bits, exact in bf16).
+        """
+        return self.symmetric and self.group == head_dim
+
+    def decode_codes(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32):
+        """blocks: ([1, (W + NW) * S],) -> centred codes [D, S] in `dtype`, scale [1, S] f32.
+
+        Only where `scales_scores(head_dim)`; the page decodes to codes * scale.
+        """
+        if not self.scales_scores(head_dim):
+            raise ValueError(f"decode_codes: {self} has more than one parameter per slot at "
+                             f"head_dim {head_dim}; use decode")
+        n_words = head_dim * self.bits // 32
+        s = _lanes(blocks[0]) // self.rows(head_dim)
+        if ops.take is not None:
+            codes = _take_codes(ops, blocks[0], head_dim, self.bits, s)
+            scale = _take_params(ops, blocks[0], n_words, jnp.zeros((1,), jnp.int32), 1,
+                                 self.param_dtype, s)
+        else:
+            codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]
+            scale = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(head_dim), s), 1,
+                                self.param_dtype)  # [1, S]
+        return (codes - 2.0 ** (self.bits - 1)).astype(dtype), scale
+
     def decode_flops(self, head_dim: int, page_size: int) -> int:
         """codes * scale + offset per element."""
         return 2 * head_dim * page_size

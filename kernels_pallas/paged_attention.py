@@ -87,12 +87,13 @@ class Partial(NamedTuple):
 
 
 def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, scale, window,
-                  softcap):
+                  softcap, k_scale=None):
     """One page into the online softmax.
 
     q [GT, D] in the MXU operand dtype; k/v [S, D], or [D, S] when
     `*_slots_last`, in the same dtype; kpos [1, S] int32, qpos [GT, 1] int32;
     carry (m [GT, 1], l [GT, 1], acc [GT, D]) float32. Dots accumulate in f32.
+    k_scale [1, S] float32: per-slot key scales applied to the scores (k holds codes).
     """
     m, l, acc = carry
     # f32 operands: full f32 products (Mosaic's default may be one bf16 pass); bf16: one pass
@@ -100,6 +101,8 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
                       else jax.lax.Precision.DEFAULT)
     s = jax.lax.dot_general(q, k, (((1,), (0 if k_slots_last else 1,)), ((), ())),
                             precision=prec(q), preferred_element_type=jnp.float32) * scale
+    if k_scale is not None:
+        s = s * k_scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     visible = (kpos != EMPTY) & (qpos >= 0) & (kpos <= qpos)
@@ -158,9 +161,14 @@ def _math(k_format, v_format, math, compute_dtype):
 
 def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops, *, head_dim,
                compute_dtype, **math):
-    k = k_format.decode(k_blocks, ops, head_dim, compute_dtype)
+    if getattr(k_format, "scales_scores", lambda d: False)(head_dim):
+        # per-slot key scales on the [GT, S] scores instead of the [D, S] keys (exact)
+        k, k_scale = k_format.decode_codes(k_blocks, ops, head_dim, compute_dtype)
+    else:
+        k, k_scale = k_format.decode(k_blocks, ops, head_dim, compute_dtype), None
     v = v_format.decode(v_blocks, ops, head_dim, compute_dtype)
-    return _softmax_step(q.astype(compute_dtype), k, v, kpos, qpos, carry, **math)
+    return _softmax_step(q.astype(compute_dtype), k, v, kpos, qpos, carry, k_scale=k_scale,
+                         **math)
 
 
 def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_format, v_format,

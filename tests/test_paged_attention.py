@@ -402,3 +402,34 @@ def test_shared_tables_need_a_head_stride():
         call(q, q_pos, k, v, pos, tables, counts, head_stride=1)
     with pytest.raises(ValueError, match="head_stride must be >= 0"):
         call(q, q_pos, k, v, pos, tables[:, 0], counts, head_stride=-1)
+
+
+@pytest.mark.parametrize("interpret", [True, pltpu.InterpretParams(), "gpu"],
+                         ids=["tpu-generic", "tpu-dma", "gpu"])
+@pytest.mark.parametrize("bits,param_dtype", [(8, "float16"), (4, "bfloat16"), (2, "float32")])
+def test_per_token_key_scales_applied_to_the_scores(interpret, bits, param_dtype):
+    """Symmetric per-token keys with one group spanning D: the kernel dots the queries with the
+    centred codes and scales the scores per slot; equal to the reference's dequantized keys."""
+    fmt = pf.PackedTokens(bits, 64, True, param_dtype)
+    assert fmt.scales_scores(64)
+    assert not pf.PackedTokens(bits, 32, True).scales_scores(64)  # two scales per slot
+    assert not pf.PackedTokens(bits, 64, False).scales_scores(64)  # offsets
+    rng = np.random.default_rng(40 + bits)
+    lengths = [1, 40, 75]
+    k, v, pos, tables, counts = make_pool(rng, batch=3, kv_heads=2, page_size=16, head_dim=64,
+                                          lengths=lengths)
+    kp = packed_tokens(k, bits, 64, True, param_dtype)
+    q, q_pos = queries(rng, 3, 2, 4, 64, lengths)
+    backend, interp = ("gpu", True) if interpret == "gpu" else ("tpu", interpret)
+    got, want = run_both(q, q_pos, kp, packed_tokens(v, 4, 32, False), pos, tables, counts,
+                         backend, interpret=interp, k_format=fmt, v_format=pf.PackedTokens(4, 32),
+                         softcap=20.0, window=50, pages_per_split=2)
+    np.testing.assert_allclose(got, want, **TOL)
+    # the split decode is the page decode: centred codes times the slot's scale
+    codes, scale = fmt.decode_codes((kp[0][3],), pf.REFERENCE_OPS, 64)
+    np.testing.assert_allclose(np.asarray(codes * scale),
+                               np.asarray(fmt.decode((kp[0][3],), pf.REFERENCE_OPS, 64)),
+                               rtol=1e-6, atol=1e-6)
+    assert np.all(np.asarray(codes) == np.round(np.asarray(codes)))
+    with pytest.raises(ValueError, match="decode_codes"):
+        pf.PackedTokens(bits, 32, True).decode_codes((kp[0][3],), pf.REFERENCE_OPS, 64)

@@ -9,7 +9,8 @@ numbers there (interpret-mode tests check the numbers).
 The variants are a covering set, not the full product: every page format
 (dense f32/bf16/fp8, int8/int4/int2 per token with and without offsets,
 16-bit and f32 parameters, KIVI 4/2-bit keys with 4/2-bit values, narrow and
-wide table windows), per-head and shared block tables, head dims 64 and 128, page sizes 16 to 256, decode and
+wide table windows), per-head and shared block tables, per-token key scales
+applied to the scores, head dims 64 and 128, page sizes 16 to 256, decode and
 prefill chunks, flash-decoding splits, window and soft-cap, GQA groups 1 to
 8, f32 and bf16 MXU operands; and the whole SmolLM2-shaped decode step with
 `impl="pallas"` over a KIVI chain cache.
@@ -110,6 +111,11 @@ VARIANTS = [
             shared_tables=True),
     Variant("kivi2 shared tables keys int2 values d128 p32 prefill4 gqa4", PC(2, 2), PT(2, 32),
             128, 32, 4, 4, shared_tables=True),
+    Variant("int8-sym g=D keys (scales on scores) int4 values d64 p64 decode gqa3 softcap",
+            PT(8, 64, True), PT(4, 32), 64, 64, 1, 3, kv_heads=3, softcap=30.0),
+    Variant("int4-sym g=D bf16-params keys (scales on scores) d128 p128 prefill8 gqa4 f32-q",
+            PT(4, 128, True, "bfloat16"), PT(4, 128, True, "bfloat16"), 128, 128, 8, 4,
+            q_dtype=F32),
 ]
 
 
@@ -173,6 +179,8 @@ def test_variants_cover_every_format_and_path():
     assert any(v.window for v in VARIANTS) and any(v.softcap for v in VARIANTS)
     assert {jnp.dtype(v.q_dtype).name for v in VARIANTS} == {"float32", "bfloat16"}
     assert any(v.shared_tables for v in VARIANTS) and not all(v.shared_tables for v in VARIANTS)
+    assert any(getattr(v.k_format, "scales_scores", lambda d: False)(v.head_dim)
+               for v in VARIANTS)
 
 
 def test_smollm2_decode_step_with_kivi_chain_compiles(monkeypatch, capsys):
