@@ -33,8 +33,13 @@ second) to this one; KIVI's per-row tables become per-page windows of
 is constant and attention is linear in context.
 
 Example:
+    >>> from kvjax import stores
+    >>> x = jax.random.normal(jax.random.key(0), (2, 16, 64))          # 2 pages of S = 16
+    >>> s = stores.put(stores.PackedTokens.empty(2, 16, 64, bits=4, group=32), x, jnp.int32(0))
     >>> fmt = PackedTokens(bits=4, group=32)
-    >>> (pages,) = fmt.from_store(words, scale, offset)   # [P, 1, (8 + 2) * S] for D = 64
+    >>> (pages,) = fmt.from_store(s.words, s.scale, s.offset)
+    >>> pages.shape                           # [P, 1, (8 + 2) * S] for D = 64
+    (2, 1, 160)
     >>> fmt.check((pages,), head_dim=64)
 """
 

@@ -50,8 +50,15 @@ a multiple of `pages_per_block`); the
 per-split partial softmax states are merged in plain jnp.
 
 Example:
+    >>> k_pages, v_pages = jax.random.normal(jax.random.key(0), (2, 4, 8, 16))  # [P, S, D]
+    >>> pos_pages = jnp.arange(32).reshape(4, 1, 8)        # page i holds positions 8i..8i+7
+    >>> tables, counts = jnp.array([[[0, 1, 2, 3]]]), jnp.array([[4]])   # B = KVH = 1
+    >>> q, q_pos = jax.random.normal(jax.random.key(1), (1, 1, 2, 16)), jnp.array([[31]])
     >>> out = paged_attention(q, q_pos, k_pages, v_pages, pos_pages, tables, counts,
-    ...                       backend="tpu", interpret=pltpu.InterpretParams())
+    ...                       backend="tpu", interpret=pltpu.InterpretParams())  # on CPU
+    >>> ref = jax.nn.softmax(q[0, 0] @ k_pages.reshape(32, 16).T / 4.0) @ v_pages.reshape(32, 16)
+    >>> out.shape, bool(jnp.allclose(out[0, 0], ref, atol=1e-5))
+    ((1, 1, 2, 16), True)
 """
 
 from __future__ import annotations

@@ -17,7 +17,14 @@ decoded inside the kernel. Pooled (head-wise budget) and low-rank layers are
 not: `supports_pallas` says no and `attend` uses the XLA path for them.
 
 Example:
+    >>> import kvjax
+    >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 1, 12, 8))   # [B, KVH, T, D]
+    >>> cache = kvjax.write(kvjax.init_cache(1, 1, 16, 8), k, v, jnp.arange(12)[None])
+    >>> q, q_pos = jax.random.normal(jax.random.key(1), (1, 1, 2, 8)), jnp.array([[11]])
     >>> out = attend_pallas(q, q_pos, cache, backend="tpu", interpret=True)  # on CPU
+    >>> ref = kvjax.attend(q, q_pos, cache, impl="reference")
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
+    ((1, 1, 2, 8), True)
 """
 
 from __future__ import annotations
