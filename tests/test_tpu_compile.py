@@ -1,6 +1,7 @@
 """Every paged attention kernel variant compiles with the real TPU compiler (Mosaic), deviceless.
 
-libtpu on this CPU host describes a v5e / v6e slice (`kernels_pallas.tpu_compile`);
+libtpu on this CPU host describes a v5e / v6e slice (`kernels_pallas.tpu_compile`, through
+`jax.experimental.topologies.get_topology_desc`);
 `jax.jit(f).lower(...).compile()` then runs XLA:TPU and Mosaic's layout passes
 exactly as on the chip, so a kernel Mosaic rejects fails here. Nothing runs
 on a TPU: this proves the kernels compile, not that they compute the right
