@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import importlib
-import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 

@@ -27,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -39,26 +38,10 @@ import numpy as np
 from flax import nnx
 
 from kvjax import checkpoint
-from models.llama import Llama, LlamaConfig, RopeScaling
+from models.llama import Llama, LlamaConfig
 from models.sampler import Prefilled
 
 Sharding = jax.sharding.Sharding | Callable[[jax.ShapeDtypeStruct], Any] | None
-
-
-def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
-    """A JSON-ready dict of `config` (inverse: `config_from_dict`)."""
-    return json.loads(json.dumps(dataclasses.asdict(config)))
-
-
-def config_from_dict(raw: dict[str, Any]) -> LlamaConfig:
-    """The `LlamaConfig` that `config_to_dict` described."""
-    raw = dict(raw)
-    raw["eos_ids"] = tuple(raw["eos_ids"])
-    if raw.get("rope_freq_factors") is not None:
-        raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
-    if raw.get("rope_scaling") is not None:
-        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-    return LlamaConfig(**raw)
 
 
 def _flat_weights(model: Llama) -> dict[str, jax.Array]:
@@ -71,7 +54,7 @@ def fingerprint(model: Llama) -> str:
     """A short hash of the config and of a fixed sample of every weight (64 values of its
     first and of its last row, exact bytes): equal for the same weights on any device or
     sharding, different for other weights of the same shapes."""
-    h = hashlib.sha256(json.dumps(config_to_dict(model.config), sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode())
     for name, w in sorted(_flat_weights(model).items()):
         rows = (0,) * (w.ndim - 1), (-1,) * (w.ndim - 1)
         sample = np.concatenate([np.asarray(w[r]).reshape(-1)[:64] for r in rows])
@@ -82,7 +65,7 @@ def fingerprint(model: Llama) -> str:
 def save_weights(directory: str | Path, model: Llama) -> Path:
     """Write `model`'s weights and config as the next step of `directory`."""
     return checkpoint.save(directory, _flat_weights(model),
-                           meta=dict(kind="weights", config=config_to_dict(model.config)))
+                           meta=dict(kind="weights", config=model.config.to_dict()))
 
 
 def load_weights(directory: str | Path, *, sharding: Sharding = None,
@@ -96,8 +79,8 @@ def load_weights(directory: str | Path, *, sharding: Sharding = None,
     if saved.get("kind") != "weights":
         raise ValueError(f"{directory} holds a {saved.get('kind')!r} checkpoint, not weights")
     if config is not None:
-        checkpoint.check_meta(saved, dict(config=config_to_dict(config)), directory)
-    config = config_from_dict(saved["config"])
+        checkpoint.check_meta(saved, dict(config=config.to_dict()), directory)
+    config = LlamaConfig.from_dict(saved["config"])
     weights, _ = checkpoint.restore(directory, sharding=sharding)
     abstract = nnx.eval_shape(lambda: Llama(config, dtype=_dtype_of(weights), rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from typing import Any
 
@@ -80,6 +81,20 @@ class LlamaConfig:
             if isinstance(value, (str, bool)) or not 0 < float(value) < float("inf"):
                 raise ValueError(f"LlamaConfig.{name} must be a positive finite number, "
                                  f"got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (tuples as lists); `LlamaConfig.from_dict` inverts it."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "LlamaConfig":
+        """The config `to_dict` (or a saved config.json of the converted store) describes."""
+        raw = dict(raw, eos_ids=tuple(raw["eos_ids"]))
+        if raw.get("rope_freq_factors") is not None:
+            raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
+        if raw.get("rope_scaling") is not None:
+            raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
+        return cls(**raw)
 
     @property
     def cache_spec(self) -> CacheSpec:

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -470,7 +469,7 @@ def save_converted(target: Path, cfg: LlamaConfig, params: Params, tokenizer) ->
         tokenizer.save(partial)
         save_file({"/".join(map(str, k)): np.ascontiguousarray(v) for k, v in params.items()},
                   str(partial / "weights.safetensors"))
-        (partial / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        (partial / "config.json").write_text(json.dumps(cfg.to_dict()))
         write_manifest(partial)
     except OSError as e:
         shutil.rmtree(partial, ignore_errors=True)
@@ -492,10 +491,4 @@ def load_converted(source: Path) -> tuple[LlamaConfig, Params]:
 
 
 def _converted_config(source: Path) -> LlamaConfig:
-    raw = json.loads((source / "config.json").read_text())
-    raw["eos_ids"] = tuple(raw["eos_ids"])
-    if raw["rope_freq_factors"] is not None:
-        raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
-    if raw["rope_scaling"] is not None:
-        raw["rope_scaling"] = RopeScaling(**raw["rope_scaling"])
-    return LlamaConfig(**raw)
+    return LlamaConfig.from_dict(json.loads((source / "config.json").read_text()))

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,8 +18,8 @@ from flax import nnx
 
 import kvjax
 from kvjax import checkpoint
-from models.checkpoints import (config_from_dict, config_to_dict, fingerprint, load_prompt,
-                                load_weights, save_prompt, save_weights)
+from models.checkpoints import (fingerprint, load_prompt, load_weights, save_prompt,
+                                save_weights)
 from models.llama import Llama, LlamaConfig
 from models.sampler import decode, prefill_and_compress
 
@@ -97,7 +96,7 @@ def test_weights_round_trip_and_fingerprint(tiny_model, tmp_path):
     assert fingerprint(again) == fingerprint(tiny_model)
     assert fingerprint(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(1))) != fingerprint(tiny_model)
     cfg = LlamaConfig.smollm2_135m()
-    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
 CONTINUE = textwrap.dedent("""
