@@ -20,6 +20,7 @@ directory or repo id), `--method NAME[:k=v,...]` and `--json` (one JSON object o
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -172,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     train_state_arguments(sub.add_parser(
         "train-state", help="train feature maps for linear_state / fold with optax"))
 
+    for name, (module, text) in MODULE_COMMANDS.items():
+        importlib.import_module(module).add_arguments(sub.add_parser(name, help=text))
+
     c = sub.add_parser("calibrate", help="low-rank K/V bases from real text (for low_rank)")
     c.add_argument("--model", default="smollm2", help="as for the other commands")
     c.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
@@ -183,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--window", type=int, default=1024, help="tokens per prefill window")
     c.add_argument("--out", type=Path, required=True, help="where to write the .npz basis")
     return parser
+
+
+# Subcommands that live in their own module: name -> (module, help). Each module has
+# `add_arguments(parser)` and `run(args) -> int` (the exit status; it prints its own output
+# and turns bad input into `kvjax: error: ...` on stderr with status 2).
+MODULE_COMMANDS: dict[str, tuple[str, str]] = {}
 
 
 CALIBRATION_TEXT = Path(__file__).parent / "data" / "devils_dictionary.txt"
@@ -340,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_eval(args)
     if args.command == "train-state":
         return cmd_train_state(args)
+    if args.command in MODULE_COMMANDS:
+        return importlib.import_module(MODULE_COMMANDS[args.command][0]).run(args)
     from models.hub import enable_compilation_cache
     from models.loading import load_model
 
