@@ -6,13 +6,15 @@ from kvjax.cache import (EMPTY, Cache, CacheSpec, ResidualCache, TokenCache, che
                          free_tokens, init_cache, init_model_cache, nbytes, num_valid,
                          shard_cache, view, write)
 from kvjax.codecs import fp8, kivi, quantize
-from kvjax.eviction import (compact, expected_attention, h2o, keep_top_k, knorm, pool_heads,
-                            pyramidkv, random, resize, scored_policy, shrink, sliding_window,
-                            snapkv, streaming_llm, tova)
+from kvjax.eviction import (Scorer, debug_checks, expected_attention, h2o, knorm, pyramidkv,
+                            random, scored_policy, sliding_window, snapkv, streaming_llm, tova)
+from kvjax.layout import compact, pool_heads, resize, shrink
+from kvjax.selection import keep_top_k
 from kvjax.kernel_attention import attend_pallas, supports_pallas
-from kvjax.paging import (NULL_PAGE, PagedLayer, PagePool, check_pool, drop_lowest_pages,
-                          evict_pages, fork, init_paged_cache, page_scores, release, reserve)
-from kvjax.methods import METHODS, parse_method, register_method
+from kvjax.paging import (NULL_PAGE, PagedLayer, PagePool, PoolError, check_pool,
+                          drop_lowest_pages, evict_pages, fork, init_paged_cache, page_scores,
+                          release, reserve)
+from kvjax.methods import METHODS, check_method, parse_method, register_method
 from kvjax.feature_maps import FeatureMap, elu_map, hedgehog, load_maps, random_features, save_maps
 from kvjax.recurrent import (FoldedLayer, LinearLayer, RecurrentState, fold_evicted,
                              init_linear_layer, linear_state)
@@ -27,8 +29,9 @@ __all__ = [
     "keep_top_k", "knorm", "nbytes", "num_valid", "on_layers", "parse_method", "pool_heads",
     "pyramidkv", "random", "register_method", "resize", "scored_policy", "shard_cache",
     "shrink", "sliding_window", "snapkv", "streaming_llm", "tova", "write",
-    "NULL_PAGE", "PagePool", "PagedLayer", "attend_pallas", "check_pool", "drop_lowest_pages",
-    "evict_pages", "fork", "init_paged_cache", "page_scores", "release", "reserve",
+    "Scorer", "check_method", "debug_checks",
+    "NULL_PAGE", "PagePool", "PagedLayer", "PoolError", "attend_pallas", "check_pool",
+    "drop_lowest_pages", "evict_pages", "fork", "init_paged_cache", "page_scores", "release", "reserve",
     "supports_pallas",
     "FeatureMap", "FoldedLayer", "LinearLayer", "RecurrentState", "elu_map", "fold_evicted",
     "hedgehog", "init_linear_layer", "linear_state", "load_maps", "random_features", "save_maps",

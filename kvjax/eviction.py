@@ -1,12 +1,36 @@
 """Eviction policies: score every slot, keep a budget, compact the rest away.
 
-Every policy is a factory returning a `CacheTransform`. Its `update` scores
-the slots of each layer (`[B, KVH, C]`, higher = keep), forces some slots to
-stay (sinks, the observation window), keeps each row's budget of the best
-slots and compacts them to the front of the cache, in slot order. Positions
-travel with their keys, so RoPE'd keys keep their meaning and masks stay
-right. The budget is fixed at the first update (prompt compression) and
-every later update (during decode) brings the cache back to it.
+The contract a policy implements is one function, a **scorer**:
+
+    scorer(layer, stats, budget, key) -> (scores, protect)
+
+* `layer`: one layer's cache as dense slots (`kvjax.view`): `layer.k`,
+  `layer.v` are `[R, C, D]` storage rows (`R = B*KVH`, or `B` in the pooled
+  layout, where every row serves all heads), `layer.pos` is `[B, KVH, C]`
+  int32 absolute positions (`EMPTY` = -1 for a free slot), `layer.mass` the
+  accumulated attention when the policy asked for it.
+* `stats`: this layer's `kvjax.LayerStats` (observed queries, query moments)
+  when the policy declared a `StatsSpec`, else None.
+* `budget`: `[B]` int32 tokens kept per KV head in this layer (traced).
+* `key`: a PRNG key for this layer and update.
+* returns `scores` `[B, KVH, C]` (higher = keep; any float, NaN ranks last)
+  and `protect` `[B, KVH, C]` bool (slots kept before any scored slot).
+
+`scored_policy(name, scorer, ratio=..., budget=...)` turns a scorer into a
+`CacheTransform` with everything else shared: ratio/budget handling, per-layer
+schedules (PyramidKV), Ada-KV head-wise budgets, compaction. Compiled code is
+keyed on the scorer *by value*: give a module-level function, or a frozen
+(hashable, value-compared) dataclass for a parameterised scorer, as the
+built-in ones below are; two equal scorers share one compilation. Helpers for
+scorers: `broadcast_heads`, `no_protect`, `earliest`, `latest`.
+
+Every built-in policy is such a factory. Its `update` scores the slots of
+each layer, forces the protected slots to stay (sinks, the observation
+window), keeps each row's budget of the best slots and compacts them to the
+front of the cache, in slot order (`kvjax.layout.compact`). Positions travel
+with their keys, so RoPE'd keys keep their meaning and masks stay right. The
+budget is fixed at the first update (prompt compression) and every later
+update (during decode) brings the cache back to it.
 
 Budgets. `ratio` is the fraction of tokens *evicted* (kvpress's
 `compression_ratio`): each sequence keeps `max(1, floor(n * (1 - ratio)))` of
@@ -16,18 +40,18 @@ recompile. `schedule="pyramid"` (PyramidKV) or a tuple of per-layer weights
 spreads the same total unevenly over layers. `headwise=True` (Ada-KV) shares
 one layer's total budget unevenly over its KV heads; the cache then switches
 to the pooled layout (`TokenCache.pooled`), where every head stores exactly
-its own tokens.
+its own tokens. Ranking and budgets live in `kvjax.selection`.
 
 GQA rule: a KV head's score aggregates its group of query heads by the mean
 (SnapKV, ExpectedAttention; kvpress's choice) or the sum (H2O's accumulated
 mass); TOVA averages over all query heads, as kvpress does.
 
 Memory. Compaction is in place: capacity is static inside jit. `shrink`
-(host side) then cuts every layer to its kept slots plus room for new
-tokens, so `nbytes` falls to the budget.
+(`kvjax.layout`, host side) then cuts every layer to its kept slots plus room
+for new tokens, so `nbytes` falls to the budget.
 
 Example:
-    >>> import kvjax
+    >>> import jax, jax.numpy as jnp, kvjax
     >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 4), batch=1, capacity=16)
     >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 1, 8, 4))  # 8 tokens [B, KVH, T, D]
     >>> cache = tuple(kvjax.write(layer, k, v, jnp.arange(8)[None]) for layer in cache)
@@ -35,240 +59,87 @@ Example:
     >>> cache, state = t.update(cache, t.init(cache), None)
     >>> kvjax.num_valid(cache[0]).tolist(), kvjax.nbytes(cache)   # 4 of 8 kept, in place
     ([[4]], 1160)
-    >>> kvjax.nbytes(shrink(cache, room=2))   # 2 layers x 6 slots x (2 x 4 x 4 B + 4 B) + 2 x 4 B
+    >>> kvjax.nbytes(kvjax.shrink(cache, room=2))   # 2 layers x 6 slots x (2 x 4 x 4 B + 4 B) + 2 x 4 B
     440
+    >>> knorm(ratio=0.25).update == knorm(ratio=0.75).update   # one compiled update for both
+    True
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
-from typing import Callable, NamedTuple
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.attention import attention_weights
-from kvjax.cache import EMPTY, Cache, Layer, ResidualCache, TokenCache, split_slots, view
-from kvjax.stores import fold_rows, resize_store, take
-from kvjax.stats import NO_STATS, StatsSpec, mean_rotation, query_mean_cov
+from kvjax.cache import EMPTY, Cache, TokenCache, view
+from kvjax.layout import compact, pool_heads
+from kvjax.selection import BudgetState, init_budget, keep_top_k, layer_budgets, rank, select
+from kvjax.stats import NO_STATS, LayerStats, StatsSpec, mean_rotation, query_mean_cov
 from kvjax.transforms import CacheTransform
 
-# ----------------------------------------------------------------------------- primitives
+# ----------------------------------------------------------------------------- the contract
 
 
-def keep_top_k(scores: jax.Array, k: int, valid: jax.Array | None = None) -> jax.Array:
-    """[B, KVH, C] bool: the `k` (static) highest-scoring valid slots of every row.
+class Scorer(Protocol):
+    """`scorer(layer, stats, budget [B], key) -> (scores [B, KVH, C] f32, protect [B, KVH, C] bool)`.
 
-    Ties go to the earlier slot. A row with fewer than `k` valid slots keeps
-    all of them. Invalid slots are never kept.
+    Must be hashable and compare by value (a module-level function, or a
+    frozen dataclass with `__call__`): compiled updates are keyed on it.
     """
-    c = scores.shape[-1]
-    if not 0 <= k <= c:
-        raise ValueError(f"keep_top_k: k={k} must be within [0, {c}] slots")
-    valid = jnp.ones(scores.shape, bool) if valid is None else valid
-    order = best_first(scores, valid)[..., :k]  # [B, KVH, k]
-    rows = jnp.zeros(scores.shape, bool)
-    rows = jnp.put_along_axis(rows, order, True, axis=-1, inplace=False)
-    return rows & valid
+
+    def __call__(self, layer: TokenCache, stats: LayerStats | None, budget: jax.Array,
+                 key: jax.Array) -> tuple[jax.Array, jax.Array]: ...
 
 
-def best_first(scores: jax.Array, valid: jax.Array) -> jax.Array:
-    """int32 slot order along the last axis, best first; NaN-safe.
+def broadcast_heads(x: jax.Array, layer: TokenCache) -> jax.Array:
+    """[R, C] per storage row -> [B, KVH, C] per head (pooled rows serve every head).
 
-    Three tiers, each in descending score order with ties to the earlier
-    slot: valid slots with a number (+-inf included), then valid slots whose
-    score is NaN (in slot order), then invalid slots. So a NaN score never
-    lets an empty slot take a valid one's place.
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> layer = kvjax.init_cache(batch=1, kv_heads=2, capacity=3, head_dim=4)
+        >>> norms = jnp.linalg.norm(layer.k, axis=-1)      # [R=2, C=3] one per storage row
+        >>> broadcast_heads(norms, layer).shape
+        (1, 2, 3)
     """
-    s = scores.astype(jnp.float32)
-    nan = jnp.isnan(s)
-    tier = jnp.where(valid, nan.astype(jnp.int32), 2)  # 0 number, 1 NaN, 2 invalid
-    key = jnp.where(valid & ~nan, -s, 0.0) + 0.0  # + 0.0: -0.0 and 0.0 tie
-    slot = jax.lax.broadcasted_iota(jnp.int32, s.shape, s.ndim - 1)
-    return jax.lax.sort((tier, key, slot), dimension=s.ndim - 1, num_keys=3)[2]
+    return jnp.broadcast_to(x.reshape(layer.batch, -1, layer.capacity), layer.pos.shape)
 
 
-def rank(scores: jax.Array, valid: jax.Array) -> jax.Array:
-    """int32 rank of every entry along the last axis (0 = best; ties to the earlier entry).
+def no_protect(layer: TokenCache) -> jax.Array:
+    """[B, KVH, C] all False: a scorer that protects no slot."""
+    return jnp.zeros(layer.pos.shape, bool)
 
-    Invalid entries rank after all valid ones, NaN scores after every valid
-    number (`best_first`). `rank(...) < k` keeps the top `k` for a `k` that
-    may be traced and may differ per row.
+
+def latest(pos: jax.Array, n: jax.Array | int) -> jax.Array:
+    """[B, KVH, C] bool: the `n` latest tokens of each row (n may be traced, [B] or scalar).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> latest(jnp.array([[[3, 0, 2, -1]]]), 2)[0, 0].tolist()   # -1 = EMPTY
+        [True, False, True, False]
     """
-    order = best_first(scores, valid)
-    return jnp.argsort(order, axis=-1).astype(jnp.int32)
-
-
-def _latest(pos: jax.Array, n: jax.Array | int) -> jax.Array:
-    """[B, KVH, C] bool: the `n` latest tokens of each row (n may be traced, [B] or scalar)."""
     n = jnp.asarray(n).reshape(-1, 1, 1)
     return (rank(pos, pos != EMPTY) < n) & (pos != EMPTY)
 
 
-def _earliest(pos: jax.Array, n: int) -> jax.Array:
-    """[B, KVH, C] bool: the `n` earliest tokens of each row (attention sinks)."""
+def earliest(pos: jax.Array, n: int) -> jax.Array:
+    """[B, KVH, C] bool: the `n` (static) earliest tokens of each row (attention sinks).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> earliest(jnp.array([[[3, 0, 2, -1]]]), 2)[0, 0].tolist()
+        [False, True, True, False]
+    """
     return keep_top_k(-pos.astype(jnp.float32), n, pos != EMPTY) if n else jnp.zeros(pos.shape, bool)
 
 
-def compact(cache: Layer, keep: jax.Array, capacity: int | None = None) -> Layer:
-    """Move the kept slots of every row to the front, in slot order.
-
-    Encoded stores move their codes and parameters bit for bit. A
-    `ResidualCache` compacts its body and its exact part separately
-    (`keep` covers the body's slots, then the recent ones).
-
-    Args:
-      cache: the layer cache (per-head or pooled layout).
-      keep: [B, KVH, C] bool; each row may keep at most `capacity` slots
-        (extra slots beyond `capacity` in a row are dropped, latest last).
-        In the pooled layout a slot stays when its owner head keeps it.
-      capacity: slots of the returned cache (default: unchanged). Smaller
-        means less memory; larger leaves room for new tokens.
-    Returns:
-      A cache whose rows hold their kept slots at `[0, n_row)` and EMPTY after,
-      with the write cursor at the largest `n_row`.
-    """
-    if isinstance(cache, ResidualCache):
-        if capacity is not None:
-            raise ValueError("compact: a residual layer keeps its capacity; use shrink to cut it")
-        if keep.shape != cache.pos.shape:
-            raise ValueError(f"compact: keep mask {keep.shape} does not match slots "
-                             f"{cache.pos.shape}")
-        body, recent = split_slots(cache, keep)
-        return cache.replace(body=compact(cache.body, body), recent=compact(cache.recent, recent))
-    b, kvh, c = cache.pos.shape
-    capacity = c if capacity is None else capacity
-    if keep.shape != (b, kvh, c):
-        raise ValueError(f"compact: keep mask {keep.shape} does not match slots {(b, kvh, c)}")
-    if c == 0 and capacity == 0:  # no slots, nothing to move (the empty body of a short prompt)
-        return cache
-    if capacity < 1:
-        raise ValueError(f"compact: capacity must be positive, got {capacity}")
-    keep = keep & (cache.pos != EMPTY)
-    rows = cache.k.shape[0]
-    keep_rows = keep.any(axis=1) if cache.pooled else keep.reshape(rows, c)  # [R, C]
-    slot = jnp.arange(c, dtype=jnp.int32)
-    order = jnp.argsort(jnp.where(keep_rows, slot, c + slot), axis=-1)  # kept first, in order
-    if capacity <= c:
-        order = order[..., :capacity]
-    else:  # grow: pad with an index that is never kept (masked below)
-        order = jnp.pad(order, ((0, 0), (0, capacity - c)), constant_values=c - 1)
-    kept = jnp.take_along_axis(keep_rows, order, axis=-1)
-    kept &= jnp.arange(capacity) < jnp.sum(keep_rows, axis=-1, keepdims=True)  # [R, C']
-    by_head = lambda x: jnp.broadcast_to(x.reshape(b, -1, capacity), (b, kvh, capacity))
-    order_h, kept_h = by_head(order), by_head(kept)
-    kept_h &= jnp.take_along_axis(keep, order_h, axis=-1)  # pooled: only the owner head
-    pos = jnp.where(kept_h, jnp.take_along_axis(cache.pos, order_h, axis=-1), EMPTY)
-    mass = cache.mass
-    if mass is not None:
-        mass = jnp.where(kept_h, jnp.take_along_axis(mass, order_h, axis=-1), 0.0)
-    return TokenCache(k=take(cache.k, order, kept), v=take(cache.v, order, kept), pos=pos,
-                      length=jnp.max(jnp.sum(kept, axis=-1)).astype(jnp.int32), mass=mass)
-
-
-def _pool(x: jax.Array, fill) -> jax.Array:
-    """[B, KVH, C] per-head slot data -> [B, KVH, KVH*C]: head h owns slots [h*C, (h+1)*C)."""
-    b, kvh, c = x.shape
-    own = jnp.eye(kvh, dtype=bool)[None, :, :, None]  # [1, head, owner, 1]
-    return jnp.where(own, x[:, :, None, :], fill).reshape(b, kvh, kvh * c)
-
-
-def pool_heads(cache: Layer) -> Layer:
-    """The same tokens in the pooled layout: `[B*KVH, C, D]` rows become `[B, KVH*C, D]`.
-
-    Same bytes for keys and values (a reshape); each head's slots are marked
-    in `pos` by head. Compact afterwards to let heads share the freed slots.
-    """
-    if cache.pooled:
-        return cache
-    if isinstance(cache, ResidualCache):
-        return cache.replace(body=pool_heads(cache.body), recent=pool_heads(cache.recent))
-    b, kvh, c = cache.pos.shape
-    return TokenCache(k=fold_rows(cache.k, b), v=fold_rows(cache.v, b), pos=_pool(cache.pos, EMPTY),
-                      length=jnp.int32(kvh * c),
-                      mass=None if cache.mass is None else _pool(cache.mass, 0.0))
-
-
-def resize(cache: TokenCache, capacity: int) -> TokenCache:
-    """Cut or extend the slot axis to `capacity`; slots past the cursor must be free.
-
-    Host-side (capacity is a shape); raises if a written slot would be lost.
-    """
-    c = cache.capacity
-    if capacity < int(cache.length):
-        raise ValueError(f"resize: capacity {capacity} would drop written slots "
-                         f"(the cursor is at {int(cache.length)})")
-    if capacity <= c:
-        cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
-    else:
-        cut = lambda x, axis: jnp.pad(
-            x, [(0, capacity - c if a == axis % x.ndim else 0) for a in range(x.ndim)],
-            constant_values=EMPTY if x.dtype == jnp.int32 else 0)
-    valid = cache.pos != EMPTY
-    valid = valid.any(axis=1) if cache.pooled else valid.reshape(math.prod(valid.shape[:2]), c)  # [R, C]
-    return TokenCache(k=resize_store(cache.k, capacity, valid),
-                      v=resize_store(cache.v, capacity, valid), pos=cut(cache.pos, 2),
-                      length=cache.length, mass=None if cache.mass is None else cut(cache.mass, 2))
-
-
-def shrink(cache: Cache, room: int = 0, max_write: int | None = None) -> Cache:
-    """Cut every layer to its written slots plus room for `room` more tokens (host side).
-
-    After a policy compacted the cache, `nbytes(shrink(cache))` is the kept
-    tokens' bytes: budget x (2 x head_dim x itemsize) per KV head, plus the
-    int32 position per slot and head and the 4-byte cursor.
-    A `ResidualCache` keeps `residual + block - 1 + max_write` exact slots
-    (default `max_write = room`: one write of all the room) and gives the
-    body room for every token that can flush into it; with `room=0` both
-    parts are cut to the tokens they hold.
-
-    Example:
-        >>> import kvjax
-        >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 4), batch=1, capacity=64)
-        >>> cache = shrink(cache, room=8)   # nothing written yet: room for 8 tokens
-        >>> cache[0].k.shape, cache[0].pos.shape
-        ((1, 8, 4), (1, 1, 8))
-    """
-    return tuple(_shrink_layer(layer, room, room if max_write is None else max_write)
-                 for layer in cache)
-
-
-def _shrink_layer(layer: Layer, room: int, max_write: int) -> Layer:
-    if hasattr(layer, "shrink"):  # a layer that shrinks itself (kvjax.recurrent)
-        return layer.shrink(room, max_write)
-    spt = layer.slots_per_token
-    if not isinstance(layer, ResidualCache):
-        return resize(layer, int(layer.length) + room * spt)
-    recent = int(layer.recent.length)
-    flush = max(0, recent + room * spt - layer.residual) if room else 0  # no write, no flush
-    if recent + room * spt < layer.residual + layer.block:  # never a whole block to flush:
-        flush = 0  # the exact part holds every token (a short prompt, a short generation)
-    body = resize(layer.body, int(layer.body.length) + flush)
-    keep = max(recent, layer.residual + layer.block - 1 + max_write * spt) if flush else \
-        recent + room * spt
-    return layer.replace(body=body, recent=resize(layer.recent, keep))
-
-
-# ----------------------------------------------------------------------------- budgets
-
-
-class BudgetState(NamedTuple):
-    """State of a scored policy: its budget, fixed at the first update."""
-
-    ratio: jax.Array  # [] float32 fraction evicted, or -1 when a token budget is given
-    tokens: jax.Array  # [] int32 tokens kept per KV head, or -1 when a ratio is given
-    layer_budget: jax.Array  # [L, B] int32 tokens per KV head per layer; -1 before the first update
-    key: jax.Array  # PRNG key (random scores)
-
-
-def _init_budget(ratio: float | None, budget: int | None, seed: int, cache: Cache) -> BudgetState:
-    return BudgetState(ratio=jnp.float32(-1.0 if ratio is None else ratio),
-                       tokens=jnp.int32(-1 if budget is None else budget),
-                       layer_budget=jnp.full((len(cache), cache[0].batch), -1, jnp.int32),
-                       key=jax.random.key(seed))
+# ----------------------------------------------------------------------------- argument checks
 
 
 def check_int(name: str, arg: str, value, low: int = 1) -> None:
@@ -303,70 +174,6 @@ def _check_budget(name: str, ratio: float | None, budget: int | None) -> None:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                or budget < 1):
         raise ValueError(f"{name}: budget must be a positive int, got {budget!r}")
-
-
-def pyramid_budgets(mean: jax.Array, n: jax.Array, num_layers: int, window: int = 64,
-                    beta: float = 20) -> jax.Array:
-    """[L, B] PyramidKV per-layer budgets averaging `mean` [B] for rows of `n` [B] tokens.
-
-    The KVCache-Factory formula as kvpress 0.5.5 applies it: a linear ramp
-    from `max_num` (first layer) down to `min_num = mean / beta`, clipped so
-    no layer exceeds `n - window`; where the ramp is impossible every layer
-    gets `max(1, round(mean))`.
-    """
-    mean, n = mean.astype(jnp.float32), n.astype(jnp.float32)
-    min_num = mean / beta
-    max_num = 2 * mean - min_num
-    clip = max_num >= n - window
-    max_num = jnp.where(clip, n - window, max_num)
-    min_num = jnp.where(clip, 2 * mean - max_num, min_num)
-    ok = (n >= max_num) & (max_num >= min_num) & (min_num >= window)
-    steps = (max_num - min_num) / (num_layers - 1) if num_layers > 1 else jnp.zeros_like(mean)
-    ramp = jnp.round(max_num[None] - jnp.arange(num_layers, dtype=jnp.float32)[:, None] * steps)
-    return jnp.where(ok, ramp, jnp.maximum(1.0, jnp.round(mean))[None]).astype(jnp.int32)
-
-
-def _layer_budgets(state: BudgetState, cache: Cache, schedule, window: int, beta: float):
-    """[L, B] budgets: the state's, or (first update) derived from the ratio or token count."""
-    n = jnp.max(jnp.sum(cache[0].pos != EMPTY, axis=-1), axis=-1).astype(jnp.float32)  # [B]
-    mean = jnp.where(state.ratio >= 0, n * (1 - state.ratio), state.tokens.astype(jnp.float32))
-    num_layers = len(cache)
-    if schedule == "pyramid":
-        new = pyramid_budgets(mean, n, num_layers, window, beta)
-    else:
-        if schedule != "uniform" and len(schedule) != num_layers:
-            raise ValueError(f"schedule has {len(schedule)} layer weights for {num_layers} layers")
-        weights = jnp.ones(num_layers) if schedule == "uniform" else jnp.asarray(schedule, jnp.float32)
-        weights = weights / weights.mean()
-        new = jnp.maximum(1, jnp.floor(mean[None] * weights[:, None])).astype(jnp.int32)
-    return jnp.where(state.layer_budget < 0, new, state.layer_budget)
-
-
-# ----------------------------------------------------------------------------- selection
-
-
-def _select(scores, valid, protect, budget, headwise: bool, alpha: float):
-    """[B, KVH, C] keep mask: protected slots first, then the best scores, `budget` [B] per head.
-
-    Head-wise (Ada-KV): every head first keeps its `floor(alpha * budget)`
-    (at least 1) best slots, then the layer's `KVH * budget` slots go to the
-    best scores across heads.
-    """
-    scores = jnp.where(protect, jnp.inf, scores.astype(jnp.float32))
-    per_row = budget.reshape(-1, 1, 1)
-    if not headwise:
-        return (rank(scores, valid) < per_row) & valid
-    safe = jnp.maximum(1, jnp.floor(budget * alpha).astype(jnp.int32)).reshape(-1, 1, 1)
-    # each head's safeguard outranks every protected slot (as in kvpress), then the rest
-    protected_max = jnp.finfo(jnp.float32).max
-    scores = jnp.where(rank(scores, valid) < safe, jnp.inf, jnp.minimum(scores, protected_max))
-    b, kvh, c = scores.shape
-    flat = rank(scores.reshape(b, kvh * c), valid.reshape(b, kvh * c)).reshape(b, kvh, c)
-    return (flat < kvh * per_row) & valid
-
-
-Scorer = Callable[..., tuple[jax.Array, jax.Array]]
-"""`scorer(layer, stats, budget [B], key) -> (scores [B, KVH, C] f32, protect [B, KVH, C] bool)`."""
 
 
 DEBUG_ENV = "KVJAX_DEBUG_CHECKS"
@@ -413,24 +220,45 @@ def _check_scores(layer: int, scores: jax.Array, valid: jax.Array) -> None:
                        jnp.sum(jnp.isnan(scores) & valid))
 
 
-@functools.lru_cache(maxsize=None)
-def _scored_update(scorer: Scorer, schedule, window: int, beta: float, headwise: bool,
-                   alpha: float, debug: bool = False) -> Callable:
-    def update(cache, state: BudgetState, stats=None):
-        budgets = _layer_budgets(state, cache, schedule, window, beta)  # [L, B]
+def _raise_on_nan(layer: int, count) -> None:
+    if int(count):
+        raise FloatingPointError(f"kvjax debug check: the eviction scorer gave {int(count)} "
+                                 f"NaN scores in layer {layer}")
+
+
+def _check_scores(layer: int, scores: jax.Array, valid: jax.Array) -> None:
+    jax.debug.callback(functools.partial(_raise_on_nan, layer),
+                       jnp.sum(jnp.isnan(scores) & valid))
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoredUpdate:
+    """The `update` of a scored policy; equal fields (the scorer by value) = one compilation."""
+
+    scorer: Scorer
+    schedule: str | tuple[float, ...] = "uniform"
+    window: int = 64
+    beta: float = 20.0
+    headwise: bool = False
+    alpha: float = 0.2
+    debug: bool = False
+
+    def __call__(self, cache: Cache, state: BudgetState, stats=None):
+        budgets = layer_budgets(state, cache, self.schedule, self.window, self.beta)  # [L, B]
         keys = jax.random.split(state.key, len(cache) + 1)
         out = []
         for i, layer in enumerate(cache):
-            if headwise:
+            if self.headwise:
                 layer = pool_heads(layer)
             seen = view(layer)  # dense slots of an encoded or residual layer
-            scores, protect = scorer(seen, None if stats is None else stats[i], budgets[i], keys[i])
-            if debug:
+            scores, protect = self.scorer(seen, None if stats is None else stats[i], budgets[i],
+                                          keys[i])
+            if self.debug:
                 _check_scores(i, scores, seen.pos != EMPTY)
-            keep = _select(scores, seen.pos != EMPTY, protect, budgets[i], headwise, alpha)
+            keep = select(scores, seen.pos != EMPTY, protect, budgets[i], self.headwise,
+                          self.alpha)
             out.append(compact(layer, keep))
         return tuple(out), state._replace(layer_budget=budgets, key=keys[-1])
-    return update
 
 
 def scored_policy(name: str, scorer: Scorer, *, ratio: float | None, budget: int | None,
@@ -440,9 +268,9 @@ def scored_policy(name: str, scorer: Scorer, *, ratio: float | None, budget: int
     """A `CacheTransform` that keeps, per layer and KV head, the budget of best-scored slots.
 
     Args:
-      scorer: `(layer, layer_stats, budget, key) -> (scores, protect)`; must be
-        the same object across calls for compiled code to be reused (define it
-        at module level or cache its factory).
+      scorer: `(layer, layer_stats, budget, key) -> (scores, protect)` (`Scorer`);
+        hashable and compared by value (a module-level function or a frozen
+        dataclass): compiled code is keyed on it.
       ratio / budget: fraction evicted, or tokens kept per KV head (exactly one).
       stats: what the scorer needs the model to collect.
       schedule: "uniform", "pyramid" (PyramidKV, with `window` and `beta`) or
@@ -455,28 +283,28 @@ def scored_policy(name: str, scorer: Scorer, *, ratio: float | None, budget: int
     check_real(name, "beta", beta, 1e-6)
     check_int(name, "seed", seed, 0)
     _check_bool(name, "headwise", headwise)
+    if not callable(scorer):
+        raise ValueError(f"{name}: scorer must be callable, got {scorer!r}")
+    try:
+        hash(scorer)
+    except TypeError:
+        raise ValueError(f"{name}: scorer {scorer!r} is not hashable; compiled updates are "
+                         "keyed on it: use a module-level function or a frozen dataclass "
+                         "(@dataclasses.dataclass(frozen=True))") from None
     if not (schedule in ("uniform", "pyramid") or isinstance(schedule, tuple)):
         raise ValueError(f"{name}: schedule must be 'uniform', 'pyramid' or a tuple of "
                          f"per-layer weights, got {schedule!r}")
     if isinstance(schedule, tuple):
         for weight in schedule:
             check_real(name, "every schedule weight", weight, 1e-6)
+        schedule = tuple(float(w) for w in schedule)
     check_real(name, "alpha", alpha, 0.0, 1.0)
-    update = _scored_update(scorer, schedule, window, float(beta), bool(headwise), float(alpha),
-                            debug_checks_enabled())
-    return CacheTransform(functools.partial(_init_budget, ratio, budget, seed), update, stats)
+    update = ScoredUpdate(scorer, schedule, window, float(beta), bool(headwise), float(alpha),
+                          debug_checks_enabled())
+    return CacheTransform(functools.partial(init_budget, ratio, budget, seed), update, stats)
 
 
 # ----------------------------------------------------------------------------- scorers
-
-
-def _broadcast_heads(x: jax.Array, layer: TokenCache) -> jax.Array:
-    """[R, C] per storage row -> [B, KVH, C] per head (pooled rows serve every head)."""
-    return jnp.broadcast_to(x.reshape(layer.batch, -1, layer.capacity), layer.pos.shape)
-
-
-def _no_protect(layer):
-    return jnp.zeros(layer.pos.shape, bool)
 
 
 def _pool1d(x: jax.Array, kernel: int) -> jax.Array:
@@ -489,28 +317,32 @@ def _pool1d(x: jax.Array, kernel: int) -> jax.Array:
     return summed / kernel
 
 
-def _knorm(layer, stats, budget, key):
+def knorm_scores(layer, stats, budget, key):
+    """Knorm: minus the key's L2 norm (small keys kept)."""
     norm = jnp.linalg.norm(layer.k.astype(jnp.float32), axis=-1)  # [R, C]
-    return -_broadcast_heads(norm, layer), _no_protect(layer)
+    return -broadcast_heads(norm, layer), no_protect(layer)
 
 
-def _random(layer, stats, budget, key):
+def random_scores(layer, stats, budget, key):
     """Uniform scores drawn per (KV head, token position): the same token gets the
     same draw whatever its slot, batch or padding."""
     heads = jnp.arange(layer.kv_heads)[None, :, None]
     draw = lambda h, p: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, h), p))
     ids = jnp.broadcast_to(heads, layer.pos.shape)
-    return jax.vmap(draw)(ids.ravel(), layer.pos.ravel()).reshape(layer.pos.shape), _no_protect(layer)
+    return jax.vmap(draw)(ids.ravel(), layer.pos.ravel()).reshape(layer.pos.shape), no_protect(layer)
 
 
-@functools.lru_cache(maxsize=None)
-def _recency_scorer(sinks: int) -> Scorer:
-    def score(layer, stats, budget, key):
-        return layer.pos.astype(jnp.float32), _earliest(layer.pos, sinks)
-    return score
+@dataclasses.dataclass(frozen=True)
+class RecencyScorer:
+    """StreamingLLM: the position is the score; the first `sinks` tokens are protected."""
+
+    sinks: int = 0
+
+    def __call__(self, layer, stats, budget, key):
+        return layer.pos.astype(jnp.float32), earliest(layer.pos, self.sinks)
 
 
-def _window_attention(layer, stats, window: int):
+def window_attention(layer: TokenCache, stats: LayerStats | None, window: int) -> jax.Array:
     """[B, KVH, G, C] attention of the last `window` observed queries, averaged over them."""
     if stats is None or stats.queries.shape[1] < window:
         raise ValueError(f"this policy needs the last {window} queries; run the model with "
@@ -521,60 +353,76 @@ def _window_attention(layer, stats, window: int):
     return weights.sum(axis=3) / n[:, None, None, None]
 
 
-@functools.lru_cache(maxsize=None)
-def _snapkv_scorer(window: int, kernel: int) -> Scorer:
-    def score(layer, stats, budget, key):
-        protect = _latest(layer.pos, window)  # the observation window
-        attn = jnp.where(protect[:, :, None], 0.0, _window_attention(layer, stats, window))
-        return _pool1d(attn, kernel).mean(axis=2), protect
-    return score
+@dataclasses.dataclass(frozen=True)
+class SnapKVScorer:
+    """SnapKV: window attention, pooled over `kernel` slots, mean over the group."""
+
+    window: int = 64
+    kernel: int = 5
+
+    def __call__(self, layer, stats, budget, key):
+        protect = latest(layer.pos, self.window)  # the observation window
+        attn = jnp.where(protect[:, :, None], 0.0, window_attention(layer, stats, self.window))
+        return _pool1d(attn, self.kernel).mean(axis=2), protect
 
 
-def _tova(layer, stats, budget, key):
-    attn = _window_attention(layer, stats, 1)  # [B, KVH, G, C]
+def tova_scores(layer, stats, budget, key):
+    """TOVA: the latest query's attention averaged over all query heads; the latest kept."""
+    attn = window_attention(layer, stats, 1)  # [B, KVH, G, C]
     score = attn.mean(axis=(1, 2), keepdims=True)[:, :, 0]  # over all query heads: [B, 1, C]
-    return jnp.broadcast_to(score, layer.pos.shape), _latest(layer.pos, 1)
+    return jnp.broadcast_to(score, layer.pos.shape), latest(layer.pos, 1)
 
 
-@functools.lru_cache(maxsize=None)
-def _h2o_scorer(recent: int | None, recent_fraction: float) -> Scorer:
-    def score(layer, stats, budget, key):
+@dataclasses.dataclass(frozen=True)
+class H2OScorer:
+    """H2O: accumulated attention; `recent` (or `recent_fraction` of the budget) protected."""
+
+    recent: int | None = None
+    recent_fraction: float = 0.5
+
+    def __call__(self, layer, stats, budget, key):
         if layer.mass is None:
             raise ValueError("h2o needs the attention mass; make the cache with track_mass=True "
                              "(the sampler does this from transform.stats)")
-        n_recent = recent if recent is not None else jnp.floor(budget * recent_fraction)
-        return layer.mass, _latest(layer.pos, n_recent)
-    return score
+        n_recent = self.recent if self.recent is not None else \
+            jnp.floor(budget * self.recent_fraction)
+        return layer.mass, latest(layer.pos, n_recent)
 
 
-@functools.lru_cache(maxsize=None)
-def _expected_attention_scorer(n_future: int, sinks: int, use_covariance: bool,
-                               use_vnorm: bool, epsilon: float) -> Scorer:
-    def score(layer, stats, budget, key):
+@dataclasses.dataclass(frozen=True)
+class ExpectedAttentionScorer:
+    """Expected attention of future queries (see `expected_attention`)."""
+
+    n_future: int = 512
+    sinks: int = 4
+    use_covariance: bool = True
+    use_vnorm: bool = True
+    epsilon: float = 0.0
+
+    def __call__(self, layer, stats, budget, key):
         if stats is None or stats.q_sum.shape[-1] == 0:
             raise ValueError("expected_attention needs query moments: run the model with "
                              "StatsSpec(query_moments=True)")
         mean, cov = query_mean_cov(stats)  # [B, H, D], [B, H, D, D]
         start = jnp.max(layer.pos, axis=(1, 2)) + 1  # [B] the next position
-        rot = mean_rotation(stats.inv_freq, start, n_future)  # [B, D, D]
+        rot = mean_rotation(stats.inv_freq, start, self.n_future)  # [B, D, D]
         b, kvh, c = layer.pos.shape
         d = layer.head_dim
         mean = jnp.einsum("bij,bhj->bhi", rot, mean).reshape(b, kvh, -1, d)  # [B, KVH, G, D]
         keys = layer.logical_k.astype(jnp.float32)  # [B, KVH or 1, C, D]
         logits = jnp.einsum("bkgd,bkcd->bkgc", mean, jnp.broadcast_to(keys, (b, kvh, c, d))) / d ** 0.5
-        if use_covariance:
+        if self.use_covariance:
             cov = jnp.einsum("bij,bhjk,blk->bhil", rot, cov, rot).reshape(b, kvh, -1, d, d)
             quad = jnp.einsum("bkcd,bkgde,bkce->bkgc", keys, cov, keys)
             logits = logits + quad / d / 2
-        sink = _earliest(layer.pos, sinks)
+        sink = earliest(layer.pos, self.sinks)
         scored = (layer.pos != EMPTY) & ~sink
         logits = jnp.where(scored[:, :, None], logits, -jnp.inf)
         probs = jnp.where(scored[:, :, None], jax.nn.softmax(logits, axis=-1), 0.0).mean(axis=2)
-        if use_vnorm:
-            vnorm = _broadcast_heads(jnp.linalg.norm(layer.v.astype(jnp.float32), axis=-1), layer)
-            probs = (probs + epsilon) * vnorm
+        if self.use_vnorm:
+            vnorm = broadcast_heads(jnp.linalg.norm(layer.v.astype(jnp.float32), axis=-1), layer)
+            probs = (probs + self.epsilon) * vnorm
         return probs, sink
-    return score
 
 
 # ----------------------------------------------------------------------------- policies
@@ -585,13 +433,13 @@ def knorm(ratio: float | None = None, budget: int | None = None, **options) -> C
 
     `options` (here and below): `schedule`, `headwise`, `alpha` of `scored_policy`.
     """
-    return scored_policy("knorm", _knorm, ratio=ratio, budget=budget, **options)
+    return scored_policy("knorm", knorm_scores, ratio=ratio, budget=budget, **options)
 
 
 def random(ratio: float | None = None, budget: int | None = None, seed: int = 0,
            **options) -> CacheTransform:
     """Keep a uniformly random subset (baseline); the key lives in the state."""
-    return scored_policy("random", _random, ratio=ratio, budget=budget, seed=seed, **options)
+    return scored_policy("random", random_scores, ratio=ratio, budget=budget, seed=seed, **options)
 
 
 def streaming_llm(sinks: int = 4, window: int | None = None, ratio: float | None = None,
@@ -613,7 +461,7 @@ def streaming_llm(sinks: int = 4, window: int | None = None, ratio: float | None
         if ratio is not None or budget is not None:
             raise ValueError("streaming_llm: give window, or ratio / budget, not both")
         budget = sinks + window
-    return scored_policy("streaming_llm", _recency_scorer(sinks), ratio=ratio, budget=budget,
+    return scored_policy("streaming_llm", RecencyScorer(sinks), ratio=ratio, budget=budget,
                          **options)
 
 
@@ -635,7 +483,7 @@ def snapkv(ratio: float | None = None, budget: int | None = None, window: int = 
     check_int("snapkv", "kernel", kernel)
     if kernel % 2 == 0:
         raise ValueError(f"snapkv: kernel must be odd (a centred pooling window), got {kernel}")
-    return scored_policy("snapkv", _snapkv_scorer(window, kernel), ratio=ratio, budget=budget,
+    return scored_policy("snapkv", SnapKVScorer(window, kernel), ratio=ratio, budget=budget,
                          stats=StatsSpec(window=window), window=window, **options)
 
 
@@ -652,7 +500,7 @@ def tova(ratio: float | None = None, budget: int | None = None, **options) -> Ca
     Run during decode (`compress_every=1`) it drops the lowest-attention
     token each step, as in the paper; the latest token is always kept.
     """
-    return scored_policy("tova", _tova, ratio=ratio, budget=budget,
+    return scored_policy("tova", tova_scores, ratio=ratio, budget=budget,
                          stats=StatsSpec(window=1), **options)
 
 
@@ -675,7 +523,7 @@ def h2o(heavy: int | None = None, recent: int | None = None, ratio: float | None
         budget = heavy + recent
     else:
         budget = None
-    return scored_policy("h2o", _h2o_scorer(recent, float(recent_fraction)), ratio=ratio,
+    return scored_policy("h2o", H2OScorer(recent, float(recent_fraction)), ratio=ratio,
                          budget=budget, stats=StatsSpec(attention_mass=True), **options)
 
 
@@ -694,7 +542,7 @@ def expected_attention(ratio: float | None = None, budget: int | None = None,
     check_int("expected_attention", "n_future", n_future)
     check_int("expected_attention", "sinks", sinks, 0)
     check_real("expected_attention", "epsilon", epsilon, 0.0)
-    scorer = _expected_attention_scorer(n_future, sinks, bool(use_covariance), bool(use_vnorm),
-                                        float(epsilon))
+    scorer = ExpectedAttentionScorer(n_future, sinks, bool(use_covariance), bool(use_vnorm),
+                                     float(epsilon))
     return scored_policy("expected_attention", scorer, ratio=ratio, budget=budget,
                          stats=StatsSpec(query_moments=True, moments_skip=sinks), **options)

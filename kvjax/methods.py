@@ -221,7 +221,7 @@ def check_method(spec: str, num_layers: int) -> CacheTransform:
 def parse_method(spec: str) -> CacheTransform:
     """The `CacheTransform` a spec string describes (see module docstring).
 
-    Policies built under `kvjax.eviction.debug_checks()` check their scores
+    Policies built under `kvjax.debug_checks()` check their scores
     for NaN; the flag is part of the cache key.
     """
     if not isinstance(spec, str):

@@ -360,7 +360,7 @@ class FoldedLayer:
                             state=_state_sharding(self.state, mesh, batch_axis, kv_axis))
 
     def shrink(self, room: int, max_write: int) -> "FoldedLayer":
-        from kvjax.eviction import resize
+        from kvjax.layout import resize
         return self.replace(tokens=resize(self.tokens, int(self.tokens.length) + room))
 
 

@@ -20,7 +20,8 @@ import pytest
 import kvjax
 from kvjax import eviction
 from kvjax.cache import EMPTY
-from kvjax.eviction import best_first, debug_checks, keep_top_k, rank, scored_policy
+from kvjax.eviction import debug_checks, scored_policy
+from kvjax.selection import best_first, keep_top_k, rank
 from kvjax.methods import check_method, parse_method
 
 DATA = Path(__file__).parents[1] / "experiments" / "data"

@@ -48,12 +48,12 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_golden.npz")
 STATS = kvjax.StatsSpec(window=64, query_moments=True, moments_skip=4)
 
 POLICIES = {
-    "snapkv": (lambda r: kvjax.snapkv(ratio=r), ev._snapkv_scorer(64, 5)),
+    "snapkv": (lambda r: kvjax.snapkv(ratio=r), ev.SnapKVScorer(64, 5)),
     "streaming_llm": (lambda r: kvjax.streaming_llm(ratio=r), None),
-    "knorm": (lambda r: kvjax.knorm(ratio=r), ev._knorm),
-    "tova": (lambda r: kvjax.tova(ratio=r), ev._tova),
+    "knorm": (lambda r: kvjax.knorm(ratio=r), ev.knorm_scores),
+    "tova": (lambda r: kvjax.tova(ratio=r), ev.tova_scores),
     "expected_attention": (lambda r: kvjax.expected_attention(ratio=r),
-                           ev._expected_attention_scorer(512, 4, True, True, 0.0)),
+                           ev.ExpectedAttentionScorer(512, 4, True, True, 0.0)),
     "pyramidkv": (lambda r: kvjax.pyramidkv(ratio=r), None),
     "adakv_snapkv": (lambda r: kvjax.snapkv(ratio=r, headwise=True), None),
 }

@@ -5,6 +5,7 @@ statistics the policy declares, then its first update), so the tests cover
 the statistics plumbing as well as the selection.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -15,7 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 import kvjax
 from kvjax import EMPTY
-from kvjax.eviction import pyramid_budgets
+from kvjax.eviction import broadcast_heads, earliest, no_protect
+from kvjax.selection import pyramid_budgets
 from models.sampler import generate, prefill_and_compress
 
 W = 4  # observation window of the window-based policies (tiny prompts)
@@ -167,6 +169,51 @@ def test_changing_the_ratio_does_not_recompile(tiny_model, count_traces):
             compress(tiny_model, prompts, kvjax.parse_method(f"snapkv:ratio={ratio},window={W}"))
         compress(tiny_model, prompts, kvjax.snapkv(budget=5, window=W))
     assert traces.count == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueNormScorer:
+    """A parameterised user scorer: value norms, the first `sinks` tokens protected."""
+
+    sinks: int = 2
+
+    def __call__(self, layer, stats, budget, key):
+        norm = jnp.linalg.norm(layer.v.astype(jnp.float32), axis=-1)  # [R, C]
+        return broadcast_heads(norm, layer), earliest(layer.pos, self.sinks)
+
+
+def test_scorers_equal_by_value_share_one_compilation(tiny_model, count_traces):
+    """Parameterised scorers are frozen dataclasses: a policy rebuilt with equal parameters
+    (a new scorer object each time) reuses the compiled update, built-in or user-written."""
+    rng = np.random.default_rng(7)
+    prompts = prompts_of(rng, [16, 13])
+    built = [lambda r: kvjax.snapkv(ratio=r, window=W, kernel=3),
+             lambda r: kvjax.h2o(ratio=r, recent_fraction=0.25),
+             lambda r: kvjax.streaming_llm(sinks=3, ratio=r),
+             lambda r: kvjax.scored_policy("vnorm", ValueNormScorer(sinks=3), ratio=r,
+                                           budget=None)]
+    for make in built:
+        compress(tiny_model, prompts, make(0.5))
+    assert kvjax.snapkv(ratio=0.5, window=W, kernel=3).update.scorer is not \
+        kvjax.snapkv(ratio=0.5, window=W, kernel=3).update.scorer  # new objects, equal values
+    with count_traces() as traces:
+        for make in built:
+            compress(tiny_model, prompts, make(0.25))
+    assert traces.count == 0
+    with count_traces() as traces:  # a different parameter is a different program
+        compress(tiny_model, prompts, kvjax.streaming_llm(sinks=1, ratio=0.5))
+    assert traces.count > 0
+
+
+def test_an_unhashable_scorer_is_refused_when_the_policy_is_built():
+    @dataclasses.dataclass  # not frozen: __hash__ is None
+    class Mutable:
+        sinks: int = 2
+
+        def __call__(self, layer, stats, budget, key):
+            return layer.pos.astype(jnp.float32), no_protect(layer)
+    with pytest.raises(ValueError, match="mine: scorer .* is not hashable.*frozen dataclass"):
+        kvjax.scored_policy("mine", Mutable(), ratio=0.5, budget=None)
 
 
 @pytest.mark.parametrize("spec", ["snapkv:ratio=0.5,window=4", "h2o:ratio=0.5",

@@ -1,0 +1,175 @@
+"""Cache-layout operations: move, pool, cut and grow the slots of a cache.
+
+Shared by the eviction policies (`kvjax.eviction` compacts what a policy
+keeps), the codecs (a KIVI layer compacts its body and exact part) and the
+sampler (`shrink` after compression). None of them decides *which* tokens
+stay; they only rearrange slots:
+
+* `compact(layer, keep)`: the kept slots of every row to the front, in slot
+  order (jit-able; capacity is static).
+* `pool_heads(layer)`: the per-head `[B*KVH, C, D]` layout as the pooled
+  `[B, KVH*C, D]` one (Ada-KV head-wise budgets).
+* `resize(layer, capacity)` / `shrink(cache, room)`: host side, cut or grow
+  the slot axis so `nbytes` follows what is kept.
+
+Example:
+    >>> import jax, jax.numpy as jnp, kvjax
+    >>> layer = kvjax.init_cache(batch=1, kv_heads=1, capacity=8, head_dim=4)
+    >>> k = jax.random.normal(jax.random.key(0), (1, 1, 6, 4))
+    >>> layer = kvjax.write(layer, k, k, jnp.arange(6)[None])
+    >>> keep = jnp.array([[[True, False, True, False, False, True, False, False]]])
+    >>> small = compact(layer, keep)
+    >>> small.pos[0, 0].tolist(), int(small.length)     # kept positions first, then EMPTY
+    ([0, 2, 5, -1, -1, -1, -1, -1], 3)
+    >>> resize(small, 4).pos.shape                      # host side: cut to 4 slots
+    (1, 1, 4)
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import EMPTY, Cache, Layer, ResidualCache, TokenCache, split_slots
+from kvjax.stores import fold_rows, resize_store, take
+
+
+def compact(cache: Layer, keep: jax.Array, capacity: int | None = None) -> Layer:
+    """Move the kept slots of every row to the front, in slot order.
+
+    Encoded stores move their codes and parameters bit for bit. A
+    `ResidualCache` compacts its body and its exact part separately
+    (`keep` covers the body's slots, then the recent ones).
+
+    Args:
+      cache: the layer cache (per-head or pooled layout).
+      keep: [B, KVH, C] bool; each row may keep at most `capacity` slots
+        (extra slots beyond `capacity` in a row are dropped, latest last).
+        In the pooled layout a slot stays when its owner head keeps it.
+      capacity: slots of the returned cache (default: unchanged). Smaller
+        means less memory; larger leaves room for new tokens.
+    Returns:
+      A cache whose rows hold their kept slots at `[0, n_row)` and EMPTY after,
+      with the write cursor at the largest `n_row`.
+    """
+    if isinstance(cache, ResidualCache):
+        if capacity is not None:
+            raise ValueError("compact: a residual layer keeps its capacity; use shrink to cut it")
+        if keep.shape != cache.pos.shape:
+            raise ValueError(f"compact: keep mask {keep.shape} does not match slots "
+                             f"{cache.pos.shape}")
+        body, recent = split_slots(cache, keep)
+        return cache.replace(body=compact(cache.body, body), recent=compact(cache.recent, recent))
+    b, kvh, c = cache.pos.shape
+    capacity = c if capacity is None else capacity
+    if keep.shape != (b, kvh, c):
+        raise ValueError(f"compact: keep mask {keep.shape} does not match slots {(b, kvh, c)}")
+    if c == 0 and capacity == 0:  # no slots, nothing to move (the empty body of a short prompt)
+        return cache
+    if capacity < 1:
+        raise ValueError(f"compact: capacity must be positive, got {capacity}")
+    keep = keep & (cache.pos != EMPTY)
+    rows = cache.k.shape[0]
+    keep_rows = keep.any(axis=1) if cache.pooled else keep.reshape(rows, c)  # [R, C]
+    slot = jnp.arange(c, dtype=jnp.int32)
+    order = jnp.argsort(jnp.where(keep_rows, slot, c + slot), axis=-1)  # kept first, in order
+    if capacity <= c:
+        order = order[..., :capacity]
+    else:  # grow: pad with an index that is never kept (masked below)
+        order = jnp.pad(order, ((0, 0), (0, capacity - c)), constant_values=c - 1)
+    kept = jnp.take_along_axis(keep_rows, order, axis=-1)
+    kept &= jnp.arange(capacity) < jnp.sum(keep_rows, axis=-1, keepdims=True)  # [R, C']
+    by_head = lambda x: jnp.broadcast_to(x.reshape(b, -1, capacity), (b, kvh, capacity))
+    order_h, kept_h = by_head(order), by_head(kept)
+    kept_h &= jnp.take_along_axis(keep, order_h, axis=-1)  # pooled: only the owner head
+    pos = jnp.where(kept_h, jnp.take_along_axis(cache.pos, order_h, axis=-1), EMPTY)
+    mass = cache.mass
+    if mass is not None:
+        mass = jnp.where(kept_h, jnp.take_along_axis(mass, order_h, axis=-1), 0.0)
+    return TokenCache(k=take(cache.k, order, kept), v=take(cache.v, order, kept), pos=pos,
+                      length=jnp.max(jnp.sum(kept, axis=-1)).astype(jnp.int32), mass=mass)
+
+
+def _pool(x: jax.Array, fill) -> jax.Array:
+    """[B, KVH, C] per-head slot data -> [B, KVH, KVH*C]: head h owns slots [h*C, (h+1)*C)."""
+    b, kvh, c = x.shape
+    own = jnp.eye(kvh, dtype=bool)[None, :, :, None]  # [1, head, owner, 1]
+    return jnp.where(own, x[:, :, None, :], fill).reshape(b, kvh, kvh * c)
+
+
+def pool_heads(cache: Layer) -> Layer:
+    """The same tokens in the pooled layout: `[B*KVH, C, D]` rows become `[B, KVH*C, D]`.
+
+    Same bytes for keys and values (a reshape); each head's slots are marked
+    in `pos` by head. Compact afterwards to let heads share the freed slots.
+    """
+    if cache.pooled:
+        return cache
+    if isinstance(cache, ResidualCache):
+        return cache.replace(body=pool_heads(cache.body), recent=pool_heads(cache.recent))
+    b, kvh, c = cache.pos.shape
+    return TokenCache(k=fold_rows(cache.k, b), v=fold_rows(cache.v, b), pos=_pool(cache.pos, EMPTY),
+                      length=jnp.int32(kvh * c),
+                      mass=None if cache.mass is None else _pool(cache.mass, 0.0))
+
+
+def resize(cache: TokenCache, capacity: int) -> TokenCache:
+    """Cut or extend the slot axis to `capacity`; slots past the cursor must be free.
+
+    Host-side (capacity is a shape); raises if a written slot would be lost.
+    """
+    c = cache.capacity
+    if capacity < int(cache.length):
+        raise ValueError(f"resize: capacity {capacity} would drop written slots "
+                         f"(the cursor is at {int(cache.length)})")
+    if capacity <= c:
+        cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
+    else:
+        cut = lambda x, axis: jnp.pad(
+            x, [(0, capacity - c if a == axis % x.ndim else 0) for a in range(x.ndim)],
+            constant_values=EMPTY if x.dtype == jnp.int32 else 0)
+    valid = cache.pos != EMPTY
+    valid = valid.any(axis=1) if cache.pooled else valid.reshape(math.prod(valid.shape[:2]), c)  # [R, C]
+    return TokenCache(k=resize_store(cache.k, capacity, valid),
+                      v=resize_store(cache.v, capacity, valid), pos=cut(cache.pos, 2),
+                      length=cache.length, mass=None if cache.mass is None else cut(cache.mass, 2))
+
+
+def shrink(cache: Cache, room: int = 0, max_write: int | None = None) -> Cache:
+    """Cut every layer to its written slots plus room for `room` more tokens (host side).
+
+    After a policy compacted the cache, `nbytes(shrink(cache))` is the kept
+    tokens' bytes: budget x (2 x head_dim x itemsize) per KV head, plus the
+    int32 position per slot and head and the 4-byte cursor.
+    A `ResidualCache` keeps `residual + block - 1 + max_write` exact slots
+    (default `max_write = room`: one write of all the room) and gives the
+    body room for every token that can flush into it; with `room=0` both
+    parts are cut to the tokens they hold.
+
+    Example:
+        >>> import kvjax
+        >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 4), batch=1, capacity=64)
+        >>> cache = shrink(cache, room=8)   # nothing written yet: room for 8 tokens
+        >>> cache[0].k.shape, cache[0].pos.shape
+        ((1, 8, 4), (1, 1, 8))
+    """
+    return tuple(_shrink_layer(layer, room, room if max_write is None else max_write)
+                 for layer in cache)
+
+
+def _shrink_layer(layer: Layer, room: int, max_write: int) -> Layer:
+    if hasattr(layer, "shrink"):  # a layer that shrinks itself (kvjax.recurrent)
+        return layer.shrink(room, max_write)
+    spt = layer.slots_per_token
+    if not isinstance(layer, ResidualCache):
+        return resize(layer, int(layer.length) + room * spt)
+    recent = int(layer.recent.length)
+    flush = max(0, recent + room * spt - layer.residual) if room else 0  # no write, no flush
+    if recent + room * spt < layer.residual + layer.block:  # never a whole block to flush:
+        flush = 0  # the exact part holds every token (a short prompt, a short generation)
+    body = resize(layer.body, int(layer.body.length) + flush)
+    keep = max(recent, layer.residual + layer.block - 1 + max_write * spt) if flush else \
+        recent + room * spt
+    return layer.replace(body=body, recent=resize(layer.recent, keep))
