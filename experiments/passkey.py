@@ -135,18 +135,15 @@ def render(tokenizer, haystack: str, instruction: str = INSTRUCTION, question: s
     """haystack text -> (context ids, question ids); see the module docstring.
 
     The chat's user turn is `instruction`, a blank line, `haystack`, a blank
-    line and `question`; `answer_prefix` opens the assistant's turn.
+    line and `question`; `answer_prefix` opens the assistant's turn. This is
+    `models.pipeline.chat_prompt` with `instruction + haystack` as the context
+    (the same rendering `ask` uses); trailing whitespace of the haystack is
+    dropped, as there.
     """
-    head = f"{instruction}\n\n{haystack}"
-    content = f"{head}\n\n{question}"
-    full = tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                         add_generation_prompt=True) + answer_prefix
-    cut = full.index(content) + len(head)
-    context, ids = tokenizer.encode(full[:cut]), tokenizer.encode(full)
-    if ids[:len(context)] != context:
-        raise AssertionError("context is not a token prefix of the rendered chat; "
-                             "the haystack/question boundary merged tokens")
-    return context, ids[len(context):]
+    from models.pipeline import chat_prompt  # here: importing this module stays jax-free
+
+    return chat_prompt(tokenizer, question, f"{instruction}\n\n{haystack}",
+                       answer_prefix=answer_prefix)
 
 
 class _Tokenized(NamedTuple):

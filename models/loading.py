@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
