@@ -88,6 +88,8 @@ _ERRORS = {
        "dropped; call reserve before writing",
     7: "release/evict_pages: page {0} would have reference count {1} < 0; the layers do not "
        "belong to this pool",
+    8: "write: sequence {0}, KV head {1}: slot {2} falls in a page spilled to host memory, so "
+       "the token was dropped; restore the page first (kvjax.tiers.restore)",
 }
 NO_ERROR = (0, 0, 0, 0)
 
@@ -170,6 +172,22 @@ class PagedLayer:
         """[B, KVH] pages each row's table lists (in use, then reserved)."""
         return jnp.sum(self.tables != NULL_PAGE, axis=-1, dtype=jnp.int32)
 
+    @property
+    def device_pages(self) -> int:
+        """Pages whose keys/values live in `k`/`v` (ids below it); a plain layer: all of them.
+        A tiered layer (`kvjax.tiers.TieredLayer`) keeps the others in host memory."""
+        return self.pos.shape[0]
+
+    def all_pages(self) -> tuple[jax.Array, jax.Array]:
+        """([P, S, D], [P, S, D]) float keys and values of every page id, decoded, on device
+        (a tiered layer brings its host pages over: a reference and audit path)."""
+        return read(self.k), read(self.v)
+
+    def pages_freed(self, refcount: jax.Array) -> "PagedLayer":
+        """Called by every pool operation with the new reference counts [P]; a plain layer keeps
+        nothing per page beyond its pages (a tiered layer drops staged copies of freed ones)."""
+        return self
+
     def replace(self, **changes: Any) -> "PagedLayer":
         return dataclasses.replace(self, **changes)
 
@@ -198,12 +216,14 @@ class PagedLayer:
         page = jnp.take_along_axis(self.tables, jnp.minimum(slot // s, n_table - 1), axis=-1)
         held = (slot < self.capacity) & (page != NULL_PAGE)
         shared = held & self.shared[page]
+        on_host = held & (page >= self.device_pages)  # a tiered layer's spilled page
         real = jnp.broadcast_to((pos_new >= 0)[:, None], (b, h, t))
         error = _first_error(self.error,
                              _error_at(real & shared, 5, slot),
-                             _error_at(real & ~held, 6, slot))
+                             _error_at(real & ~held, 6, slot),
+                             _error_at(real & on_host & ~shared, 8, slot))
         layer = self._scrub_last_page(t)
-        page = jnp.where(held & ~shared, page, n_pages).reshape(-1)  # out of range: dropped
+        page = jnp.where(held & ~shared & ~on_host, page, n_pages).reshape(-1)  # dropped
         offset = (slot % s).reshape(-1)
         keep = real.reshape(-1, 1)
         pos = jnp.where(real, jnp.broadcast_to(pos_new[:, None], (b, h, t)), EMPTY)
@@ -227,7 +247,7 @@ class PagedLayer:
         page = jnp.take_along_axis(self.tables, jnp.minimum(index, n_table - 1)[..., None],
                                    axis=-1)[..., 0]
         start = ((index < n_table) & (index * s >= self.lengths) & (end % s != 0)
-                 & (page != NULL_PAGE) & ~self.shared[page])
+                 & (page != NULL_PAGE) & ~self.shared[page] & (page < self.device_pages))
         page = jnp.where(start, page, n_pages).reshape(-1)
         zero = lambda x: x.at[page].set(0, mode="drop")
 
@@ -344,6 +364,7 @@ def _finish(pool: PagePool, layers: Sequence[PagedLayer], refcount, tables, leng
     out = []
     for layer in layers:
         layer = layer.replace(tables=tables, lengths=lengths, shared=refcount > 1)
+        layer = layer.pages_freed(refcount)  # a tiered layer forgets staged copies of them
         out.append(layer if fn is None else fn(layer))
     pool = pool.replace(refcount=refcount, error=error,
                         overflow=pool.overflow if overflow is None else overflow)
@@ -408,7 +429,8 @@ def _reserve(pool: PagePool, layers: Sequence[PagedLayer], new_tokens: jax.Array
     cow = (layer.lengths % s != 0) & (n > 0) & (pool.refcount[last] > 1)
     grow = jnp.maximum(need - held, 0)
     fresh = grow + cow  # pages to take from the free list
-    free = (pool.refcount == 0) & (jnp.arange(n_pages) != NULL_PAGE)
+    free = ((pool.refcount == 0) & (jnp.arange(n_pages) != NULL_PAGE)
+            & (jnp.arange(n_pages) < layer.device_pages))  # new pages are written: on device
     fits = (fresh.sum() <= free.sum()) & jnp.all(need <= n_table)
     ok = fits & ~jnp.any(bad)
     fresh, grow, cow = jnp.where(ok, fresh, 0), jnp.where(ok, grow, 0), cow & ok
@@ -618,10 +640,11 @@ def _audit(pool: PagePool, layers: Sequence[PagedLayer]):
         tail = (jnp.arange(s) >= fill[..., None]) & (fill > 0)[..., None]  # [B, KVH, S]
         past += jnp.sum(tail & (l.pos[last, 0] != EMPTY))
         empty = (l.pos[:, 0] == EMPTY) & readable[:, None]  # [P, S]
-        for store in (l.k, l.v):
-            x = read(store)
+        for x in l.all_pages():  # both tiers of a tiered layer
             empty_dirty += jnp.sum(empty & jnp.any(x != 0, axis=-1))
     out["past_length"] = (past, 0)
+    on_host = (last >= layer.device_pages) & (layer.num_pages_used > 0)  # [B, KVH]
+    out["last_on_host"] = (on_host.sum(), jnp.argmax(on_host.reshape(-1)))
     out["empty_dirty"] = (empty_dirty, 0)
     layer_error = _first_error(*(l.error for l in layers))
     counts = jnp.stack([jnp.asarray(out[name][0], jnp.int32) for name in _AUDIT_MESSAGES])
@@ -648,6 +671,8 @@ _AUDIT_MESSAGES = {
                    "row could read them",
     "empty_dirty": "{n} EMPTY slots of readable pages hold nonzero keys or values (attention "
                    "multiplies them by 0: a NaN or Inf there poisons the output)",
+    "last_on_host": "{n} rows' last written page is in host memory, where writes cannot go "
+                    "(e.g. row {i})",
 }
 
 
@@ -694,7 +719,7 @@ def dense_view(layer: PagedLayer):
     tables = jnp.where(_in_use(layer), layer.tables, NULL_PAGE)
     rows = tables.reshape(-1, tables.shape[-1])  # [R, NP]
     gather = lambda x: x[rows].reshape(rows.shape[0], -1, *x.shape[2:])
-    k, v = gather(read(layer.k)), gather(read(layer.v))
+    k, v = (gather(x) for x in layer.all_pages())
     in_use = jnp.arange(layer.capacity) < layer.lengths.reshape(-1, 1)
     pos = jnp.where(in_use, gather(layer.pos[:, 0]), EMPTY).reshape(layer.batch, layer.kv_heads, -1)
     return TokenCache(k=k, v=v, pos=pos, length=jnp.max(layer.lengths))
