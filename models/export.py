@@ -21,14 +21,20 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import kvjax
-from models.llama import Llama
+import kvjax.methods
+from kvjax import exported
+from models.llama import Llama, rope_frequencies
 
 
 def params_dict(model: Llama) -> dict[str, jax.Array]:
@@ -102,3 +108,148 @@ def export_decode_step(model: Llama, batch: int | None = None, capacity: int | N
     params = jax.eval_shape(lambda: params_dict(model))
     return jax.export.export(jax.jit(step, donate_argnums=3), platforms=platforms)(
         params, tokens, tokens, layout)
+
+
+# ----------------------------------------------------------------------------- artifacts
+
+DEFAULT_CHUNK = 64
+DEFAULT_MAX_LEN = 1024
+
+
+def default_buckets(chunk: int, max_len: int) -> tuple[int, ...]:
+    """Capacity buckets: `2 chunk, 4 chunk, ...` doubling up to `max_len` (always included).
+
+    Example:
+        >>> default_buckets(64, 1000)
+        (128, 256, 512, 1000)
+    """
+    out, c = [], 2 * chunk
+    while c < max_len:
+        out.append(c)
+        c *= 2
+    return (*out, max_len)
+
+
+def _symbolic_batch(make: Callable[[int], Any], b) -> Any:
+    """The abstract value of `make(batch)` with the batch symbolic (`b`): every dimension that
+    doubles from batch 1 to batch 2 becomes `k * b`, the others stay fixed."""
+    one, two = jax.eval_shape(lambda: make(1)), jax.eval_shape(lambda: make(2))
+
+    def leaf(x1, x2):
+        dims = []
+        for d1, d2 in zip(x1.shape, x2.shape):
+            if d1 != d2 and d2 != 2 * d1:
+                raise ValueError(f"a dimension {d1} at batch 1 is {d2} at batch 2: not linear")
+            dims.append(d1 if d1 == d2 else d1 * b)
+        return jax.ShapeDtypeStruct(tuple(dims), x1.dtype)
+
+    return jax.tree.map(leaf, one, two)
+
+
+def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: str = "full",
+                    platforms: Sequence[str] = ("cpu",), max_len: int = DEFAULT_MAX_LEN,
+                    chunk: int = DEFAULT_CHUNK, buckets: Sequence[int] | None = None,
+                    source: str = "") -> Path:
+    """Write an artifact that `kvjax.exported.load` generates from without Flax or `models`.
+
+    The directory holds, per capacity bucket, the prefill chunk (`chunk` tokens), the
+    method's compression and the decode step, each `jax.export`ed with a symbolic batch
+    for `platforms`; `weights.safetensors` (float32, by state path); the tokenizer (HF
+    `tokenizer.json`, when `tokenizer` is given); and `manifest.json`.
+    Returns the directory.
+    """
+    transform = kvjax.parse_method(method)
+    kvjax.methods.check_method(method, model.config.num_layers)
+    cfg = model.config
+    for name, value, low in (("chunk", chunk, 1), ("max_len", max_len, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"export_artifact: {name} must be an int >= {low}, got {value!r}")
+    if max_len > cfg.max_position:
+        raise ValueError(f"export_artifact: max_len {max_len} exceeds the model's "
+                         f"{cfg.max_position} positions")
+    if max_len < 2 * chunk:
+        raise ValueError(f"export_artifact: max_len {max_len} must be >= 2 x chunk ({chunk}): "
+                         f"a prompt chunk plus room to generate")
+    buckets = tuple(sorted(set(buckets))) if buckets else default_buckets(chunk, max_len)
+    if any(not isinstance(c, int) or c < chunk + 1 or c > max_len for c in buckets):
+        raise ValueError(f"export_artifact: buckets {buckets} must be ints in "
+                         f"[chunk + 1 = {chunk + 1}, max_len = {max_len}]")
+    platforms = tuple(platforms)
+    bad = [p for p in platforms if p not in ("cpu", "cuda", "rocm", "tpu")]
+    if not platforms or bad:
+        raise ValueError(f"export_artifact: platforms {platforms} must be among cpu, cuda, "
+                         f"rocm, tpu")
+    if cfg.tie_embeddings is False and model.lm_head is None:
+        raise ValueError("export_artifact: untied embeddings without an lm_head")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = transform.stats
+    inv_freq = np.asarray(rope_frequencies(cfg), np.float32)
+    graphdef, state = nnx.split(model)
+    keys, _, treedef = _flatten(state)
+    merged = lambda params: nnx.merge(graphdef, jax.tree_util.tree_unflatten(
+        treedef, [params[k] for k in keys]))
+
+    def prefill(params, tokens, positions, cache, stats):
+        h, cache, stats = merged(params).forward(tokens, positions, cache, stats, spec)
+        return merged(params).logits(h[:, -1]), cache, stats
+
+    def compress(cache, stats):
+        return transform.update(cache, transform.init(cache), stats)[0]
+
+    def decode(params, tokens, positions, cache):
+        h, cache, _ = merged(params).forward(tokens, positions, cache)
+        return merged(params).logits(h[:, -1]), cache
+
+    (b,) = jax.export.symbolic_shape("b")
+    params = jax.eval_shape(lambda: params_dict(model))
+    tokens = jax.ShapeDtypeStruct((b, chunk), jnp.int32)
+    step = jax.ShapeDtypeStruct((b, 1), jnp.int32)
+    functions, shapes, versions = {}, {}, {}
+    for capacity in buckets:
+        empty = lambda batch: exported.empty_state(cfg.cache_spec, spec, batch, capacity,
+                                                   cfg.num_heads, inv_freq)
+        cache, stats = _symbolic_batch(empty, b)
+        folder = out / "functions" / str(capacity)
+        folder.mkdir(parents=True, exist_ok=True)
+        functions[str(capacity)], shapes[str(capacity)] = {}, {}
+
+        def write(name, fn, args, donate):
+            exp = jax.export.export(jax.jit(fn, donate_argnums=donate), platforms=platforms)(
+                *args)
+            (folder / f"{name}.jaxexport").write_bytes(exp.serialize())
+            functions[str(capacity)][name] = f"functions/{capacity}/{name}.jaxexport"
+            skip = len(params) if name != "compress" else 0  # the weights: in "weights"
+            shapes[str(capacity)][name] = {"in": [str(a) for a in exp.in_avals[skip:]],
+                                           "out": [str(a) for a in exp.out_avals]}
+            versions["calling_convention"] = exp.calling_convention_version
+            return jax.tree_util.tree_unflatten(exp.out_tree, exp.out_avals)
+
+        write("prefill", prefill, (params, tokens, tokens, cache, stats), (3,))
+        if method != "full":  # the compressed layout, batch still symbolic
+            cache = write("compress", compress, (cache, stats), (0,))
+        layout = jax.eval_shape(lambda c: exported.bucket_layout(c, capacity, check=False),
+                                cache)
+        write("decode", decode, (params, step, step, layout), (3,))
+    from safetensors.numpy import save_file
+    save_file({k: np.asarray(v) for k, v in params_dict(model).items()},
+              str(out / exported.WEIGHTS))
+    if tokenizer is not None:
+        tokenizer.save(out / exported.TOKENIZER)
+    import importlib.metadata as md
+    manifest = {
+        "kind": exported.KIND, "format": exported.FORMAT, "source": source,
+        "model": cfg.to_dict(), "cache_spec": dataclasses.asdict(cfg.cache_spec),
+        "method": method, "stats": dataclasses.asdict(spec), "chunk": chunk,
+        "max_len": max_len, "buckets": list(buckets), "platforms": list(platforms),
+        "batch": "symbolic (b >= 1)", "sampling": "greedy, host-side loop",
+        "eos_ids": list(cfg.eos_ids), "pad_id": 0, "bos_id": cfg.bos_id,
+        "inv_freq": [float(x) for x in inv_freq],
+        "weights": {"file": exported.WEIGHTS, "dtype": "float32", "layout": "state path"},
+        "functions": functions, "shapes": shapes,
+        "versions": {"jax": jax.__version__, "jaxlib": md.version("jaxlib"),
+                     "kvjax": md.version("kvjax"), "flax": md.version("flax"),
+                     **versions},
+    }
+    (out / exported.MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+    return out
