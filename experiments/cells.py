@@ -7,12 +7,18 @@ side of a comparison is experiments/kvpress_engine.py.
 
 * retrieval (`passkey` and the RULER-style tasks): contexts prefilled and compressed
   by the method, the question appended (query-agnostic), greedy answer; `score` is the
-  mean of the per-trial scores (0..1, higher is better).
-* `ppl`: `trials` whole windows of `length` tokens of KJV Genesis; each window's first
-  3/4 is prefilled and compressed, the last 1/4 is fed on top and scored; `score` is
-  the perplexity of those tokens (lower is better). `cache_bytes_per_token` is the
-  compressed prefix's bytes per prefix token (float32 cache), so methods compare on
-  one memory axis.
+  mean of the per-trial scores (0..1, higher is better). With `query_aware` the question
+  is prefilled with the context and compressed with it (SnapKV's window is then the
+  question). `haystack` (`haystack_path`) replaces the built-in prose by a text file.
+* `ppl`: `trials` whole windows of `length` tokens of KJV Genesis (or the cell's `text_path`
+  file); each window's first 3/4 is prefilled and compressed, the last 1/4 is fed on top
+  and scored; `score` is the perplexity of those tokens (lower is better).
+  `cache_bytes_per_token` is the compressed prefix's bytes per prefix token (float32
+  cache), so methods compare on one memory axis.
+* `memory`: one window of `length` tokens of the same text prefilled into a bfloat16
+  cache, compressed and shrunk to what it keeps; `score` is bytes per context token over
+  all layers and KV heads, beside `theoretical` (`theoretical_bytes`: the formats alone),
+  so an accounting bug shows.
 * `speed`: `batch` windows of `length` tokens of real prose; prefill + compression
   and a decode of `max_new_tokens` tokens (end-of-sequence ignored), each timed after
   a compiling run, medians over `trials` repeats; `score` is decode ms per step.
@@ -27,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict
@@ -51,10 +58,12 @@ class Prompts(NamedTuple):
 
 def make_prompts(cell: Cell, tokenizer) -> Prompts:
     """The trials of a retrieval cell; passkey depths cycle over PASSKEY_DEPTHS."""
+    paths = [cell.haystack_path] if cell.haystack_path else None
     if cell.task == "passkey":
         from experiments.passkey import make_trials, score_trials
         per_depth = -(-cell.trials // len(PASSKEY_DEPTHS))
-        trials = make_trials(tokenizer, cell.length, PASSKEY_DEPTHS, per_depth, seed=cell.seed)
+        trials = make_trials(tokenizer, cell.length, PASSKEY_DEPTHS, per_depth, seed=cell.seed,
+                             text_paths=paths)
         # by depth then trial; take round-robin so a cut keeps every depth and each batch
         # of the cell is a fair sample of depths
         order = sorted(range(len(trials)), key=lambda i: (i % per_depth, i // per_depth))
@@ -63,7 +72,8 @@ def make_prompts(cell: Cell, tokenizer) -> Prompts:
                        lambda i, text: float(score_trials([trials[i]], [text])[0]),
                        [t.depth for t in trials])
     from experiments.ruler import make_task_trials, score
-    trials = make_task_trials(tokenizer, cell.task, cell.length, cell.trials, seed=cell.seed)
+    trials = make_task_trials(tokenizer, cell.task, cell.length, cell.trials, seed=cell.seed,
+                              text_paths=paths)
     return Prompts([t.context for t in trials], [t.question for t in trials],
                    lambda i, text: score(trials[i], text), None)
 
@@ -90,9 +100,14 @@ def run_retrieval_cell(cell: Cell) -> dict:
 
     model, tokenizer, transform = _setup(cell)
     prompts = make_prompts(cell, tokenizer)
-    run = lambda b: generate(model, prompts.questions[b:b + cell.batch],
-                             contexts=prompts.contexts[b:b + cell.batch], transform=transform,
-                             max_new_tokens=cell.max_new_tokens)
+    if cell.query_aware:  # one prompt per trial, compressed whole
+        run = lambda b: generate(model, [c + q for c, q in zip(
+            prompts.contexts[b:b + cell.batch], prompts.questions[b:b + cell.batch])],
+            transform=transform, max_new_tokens=cell.max_new_tokens)
+    else:
+        run = lambda b: generate(model, prompts.questions[b:b + cell.batch],
+                                 contexts=prompts.contexts[b:b + cell.batch],
+                                 transform=transform, max_new_tokens=cell.max_new_tokens)
     if cell.warmup:
         run(0)
     texts, cache_bytes, start = [], [], time.perf_counter()
@@ -127,7 +142,8 @@ def run_ppl_cell(cell: Cell) -> dict:
 
     model, tokenizer, transform = _setup(cell)
     prefix = int(cell.length * PPL_PREFIX)
-    windows = window_ids(tokenizer, PPL_TEXT, cell.length, cell.trials)
+    text = text_of(cell)
+    windows = window_ids(tokenizer, text, cell.length, cell.trials)
     nll, scored, kept_bytes, start = 0.0, 0, 0, time.perf_counter()
     for b in range(0, len(windows), cell.batch):
         group = windows[b:b + cell.batch]
@@ -141,9 +157,95 @@ def run_ppl_cell(cell: Cell) -> dict:
     if not np.isfinite(nll):  # a NaN is a failed cell, never a score in the tables
         raise FloatingPointError(f"the summed NLL of {scored} tokens is {nll}")
     return dict(asdict(cell), status="ok", score=float(np.exp(nll / scored)), nll=nll,
-                tokens_scored=scored, prefix=prefix, text=PPL_TEXT.name,
+                tokens_scored=scored, prefix=prefix, text=text.name,
                 cache_bytes_per_token=kept_bytes / (len(windows) * prefix),
                 seconds=round(time.perf_counter() - start, 2))
+
+
+def text_of(cell: Cell) -> Path:
+    """The plain text a ppl or memory cell reads: its `text_path`, else KJV Genesis."""
+    return Path(cell.text_path) if cell.text_path else PPL_TEXT
+
+
+def run_memory_cell(cell: Cell) -> dict:
+    """Bytes per context token of one `cell.length`-token window in a bfloat16 cache,
+    compressed and shrunk to what the method keeps (`room=0`), beside `theoretical_bytes`."""
+    import jax.numpy as jnp
+
+    import kvjax
+    from experiments.ppl import window_ids
+    from models.sampler import compress, prefill_batch
+
+    model, tokenizer, transform = _setup(cell)
+    text = text_of(cell)
+    (ids,) = window_ids(tokenizer, text, cell.length, 1)
+    start = time.perf_counter()
+    pre = prefill_batch(model, [ids], stats=transform.stats, cache_dtype=jnp.bfloat16)
+    small = pre if cell.method == "full" else compress(pre, transform, room=0)
+    measured = kvjax.nbytes(small.cache) / cell.length
+    cfg = model.config
+    return dict(asdict(cell), status="ok", score=measured, bytes_per_token=measured,
+                theoretical=theoretical_bytes(cell.method, cell.length, cfg.num_layers,
+                                              cfg.num_kv_heads, cfg.head_dim),
+                text=text.name, seconds=round(time.perf_counter() - start, 2))
+
+
+def theoretical_bytes(method: str, n: int, layers: int = 30, kv_heads: int = 3,
+                      d: int = 64) -> float:
+    """Bytes per context token of `method` on `n` tokens, from the formats alone (bfloat16
+    dense parts, float16 quantization parameters), over all layers and KV heads.
+
+    Per token, layer and KV head: keys and values, plus a 4-byte position. An eviction
+    part keeps `floor(n * (1 - ratio))` tokens (`budget=`: that many); H2O adds a float32
+    attention mass per slot. Per-token b-bit codes: `d*b/8` bytes per key or value plus
+    scale and offset per `group` channels; per-channel codes (KIVI keys, `axis=channel`):
+    `d*b/8` plus a 2-byte group id plus scale and offset per channel and `group` tokens,
+    with the newest `residual .. residual + group - 1` tokens dense. Per-layer constants
+    (cursors, the spare table row, low-rank bases) are left out.
+
+    Example:
+        >>> theoretical_bytes("full", 4096)                  # 30 x 3 x (2 x 64 x 2 + 4)
+        23400.0
+        >>> theoretical_bytes("quantize:bits=4,group=32", 4096) / 23400
+        0.3230769230769231
+    """
+    from kvjax.methods import split_part
+
+    parts = [split_part(p) for p in method.split("+") if p.strip()]
+    kept, mass, codec = n, 0, ("full", {})
+    for name, args in parts:
+        if "ratio" in args:
+            kept = int(math.floor(n * (1 - float(args["ratio"]))))
+        elif "budget" in args:
+            kept = min(n, int(args["budget"]))
+        if name == "h2o":
+            mass = 4
+        if name in ("fp8", "quantize", "kivi", "low_rank"):
+            codec = (name, args)
+    name, args = codec
+    dense = 2 * d * 2 + 4 + mass
+    exact = 0
+    if name == "full":
+        per = dense
+    elif name == "fp8":
+        per = 2 * d + 4 + mass
+    elif name == "low_rank":
+        rank = int(args["rank"])
+        per = (int(args.get("key_rank", rank)) + int(args.get("value_rank", rank))) * 2 + 4 + mass
+    else:
+        bits = int(args.get("bits", 2 if name == "kivi" else 4))
+        group = int(args.get("group", 32))
+        params = (1 if args.get("symmetric", False) else 2) * 2 * d / group  # fp16 per group
+        token = d * bits / 8 + params
+        if name == "kivi" or args.get("axis", "token") == "channel":
+            channel = d * bits / 8 + 2 + params  # + the 2-byte group id
+            per = channel + (channel if name == "quantize" else token) + 4 + mass
+            residual = int(args.get("residual", 128 if name == "kivi" else 0))
+            exact = kept - max(0, (kept - residual) // group) * group
+        else:
+            per = 2 * token + 4 + mass
+            exact = min(kept, int(args.get("residual", 0)))
+    return ((kept - exact) * per + exact * dense) * layers * kv_heads / n
 
 
 def run_speed_cell(cell: Cell) -> dict:
@@ -196,4 +298,6 @@ def run_kvjax_cell(cell: Cell) -> dict:
         return run_ppl_cell(cell)
     if cell.task == "speed":
         return run_speed_cell(cell)
+    if cell.task == "memory":
+        return run_memory_cell(cell)
     return run_retrieval_cell(cell)

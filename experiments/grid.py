@@ -34,11 +34,16 @@ from typing import NamedTuple
 from experiments.ruler import TASKS as RULER_TASKS
 
 RETRIEVAL_TASKS = ("passkey",) + RULER_TASKS
-TASKS = RETRIEVAL_TASKS + ("ppl", "speed")
+TEXT_TASKS = ("ppl", "memory")  # tasks that read plain text (`text = PATH`)
+TASKS = RETRIEVAL_TASKS + TEXT_TASKS + ("speed",)
 ENGINES = ("kvjax", "kvpress")
-SHARED = ("model", "trials", "seed", "batch", "max_new_tokens")  # settable at top or per block
-BLOCK_KEYS = ("tasks", "lengths", "methods", "engines", "batches", "warmup", *SHARED)
-TOP_KEYS = ("grid", "max_rss_gb", "workers", *SHARED)
+# settable at top or per block
+SHARED = ("model", "trials", "seed", "batch", "max_new_tokens", "text", "haystack")
+BLOCK_KEYS = ("tasks", "lengths", "methods", "engines", "batches", "warmup", "query_aware",
+              *SHARED)
+TOP_KEYS = ("grid", "bases", "max_rss_gb", "workers", *SHARED)
+BASIS_KEYS = ("path", "text", "tokens", "model")
+CALIBRATION_TEXT = Path(__file__).parent / "data" / "devils_dictionary.txt"  # as `kvjax calibrate`
 # setting -> lowest allowed int value
 INT_SETTINGS = {"trials": 1, "seed": 0, "batch": 1, "max_new_tokens": 1, "workers": 1}
 
@@ -64,6 +69,9 @@ def _check_settings(path, where: str, table: dict) -> None:
                 raise ValueError(f"{path}: {where}{key} = {value!r}: must be an integer >= {low}")
     if "model" in table and not (isinstance(table["model"], str) and table["model"]):
         raise ValueError(f"{path}: {where}model = {table['model']!r}: must be 'smollm2' or a path")
+    for key in ("text", "haystack"):
+        if key in table:
+            check_text_file(path, f"{where}{key}", table[key])
     if "max_rss_gb" in table:
         value = table["max_rss_gb"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
@@ -81,6 +89,23 @@ def _check_list(path, key: str, value, kind, low: int | None = None) -> None:
             raise ValueError(f"{path}: [[grid]] {key} has {item!r}: must hold {need}")
 
 
+def check_text_file(path, key: str, value) -> None:
+    """ValueError unless `value` names a non-empty UTF-8 text file (relative to the working
+    directory, like a method's `basis=`): `text = PATH` (ppl, memory), `haystack = PATH`."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{path}: {key} = {value!r}: must be the path of a UTF-8 text file")
+    file = Path(value)
+    if not file.is_file():
+        raise ValueError(f"{path}: {key} = {value!r}: no such file (paths are relative to the "
+                         f"working directory, {Path.cwd()})")
+    try:
+        content = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: {key} = {value!r}: not UTF-8 text ({e})") from None
+    if not content.strip():
+        raise ValueError(f"{path}: {key} = {value!r}: the file is empty")
+
+
 @dataclass(frozen=True)
 class Cell:
     task: str
@@ -93,6 +118,9 @@ class Cell:
     max_new_tokens: int = 24
     engine: str = "kvjax"
     warmup: bool = False  # time a warm run (one untimed batch first)
+    query_aware: bool = False  # retrieval: the question is prefilled and compressed too
+    text_path: str = ""  # ppl / memory: config `text`, a text file ("" = KJV Genesis)
+    haystack_path: str = ""  # retrieval: config `haystack`, a prose file ("" = built-in texts)
 
     @property
     def key(self) -> tuple:
@@ -104,10 +132,44 @@ class Cell:
         return self.task == "speed" or self.warmup
 
 
+class Basis(NamedTuple):
+    """A `[bases.NAME]` table: the low-rank basis file that `low_rank:...,basis=PATH` methods
+    name, calibrated (`kvjax calibrate`) before the sweep when the file is missing."""
+
+    path: str  # the .npz file (relative to the working directory)
+    text: str  # calibration text (default: The Devil's Dictionary)
+    tokens: int  # calibrate on the last `tokens` tokens of the text
+    model: str  # the model whose keys and values are calibrated
+
+
 class Grid(NamedTuple):
     cells: list[Cell]  # in config order
     max_rss_gb: float  # memory bound of one worker
     workers: int  # untimed cells run this many at a time
+    bases: dict[str, Basis] = {}  # [bases.NAME] tables, by name
+
+
+def _read_bases(path, config: dict) -> dict[str, Basis]:
+    tables = config.get("bases", {})
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise ValueError(f"{path}: `bases` must be [bases.NAME] tables")
+    out = {}
+    for name, table in tables.items():
+        where = f"[bases.{name}]"
+        _check_keys(path, where, table, BASIS_KEYS)
+        file = table.get("path")
+        if not isinstance(file, str) or not file.endswith(".npz"):
+            raise ValueError(f"{path}: {where} path = {file!r}: must be a .npz file path")
+        text = table.get("text", str(CALIBRATION_TEXT))
+        check_text_file(path, f"{where} text", text)
+        tokens = table.get("tokens", 16384)
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1024:
+            raise ValueError(f"{path}: {where} tokens = {tokens!r}: must be an integer >= 1024 "
+                             f"(one calibration window)")
+        model = table.get("model", config.get("model", Cell.model))
+        _check_settings(path, f"{where} ", {"model": model})
+        out[name] = Basis(file, text, tokens, model)
+    return out
 
 
 def _block_cells(path, block: dict, shared: dict) -> list[Cell]:
@@ -123,12 +185,15 @@ def _block_cells(path, block: dict, shared: dict) -> list[Cell]:
         _check_list(path, "engines", block["engines"], str)
     if "batches" in block:
         _check_list(path, "batches", block["batches"], int, 1)
-    if not isinstance(block.get("warmup", False), bool):
-        raise ValueError(f"{path}: [[grid]] warmup = {block['warmup']!r}: must be true or false")
+    for flag in ("warmup", "query_aware"):
+        if not isinstance(block.get(flag, False), bool):
+            raise ValueError(f"{path}: [[grid]] {flag} = {block[flag]!r}: must be true or false")
     settings = dict(shared, **{k: block[k] for k in SHARED if k in block})
     if "trials" not in settings:
         raise ValueError(f"{path}: set `trials` (per cell)")
     batch = settings.pop("batch", Cell.batch)
+    text, haystack = settings.pop("text", ""), settings.pop("haystack", "")
+    query_aware = block.get("query_aware", False)
     engines = block.get("engines", ["kvjax"])
     batches = block.get("batches", [batch])
     cells = []
@@ -140,9 +205,15 @@ def _block_cells(path, block: dict, shared: dict) -> list[Cell]:
             raise ValueError(f"{path}: unknown engine {engine!r}; engines: {ENGINES}")
         if engine == "kvpress" and task not in RETRIEVAL_TASKS:
             raise ValueError(f"{path}: the kvpress engine runs retrieval tasks, not {task!r}")
+        if engine == "kvpress" and query_aware:
+            raise ValueError(f"{path}: query_aware cells run on the kvjax engine only")
+        if query_aware and task not in RETRIEVAL_TASKS:
+            raise ValueError(f"{path}: query_aware applies to retrieval tasks, not {task!r}")
         cells.append(Cell(task, int(length), method, batch=int(batch),
                           engine=engine, warmup=block.get("warmup", len(engines) > 1),
-                          **settings))
+                          query_aware=query_aware,
+                          text_path=text if task in TEXT_TASKS else "",
+                          haystack_path=haystack if task in RETRIEVAL_TASKS else "", **settings))
     return cells
 
 
@@ -165,7 +236,8 @@ def read_config(path: Path) -> Grid:
     cells = [c for block in blocks for c in _block_cells(path, block, shared)]
     if not cells:
         raise ValueError(f"{path}: no [[grid]] cells")
-    return Grid(cells, float(config.get("max_rss_gb", 16)), int(config.get("workers", 1)))
+    return Grid(cells, float(config.get("max_rss_gb", 16)), int(config.get("workers", 1)),
+                _read_bases(path, config))
 
 
 # ----------------------------------------------------------------------------- result rows

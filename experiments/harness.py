@@ -73,14 +73,48 @@ def load_config(path: Path) -> Grid:
     path, cells = Path(path), grid.cells
     from kvjax import parse_method
     from experiments.kvpress_engine import parse_press_spec
+    pending = [b.path for b in grid.bases.values() if not Path(b.path).exists()]
     for method, engine in dict.fromkeys((c.method, c.engine) for c in cells):
         try:  # a bad method fails now, not in a worker an hour later
             parse_method(method)
             if engine == "kvpress":
                 parse_press_spec(method)
-        except (ValueError, FileNotFoundError) as e:
+        except FileNotFoundError as e:
+            if not any(f"basis={p}" in method for p in pending):  # else prepare_bases makes it
+                raise ValueError(f"{path}: method {method!r}: {e}") from None
+        except ValueError as e:
             raise ValueError(f"{path}: method {method!r}: {e}") from None
     return grid
+
+
+def prepare_bases(grid: Grid, cells: Iterable[Cell], out: Path,
+                  progress: bool | None = None) -> list[str]:
+    """Calibrate every `[bases.NAME]` basis whose file is missing and that an unfinished
+    cell of `cells` names (as `kvjax calibrate`: the last `tokens` tokens of `text`, windows
+    of 1024); returns the paths written. Runs before the sweep, so `low_rank` cells work
+    from a fresh clone; progress on stderr (a bar when it is a terminal)."""
+    import sys
+
+    done = done_keys(Path(out) / "cells.jsonl")
+    todo = [c.method for c in cells if c.key not in done]
+    made = []
+    for name, basis in grid.bases.items():
+        if Path(basis.path).exists() or not any(f"basis={basis.path}" in m for m in todo):
+            continue
+        from models.calibration import calibrate_low_rank
+        from models.hub import enable_compilation_cache
+        from models.loading import load_model
+
+        enable_compilation_cache()
+        print(f"kvjax eval: calibrating the low-rank basis {name!r} -> {basis.path} (once)",
+              file=sys.stderr, flush=True)
+        model, tokenizer = load_model(basis.model)
+        ids = tokenizer.encode(Path(basis.text).read_text(encoding="utf-8"))[-basis.tokens:]
+        Path(basis.path).parent.mkdir(parents=True, exist_ok=True)
+        show = sys.stderr.isatty() if progress is None else progress
+        calibrate_low_rank(model, ids, progress=show).save(basis.path)
+        made.append(basis.path)
+    return made
 
 
 def check_models(cells: Iterable[Cell]) -> None:

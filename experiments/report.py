@@ -7,6 +7,10 @@
 * `passkey_depth.png`: needle depth x context length per method, the NIAH-style map;
 * `ppl.png`: continuation perplexity against cache bytes per token, every method;
 * `speed.png`: decode ms/step against context per method and batch, with the floor;
+* `memory_pareto.png` and a table: measured bytes per token (memory cells) beside the
+  formats' arithmetic, the same methods' perplexity and retrieval scores, the Pareto front;
+* `ratio_<task>_<length>.png` and a policy x ratio table wherever eviction policies ran at
+  several compression ratios (the eviction sweep);
 * a kvjax-vs-kvpress table when the sweep has kvpress cells.
 
 `write_results(out, results_md)` puts the same text between the markers
@@ -39,6 +43,11 @@ def _ok(rows):
     return [r for r in rows if r.get("status") == "ok"]
 
 
+def label(row) -> str:
+    """How a row's method is shown: the spec, marked when the question was compressed too."""
+    return row["method"] + (" (query-aware)" if row.get("query_aware") else "")
+
+
 def _plain(row) -> bool:
     """A kvjax row of the quality grid (side-by-side cells have their own table)."""
     return row.get("engine", "kvjax") == "kvjax" and not row.get("warmup")
@@ -66,8 +75,8 @@ def retrieval_section(rows: list[dict], out: Path, images: str) -> list[str]:
     for task in dict.fromkeys(r["task"] for r in mine):
         sub = [r for r in mine if r["task"] == task]
         lengths = sorted({r["length"] for r in sub})
-        methods = list(dict.fromkeys(r["method"] for r in sub))
-        cell = {(r["method"], r["length"]): r for r in sub}  # a later batch size wins
+        methods = list(dict.fromkeys(label(r) for r in sub))
+        cell = {(label(r), r["length"]): r for r in sub}  # a later batch size wins
         body = [[f"`{m}`"] + [_score_text(cell.get((m, n))) for n in lengths] for m in methods]
         trials = sorted({r["trials"] for r in sub})
         lines += [f"#### {task} (score, {'/'.join(map(str, trials))} trials per cell)", ""]
@@ -111,7 +120,7 @@ def depth_section(rows: list[dict], out: Path, images: str) -> list[str]:
     """NIAH-style passkey maps: accuracy by needle depth x context length, per method."""
     import numpy as np
     sub = [r for r in _ok(rows) if r["task"] == "passkey" and r.get("depths") and _plain(r)]
-    methods = list(dict.fromkeys(r["method"] for r in sub))
+    methods = list(dict.fromkeys(label(r) for r in sub))
     lengths = sorted({r["length"] for r in sub})
     if len(lengths) < 2:
         return []
@@ -122,7 +131,7 @@ def depth_section(rows: list[dict], out: Path, images: str) -> list[str]:
     fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.9 * nrows), squeeze=False)
     for ax, method in zip(axes.flat, methods):
         acc = np.full((len(depths), len(lengths)), np.nan)
-        for r in (r for r in sub if r["method"] == method):
+        for r in (r for r in sub if label(r) == method):
             for i, d in enumerate(depths):
                 hits = [s for s, dd in zip(r["scores"], r["depths"]) if dd == d]
                 if hits:
@@ -155,38 +164,54 @@ def ppl_section(rows: list[dict], out: Path, images: str) -> list[str]:
         return []
     lines = []
     for length in sorted({r["length"] for r in sub}):
-        group = sorted((r for r in sub if r["length"] == length),
+        every = [r for r in sub if r["length"] == length]
+        group = sorted((r for r in every if "cache_bytes_per_token" in r),
                        key=lambda r: (r["cache_bytes_per_token"], r["score"]))
-        full = next((r for r in group if r["method"] == "full"), None)
-        front, best = set(), float("inf")
-        for r in group:  # sorted by bytes: on the front if it beats every smaller cache
-            if r["score"] < best:
-                front.add(r["method"])
-                best = r["score"]
+        unsized = [r for r in every if "cache_bytes_per_token" not in r]  # converted rows
+        full = next((r for r in every if r["method"] == "full"), None)
+        front = set(pareto_front([(r["cache_bytes_per_token"], r["score"], r["method"])
+                                  for r in group]))
         body = []
-        for r in group:
+        for r in group + unsized:
             vs = "" if full is None else f"{100 * (r['score'] / full['score'] - 1):+.1f}%"
-            frac = "" if full is None else \
-                f"{r['cache_bytes_per_token'] / full['cache_bytes_per_token']:.3f}"
+            size = r.get("cache_bytes_per_token")
+            frac = "" if full is None or size is None or "cache_bytes_per_token" not in full \
+                else f"{size / full['cache_bytes_per_token']:.3f}"
             body.append([f"`{r['method']}`" + (" *" if r["method"] in front else ""),
-                         f"{r['score']:.3f}", vs, f"{r['cache_bytes_per_token']:.0f}", frac])
-        r0 = group[0]
+                         f"{r['score']:.3f}", vs, "" if size is None else f"{size:.0f}", frac])
+        r0 = every[0]
         lines += [f"#### Continuation perplexity ({r0['text']}, {r0['trials']} windows of "
                   f"{length} tokens: the first {r0['prefix']} compressed, "
                   f"{r0['tokens_scored']} scored)", "",
                   "`*`: on the Pareto front (no method with a smaller cache has a lower "
                   "perplexity). Bytes are per compressed context token, float32 cache.", ""]
         lines += _table(["method", "ppl", "vs full", "bytes/token", "of full"], body)
-        _ppl_plot(group, full, front, out / f"ppl_{length}.png")
-        lines += [f"![ppl]({images}ppl_{length}.png)", ""]
+        if group:
+            _ppl_plot(group, full, front, out / f"ppl_{length}.png")
+            lines += [f"![ppl]({images}ppl_{length}.png)", ""]
     return lines
+
+
+def pareto_front(points) -> list[str]:
+    """Names of the points (size, loss, name) no smaller point beats on loss, smallest first.
+
+    Example:
+        >>> pareto_front([(100, 5.0, "a"), (50, 6.0, "b"), (60, 7.0, "c"), (200, 4.0, "d")])
+        ['b', 'a', 'd']
+    """
+    front, best = [], float("inf")
+    for size, loss, name in sorted(points):
+        if loss < best:
+            front.append(name)
+            best = loss
+    return front
 
 
 def _ppl_plot(group, full, front, path):
     """Perplexity against the cache fraction: all methods (log), and a zoom on the good ones."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), width_ratios=[1, 1.4])
-    base = full["cache_bytes_per_token"] if full else 1.0
+    base = full.get("cache_bytes_per_token", 1.0) if full else 1.0
     best = min(r["score"] for r in group)
     cmap = plt.get_cmap("tab20")
     on_front = [r for r in group if r["method"] in front]
@@ -207,6 +232,124 @@ def _ppl_plot(group, full, front, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- by ratio
+
+
+def policy_and_ratio(row) -> tuple[str, float] | None:
+    """("snapkv:headwise=true", 0.5) for a one-part method with a `ratio=`; ("full", 0.0)
+    for the full cache; None otherwise (chains, codecs, token budgets)."""
+    method = row["method"]
+    if method == "full":
+        return "full", 0.0
+    name, _, args = method.partition(":")
+    if "+" in method or not args:
+        return None
+    parts = [a for a in args.split(",") if a]
+    ratio = [a for a in parts if a.startswith("ratio=")]
+    if len(ratio) != 1:
+        return None
+    rest = ",".join(a for a in parts if not a.startswith("ratio="))
+    policy = f"{name}:{rest}" if rest else name
+    return policy + (" (query-aware)" if row.get("query_aware") else ""), \
+        float(ratio[0].removeprefix("ratio="))
+
+
+def ratio_section(rows: list[dict], out: Path, images: str) -> list[str]:
+    """Eviction policies by compression ratio (the fraction evicted): a policy x ratio table
+    and a plot per task and length, when the sweep has a policy at two ratios or more."""
+    sub = [r for r in _ok(rows) if _plain(r) and r["task"] in RETRIEVAL_TASKS + ("ppl",)
+           and policy_and_ratio(r)]
+    lines = []
+    for task, length in dict.fromkeys((r["task"], r["length"]) for r in sub):
+        group = [r for r in sub if (r["task"], r["length"]) == (task, length)]
+        cell = {policy_and_ratio(r): r for r in group}
+        ratios = sorted({ratio for _, ratio in cell if ratio > 0})
+        policies = [p for p in dict.fromkeys(p for p, _ in cell) if p != "full"]
+        if len(ratios) < 2 or not policies:
+            continue
+        full = cell.get(("full", 0.0))
+        text = (lambda r: f"{r['score']:.2f}") if task == "ppl" else \
+            (lambda r: f"{round(r['score'] * r['trials'])}/{r['trials']}")
+        body = ([["**full cache**"] + [text(full)] * len(ratios)] if full else []) + [
+            [f"`{p}`"] + [text(cell[p, x]) if (p, x) in cell else "-" for x in ratios]
+            for p in policies]
+        what = "perplexity" if task == "ppl" else "correct answers"
+        lines += [f"#### {task} at {length} tokens by compression ratio ({what})", ""]
+        lines += _table(["policy"] + [f"r={x}" for x in ratios], body)
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(6.5, 4))
+        for i, p in enumerate(policies):
+            pts = sorted((x, cell[p, x]["score"]) for x in ratios if (p, x) in cell)
+            ax.plot(*zip(*pts), marker="o", label=p, color=plt.cm.tab20(i % 20))
+        if full:
+            ax.axhline(full["score"], color="k", ls="--", label="full cache")
+        ax.set(title=f"{task}, {length} tokens", xlabel="compression ratio (fraction evicted)",
+               ylabel="perplexity (log)" if task == "ppl" else "score")
+        if task == "ppl":
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(-0.05, 1.05)
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        name = f"ratio_{task}_{length}.png"
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        lines += [f"![{task} by ratio]({images}{name})", ""]
+    return lines
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def memory_section(rows: list[dict], out: Path, images: str) -> list[str]:
+    """Measured bytes per token beside the formats' arithmetic, with the same methods'
+    perplexity and retrieval scores from the sweep, and the perplexity Pareto front."""
+    memory = {r["method"]: r for r in _ok(rows) if r["task"] == "memory"}
+    if not memory:
+        return []
+    ppl = {r["method"]: r for r in _ok(rows) if r["task"] == "ppl" and _plain(r)}
+    found = {(r["task"], r["length"]) for r in _ok(rows)
+             if r["task"] in RETRIEVAL_TASKS and _plain(r)}
+    retrieval = {(r["task"], r["length"], r["method"]): r for r in _ok(rows)
+                 if r["task"] in RETRIEVAL_TASKS and _plain(r) and not r.get("query_aware")}
+    full = memory.get("full")
+    body = []
+    for m, r in memory.items():
+        row = [f"`{m}`", f"{r['bytes_per_token']:.0f}", f"{r['theoretical']:.0f}",
+               f"{r['bytes_per_token'] / full['bytes_per_token']:.3f}" if full else "",
+               f"{ppl[m]['score']:.3f}" if m in ppl else "-"]
+        for task, length in sorted(found):
+            hit = retrieval.get((task, length, m))
+            row.append(f"{round(hit['score'] * hit['trials'])}/{hit['trials']}" if hit else "-")
+        body.append(row)
+    r0 = next(iter(memory.values()))
+    lines = [f"#### Cache bytes per context token ({r0['length']} tokens, bfloat16 storage, "
+             "all layers and KV heads) beside the formats' arithmetic", ""]
+    lines += _table(["method", "bytes/token", "theoretical", "of full", "ppl"]
+                    + [f"{task} {length}" for task, length in sorted(found)], body)
+    points = [(memory[m]["bytes_per_token"], ppl[m]["score"], m) for m in memory if m in ppl]
+    if points:
+        by = {m: (b, y) for b, y, m in points}
+        lines += ["Perplexity Pareto front (bytes/token, ppl): " + ", ".join(
+            f"`{m}` ({by[m][0]:.0f}, {by[m][1]:.2f})" for m in pareto_front(points)), ""]
+        plt = _plt()
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.scatter([p[0] for p in points], [p[1] for p in points])
+        for b, y, m in points:
+            ax.annotate(m, (b, y), fontsize=5, xytext=(3, 3), textcoords="offset points")
+        front = pareto_front(points)
+        ax.step([by[m][0] for m in front], [by[m][1] for m in front], where="post", color="k",
+                lw=1, label="Pareto front")
+        ax.set(xscale="log", yscale="log", xlabel="cache bytes per context token (bf16, log)",
+               ylabel="continuation perplexity (log)", title="quality against memory")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "memory_pareto.png", dpi=120)
+        plt.close(fig)
+        lines += [f"![memory]({images}memory_pareto.png)", ""]
+    return lines
 
 
 # ----------------------------------------------------------------------------- speed
@@ -284,7 +427,8 @@ def report(out: Path, images: str = "") -> str:
     """Every section's Markdown (image links prefixed by `images`); writes `<out>/tables.md`."""
     rows = latest_rows(out)
     failed = [r for r in rows if r.get("status") != "ok"]
-    lines = (compare_section(rows) + ppl_section(rows, out, images)
+    lines = (compare_section(rows) + memory_section(rows, out, images)
+             + ppl_section(rows, out, images) + ratio_section(rows, out, images)
              + depth_section(rows, out, images) + retrieval_section(rows, out, images)
              + speed_section(rows, out, images))
     if failed:

@@ -100,12 +100,13 @@ def _names(rng: np.random.Generator, n: int) -> list[str]:
 
 
 def _prose_with(tokenizer, length: int, inserts: Sequence[tuple[float, str]], instruction: str,
-                question: str, prefix: str, rng: np.random.Generator, attempts: int = 16):
+                question: str, prefix: str, rng: np.random.Generator, attempts: int = 16,
+                text_paths: tuple[str, ...] | None = None):
     """(context, question ids): prose from a random sentence on, `inserts` (depth, sentence)
     placed at the sentence boundaries nearest their depths, as many sentences as fit
     `length` tokens (binary search). A start whose sentences cannot come within SLACK
     tokens of `length` (a very long sentence at the cut) is replaced by another."""
-    corpus = load_corpus()
+    corpus = load_corpus(text_paths)
     text, starts, tok_at = _tokenized(tokenizer, corpus)
 
     def build(first, j):
@@ -134,7 +135,8 @@ def _prose_with(tokenizer, length: int, inserts: Sequence[tuple[float, str]], in
                      f"(last: {len(context)} tokens)")
 
 
-def _niah(tokenizer, length, rng, keys: int, values: int, multivalue: bool):
+def _niah(tokenizer, length, rng, keys: int, values: int, multivalue: bool,
+          text_paths: tuple[str, ...] | None = None):
     words = _words(rng, keys)
     numbers = _numbers(rng, keys * values, 7)
     needles = [(float(rng.random()), NIAH_NEEDLE.format(key=words[i // values], value=n))
@@ -146,12 +148,14 @@ def _niah(tokenizer, length, rng, keys: int, values: int, multivalue: bool):
     else:
         question = f"What is the special magic number for {key} mentioned in the provided text?"
         prefix = f"The special magic number for {key} mentioned in the provided text is"
-    context, q = _prose_with(tokenizer, length, needles, NIAH_INSTRUCTION, question, prefix, rng)
+    context, q = _prose_with(tokenizer, length, needles, NIAH_INSTRUCTION, question, prefix, rng,
+                             text_paths=text_paths)
     _check_counts(tokenizer, context, {n: 1 for n in numbers})
     return context, q, tuple(numbers[:values])
 
 
-def _variable_tracking(tokenizer, length, rng, hops: int):
+def _variable_tracking(tokenizer, length, rng, hops: int,
+                       text_paths: tuple[str, ...] | None = None):
     names = _names(rng, hops + 1)
     value = _numbers(rng, 1, 5)[0]
     chain = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a} ." for a, b in
@@ -161,7 +165,7 @@ def _variable_tracking(tokenizer, length, rng, hops: int):
     prefix = (f"Answer: According to the chain(s) of variable assignment in the text above, "
               f"{len(names)} variables are assigned the value {value}, they are:")
     context, q = _prose_with(tokenizer, length, list(zip(depths, chain)), VT_INSTRUCTION,
-                             question, prefix, rng)
+                             question, prefix, rng, text_paths=text_paths)
     _check_counts(tokenizer, context, {value: 1, **{f"VAR {n} =": 1 for n in names}})
     return context, q, tuple(names)
 
@@ -193,8 +197,12 @@ def _common_words(tokenizer, length, rng, common: int, freq: int, rare: int):
 
 def make_task_trials(tokenizer, task: str, length: int, trials: int, seed: int = 0, *,
                      keys: int = 4, values: int = 4, hops: int = 4, common: int = 10,
-                     freq: int = 8, rare: int = 2) -> list[TaskTrial]:
+                     freq: int = 8, rare: int = 2,
+                     text_paths: Sequence[str] | None = None) -> list[TaskTrial]:
     """`trials` seeded trials of `task` with contexts of `length - SLACK .. length` tokens.
+
+    `text_paths` replaces the built-in haystack prose (the needle tasks and
+    variable tracking; common_words is a word list).
 
     Options: `keys` (niah_multikey needles), `values` (niah_multivalue
     numbers), `hops` (variable_tracking chain length after the first
@@ -206,10 +214,11 @@ def make_task_trials(tokenizer, task: str, length: int, trials: int, seed: int =
     if task == "common_words" and freq <= rare:
         raise ValueError(f"common words must appear more often than the rest ({freq} <= {rare})")
     rng = np.random.default_rng(seed)
+    paths = None if text_paths is None else tuple(str(p) for p in text_paths)
     build = {
-        "niah_multikey": lambda: _niah(tokenizer, length, rng, keys, 1, False),
-        "niah_multivalue": lambda: _niah(tokenizer, length, rng, 1, values, True),
-        "variable_tracking": lambda: _variable_tracking(tokenizer, length, rng, hops),
+        "niah_multikey": lambda: _niah(tokenizer, length, rng, keys, 1, False, paths),
+        "niah_multivalue": lambda: _niah(tokenizer, length, rng, 1, values, True, paths),
+        "variable_tracking": lambda: _variable_tracking(tokenizer, length, rng, hops, paths),
         "common_words": lambda: _common_words(tokenizer, length, rng, common, freq, rare),
     }[task]
     out = []

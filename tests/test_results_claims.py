@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from experiments.report import policy_and_ratio
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "RESULTS.md"
 ROWS = ROOT / "docs" / "results"
@@ -77,11 +79,29 @@ def pct(value: float, ref: float) -> float:
 
 EVAL = load("eval/cells.jsonl")
 SMOKE = load("eval_smoke/cells.jsonl")
-EVICT_PPL = load("eviction_ppl.jsonl")
-EVICT_PASSKEY = load("eviction_passkey.jsonl")
-CODEC_PPL = load("codec_ppl.jsonl")
-CODEC_MEMORY = load("codec_memory.jsonl")
-CODEC_PASSKEY = load("codec_passkey.jsonl")
+EVICTION = load("eviction/cells.jsonl")  # kvjax eval --config experiments/configs/eviction.toml
+CODECS = load("codecs/cells.jsonl")  # kvjax eval --config experiments/configs/codecs.toml
+# The tables of RESULTS.md name an eviction method by its policy and ratio columns
+# (`streaming_llm:sinks=0` is the sliding window; Ada-KV and the query-aware SnapKV have
+# short names) and a codec by its `label`; the rows by their method spec.
+SHORT = {"snapkv:headwise=true": "adakv_snapkv", "snapkv (query-aware)": "snapkv_query_aware"}
+
+
+def _policy(row: dict) -> tuple[str, float]:
+    policy, ratio = policy_and_ratio(row)
+    return SHORT.get(policy, policy), ratio
+
+
+EVICT_PPL = [dict(r, policy=_policy(r)[0], ratio=_policy(r)[1], ppl=r["score"])
+             for r in EVICTION if r["task"] == "ppl"]
+EVICT_PASSKEY = [dict(b, length=r["length"], policy=_policy(r)[0], ratio=_policy(r)[1])
+                 for r in EVICTION if r["task"] == "passkey" for b in r["batches"]]
+CODEC_PPL = [dict(r, method=r["label"], spec=r["method"], ppl=r["score"])
+             for r in CODECS if r["task"] == "ppl"]
+CODEC_MEMORY = [dict(r, method=r["label"], spec=r["method"], tokens=r["length"])
+                for r in CODECS if r["task"] == "memory"]
+CODEC_PASSKEY = [dict(b, method=r["label"], length=r["length"])
+                 for r in CODECS if r["task"] == "passkey" for b in r["batches"]]
 
 GRID_PPL = {r["method"]: r for r in EVAL if r["task"] == "ppl"}
 GRID_FULL = GRID_PPL["full"]
@@ -289,7 +309,7 @@ def _chain_speed(q):
         same(q[i + 1], max(tok_s))
 
 
-POLICIES = ("streaming_llm", "sliding_window", "snapkv", "pyramidkv", "adakv_snapkv", "tova",
+POLICIES = ("streaming_llm", "streaming_llm:sinks=0", "snapkv", "pyramidkv", "adakv_snapkv", "tova",
             "h2o", "expected_attention", "knorm", "random")
 
 
@@ -312,7 +332,7 @@ def _best_09(q):
     assert min(POLICIES, key=lambda p: EVICT[(p, 0.9)]) == "h2o"
     same(q[0], evict_vs("h2o", 0.9))
     same(q[1], evict_vs("random", 0.5))
-    same(q[2], EVICT[("sliding_window", 0.25)])
+    same(q[2], EVICT[("streaming_llm:sinks=0", 0.25)])
 
 
 def _pyramid_equals_snapkv(q):
@@ -338,7 +358,8 @@ def _accumulated(q):
 
 
 def _at_4k(q):
-    for s, p in zip(q, ("sliding_window", "streaming_llm", "tova", "snapkv_query_aware", "h2o")):
+    for s, p in zip(q, ("streaming_llm:sinks=0", "streaming_llm", "tova", "snapkv_query_aware",
+                        "h2o")):
         same(s, passkey(p, 4096, 0.5))
 
 
@@ -359,8 +380,8 @@ def _from_log(q):
     second = {(r["policy"], r["ratio"]) for r in EVICT_PASSKEY
               if r["length"] == 4096 and r["first"] == 10 and r.get("source")}
     ratios = {r["ratio"] for r in EVICT_PASSKEY if r["policy"] == "snapkv"}
-    claimed = ({("full", 0.0)} | {(p, r) for p in ("streaming_llm", "sliding_window", "snapkv",
-                                                   "pyramidkv") for r in ratios}
+    claimed = ({("full", 0.0)} | {(p, r) for p in ("streaming_llm", "streaming_llm:sinks=0",
+                                                   "snapkv", "pyramidkv") for r in ratios}
                | {("adakv_snapkv", r) for r in (0.25, 0.5)})
     assert len(ratios) == 4 and second == claimed, f"second batches from the log: {sorted(second)}"
     same(q[0], len(second))
