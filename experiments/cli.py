@@ -291,6 +291,7 @@ def cmd_eval(args) -> int:
         if args.results is not None:
             check_results_file(args.results)
         if not args.report:
+            harness.prepare_bases(grid, cells, args.out)  # [bases.NAME] files a cell needs
             harness.check_models(cells)
             harness.sweep(cells, args.out, grid.max_rss_gb, workers=grid.workers)
         if args.results:
