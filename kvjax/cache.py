@@ -353,21 +353,42 @@ def _append(cache: TokenCache, k: jax.Array, v: jax.Array, pos: jax.Array,
         length=start + (pos.shape[-1] if count is None else count))
 
 
-def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = "batch",
-                kv_axis: str | None = "kv") -> Cache:
-    """Place `cache` on `mesh`, split over sequences (`batch_axis`) and KV heads (`kv_axis`).
+def cache_axes(batch: int, kv_heads: int, pooled: bool, mesh: jax.sharding.Mesh,
+               batch_axis: str | None = "batch", kv_axis: str | None = "kv"):
+    """(row axes, pos PartitionSpec) of a layer: the sharding rule of `shard_cache`.
 
-    The folded `[B*KVH, C, D]` rows are split over both mesh axes together;
-    `pos` `[B, KVH, C]` over each. The two splits coincide when every device
-    holds one sequence or all KV heads of its sequences; otherwise XLA moves
-    the few `pos` rows it needs.
-
-    Example:
-        >>> mesh = jax.make_mesh((1, 1), ("batch", "kv"))   # e.g. (4, 2) on 8 devices
-        >>> cache = shard_cache(init_model_cache(CacheSpec(2, 1, 4), 1, 8), mesh)
-        >>> tuple(cache[0].k.sharding.spec), tuple(cache[0].pos.sharding.spec)
-        ((('batch', 'kv'), None, None), ('batch', 'kv', None))
+    Rows of the folded `[B*KVH, C, D]` keys and values are split over
+    (`batch_axis`, `kv_axis`) together, and `pos` `[B, KVH, C]` the same way:
+    1. KV heads over `kv_axis` when every `batch_axis` shard holds exactly one
+       sequence and the KV heads divide (then a row block is one sequence's
+       heads block, the layout head-split weights write into);
+    2. else whole sequences over both axes when the batch divides their product
+       (`kv_axis` then splits the batch further: SmolLM2's 3 KV heads on
+       `model=4`, or several sequences per data shard);
+    3. else sequences over `batch_axis` only, replicated over `kv_axis`;
+    4. else replicated.
+    The pooled (head-wise) layout shares slots between a sequence's heads, so
+    it never splits heads (rules 2-4). Every rule keeps a row's slots, `pos` and
+    statistics on one device, so attention, scoring, eviction and codecs run
+    shard-local.
     """
+    shape = dict(mesh.shape)
+    d = shape[batch_axis] if batch_axis else 1
+    m = shape[kv_axis] if kv_axis else 1
+    both = tuple(a for a, n in ((batch_axis, d), (kv_axis, m)) if a and n > 1)
+    rows = lambda axes: axes[0] if len(axes) == 1 else (axes or None)
+    if not pooled and m > 1 and kv_heads % m == 0 and batch == d:
+        return rows(both), jax.sharding.PartitionSpec(batch_axis if d > 1 else None, kv_axis, None)
+    if both and batch % (d * m) == 0:
+        return rows(both), jax.sharding.PartitionSpec(rows(both), None, None)
+    if d > 1 and batch % d == 0:
+        return batch_axis, jax.sharding.PartitionSpec(batch_axis, None, None)
+    return None, jax.sharding.PartitionSpec()
+
+
+def cache_shardings(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = "batch",
+                    kv_axis: str | None = "kv") -> Any:
+    """The NamedSharding of every leaf of `cache` (arrays or ShapeDtypeStructs) by `cache_axes`."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     def layout(layer):
@@ -376,17 +397,36 @@ def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = 
         if isinstance(layer, ResidualCache):
             return ResidualCache(body=layout(layer.body), recent=layout(layer.recent),
                                  residual=layer.residual, block=layer.block)
-        axes = tuple(a for a in (batch_axis, None if layer.pooled else kv_axis) if a is not None)
+        row_axes, pos_spec = cache_axes(layer.pos.shape[0], layer.pos.shape[1], layer.pooled,
+                                        mesh, batch_axis, kv_axis)
         rows = layer.k.shape[0]
-        by_row = lambda x: NamedSharding(mesh, P(axes or None, *[None] * (x.ndim - 1))
+        by_row = lambda x: NamedSharding(mesh, P(row_axes, *[None] * (x.ndim - 1))
                                          if x.ndim and x.shape[0] == rows else P())
-        pos = NamedSharding(mesh, P(batch_axis, kv_axis, None))
+        pos = NamedSharding(mesh, pos_spec)
         return TokenCache(k=jax.tree_util.tree_map(by_row, layer.k),
                           v=jax.tree_util.tree_map(by_row, layer.v), pos=pos,
                           length=NamedSharding(mesh, P()),
                           mass=None if layer.mass is None else pos)
 
-    return jax.device_put(cache, tuple(layout(layer) for layer in cache))
+    return tuple(layout(layer) for layer in cache)
+
+
+def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = "batch",
+                kv_axis: str | None = "kv") -> Cache:
+    """Place `cache` on `mesh`, split over sequences (`batch_axis`) and KV heads (`kv_axis`).
+
+    The rule (`cache_axes`): KV heads over `kv_axis` when each `batch_axis`
+    shard holds one sequence and the heads divide; else whole sequences over
+    both axes; else over `batch_axis`; else replicated. Rows, `pos` and `mass`
+    of a sequence-head always sit on the same device.
+
+    Example:
+        >>> mesh = jax.make_mesh((1, 1), ("batch", "kv"))   # e.g. (4, 2) on 8 devices
+        >>> cache = shard_cache(init_model_cache(CacheSpec(2, 1, 4), 1, 8), mesh)
+        >>> cache[0].k.sharding.spec, cache[0].pos.sharding.spec   # a 1x1 mesh splits nothing
+        (P(None, None, None), P())
+    """
+    return jax.device_put(cache, cache_shardings(cache, mesh, batch_axis, kv_axis))
 
 
 def nbytes(tree: Any) -> int:

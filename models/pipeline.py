@@ -76,7 +76,8 @@ def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
               contexts: Sequence[str | None] | None = None, *,
               method: str | CacheTransform = "full", answer_prefix: str = "", chat: bool = True,
               max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int = 0,
-              compress_every: int = 0, impl: str = "xla") -> list[Answer]:
+              compress_every: int = 0, impl: str = "xla",
+              place_cache=None) -> list[Answer]:
     """`ask` for many questions at once (one batch; contexts may differ in length).
 
     Either every question has a context or none has: the contexts are
@@ -97,7 +98,8 @@ def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
     start = time.perf_counter()
     out = generate(model, ids, contexts=heads if all(with_context) else None,
                    max_new_tokens=max_new_tokens, sampling=sampling, transform=transform,
-                   compress_every=compress_every, seed=seed, impl=impl)
+                   compress_every=compress_every, seed=seed, impl=impl,
+                   place_cache=place_cache)
     seconds = time.perf_counter() - start
     per_sequence = kvjax.nbytes(out.cache) // len(questions)
     spec = method if isinstance(method, str) else "custom"
@@ -109,16 +111,18 @@ def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
 def ask(model: Llama, tokenizer, question: str, *, context: str | None = None,
         method: str | CacheTransform = "full", answer_prefix: str = "", chat: bool = True,
         max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int = 0,
-        compress_every: int = 0, impl: str = "xla") -> Answer:
+        compress_every: int = 0, impl: str = "xla", place_cache=None) -> Answer:
     """Answer `question` about `context` with the cache compressed by `method`.
 
     `context` (optional) is prefilled and compressed before the question is
     seen; `answer_prefix` opens the reply (kvpress's `answer_prefix`);
     `method` is a spec such as "snapkv:ratio=0.5+kivi:bits=4" or a
-    `CacheTransform`. See `ask_batch` for many questions at once.
+    `CacheTransform`. `place_cache` puts the empty cache on devices (see
+    `models.sampler.generate`; `models.sharding.cache_placer(mesh)`). See
+    `ask_batch` for many questions at once.
     """
     return ask_batch(model, tokenizer, [question], None if context is None else [context],
                      method=method, answer_prefix=answer_prefix, chat=chat,
                      max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                     compress_every=compress_every, impl=impl)[0]
+                     compress_every=compress_every, impl=impl, place_cache=place_cache)[0]
 

@@ -1,0 +1,279 @@
+"""`kvjax compile`: compile prefill, compression and decode for a TPU pod slice, deviceless.
+
+    kvjax compile --topology v5e:2x4 --mesh data=2,model=4 --model llama3-8b \\
+        --method snapkv:ratio=0.5+kivi:bits=4 --context 32768 --batch 8
+
+libtpu describes the slice on this CPU host (shared/DESIGN.md section 5); the
+model is given by shape alone (`models.sharding.abstract_model`: `nnx.eval_shape`,
+no weight materialized), weights and caches carry the shardings of
+`models.sharding`, and each jitted step of `models.sampler` (`_prefill`,
+`_compress`, `_decode`) is lowered and compiled by XLA:TPU. Nothing runs; the
+per-chip bytes printed are the compiler's `memory_analysis()`:
+arguments + outputs - aliased (donated) + temporaries = the step's peak.
+
+The decode step's cache is the compressed cache `generate` decodes from: its
+shape is planned by running the method for real on one sequence (one layer when
+every layer gets the same method, all layers otherwise; random keys, zero
+statistics: budgets depend only on lengths), shrinking it as `generate` does, and
+repeating that sequence's rows abstractly for the batch.
+
+Models by shape: `smollm2` (SmolLM2-135M), `llama3-8b`, `llama3-70b`, or a
+model path / repo id (its config only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+TOPOLOGY = re.compile(r"^(v5e|v6e):(\d+)x(\d+)$")
+
+
+def llama3_shape(size: str):
+    """A Llama-3-8B / 70B-shaped `LlamaConfig` (bf16 planning; weights never built)."""
+    from models.llama import LlamaConfig, RopeScaling
+
+    dims = {"8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32),
+            "70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64)}
+    return LlamaConfig(vocab_size=128256, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
+                       rope_scaling=RopeScaling(), tie_embeddings=False, max_position=131072,
+                       bos_id=128000, eos_ids=(128009,), **dims[size])
+
+
+def model_shape(name: str):
+    """The config of `name`: a shape name, else a model's own config (no weights read)."""
+    from models.llama import LlamaConfig
+    if name == "smollm2":
+        return LlamaConfig.smollm2_135m()
+    if name in ("llama3-8b", "llama3-70b"):
+        return llama3_shape(name.split("-")[1])
+    from models.loading import model_config
+    return model_config(name)
+
+
+def topology_devices(name: str) -> list:
+    """The devices of a deviceless TPU slice `v5e:2x4` / `v6e:2x2` ... (libtpu)."""
+    import os
+    m = TOPOLOGY.match(name or "")
+    if not m:
+        raise ValueError(f"topology {name!r}: expected CHIP:XxY with CHIP v5e or v6e, "
+                         f"e.g. v5e:2x4")
+    from kernels_pallas.tpu_compile import libtpu_available
+    if not libtpu_available():
+        raise ValueError("compiling for a TPU needs libtpu: pip install -e '.[tpu-compile]'")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+    x, y = int(m.group(2)), int(m.group(3))
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name=name, chip_config_name="default",
+        chips_per_host_bounds=(x, y, 1), num_slices=1, wrap=(False, False, False))
+    return list(topo.devices)
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    import jax
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _replicated(tree: Any, mesh) -> Any:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())), tree)
+
+
+def _by_batch(tree: Any, batch: int, mesh) -> Any:
+    """Leaves whose leading axis is the batch split over `data` (when it divides), others replicated."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    d = dict(mesh.shape).get("data", 1)
+
+    def spec(x):
+        split = d > 1 and x.ndim and x.shape[0] == batch and batch % d == 0
+        return NamedSharding(mesh, P("data", *[None] * (x.ndim - 1)) if split else P())
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                 sharding=spec(x)), tree)
+
+
+def uniform_method(spec: str) -> bool:
+    """True when every layer gets the same method (no `layers=`, no per-layer schedule)."""
+    return not any(word in spec for word in ("layers=", "pyramidkv", "schedule"))
+
+
+def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int, dtype):
+    """Shapes (ShapeDtypeStructs, no shardings) of the cache `generate` decodes from.
+
+    The method runs for real on one sequence of `context` random tokens (one layer when
+    `uniform_method`, else every layer), is shrunk with room for `room` more tokens as
+    `generate` shrinks it, and its per-sequence rows are repeated for `batch` sequences.
+    """
+    import jax
+    import jax.numpy as jnp
+    import kvjax
+    from kvjax.stats import init_stats
+    from models.llama import rope_frequencies
+
+    layers = 1 if uniform_method(spec) else cfg.num_layers
+    kvh, d = cfg.num_kv_heads, cfg.head_dim
+    cache = kvjax.init_model_cache(kvjax.CacheSpec(layers, kvh, d), 1, context + room, dtype,
+                                   track_mass=transform.stats.attention_mass)
+    k, v = jax.random.normal(jax.random.key(0), (2, 1, kvh, context, d), dtype)
+    cache = tuple(kvjax.write(layer, k, v, jnp.arange(context)[None]) for layer in cache)
+    stats = None
+    if transform.stats.window or transform.stats.query_moments:
+        stats = init_stats(transform.stats, cache, cfg.num_heads, rope_frequencies(cfg))
+    if transform is not kvjax.full():
+        cache, _ = jax.jit(transform.update)(cache, transform.init(cache), stats)
+        cache = kvjax.shrink(cache, room, 1)
+    one = cache if layers == cfg.num_layers else cache * cfg.num_layers
+
+    def widen(layer):
+        rows = layer.k.shape[0]
+        grow = lambda x: jax.ShapeDtypeStruct((x.shape[0] * batch, *x.shape[1:]), x.dtype) \
+            if x.ndim and x.shape[0] == rows else jax.ShapeDtypeStruct(x.shape, x.dtype)
+        meta = lambda x: None if x is None else jax.ShapeDtypeStruct(
+            (batch, *x.shape[1:]), x.dtype)
+        return layer.replace(k=jax.tree_util.tree_map(grow, layer.k),
+                             v=jax.tree_util.tree_map(grow, layer.v), pos=meta(layer.pos),
+                             mass=meta(layer.mass),
+                             length=jax.ShapeDtypeStruct((), jnp.int32))
+
+    def walk(layer):
+        if isinstance(layer, kvjax.ResidualCache):
+            return layer.replace(body=walk(layer.body), recent=walk(layer.recent))
+        return widen(layer)
+    return tuple(walk(layer) for layer in one)
+
+
+def memory(compiled) -> dict:
+    """Per-chip bytes of a compiled step: arguments, outputs, aliased, temporaries, peak."""
+    m = compiled.memory_analysis()
+    out = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
+           "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
+           "code": m.generated_code_size_in_bytes}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"] + out["code"]
+    return out
+
+
+def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
+                  impl: str = "xla", new_tokens: int = 16, chunk: int = 512,
+                  steps=("prefill", "compress", "decode")) -> dict:
+    """Compile `steps` of generation for `mesh`'s devices; {step: memory(...)} plus seconds."""
+    import jax
+    import jax.numpy as jnp
+    import kvjax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from kvjax.stats import NO_STATS, init_stats
+    from models import sampler
+    from models.llama import rope_frequencies
+    from models.sharding import abstract_model, cache_shardings, on_mesh
+
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    transform = kvjax.parse_method(spec)
+    placed = on_mesh(transform, mesh)
+    graphdef, state = abstract_model(cfg, mesh, dtype)
+    chunk = min(chunk, context)
+    if context % chunk:
+        raise ValueError(f"--context {context} must be a multiple of the prefill chunk {chunk}")
+    capacity = context + new_tokens
+    result: dict[str, Any] = {}
+    dense = jax.eval_shape(lambda: kvjax.init_model_cache(
+        cfg.cache_spec, batch, capacity, dtype, track_mass=transform.stats.attention_mass))
+    cache = _abstract(dense, cache_shardings(dense, mesh))
+    stats = None
+    if transform.stats.window or transform.stats.query_moments:
+        stats = _by_batch(jax.eval_shape(lambda c: init_stats(
+            transform.stats, c, cfg.num_heads, rope_frequencies(cfg)), dense), batch, mesh)
+    ids = _by_batch(jax.ShapeDtypeStruct((batch, context), jnp.int32), batch, mesh)
+    if "prefill" in steps:
+        start = time.perf_counter()
+        compiled = sampler._prefill.lower(graphdef, state, ids, ids, cache, stats, chunk,
+                                          transform.stats, impl).compile()
+        result["prefill"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1))
+    if "compress" in steps and transform is not kvjax.full():
+        start = time.perf_counter()
+        tstate = _replicated(jax.eval_shape(transform.init, dense), mesh)
+        compiled = sampler._compress.lower(placed.update, cache, tstate, stats).compile()
+        result["compress"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1))
+    if "decode" in steps:
+        start = time.perf_counter()
+        small = planned_cache(cfg, transform, spec, batch, context, new_tokens, dtype)
+        small_cache = _abstract(small, cache_shardings(small, mesh))
+        tstate = _replicated(jax.eval_shape(transform.init, small), mesh)
+        logits = _by_batch(jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), batch,
+                           mesh)
+        next_pos = _by_batch(jax.ShapeDtypeStruct((batch,), jnp.int32), batch, mesh)
+        key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                                   sharding=NamedSharding(mesh, P()))
+        compiled = sampler._decode.lower(
+            graphdef, state, logits, small_cache, tstate, None, next_pos, key, new_tokens,
+            sampler.GREEDY, None, NO_STATS, 0, tuple(cfg.eos_ids), 0, impl).compile()
+        result["decode"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1),
+                                cache_bytes=kvjax.nbytes(small))
+    result["weight_bytes"] = kvjax.nbytes(state)
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:2x4 or v6e:2x4")
+    p.add_argument("--mesh", required=True, help="e.g. data=2,model=4 (product = chips)")
+    p.add_argument("--model", default="smollm2",
+                   help="smollm2 | llama3-8b | llama3-70b (by shape) | a model path or repo id")
+    p.add_argument("--method", default="full", help="cache method spec")
+    p.add_argument("--context", type=int, required=True, help="prompt tokens N")
+    p.add_argument("--batch", type=int, default=1, help="sequences B")
+    p.add_argument("--new-tokens", type=int, default=16, help="decode steps compiled")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="weights and cache")
+    p.add_argument("--impl", choices=["xla", "pallas"], default="xla", help="attention")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def run(args) -> int:
+    import jax.numpy as jnp
+    for name, low in (("context", 1), ("batch", 1), ("new_tokens", 1)):
+        if getattr(args, name) < low:
+            print(f"kvjax: error: --{name.replace('_', '-')} {getattr(args, name)}: must be an "
+                  f"integer >= {low}", file=sys.stderr)
+            return 2
+    try:
+        import kvjax
+        from models.sharding import make_mesh
+        kvjax.parse_method(args.method)
+        cfg = model_shape(args.model)
+        if args.context + args.new_tokens > cfg.max_position:
+            raise ValueError(f"--context {args.context} + --new-tokens {args.new_tokens} exceeds "
+                             f"the model's {cfg.max_position} positions")
+        mesh = make_mesh(args.mesh, topology_devices(args.topology))
+        result = compile_steps(cfg, mesh, args.method, args.context, args.batch,
+                               dtype=getattr(jnp, args.dtype), impl=args.impl,
+                               new_tokens=args.new_tokens)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kvjax: error: {e}", file=sys.stderr)
+        return 2
+    result.update(topology=args.topology, mesh=args.mesh, model=args.model, method=args.method,
+                  context=args.context, batch=args.batch, impl=args.impl)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{args.model} on {args.topology} ({args.mesh}), {args.method}, "
+          f"{args.batch} x {args.context} tokens, per chip:")
+    for step in ("prefill", "compress", "decode"):
+        if step in result:
+            m = result[step]
+            print(f"  {step:8s} peak {_gib(m['peak'])} (arguments {_gib(m['argument'])}, "
+                  f"temporaries {_gib(m['temp'])}, outputs {_gib(m['output'])}, "
+                  f"aliased {_gib(m['alias'])}; compiled in {m['seconds']} s)")
+    return 0
