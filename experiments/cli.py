@@ -192,7 +192,12 @@ def build_parser() -> argparse.ArgumentParser:
 # Subcommands that live in their own module: name -> (module, help). Each module has
 # `add_arguments(parser)` and `run(args) -> int` (the exit status; it prints its own output
 # and turns bad input into `kvjax: error: ...` on stderr with status 2).
-MODULE_COMMANDS: dict[str, tuple[str, str]] = {}
+MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+    "export": ("experiments.export_cmd", "write a jax.export artifact: prefill, compression, "
+               "decode, weights, tokenizer"),
+    "run-exported": ("experiments.export_cmd", "generate from an artifact of `kvjax export` "
+                     "(no Flax, no model code)"),
+}
 
 
 CALIBRATION_TEXT = Path(__file__).parent / "data" / "devils_dictionary.txt"
