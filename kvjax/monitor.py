@@ -1,0 +1,251 @@
+"""A cache monitor: what every transform did, per layer and KV head, as a pytree.
+
+`monitored(transform)` wraps a `CacheTransform`: its state becomes `(inner state,
+Monitor)`, so the monitor is returned alongside the cache by whatever runs the transform
+(`models.sampler.generate` included), under jit, with no Python state. A `Monitor` is one
+`LayerMonitor` per layer; each field is `[B, KVH]`:
+
+- `tokens`: tokens held (slots with a position);
+- `slots_used` / `capacity`: slots up to the write cursor (holes left by eviction included)
+  / slots a row can hold;
+- `evicted`: tokens the transform's updates removed so far (cumulative);
+- `mass_retained`: the share of attention the kept tokens received, where the update saw
+  attention: the queries of the statistics window (SnapKV, TOVA, ...) or the accumulated
+  attention of the cache (H2O); NaN where it saw none (the last update that saw some wins);
+- `k_error` / `v_error`: relative error `||stored - exact|| / ||exact||` of the kept keys and
+  values, measured where the update encoded them (a codec: quantize, KIVI, fp8, low rank),
+  0 for tokens kept exact;
+- `pages_device` / `pages_host` / `prefetch_misses`: for a paged layer, pages each row lists
+  on the device and in host memory (`kvjax.tiers`), and host pages read unstaged.
+
+`refresh(monitor, cache)` re-reads the counters a decode loop changes (tokens, slots,
+pages, misses) from a later cache; `summary(monitor)` reduces it to plain numbers.
+
+Example:
+    >>> import jax, kvjax
+    >>> from kvjax.stats import LayerStats
+    >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(1, 1, 8), batch=1, capacity=16)
+    >>> k = jax.random.normal(jax.random.key(0), (1, 1, 16, 8))
+    >>> cache = (kvjax.write(cache[0], k, k, jnp.arange(16)[None]),)
+    >>> t = monitored(kvjax.chain(kvjax.streaming_llm(sinks=2, window=6), kvjax.quantize(bits=4, group=8)))
+    >>> cache, (state, mon) = t.update(cache, t.init(cache), None)
+    >>> s = summary(mon)
+    >>> s["tokens"], s["evicted"], 0.01 < s["k_error"] < 0.2    # 8 kept, 8 evicted, 4-bit error
+    (8, 8, True)
+"""
+
+from __future__ import annotations
+
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.attention import attention_mass
+from kvjax.cache import EMPTY, ResidualCache, TokenCache, view
+from kvjax.paging import PagedLayer, dense_view
+from kvjax.transforms import CacheTransform
+
+
+class LayerMonitor(NamedTuple):
+    """One layer's counters, each [B, KVH]."""
+
+    tokens: jax.Array  # int32 tokens held
+    slots_used: jax.Array  # int32 slots up to the write cursor
+    capacity: jax.Array  # int32 slots a row can hold
+    evicted: jax.Array  # int32 tokens removed by updates so far
+    mass_retained: jax.Array  # float32 attention share kept (NaN: no attention seen)
+    k_error: jax.Array  # float32 relative error of stored keys (kept tokens)
+    v_error: jax.Array  # float32 relative error of stored values
+    pages_device: jax.Array  # int32 pages listed on the device (paged layers)
+    pages_host: jax.Array  # int32 pages listed in host memory (tiered layers)
+    prefetch_misses: jax.Array  # int32 host pages read without a staged copy
+
+
+Monitor = tuple  # tuple[LayerMonitor, ...], one per layer
+
+
+def dense(layer: Any) -> TokenCache:
+    """Any supported layer as a dense `TokenCache` (stores decoded, parts joined, pages
+    gathered from every tier)."""
+    if hasattr(layer, "host_k"):  # kvjax.tiers.TieredLayer
+        from kvjax.tiers import tiered_view
+        return tiered_view(layer)
+    if isinstance(layer, PagedLayer):
+        return dense_view(layer)
+    if isinstance(layer, (TokenCache, ResidualCache)):
+        return view(layer)
+    raise ValueError(f"monitor: layer type {type(layer).__name__} is not supported (token, "
+                     f"residual and paged layers are)")
+
+
+def _by_head(x: jax.Array, batch: int, kv_heads: int) -> jax.Array:
+    """[B, 1 or KVH, ...] -> [B, KVH, ...] (a pooled layout's shared rows broadcast)."""
+    return jnp.broadcast_to(x, (batch, kv_heads, *x.shape[2:]))
+
+
+def _snapshot(layer: Any) -> dict[str, jax.Array]:
+    """The counters read off one layer: tokens, slots, capacity, pages, misses ([B, KVH])."""
+    d = dense(layer)
+    shape = d.pos.shape[:2]
+    full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape)
+    out = {"tokens": jnp.sum(d.pos != EMPTY, -1, dtype=jnp.int32)}
+    zero = full(0)
+    out.update(pages_device=zero, pages_host=zero, prefetch_misses=zero)
+    if isinstance(layer, PagedLayer):
+        used = jnp.arange(layer.tables.shape[-1]) < layer.num_pages_used[..., None]
+        host = used & (layer.tables >= layer.device_pages)
+        out.update(slots_used=layer.lengths, capacity=full(layer.capacity),
+                   pages_device=jnp.sum(used & ~host, -1, dtype=jnp.int32),
+                   pages_host=jnp.sum(host, -1, dtype=jnp.int32))
+        if hasattr(layer, "misses"):
+            out["prefetch_misses"] = layer.misses
+    elif isinstance(layer, ResidualCache):
+        out.update(slots_used=full(layer.body.length + layer.recent.length),
+                   capacity=full(layer.body.capacity + layer.recent.capacity))
+    else:
+        out.update(slots_used=full(layer.length), capacity=full(layer.capacity))
+    return out
+
+
+def init_monitor(cache: Any) -> Monitor:
+    """A monitor of `cache` before any update: its counters, nothing evicted, no error."""
+    out = []
+    for layer in cache:
+        snap = _snapshot(layer)
+        shape = snap["tokens"].shape
+        out.append(LayerMonitor(evicted=jnp.zeros(shape, jnp.int32),
+                                mass_retained=jnp.full(shape, jnp.nan, jnp.float32),
+                                k_error=jnp.zeros(shape, jnp.float32),
+                                v_error=jnp.zeros(shape, jnp.float32), **snap))
+    return tuple(out)
+
+
+def refresh(monitor: Monitor, cache: Any) -> Monitor:
+    """The monitor with the counters a decode loop changes re-read from `cache`."""
+    return tuple(m._replace(**_snapshot(layer)) for m, layer in zip(monitor, cache))
+
+
+def match_positions(pos_from: jax.Array, pos_to: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """For each slot of `pos_to` [B, KVH, C'] the slot of `pos_from` [B, KVH, C] holding the
+    same position: (index [B, KVH, C'] int32, found [B, KVH, C'] bool; EMPTY never found)."""
+    order = jnp.argsort(pos_from, axis=-1)
+    ordered = jnp.take_along_axis(pos_from, order, -1)
+    search = jnp.vectorize(lambda a, v: jnp.searchsorted(a, v), signature="(c),(d)->(d)")
+    i = jnp.clip(search(ordered, pos_to), 0, pos_from.shape[-1] - 1)
+    found = (jnp.take_along_axis(ordered, i, -1) == pos_to) & (pos_to != EMPTY)
+    return jnp.take_along_axis(order, i, -1), found
+
+
+def _relative_error(before: jax.Array, after: jax.Array, idx: jax.Array,
+                    found: jax.Array) -> jax.Array:
+    """[B, KVH] ||after - before[idx]|| / ||before[idx]|| over found slots (0 if none)."""
+    exact = jnp.take_along_axis(before, idx[..., None], axis=2)
+    w = found[..., None]
+    num = jnp.sum(jnp.where(w, (after - exact) ** 2, 0.0), (-1, -2))
+    den = jnp.sum(jnp.where(w, exact ** 2, 0.0), (-1, -2))
+    return jnp.sqrt(num / jnp.where(den > 0, den, 1.0))
+
+
+def _observed_mass(layer: Any, d: TokenCache, stats: Any) -> jax.Array | None:
+    """[B, KVH, C] attention each slot received as the update saw it, or None."""
+    if stats is not None and getattr(stats, "queries", None) is not None \
+            and stats.queries.shape[1] > 0:
+        return attention_mass(stats.queries, stats.query_pos, d)
+    if d.mass is not None:
+        return d.mass
+    return None
+
+
+def observe(monitor: Monitor, before: Any, after: Any, stats: Any = None) -> Monitor:
+    """The monitor after an update took `before` to `after` (`stats`: what it saw)."""
+    out = []
+    for i, (m, lb, la) in enumerate(zip(monitor, before, after)):
+        db, da = dense(lb), dense(la)
+        b, h = db.pos.shape[:2]
+        snap_b, snap = _snapshot(lb), _snapshot(la)
+        idx, found = match_positions(db.pos, da.pos)  # after slot -> before slot
+        kb = _by_head(db.logical_k.astype(jnp.float32), b, h)
+        ka = _by_head(da.logical_k.astype(jnp.float32), b, h)
+        vb = _by_head(db.logical_v.astype(jnp.float32), b, h)
+        va = _by_head(da.logical_v.astype(jnp.float32), b, h)
+        k_err, v_err = _relative_error(kb, ka, idx, found), _relative_error(vb, va, idx, found)
+        layer_stats = None if stats is None else stats[i]
+        mass = _observed_mass(lb, db, layer_stats)
+        retained = m.mass_retained
+        if mass is not None:
+            _, kept = match_positions(da.pos, db.pos)  # before slots still held after
+            total = jnp.sum(mass, -1)
+            share = jnp.sum(jnp.where(kept, mass, 0.0), -1) / jnp.where(total > 0, total, 1.0)
+            retained = jnp.where(total > 0, share, retained).astype(jnp.float32)
+        out.append(m._replace(
+            evicted=m.evicted + jnp.maximum(snap_b["tokens"] - snap["tokens"], 0),
+            mass_retained=retained, k_error=k_err.astype(jnp.float32),
+            v_error=v_err.astype(jnp.float32), **snap))
+    return tuple(out)
+
+
+_MONITORED: dict[CacheTransform, CacheTransform] = {}
+
+
+def monitored(transform: CacheTransform) -> CacheTransform:
+    """`transform` with a `Monitor` in its state: `(inner state, Monitor)`.
+
+    The same transform gives the same wrapper (jitted code keyed on it compiles once)."""
+    if transform not in _MONITORED:
+        def init(cache):
+            return transform.init(cache), init_monitor(cache)
+
+        def update(cache, state, stats=None):
+            inner, monitor = state
+            new, inner = transform.update(cache, inner, stats)
+            return new, (inner, observe(monitor, cache, new, stats))
+
+        _MONITORED[transform] = CacheTransform(init, update, transform.stats)
+    return _MONITORED[transform]
+
+
+def summary(monitor: Monitor) -> dict[str, Any]:
+    """Plain numbers over layers and heads: totals of the counts (tokens, slots, capacity,
+    evicted, pages, misses; summed over layers, heads and the batch), means of the shares
+    and errors (over layers and heads where defined), and the worst layer's key error."""
+    stack = lambda f: np.stack([np.asarray(getattr(m, f)) for m in monitor])  # [L, B, KVH]
+    out: dict[str, Any] = {}
+    for f in ("tokens", "slots_used", "capacity", "evicted", "pages_device", "pages_host",
+              "prefetch_misses"):
+        out[f] = int(stack(f).sum())
+    mass = stack("mass_retained")
+    out["mass_retained"] = (None if np.isnan(mass).all()
+                            else round(float(np.nanmean(mass)), 6))
+    for f in ("k_error", "v_error"):
+        out[f] = round(float(stack(f).mean()), 6)
+    k = stack("k_error").mean((1, 2))
+    out["worst_k_error_layer"] = int(k.argmax())
+    out["layers"] = len(monitor)
+    return out
+
+
+def per_head(monitor: Monitor, field: str) -> np.ndarray:
+    """[L, B, KVH] numpy array of one field, for plots and tables."""
+    if field not in LayerMonitor._fields:
+        raise ValueError(f"per_head: unknown field {field!r}; fields: {LayerMonitor._fields}")
+    return np.stack([np.asarray(getattr(m, field)) for m in monitor])
+
+
+def is_monitor(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) > 0 and all(isinstance(m, LayerMonitor) for m in x)
+
+
+def find_monitor(state: Any) -> Monitor | None:
+    """The monitor inside a `monitored` transform's state (or None)."""
+    if isinstance(state, tuple) and len(state) == 2 and is_monitor(state[1]):
+        return state[1]
+    return None
+
+
+__all__ = ["LayerMonitor", "Monitor", "dense", "find_monitor", "init_monitor", "match_positions",
+           "monitored", "observe", "per_head", "refresh", "summary"]
+
+

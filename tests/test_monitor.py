@@ -1,0 +1,156 @@
+"""The cache monitor (kvjax/monitor.py, issue 20): every counter equals the value a plain
+numpy reference recomputes from the caches before and after the update, for an eviction
+policy, a codec, a chain, accumulated attention (H2O) and a tiered paged cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import kvjax
+from kvjax import EMPTY
+from kvjax.monitor import (LayerMonitor, dense, find_monitor, init_monitor, monitored, per_head,
+                           refresh, summary)
+from kvjax.paging import reserve
+from kvjax.tiers import (coldest_pages, host_pages_in_use, init_tiered_cache, prefetch,
+                         recency_scores, spill)
+from models.llama import Llama, LlamaConfig
+from models.sampler import generate, prefill_batch
+
+CFG = LlamaConfig.tiny(head_dim=32, num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Llama(CFG, rngs=nnx.Rngs(0))
+
+
+def prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 250, 70).tolist(), rng.integers(3, 250, 55).tolist()]
+
+
+def logical(d, field):
+    """[B, KVH, C, D] numpy keys/values of a dense view (pooled rows broadcast)."""
+    x = np.asarray(getattr(d, f"logical_{field}"), np.float32)
+    return np.broadcast_to(x, (*d.pos.shape, x.shape[-1]))
+
+
+def reference(before, after, stats, layer_index, group):
+    """Plain numpy: per (b, h) tokens, evicted, key/value relative error by position, and the
+    share of the window queries' attention (softmax over the whole `before` row) kept."""
+    db, da = dense(before), dense(after)
+    pb, pa = np.asarray(db.pos), np.asarray(da.pos)
+    out = {f: np.zeros(pb.shape[:2]) for f in ("tokens", "evicted", "k_error", "v_error",
+                                                "mass_retained")}
+    kb, ka, vb, va = logical(db, "k"), logical(da, "k"), logical(db, "v"), logical(da, "v")
+    for b in range(pb.shape[0]):
+        for h in range(pb.shape[1]):
+            slot_of = {int(p): i for i, p in enumerate(pb[b, h]) if p != EMPTY}
+            kept = [(j, slot_of[int(p)]) for j, p in enumerate(pa[b, h]) if p != EMPTY]
+            out["tokens"][b, h] = len(kept)
+            out["evicted"][b, h] = len(slot_of) - len(kept)
+            for f, xb, xa in (("k_error", kb, ka), ("v_error", vb, va)):
+                num = sum(float(((xa[b, h, j] - xb[b, h, i]) ** 2).sum()) for j, i in kept)
+                den = sum(float((xb[b, h, i] ** 2).sum()) for j, i in kept)
+                out[f][b, h] = np.sqrt(num / den) if den else 0.0
+            if stats is None:
+                out["mass_retained"][b, h] = np.nan
+                continue
+            q = np.asarray(stats[layer_index].queries)[b]  # [W, H, D]
+            qpos = np.asarray(stats[layer_index].query_pos)[b]
+            mass = np.zeros(pb.shape[-1])
+            for t in range(q.shape[0]):
+                if qpos[t] < 0:
+                    continue
+                for hq in range(h * group, (h + 1) * group):
+                    s = kb[b, h] @ q[t, hq] / np.sqrt(q.shape[-1])
+                    ok = (pb[b, h] != EMPTY) & (pb[b, h] <= qpos[t])
+                    p = np.where(ok, np.exp(s - s[ok].max()), 0.0)
+                    mass += p / p.sum()
+            keep = np.isin(pb[b, h], pa[b, h][pa[b, h] != EMPTY]) & (pb[b, h] != EMPTY)
+            out["mass_retained"][b, h] = mass[keep].sum() / mass.sum()
+    return out
+
+
+@pytest.mark.parametrize("method", ["snapkv:ratio=0.5", "kivi:bits=2,group=16,residual=16",
+                                    "snapkv:ratio=0.3+kivi:bits=4,group=16,residual=16",
+                                    "streaming_llm:sinks=4,window=20+quantize:bits=4,group=16"])
+def test_monitor_counters_equal_a_plain_reference(model, method):
+    t = kvjax.parse_method(method)
+    pre = prefill_batch(model, prompts(), stats=t.stats, room=4)
+    mt = monitored(t)
+    assert monitored(t) is mt  # one wrapper per transform: jitted code compiles once
+    cache, (inner, mon) = jax.jit(mt.update)(pre.cache, mt.init(pre.cache), pre.stats)
+    group = CFG.num_heads // CFG.num_kv_heads
+    for i, (m, before, after) in enumerate(zip(mon, pre.cache, cache)):
+        want = reference(before, after, pre.stats if t.stats.window else None, i, group)
+        np.testing.assert_array_equal(np.asarray(m.tokens), want["tokens"])
+        np.testing.assert_array_equal(np.asarray(m.evicted), want["evicted"])
+        # float32 sums in another order: a few ulps of the error itself
+        for f in ("k_error", "v_error", "mass_retained"):
+            np.testing.assert_allclose(np.asarray(getattr(m, f)), want[f], rtol=2e-5,
+                                       atol=1e-6, equal_nan=True)
+        np.testing.assert_array_equal(np.asarray(m.capacity), dense(after).pos.shape[-1])
+        np.testing.assert_array_equal(np.asarray(m.slots_used), np.asarray(
+            after.length if hasattr(after, "length") else after.body.length + after.recent.length))
+    s = summary(mon)
+    assert s["tokens"] == int(sum(np.asarray(m.tokens).sum() for m in mon))
+    codec = "kivi" in method or "quantize" in method
+    evicts = method.split(":")[0] in ("snapkv", "streaming_llm")
+    assert (s["k_error"] > 1e-3) == codec and (s["evicted"] > 0) == evicts
+    assert (s["mass_retained"] is not None) == (method.split(":")[0] == "snapkv")
+
+
+def test_accumulated_attention_mass_h2o(model):
+    t = kvjax.parse_method("h2o:ratio=0.5")
+    pre = prefill_batch(model, prompts(), stats=t.stats, room=4)
+    mt = monitored(t)
+    cache, (_, mon) = mt.update(pre.cache, mt.init(pre.cache), pre.stats)
+    for m, before, after in zip(mon, pre.cache, cache):
+        mass, pb, pa = (np.asarray(x) for x in (before.mass, before.pos, after.pos))
+        for b in range(pb.shape[0]):
+            for h in range(pb.shape[1]):
+                keep = np.isin(pb[b, h], pa[b, h][pa[b, h] != EMPTY]) & (pb[b, h] != EMPTY)
+                want = mass[b, h][keep].sum() / mass[b, h].sum()
+                np.testing.assert_allclose(float(m.mass_retained[b, h]), want, rtol=1e-5)
+
+
+def test_generate_returns_the_monitor_with_the_cache(model):
+    t = monitored(kvjax.parse_method("snapkv:ratio=0.5"))
+    out = generate(model, prompts(), max_new_tokens=5, transform=t)
+    mon = find_monitor(out.transform_state)
+    assert mon is not None and len(mon) == CFG.num_layers
+    mon = refresh(mon, out.cache)  # tokens the decode loop added
+    for m, layer in zip(mon, out.cache):
+        pos = np.asarray(dense(layer).pos)
+        np.testing.assert_array_equal(np.asarray(m.tokens), (pos != EMPTY).sum(-1))
+    plain = generate(model, prompts(), max_new_tokens=5, transform=kvjax.parse_method(
+        "snapkv:ratio=0.5"))
+    np.testing.assert_array_equal(out.tokens, plain.tokens)  # watching changes nothing
+
+
+def test_monitor_of_a_tiered_paged_cache():
+    pool, layers = init_tiered_cache(20, 10, 4, 2, 2, 6, 8, num_layers=2)
+    pool, layers = reserve(pool, layers, jnp.array([15, 15]))
+    k = jax.random.normal(jax.random.key(0), (2, 2, 15, 8))
+    pos = jnp.array([list(range(15)), [-1] * 6 + list(range(9))])
+    layers = tuple(l.write(k, k, pos) for l in layers)
+    pool, layers = spill(pool, layers, coldest_pages(layers[0], recency_scores(layers[0]), 5))
+    staged = prefetch(layers, host_pages_in_use(layers[0]).at[0].set(-1))  # one left unstaged
+    staged = tuple(l.write(k[:, :, :1], k[:, :, :1], jnp.array([[15], [9]])) for l in staged)
+    mon = init_monitor(staged)
+    tables = np.asarray(staged[0].tables)
+    used = np.arange(6) < np.asarray(staged[0].num_pages_used)[..., None]
+    for m, layer in zip(mon, staged):
+        np.testing.assert_array_equal(np.asarray(m.pages_host), (used & (tables >= 20)).sum(-1))
+        np.testing.assert_array_equal(np.asarray(m.pages_device),
+                                      (used & (tables < 20)).sum(-1))
+        assert int(m.pages_host.sum()) == 5 and int(m.prefetch_misses.sum()) >= 1
+        np.testing.assert_array_equal(np.asarray(m.slots_used), np.asarray(layer.lengths))
+        np.testing.assert_array_equal(np.asarray(m.tokens), [[16, 16], [10, 10]])
+    assert per_head(mon, "pages_host").shape == (2, 2, 2)
+    with pytest.raises(ValueError, match="unknown field 'pages'"):
+        per_head(mon, "pages")
+    assert LayerMonitor._fields[0] == "tokens"
