@@ -1,24 +1,38 @@
-"""Decode attention time of kvjax's paged kernel against the XLA path and jax's own GPU kernel.
+"""Decode attention time of kvjax's paged kernel per page format, beside jax's own GPU kernel.
 
-For each batch x context it times one decode-attention call (one query token
-per sequence, all heads) over a cache of `context` tokens per sequence:
+One prepared script for one GPU (sized for an H200, < 10 minutes with the
+default `--budget-s`): for each attention shape (SmolLM2-135M: 9 query / 3
+KV heads of 64; Llama-3-8B: 32 / 8 of 128), batch (8, 32, 64) and context
+(4k, 8k, 32k tokens per sequence, every sequence full) it times one decode
+attention call (one query token per sequence, all heads) over a paged pool:
 
-  * kvjax kernel over dense bf16 pages, and over int8 / int4 per-token pages
-    (keys and values dequantized in the kernel), shuffled block tables;
-  * the XLA path: `kvjax.attend(impl="xla")` over a contiguous bf16 `TokenCache`;
-  * on GPU, `jax.experimental.pallas.ops.gpu.paged_attention` (Triton) on the
-    same bf16 pages in its own `[KVH, P, S, D]` layout.
+  * kvjax's kernel (`paged_attention`, the device's backend) over pages in
+    each format: dense bf16 and fp8 (e4m3), int8 / int4 per-token (groups of
+    32, float16 scale and offset), KIVI-4 / KIVI-2 (per-channel keys, per-token
+    values of the same bits); random codes and parameters of the exact layout
+    (time does not depend on the values);
+  * on a GPU, `jax.experimental.pallas.ops.gpu.paged_attention` (Triton) on
+    the same bf16 pages: both read one `[KVH, P, S, D]` pool with `[B, NP]`
+    block tables shared by a sequence's KV heads (kvjax: `head_stride = P`);
+  * the XLA path (`kvjax.attend(impl="xla")`) over the same bf16 tokens as a
+    contiguous `TokenCache` (batch 8 only: it needs a second copy of the pool).
 
-Achieved bandwidth = bytes the call must read (keys, values, their scales and
-slot positions, for the valid tokens) / median time; the floor is those bytes
-over the device's peak bandwidth (`--peak-gbs`, default H200: 4800 GB/s).
-Writes JSON, CSV and a PNG, and prints a Markdown table.
+Timing: every call is dispatched asynchronously `--repeats` times back to back
+and synchronised once; the median over `--rounds` such runs, per call. Bytes
+= what the call must read (every listed page of each format array and the
+slot positions, the queries); GB/s = bytes / time. Beside jax's kernel and
+the XLA path, `max_diff_vs_kvjax` is their largest difference from kvjax's
+bf16 output on the same inputs (bf16 outputs: ~1e-2). The device's copy
+bandwidth is measured in the same run (a jitted `x + 1` over 2 GiB: read +
+write) and each row reports `of_copy` = GB/s / copy GB/s. Cells run largest
+first; cells left when `--budget-s` is spent are listed as not run. The
+machine may be shared: say so beside the numbers.
 
-    python experiments/bench_kernels.py --out docs/bench/bench_kernels      # on a GPU or TPU, < 5 min
-    python experiments/bench_kernels.py --smoke                             # CPU: tiny shapes, interpret mode
+    python experiments/bench_kernels.py --out docs/bench/bench_kernels     # on the GPU
+    python experiments/bench_kernels.py --smoke                            # CPU: tiny, interpret
 
-On CPU there is no compiled Pallas; `--smoke` only checks the script runs
-(kernels in interpret mode, timings meaningless and not written as results).
+`--smoke` runs every code path on tiny shapes in interpret mode (timings
+meaningless, nothing written unless `--out` is given); tests run it.
 """
 
 from __future__ import annotations
@@ -33,161 +47,242 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import paged_attention
 from kvjax.kernel_attention import pallas_backend
-from kvjax.quant import pack, quantize
 
-SHAPE = dict(kv_heads=8, heads=32, head_dim=128)  # a Llama-3-8B layer
-SMOKE_SHAPE = dict(kv_heads=2, heads=4, head_dim=64)
-
-
-def median_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+SHAPES = {
+    "smollm2": dict(kv_heads=3, heads=9, head_dim=64),  # SmolLM2-135M
+    "llama3-8b": dict(kv_heads=8, heads=32, head_dim=128),  # Llama-3-8B
+}
+GROUP = 32  # per-token quantization group; KIVI group (tokens per key table row)
+FORMATS = ("bf16", "fp8", "int8", "int4", "kivi4", "kivi2")
 
 
-def make_inputs(key, batch, context, page_size, shape):
-    """bf16 pages in shuffled order, every row full to `context`; queries at position `context`."""
+def formats(name: str, page_size: int, head_dim: int):
+    """(k_format, v_format) of a format name."""
+    if name in ("bf16", "fp8"):
+        return pf.DENSE, pf.DENSE
+    if name.startswith("int"):
+        fmt = pf.PackedTokens(int(name[3:]), GROUP)
+        return fmt, fmt
+    bits = int(name[4:])
+    window = pf.window_for(page_size, GROUP, 1 << 30)
+    return pf.PackedChannels(bits, window), pf.PackedTokens(bits, GROUP)
+
+
+def random_pages(key, fmt, name: str, n_pages: int, page_size: int, head_dim: int):
+    """Random arrays of `fmt`'s exact layout for n_pages pages (valid parameters and ids)."""
+    if isinstance(fmt, pf.Dense):
+        dtype = jnp.bfloat16 if name == "bf16" else jnp.float8_e4m3fn
+        return jax.random.normal(key, (n_pages, page_size, head_dim), jnp.float32).astype(dtype)
+    kc, kp = jax.random.split(key)
+    words = head_dim * fmt.bits // 32
+    codes = jax.random.bits(kc, (n_pages, words, page_size), jnp.uint32)
+    if isinstance(fmt, pf.PackedTokens):
+        params = jax.random.uniform(kp, (n_pages, fmt.n_params(head_dim), page_size),
+                                    jnp.float32, 0.01, 0.1)
+        return pf.lane_flat(jnp.concatenate([codes, pf.pack_rows(params, fmt.param_dtype)], 1))
+    ids = jnp.minimum(jnp.arange(page_size, dtype=jnp.uint32) // GROUP, fmt.window - 1)
+    ids = jnp.broadcast_to(ids, (n_pages, 1, page_size))
+    table = jax.random.uniform(kp, (n_pages, fmt.n_params(), head_dim), jnp.float32, 0.01, 0.1)
+    return (pf.lane_flat(jnp.concatenate([codes, ids], 1)),
+            pf.lane_flat(pf.pack_rows(table, fmt.param_dtype)))
+
+
+def make_layout(key, batch: int, context: int, page_size: int, shape: dict):
+    """Queries, positions and shared block tables of full rows: a [KVH * P] pool in head planes.
+
+    Sequence b's page i of KV head h is page `h * P + tables[b, i]` (P = pages
+    per head plane, one spare); tables shuffled within the plane.
+    """
     kvh, h, d = shape["kv_heads"], shape["heads"], shape["head_dim"]
     per_row = context // page_size
-    n_pages = batch * kvh * per_row + 1
-    kq, kk, kv, kp = jax.random.split(key, 4)
-    k = jax.random.normal(kk, (n_pages, page_size, d), jnp.bfloat16)
-    v = jax.random.normal(kv, (n_pages, page_size, d), jnp.bfloat16)
-    perm = jax.random.permutation(kp, n_pages - 1)[: batch * kvh * per_row] + 1
-    tables = perm.reshape(batch, kvh, per_row).astype(jnp.int32)
-    pos = jnp.zeros((n_pages, 1, page_size), jnp.int32)
-    order = jnp.arange(per_row * page_size, dtype=jnp.int32).reshape(per_row, 1, page_size)
-    pos = pos.at[tables].set(jnp.broadcast_to(order, (*tables.shape, 1, page_size)))
+    plane = batch * per_row + 1
+    kq, kt = jax.random.split(key)
+    tables = (jax.random.permutation(kt, plane - 1)[: batch * per_row] + 1)
+    tables = tables.reshape(batch, per_row).astype(jnp.int32)
+    order = jnp.arange(context, dtype=jnp.int32).reshape(per_row, page_size)
+    plane_pos = jnp.full((plane, 1, page_size), -1, jnp.int32).at[tables].set(
+        jnp.broadcast_to(order[None, :, None, :], (batch, per_row, 1, page_size)))
+    pos = jnp.tile(plane_pos, (kvh, 1, 1))  # [KVH * P, 1, S]
+    q = jax.random.normal(kq, (batch, 1, h, d), jnp.float32).astype(jnp.bfloat16)
+    q_pos = jnp.full((batch, 1), context - 1, jnp.int32)
     counts = jnp.full((batch, kvh), per_row, jnp.int32)
-    q = jax.random.normal(kq, (batch, 1, h, d), jnp.bfloat16)
-    q_pos = jnp.full((batch, 1), context, jnp.int32)
-    return q, q_pos, k, v, pos, tables, counts
+    return q, q_pos, pos, tables, counts, plane
 
 
-def packed(x, bits):
-    """x [P, S, D] quantized per token (groups of 32, float16 parameters), in the kernel layout."""
-    qz = quantize(x.astype(jnp.float32), bits, 32, axis=-1, param_dtype=jnp.float16)
-    return pf.PackedTokens(bits, 32).from_store(pack(qz.codes, bits), qz.scale, qz.offset)
+def per_page_bytes(arrays) -> int:
+    return sum(x.size // x.shape[0] * x.dtype.itemsize for x in jax.tree_util.tree_leaves(arrays))
 
 
-def nbytes(*arrays) -> int:
-    return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(arrays))
+def time_ms(fn, *args, repeats: int, rounds: int) -> float:
+    """Median over `rounds` of (`repeats` calls dispatched back to back, one sync) / repeats."""
+    jax.block_until_ready(fn(*args))  # compile + warm up
+    per_call = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - start) * 1e3 / repeats)
+    return statistics.median(per_call)
 
 
-def bench_cell(batch, context, page_size, backend, interpret, repeats, shape, peak_gbs):
-    q, q_pos, k, v, pos, tables, counts = make_inputs(jax.random.key(0), batch, context,
-                                                      page_size, shape)
-    kernel = functools.partial(paged_attention, backend=backend, interpret=interpret,
-                               pages_per_split=max(1, context // page_size // 8))
+def copy_gbs(n_bytes: int, repeats: int, rounds: int) -> float:
+    """Measured device copy bandwidth: a jitted x + 1 over n_bytes of float32 (read + write)."""
+    x = jnp.zeros((n_bytes // 4,), jnp.float32)
+    ms = time_ms(jax.jit(lambda x: x + 1), x, repeats=repeats, rounds=rounds)
+    return 2 * x.size * 4 / ms / 1e6
+
+
+def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
+    shape = SHAPES[shape_name]
+    kvh, d, s = shape["kv_heads"], shape["head_dim"], args.page_size
+    q, q_pos, pos, tables, counts, plane = make_layout(jax.random.key(0), batch, context, s, shape)
+    pages_read = batch * kvh * (context // s)
+    q_bytes = q.size * q.dtype.itemsize
+    time_it = functools.partial(time_ms, repeats=args.repeats, rounds=args.rounds)
     rows = []
 
-    def record(name, ms, moved):
-        rows.append(dict(method=name, batch=batch, context=context, page_size=page_size,
-                         ms=round(ms, 4), bytes=moved, gbs=round(moved / ms / 1e6, 1),
-                         floor_ms=round(moved / peak_gbs / 1e6, 4)))
+    def record(method, fmt_name, ms, per_page, diff=None):
+        moved = pages_read * per_page + q_bytes
+        gbs = moved / ms / 1e6
+        rows.append(dict(shape=shape_name, method=method, format=fmt_name, batch=batch,
+                         context=context, page_size=s, ms=round(ms, 4), bytes=int(moved),
+                         gbs=round(gbs, 1), of_copy=round(gbs / copy_bw, 3),
+                         max_diff_vs_kvjax=diff))
+        print(rows[-1], flush=True)
 
-    used = lambda *a: nbytes(*a) * (k.shape[0] - 1) / k.shape[0]  # the null page is never read
-    run = jax.jit(kernel)
-    record("kvjax paged bf16", median_ms(run, q, q_pos, k, v, pos, tables, counts,
-                                         repeats=repeats), used(k, v, pos))
-    for bits in (8, 4):
-        fmt = pf.PackedTokens(bits, 32)
-        kp, vp = packed(k, bits), packed(v, bits)
-        run = jax.jit(functools.partial(kernel, k_format=fmt, v_format=fmt))
-        record(f"kvjax paged int{bits}", median_ms(run, q, q_pos, kp, vp, pos, tables, counts,
-                                                   repeats=repeats), used(kp, vp, pos))
-    # the XLA path on a contiguous cache of the same tokens
-    import kvjax
-    from kvjax.cache import TokenCache
-    kvh, d = shape["kv_heads"], shape["head_dim"]
-    gather = lambda x: x[tables].reshape(batch * kvh, context, d)
-    cache = TokenCache(k=gather(k), v=gather(v), pos=pos[tables, 0].reshape(batch, kvh, context),
-                       length=jnp.int32(context))
-    run = jax.jit(lambda q, p, c: kvjax.attend(q, p, c, impl="xla"))
-    record("kvjax xla (contiguous)", median_ms(run, q, q_pos, cache, repeats=repeats),
-           nbytes(cache.k, cache.v, cache.pos))
-    if backend == "gpu" and not interpret:
-        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention as jax_paged
-        n_per_head = batch * context // page_size
-        kj = k[1:].reshape(kvh, n_per_head, page_size, d)  # its layout: [KVH, P, S, D]
-        vj = v[1:].reshape(kvh, n_per_head, page_size, d)
-        tj = jnp.arange(n_per_head, dtype=jnp.int32).reshape(batch, context // page_size)
-        lengths = jnp.full((batch,), context, jnp.int32)
-        run = jax.jit(lambda q, k, v, t, n: jax_paged(q, k, v, t, n, k_splits=16))
-        record("jax.experimental gpu paged_attention",
-               median_ms(run, q[:, 0], kj, vj, tj, lengths, repeats=repeats), nbytes(kj, vj))
+    splits = max(1, context // s // args.pages_per_split)
+    kernel = functools.partial(paged_attention, backend=backend, interpret=interpret,
+                               pages_per_split=args.pages_per_split, head_stride=plane)
+    for i, name in enumerate(args.formats):
+        kf, vf = formats(name, s, d)
+        kk, kv = jax.random.split(jax.random.key(i + 1))
+        k = random_pages(kk, kf, name, kvh * plane, s, d)
+        v = random_pages(kv, vf, name if isinstance(vf, pf.Dense) else "v", kvh * plane, s, d)
+        run = jax.jit(functools.partial(kernel, k_format=kf, v_format=vf))
+        record("kvjax paged", name, time_it(run, q, q_pos, k, v, pos, tables, counts),
+               per_page_bytes((k, v)) + pos.shape[-1] * 4)
+        ours = run(q, q_pos, k, v, pos, tables, counts)[:, 0]  # [B, H, D] f32
+        diff = lambda other: round(float(jnp.abs(other.astype(jnp.float32) - ours).max()), 4)
+        if name == "bf16" and backend == "gpu":
+            from jax.experimental.pallas.ops.gpu.paged_attention import (
+                paged_attention as jax_paged)
+            kj, vj = (x.reshape(kvh, plane, s, d) for x in (k, v))
+            lengths = jnp.full((batch,), context, jnp.int32)
+            run = jax.jit(functools.partial(jax_paged, k_splits=splits, interpret=interpret))
+            qj = (q[:, 0] * d ** -0.5).astype(q.dtype)  # its kernel applies no softmax scale
+            record("jax.experimental gpu paged_attention", name,
+                   time_it(run, qj, kj, vj, tables, lengths), per_page_bytes((k, v)),
+                   diff(run(qj, kj, vj, tables, lengths)))
+        if name == "bf16" and batch == min(args.batches):
+            import kvjax
+            from kvjax.cache import TokenCache
+            rows_of = lambda x: (x.reshape(kvh, plane, s, d)[:, tables]  # [KVH, B, NP, S, D]
+                                 .transpose(1, 0, 2, 3, 4).reshape(batch * kvh, context, d))
+            cache = TokenCache(k=rows_of(k), v=rows_of(v),
+                               pos=jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32),
+                                                    (batch, kvh, context)),
+                               length=jnp.int32(context))
+            run = jax.jit(lambda q, p, c: kvjax.attend(q, p, c, impl="xla"))
+            record("kvjax xla (contiguous)", name, time_it(run, q, q_pos, cache),
+                   s * d * 2 * 2 + s * 4, diff(run(q, q_pos, cache)[:, 0]))
+            del cache
+        del k, v
     return rows
 
 
-def plot(rows, path):
+def plot(rows, path, copy_bw):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        for batch in sorted({r["batch"] for r in rows}):
-            pts = sorted((r["context"], r["gbs"]) for r in rows
-                         if r["method"] == method and r["batch"] == batch)
-            ax.plot(*zip(*pts), marker="o", label=f"{method}, b={batch}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context (tokens per sequence)")
-    ax.set_ylabel("achieved GB/s")
-    ax.legend(fontsize=6)
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        sel = [r for r in rows if r["shape"] == shape]
+        for key in dict.fromkeys((r["method"], r["format"]) for r in sel):
+            for batch in sorted({r["batch"] for r in sel}):
+                pts = sorted((r["context"], r["ms"]) for r in sel
+                             if (r["method"], r["format"]) == key and r["batch"] == batch)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{key[0]} {key[1]}, b={batch}")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens per sequence)")
+        ax.set_ylabel("ms per decode attention call")
+        ax.set_title(f"{shape} (copy bandwidth {copy_bw:.0f} GB/s)")
+        ax.legend(fontsize=5)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[8, 32, 64])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 32, 8])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 8192, 4096])
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--page-size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--peak-gbs", type=float, default=4800.0, help="device peak (H200: 4800)")
+    parser.add_argument("--pages-per-split", type=int, default=64,
+                        help="flash-decoding split (pages); 32k / 64-token pages -> 8 splits")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--copy-bytes", type=int, default=2 << 30)
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="start no new cell after this many seconds")
     parser.add_argument("--out", default=None, help="path prefix for .json/.csv/.png")
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny shapes in interpret mode (CPU); checks the script, no results")
-    args = parser.parse_args(argv)
-    backend, interpret, shape = pallas_backend(), False, SHAPE
+                        help="tiny shapes in interpret mode (CPU): checks every code path")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    backend, interpret = pallas_backend(), False
     if args.smoke:
-        backend, interpret, shape = backend or "tpu", True, SMOKE_SHAPE
-        args.batches, args.contexts, args.page_size, args.repeats = [2], [64], 16, 1
+        backend, interpret = backend or "gpu", True
+        args.shapes, args.batches, args.contexts = ["smollm2"], [2], [64]
+        args.page_size, args.pages_per_split, args.repeats, args.rounds = 16, 2, 1, 1
+        args.copy_bytes = 1 << 20
     elif backend is None:
         raise SystemExit("bench_kernels: no GPU or TPU here (compiled Pallas needs one); "
                          "use --smoke to check the script on CPU")
-    rows = []
-    for batch in args.batches:
-        for context in args.contexts:
-            rows += bench_cell(batch, context, args.page_size, backend, interpret, args.repeats,
-                               shape, args.peak_gbs)
-            for r in rows[-4:]:
-                print(r, flush=True)
-    print("| method | batch | context | ms | GB/s | floor ms | ms / floor |")
-    print("|---|---|---|---|---|---|---|")
+    began = time.perf_counter()
+    copy_bw = copy_gbs(args.copy_bytes, args.repeats, args.rounds)
+    print(f"device {jax.devices()[0]}: copy bandwidth {copy_bw:.1f} GB/s", flush=True)
+    cells = [(sh, b, c) for c in sorted(args.contexts, reverse=True)
+             for b in sorted(args.batches, reverse=True) for sh in args.shapes]
+    rows, not_run = [], []
+    for shape_name, batch, context in cells:
+        if time.perf_counter() - began > args.budget_s:
+            not_run.append(dict(shape=shape_name, batch=batch, context=context))
+            continue
+        rows += bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw)
+    print("| shape | method | format | batch | context | ms | GB/s | of copy |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['method']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['gbs']} | "
-              f"{r['floor_ms']:.3f} | {r['ms'] / max(r['floor_ms'], 1e-9):.2f} |")
-    if args.out and not args.smoke:
+        print(f"| {r['shape']} | {r['method']} | {r['format']} | {r['batch']} | {r['context']} "
+              f"| {r['ms']:.3f} | {r['gbs']} | {r['of_copy']:.2f} |")
+    if not_run:
+        print(f"not run (budget {args.budget_s:.0f} s spent): {not_run}")
+    if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=str(jax.devices()[0]), backend=backend, shape=shape,
-                    page_size=args.page_size, repeats=args.repeats, peak_gbs=args.peak_gbs)
+        meta = dict(device=str(jax.devices()[0]), backend=backend, interpret=bool(interpret),
+                    copy_gbs=round(copy_bw, 1), page_size=args.page_size,
+                    pages_per_split=args.pages_per_split, repeats=args.repeats,
+                    rounds=args.rounds, seconds=round(time.perf_counter() - began, 1),
+                    not_run=not_run, shapes={k: SHAPES[k] for k in args.shapes})
         out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         with open(out.with_suffix(".csv"), "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-        plot(rows, out.with_suffix(".png"))
-    return rows
+        plot(rows, out.with_suffix(".png"), copy_bw)
+    return rows, copy_bw
 
 
 if __name__ == "__main__":

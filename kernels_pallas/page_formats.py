@@ -135,21 +135,31 @@ class Ops(NamedTuple):
     docstring); `rows` cuts logical rows `[start, start + n)` of `width`
     lanes out of it -> [n, width]. A format's `decode` only calls this, so
     one decode serves the TPU kernel (blocks are VMEM refs), the GPU kernel
-    (blocks are pages of HBM refs) and the reference (blocks are arrays).
-    `take(block, rows, width)` (GPU only: Triton has no n-way concatenate)
-    gathers logical rows `rows` [N] int32 -> [N, width].
+    (blocks are several pages of HBM refs, `PageRef`) and the reference
+    (blocks are arrays). `load(block, slots_last)` reads a dense block.
+    GPU only (Triton has no n-way concatenate; loads are gathers):
+    `take(block, rows, width)` gathers logical rows `rows` [N] int32 of
+    every page of the block -> [N, L] (L = the block's slots, pages side by
+    side); `take_cols(block, rows, width)` gathers, for each column j, lanes
+    `rows[0, j] * width + [0, width)` of column j's page -> [width, L] (KIVI
+    table rows named per slot, without a one-hot matmul).
     """
 
     load: Callable
     rows: Callable
     take: Callable | None = None
+    take_cols: Callable | None = None
 
 
 class PageRef(NamedTuple):
-    """Page `page` of a whole-pool HBM ref (GPU: one indexer per load)."""
+    """Several pages of a whole-pool HBM ref, side by side (GPU: every load is a gather).
+
+    `page[0, j]` is the page of block column j: column j is slot j % S of
+    that page, so a block of n pages of S slots has L = n * S columns.
+    """
 
     ref: Any  # [P, ...]
-    page: jax.Array  # [] int32
+    page: jax.Array  # [1, L] int32
 
 
 def _lanes(block) -> int:
@@ -165,17 +175,35 @@ def _reference_rows(x, start: int, n: int, width: int):
     return x.reshape(-1, width)[start:start + n]
 
 
-def _gpu_rows(block, start: int, n: int, width: int):
-    lanes = pl.ds(start * width, n * width)
-    out = block.ref[block.page, :, lanes] if isinstance(block, PageRef) else block[:, lanes]
-    return out if n == 1 else out.reshape(n, width)
+def _gpu_take(block: PageRef, rows: jax.Array, width: int) -> jax.Array:
+    """Logical rows `rows` [N] (each `width` lanes) of every page of the block -> [N, L]."""
+    cols = block.page.shape[-1]
+    slot = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1), width)
+    return block.ref[block.page, 0, rows[:, None] * width + slot]
 
 
-def _gpu_take(block, rows: jax.Array, width: int) -> jax.Array:
-    lanes = rows[:, None] * width + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1)
-    if isinstance(block, PageRef):
-        return block.ref[block.page, 0, lanes]
-    return block[0, lanes]
+def _gpu_rows(block: PageRef, start: int, n: int, width: int):
+    return _gpu_take(block, start + jax.lax.iota(jnp.int32, n), width)
+
+
+def _gpu_take_cols(block: PageRef, rows: jax.Array, width: int) -> jax.Array:
+    """Column j: lanes rows[0, j] * width + [0, width) of page[0, j] -> [width, L]."""
+    lane = jax.lax.broadcasted_iota(jnp.int32, (width, 1), 0)
+    return block.ref[block.page, 0, rows * width + lane]
+
+
+def _gpu_load(block: PageRef, slots_last: bool = False) -> jax.Array:
+    """A dense block: [L, D] gathered from [P, S, D] pages, or [D, L] from [P, D, S]."""
+    ref, page = block.ref, block.page
+    cols = page.shape[-1]
+    if slots_last:
+        d, s = ref.shape[1:]
+        col = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+        return ref[page, jax.lax.broadcasted_iota(jnp.int32, (d, 1), 0), jax.lax.rem(col, s)]
+    s, d = ref.shape[1:]
+    row = jax.lax.broadcasted_iota(jnp.int32, (cols, 1), 0)
+    return ref[page.reshape(cols, 1), jax.lax.rem(row, s),
+               jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)]
 
 
 def _take_codes(ops: Ops, block, head_dim: int, bits: int, width: int) -> jax.Array:
@@ -198,10 +226,19 @@ def _take_params(ops: Ops, block, start: int, logical: jax.Array, n: int, dtype:
     return _half_to_f32((words >> ((logical // half) * 16)[:, None]) & 0xFFFF, dtype)
 
 
-REFERENCE_OPS = Ops(load=lambda x: x, rows=_reference_rows)
-TPU_OPS = Ops(load=lambda r: r[...], rows=_tpu_rows)
-GPU_OPS = Ops(load=lambda b: b.ref[b.page] if isinstance(b, PageRef) else b[...],
-              rows=_gpu_rows, take=_gpu_take)
+def _take_param_cols(ops: Ops, block, logical: jax.Array, n: int, dtype: str, width: int):
+    """Column j: logical parameter row logical[0, j] of column j's page -> [width, L] f32."""
+    if dtype == "float32":
+        return jax.lax.bitcast_convert_type(ops.take_cols(block, logical, width), jnp.float32)
+    half = -(-n // 2)
+    words = jax.lax.bitcast_convert_type(ops.take_cols(block, jax.lax.rem(logical, half), width),
+                                         jnp.int32)
+    return _half_to_f32((words >> (jax.lax.div(logical, half) * 16)) & 0xFFFF, dtype)
+
+
+REFERENCE_OPS = Ops(load=lambda x, slots_last=False: x, rows=_reference_rows)
+TPU_OPS = Ops(load=lambda r, slots_last=False: r[...], rows=_tpu_rows)
+GPU_OPS = Ops(load=_gpu_load, rows=_gpu_rows, take=_gpu_take, take_cols=_gpu_take_cols)
 
 
 def lane_flat(x: jax.Array) -> jax.Array:
@@ -267,7 +304,7 @@ class Dense:
 
     def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
         """blocks: ([S, D] or [D, S],) -> the same in `dtype`."""
-        return ops.load(blocks[0]).astype(dtype)
+        return ops.load(blocks[0], self.slots_last).astype(dtype)
 
     def decode_flops(self, head_dim: int, page_size: int) -> int:
         """Arithmetic of decoding one page (the kernel's cost estimate)."""
@@ -480,13 +517,14 @@ class PackedChannels:
         n_words = head_dim * self.bits // 32
         s = _lanes(blocks[0]) // (n_words + 1)
         ids = jax.lax.bitcast_convert_type(ops.rows(blocks[0], n_words, 1, s), jnp.int32)  # [1, S]
-        if ops.take is not None:  # gathered loads, no concatenation
+        if ops.take_cols is not None:  # GPU: each slot's table row gathered directly
             codes = _take_codes(ops, blocks[0], head_dim, self.bits, s)
-            r = jax.lax.broadcasted_iota(jnp.int32, (self.window,), 0)
-            param = lambda rows: _take_params(ops, blocks[1], 0, rows, self.n_params(),
-                                              self.param_dtype, head_dim)
-            table_scale = param(r)
-            table_offset = None if self.symmetric else param(r + self.window)
+            param = lambda rows: _take_param_cols(ops, blocks[1], rows, self.n_params(),
+                                                  self.param_dtype, head_dim)
+            scale = param(ids)  # [D, L]
+            offset = (-(2.0 ** (self.bits - 1)) * scale if self.symmetric
+                      else param(ids + self.window))
+            return (codes * scale + offset).astype(dtype)
         else:
             codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]
             table = unpack_rows(ops.rows(blocks[1], 0, self.table_rows(), head_dim),

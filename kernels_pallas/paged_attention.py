@@ -72,14 +72,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Format, PageRef,
-                                         block_spec)
+from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Dense, Format,
+                                         PageRef, block_spec)
 
 EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
 NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
 BACKENDS = ("tpu", "gpu")
 GPU_MIN_ROWS = 16  # tl.dot needs at least 16 rows
 BLOCK_TOKENS = 512  # TPU: slots copied per grid step by default
+GPU_BLOCK_TOKENS = 128  # GPU: slots gathered per loop step by default (jax's: 8 pages of 16)
 
 
 class Partial(NamedTuple):
@@ -315,9 +316,11 @@ def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
 
 
 def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format,
-                v_format, pages_per_split, math, head_stride):
-    # tables_ref [B, KVH, NP], counts_ref / starts_ref [B, KVH]: whole arrays; qpos_ref [GT, 1];
-    # q_ref [GT, D]; pos_ref [P, 1, S] and every format array [P, ...]: whole pools.
+                v_format, pages_per_split, pages_per_step, math, head_stride):
+    # tables_ref [B, KVH, NP] or shared [B, NP], counts_ref / starts_ref [B, KVH]: whole arrays;
+    # qpos_ref [GT, 1]; q_ref [GT, D]; pos_ref [P, 1, S] and every format array [P, ...]: whole
+    # pools. Each loop step gathers `pages_per_step` pages side by side: L = pages_per_step * S
+    # columns, column j being slot j % S of the step's page j // S.
     nk, nv = k_format.arity(), v_format.arity()
     k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
     acc_out, m_out, l_out = refs[nk + nv:]
@@ -326,30 +329,56 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
     qpos = qpos_ref[...]
     first = starts_ref[b, h] + split * pages_per_split
     last = jnp.minimum(first + pages_per_split, counts_ref[b, h])
+    page_size = pos_ref.shape[-1]
+    cols = pages_per_step * page_size
+    col = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+    which = jax.lax.div(col, page_size)  # [1, L] the column's page within the step
+    slot = jax.lax.rem(col, page_size)
 
-    def body(i, carry):
-        page = (tables_ref[b, h, i] if head_stride is None
-                else tables_ref[b, i] + h * head_stride)
+    def body(step, carry):
+        idx = first + step * pages_per_step + which  # [1, L] table entries
+        live = idx < last
+        # a column past the row's pages re-reads the row's last page (finite data), masked EMPTY
+        idx = jnp.minimum(idx, last - 1)
+        page = (tables_ref[b, h, idx] if head_stride is None
+                else tables_ref[b, idx] + h * head_stride)
+        kpos = jnp.where(live, pos_ref[page, 0, slot], EMPTY)  # [1, L]
         blocks = lambda fmt_refs: [PageRef(r, page) for r in fmt_refs]
-        return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), pos_ref[page],
-                          qpos, carry, GPU_OPS, head_dim=q.shape[-1], **math)
+        return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), kpos, qpos,
+                          carry, GPU_OPS, head_dim=q.shape[-1], **math)
 
     rows, d = q.shape
     init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, d), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(first, last, body, init)
+    steps = jax.lax.div(jnp.maximum(last - first, 0) + pages_per_step - 1, pages_per_step)
+    m, l, acc = jax.lax.fori_loop(0, steps, body, init)
     acc_out[...], m_out[...], l_out[...] = acc, m, l
 
 
+def gpu_launch(rows: int, head_dim: int, cols: int, quantized: bool) -> tuple[int, int]:
+    """(num_warps, num_stages) for a Triton program of `rows` query rows over `cols` slots a step.
+
+    Four warps for small tiles; eight once a step's [cols, D] tile reaches 128 x 128 (or 64 x
+    128 of decoded quantized pages, whose f32 decode lives in registers), as jax's own GPU paged
+    attention uses. Two stages: the loop's gathers of step i + 1 overlap step i's math.
+    A heuristic to tune on the GPU (experiments/bench_kernels.py), not measured here.
+    """
+    big = cols * head_dim >= (64 if quantized else 128) * 128 or rows >= 64
+    return (8 if big else 4), 2
+
+
 def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
-              v_format, pages_per_split, splits, math, interpret, read_pages, head_stride):
+              v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages,
+              head_stride):
     b, kvh, rows, d = qg.shape
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, s: (s, bi, h, 0, 0))
     kernel = functools.partial(_gpu_kernel, k_format=k_format, v_format=v_format,
-                               pages_per_split=pages_per_split, math=math,
-                               head_stride=head_stride)
+                               pages_per_split=pages_per_split, pages_per_step=pages_per_block,
+                               math=math, head_stride=head_stride)
+    quantized = not (isinstance(k_format, Dense) and isinstance(v_format, Dense))
+    num_warps, num_stages = gpu_launch(rows, d, pages_per_block * pos_pages.shape[-1], quantized)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid=(b, kvh, splits),
@@ -359,7 +388,9 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
                   whole(pos_pages), *[whole(x) for x in (*k_arrays, *v_arrays)]],
         out_specs=[out_block(d), out_block(1), out_block(1)],
         out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, d), jnp.float32), state, state],
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
+        cost_estimate=cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages,
+                                    tables, splits, read_pages),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="kvjax_paged_attention_gpu",
     )(tables, counts, starts, qpos, qg, pos_pages, *k_arrays, *v_arrays)
     return acc, m[..., 0], l[..., 0]
@@ -436,6 +467,44 @@ def block_sizes(n_table: int, page_size: int, pages_per_split: int,
     return npb, per_split, -(-n_table // per_split)
 
 
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def check_gpu_shapes(head_dim: int, page_size: int, pages_per_block: int | None) -> None:
+    """Triton loads and dots power-of-two blocks with at least 16 rows on each dot axis.
+
+    Raises ValueError naming the argument for a head dim or page size the
+    GPU backend cannot take (at trace time, before Triton fails later).
+    """
+    if not _pow2(head_dim) or head_dim < GPU_MIN_ROWS:
+        raise ValueError(f"paged_attention: backend='gpu' needs a power-of-two head_dim >= "
+                         f"{GPU_MIN_ROWS} (q.shape[-1]), got {head_dim}")
+    if not _pow2(page_size):
+        raise ValueError(f"paged_attention: backend='gpu' needs a power-of-two page size "
+                         f"(pos_pages.shape[-1]), got {page_size}")
+    if pages_per_block is not None and not _pow2(pages_per_block):
+        raise ValueError(f"paged_attention: backend='gpu' needs a power-of-two pages_per_block, "
+                         f"got {pages_per_block}")
+
+
+def gpu_block_sizes(n_table: int, page_size: int, pages_per_split: int,
+                    pages_per_block: int | None) -> tuple[int, int, int]:
+    """GPU: (pages per loop step, pages per split (a multiple of it), splits).
+
+    A step gathers `GPU_BLOCK_TOKENS` slots by default (a power of two: Triton
+    blocks are), never more pages than the table's next power of two, and at
+    least 16 slots (`tl.dot`'s minimum K for the p @ v dot).
+    """
+    n_table = max(n_table, 1)
+    npb = pages_per_block or max(1, GPU_BLOCK_TOKENS // page_size)
+    npb = min(npb, 1 << (n_table - 1).bit_length())
+    npb = max(npb, -(-GPU_MIN_ROWS // page_size))
+    per_split = -(-max(pages_per_split, npb) // npb) * npb
+    per_split = min(per_split, -(-n_table // npb) * npb)
+    return npb, per_split, -(-n_table // per_split)
+
+
 def per_head_tables(block_tables: jax.Array, kv_heads: int,
                     head_stride: int | None) -> jax.Array:
     """[B, KVH, NP] tables: as given, or shared [B, NP] tables expanded by head_stride."""
@@ -502,10 +571,10 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     if backend == "tpu":
         npb, pages_per_split, splits = block_sizes(n_table, pos_pages.shape[-1], pages_per_split,
                                                    pages_per_block)
-        extra = dict(pages_per_block=npb)
     else:
-        pages_per_split = min(pages_per_split, max(n_table, 1))
-        splits, extra = max(-(-n_table // pages_per_split), 1), {}
+        check_gpu_shapes(q.shape[-1], pos_pages.shape[-1], pages_per_block)
+        npb, pages_per_split, splits = gpu_block_sizes(n_table, pos_pages.shape[-1],
+                                                       pages_per_split, pages_per_block)
     rows = q.shape[1] * q.shape[2] // kvh
     if backend == "gpu":
         rows = max(GPU_MIN_ROWS, 1 << (rows - 1).bit_length())
@@ -520,7 +589,7 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                      k_format=k_format, v_format=v_format, pages_per_split=pages_per_split,
                      splits=splits, math=math, interpret=interpret,
                      read_pages=window_pages(window, q.shape[1], pos_pages.shape[-1]),
-                     head_stride=head_stride, **extra)
+                     head_stride=head_stride, pages_per_block=npb)
     out = Partial(acc[0], m[0], l[0])
     for i in range(1, splits):
         out = merge(out, Partial(acc[i], m[i], l[i]))

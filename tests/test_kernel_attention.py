@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kernel_mode import compiled, device_backend, mode
 from kernels_pallas import page_formats as pf
 from kvjax import kernel_attention as ka
 from kvjax.cache import init_cache, write
@@ -37,7 +38,9 @@ def test_kernel_reads_each_layer_like_the_reference(backend, method):
     layer, q, q_pos = filled(0, 45, capacity=64)
     layer = encode(layer, method)
     assert ka.supports_pallas(layer)
-    got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=True, pages_per_split=1)
+    backend, interpret = mode(backend)
+    got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret,
+                           pages_per_split=1)
     want = kvjax.attend(q, q_pos, layer, impl="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
@@ -45,8 +48,9 @@ def test_kernel_reads_each_layer_like_the_reference(backend, method):
 def test_window_and_softcap_pass_through():
     layer, q, q_pos = filled(1, 40, capacity=48)  # capacity 48: pages of 16
     assert ka.page_size_for(48) == 16 and ka.page_size_for(4128) == 32
-    got = ka.attend_pallas(q * 3, q_pos, layer, window=9, softcap=4.0, backend="tpu",
-                           interpret=True)
+    backend, interpret = mode(device_backend() or "tpu")
+    got = ka.attend_pallas(q * 3, q_pos, layer, window=9, softcap=4.0, backend=backend,
+                           interpret=interpret)
     want = kvjax.attend(q * 3, q_pos, layer, impl="reference", window=9, softcap=4.0)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
@@ -57,10 +61,13 @@ def test_unsupported_layouts_fall_back_and_cpu_uses_xla():
     with pytest.raises(ValueError, match="does not read"):
         ka.attend_pallas(q, q_pos, layer, backend="tpu", interpret=True)
     assert not ka.supports_pallas(kvjax.pool_heads(filled(2, 10, capacity=32)[0]))
-    assert ka.pallas_backend() is None  # this machine: CPU
+    assert ka.pallas_backend() == device_backend()  # None on a CPU host
     got = kvjax.attend(q, q_pos, layer, impl="pallas")
     want = kvjax.attend(q, q_pos, layer, impl="xla")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if device_backend() is None:  # CPU: impl="pallas" is the XLA path
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    else:  # a TPU/GPU: the kernel
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
@@ -78,7 +85,9 @@ def test_kivi_pages_whose_groups_spread_use_the_wide_window(backend):
     spread = body.replace(k=body.k.replace(group_id=ids[:, ::-1]))  # a page spans every group
     assert not bool(ka._windows_fit(spread, ka.page_size_for(body.capacity), backend))
     layer = layer.replace(body=spread)
-    got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=True, pages_per_split=1)
+    backend, interpret = mode(backend)
+    got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret,
+                           pages_per_split=1)
     want = kvjax.attend(q, q_pos, layer, impl="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
@@ -95,7 +104,10 @@ def test_token_cache_pages_use_one_table_per_sequence():
     per_head = per_head_tables(inputs["block_tables"], 3, inputs["head_stride"])
     np.testing.assert_array_equal(np.asarray(per_head).ravel(), np.arange(2 * 3 * 48 // page))
     for backend in ("tpu", "gpu"):
-        got = ka.attend_pallas(q, q_pos, layer, window=20, backend=backend, interpret=True,
+        if compiled() and device_backend() != backend:
+            continue  # compiled mode: only the present chip's kernel
+        backend, interpret = mode(backend)
+        got = ka.attend_pallas(q, q_pos, layer, window=20, backend=backend, interpret=interpret,
                                pages_per_split=1)
         want = kvjax.attend(q, q_pos, layer, impl="reference", window=20)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)

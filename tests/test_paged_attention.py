@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from kernel_mode import mode
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import (EMPTY, merge, paged_attention,
                                             paged_attention_partial, paged_attention_reference)
@@ -47,6 +48,8 @@ def queries(rng, batch, t, heads, head_dim, lengths):
 
 
 def run_both(q, q_pos, k, v, pos, tables, counts, backend, interpret=True, **kw):
+    """(kernel, reference) outputs; interpret mode, or compiled with KVJAX_PALLAS_COMPILED=1."""
+    backend, interpret = mode(backend, interpret)
     want = paged_attention_reference(q, q_pos, k, v, pos, tables, counts, **kw)
     got = paged_attention(q, q_pos, k, v, pos, tables, counts, backend=backend,
                           interpret=interpret, **kw)
@@ -104,8 +107,9 @@ def test_splits_merge_to_the_unsplit_result():
     k, v, pos, tables, counts = make_pool(rng, batch=2, kv_heads=1, page_size=16, head_dim=64,
                                           lengths=[70, 40])
     q, q_pos = queries(rng, 2, 1, 3, 64, [70, 40])
+    backend, interpret = mode("tpu")
     outs = [paged_attention(q, q_pos, k, v, pos, tables, counts, pages_per_split=n,
-                            backend="tpu", interpret=True) for n in (1, 2, 5)]
+                            backend=backend, interpret=interpret) for n in (1, 2, 5)]
     for out in outs[1:]:
         np.testing.assert_allclose(out, outs[0], **TOL)
 
@@ -135,11 +139,12 @@ def test_merge_is_softmax_over_the_union():
     k, v, pos, tables, counts = make_pool(rng, batch=1, kv_heads=1, page_size=16, head_dim=64,
                                           lengths=[64])
     q, q_pos = queries(rng, 1, 1, 2, 64, [64])
+    backend, interpret = mode("tpu")
     part = lambda t: paged_attention_partial(q, q_pos, k, v, pos, t, jnp.full((1, 1), 2, jnp.int32),
-                                             backend="tpu", interpret=True)
+                                             backend=backend, interpret=interpret)
     merged = merge(part(tables[..., :2]), part(tables[..., 2:]))
-    whole = paged_attention_partial(q, q_pos, k, v, pos, tables, counts, backend="tpu",
-                                    interpret=True)
+    whole = paged_attention_partial(q, q_pos, k, v, pos, tables, counts, backend=backend,
+                                    interpret=interpret)
     np.testing.assert_allclose(merged.acc / merged.l[..., None], whole.acc / whole.l[..., None],
                                **TOL)
 
@@ -304,7 +309,7 @@ def test_pages_outside_the_window_are_not_read(interpret, t):
     lengths = [200, 37, 3, 150]  # 13, 3, 1, 10 pages; the window covers 2-3 of them
     k, v, pos, tables, counts = _long_window_pool(rng, page, lengths)
     q, q_pos = queries(rng, len(lengths), t, 4, 64, lengths)
-    backend, interp = ("gpu", True) if interpret == "gpu" else ("tpu", interpret)
+    backend, interp = mode(*(("gpu", True) if interpret == "gpu" else ("tpu", interpret)))
     kw = dict(window=window, pages_per_split=4, softcap=30.0)
     if backend == "tpu":
         kw["pages_per_block"] = 2
@@ -374,7 +379,7 @@ def test_block_tables_shared_by_kv_heads(interpret):
     k, v, pos, tables, counts, stride = shared_pool(rng, batch=4, kv_heads=3, page_size=16,
                                                     head_dim=64, lengths=lengths)
     q, q_pos = queries(rng, 4, 2, 6, 64, lengths)
-    backend, interp = ("gpu", True) if interpret == "gpu" else ("tpu", interpret)
+    backend, interp = mode(*(("gpu", True) if interpret == "gpu" else ("tpu", interpret)))
     kw = dict(pages_per_split=2, window=40, k_format=pf.PackedTokens(4, 32))
     if backend == "tpu":
         kw["pages_per_block"] = 2
@@ -420,7 +425,7 @@ def test_per_token_key_scales_applied_to_the_scores(interpret, bits, param_dtype
                                           lengths=lengths)
     kp = packed_tokens(k, bits, 64, True, param_dtype)
     q, q_pos = queries(rng, 3, 2, 4, 64, lengths)
-    backend, interp = ("gpu", True) if interpret == "gpu" else ("tpu", interpret)
+    backend, interp = mode(*(("gpu", True) if interpret == "gpu" else ("tpu", interpret)))
     got, want = run_both(q, q_pos, kp, packed_tokens(v, 4, 32, False), pos, tables, counts,
                          backend, interpret=interp, k_format=fmt, v_format=pf.PackedTokens(4, 32),
                          softcap=20.0, window=50, pages_per_split=2)
