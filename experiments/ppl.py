@@ -29,6 +29,7 @@ import numpy as np
 from kvjax.cache import EMPTY
 from kvjax.transforms import CacheTransform, full
 from models.llama import Llama
+from models.loading import progress_enabled
 from models.scoring import continuation_logprobs, token_logprobs
 
 
@@ -76,8 +77,13 @@ def window_ids(tokenizer, path: Path, length: int, count: int) -> list[list[int]
 
 def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | None = None,
                *, batch_size: int = 8, chunk: int = 256, prefix: int = 0,
-               transform: CacheTransform | None = None) -> Perplexity:
-    """Perplexity of `ids` under `model` with sliding windows; windows run batched."""
+               transform: CacheTransform | None = None,
+               progress: bool | None = None) -> Perplexity:
+    """Perplexity of `ids` under `model` with sliding windows; windows run batched.
+
+    A progress bar over the windows goes to stderr when `progress` (default:
+    `models.loading.progress_enabled`, a terminal or $KVJAX_PROGRESS=1).
+    """
     ids = np.asarray(ids, np.int32)
     if ids.ndim != 1 or len(ids) < 2:
         raise ValueError(f"need a 1-D sequence of at least 2 token ids, got shape {ids.shape}")
@@ -87,13 +93,14 @@ def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | Non
     if batch_size < 1 or chunk < 1:
         raise ValueError(f"batch_size and chunk must be >= 1, got {batch_size}, {chunk}")
     transform = transform or full()
+    show = progress_enabled(progress)
     if prefix or transform is not full():
         return _continuation_perplexity(model, ids, context, stride, batch_size, chunk, prefix,
-                                        transform)
+                                        transform, show)
     windows = sliding_windows(len(ids), context, stride)
     width = max(w.end - w.start for w in windows)
     nll, scored = 0.0, 0
-    for i in range(0, len(windows), batch_size):
+    for i in _batches(len(windows), batch_size, show):
         group = windows[i:i + batch_size]
         tokens = np.zeros((len(group), width), np.int32)
         positions = np.full((len(group), width), EMPTY, np.int32)
@@ -112,8 +119,20 @@ def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | Non
     return Perplexity(math.exp(nll / scored), nll, scored)
 
 
+def _batches(count: int, batch_size: int, show: bool):
+    """Batch starts over `count` windows, with a bar on stderr (one tick per window)."""
+    import sys
+
+    from tqdm import tqdm
+    with tqdm(total=count, desc="ppl windows", unit="window", disable=not show,
+              file=sys.stderr) as bar:
+        for i in range(0, count, batch_size):
+            yield i
+            bar.update(min(batch_size, count - i))
+
+
 def _continuation_perplexity(model, ids, context, stride, batch_size, chunk, prefix,
-                             transform) -> Perplexity:
+                             transform, show: bool = False) -> Perplexity:
     """Score window tokens after the first `prefix`, on a cache compressed by `transform`."""
     if not 1 <= prefix < context:
         raise ValueError(f"a compressing method needs a prefix P with 1 <= P < context "
@@ -122,7 +141,7 @@ def _continuation_perplexity(model, ids, context, stride, batch_size, chunk, pre
     if not windows:
         raise ValueError(f"no window is longer than the prefix {prefix} tokens")
     nll, scored = 0.0, 0
-    for i in range(0, len(windows), batch_size):
+    for i in _batches(len(windows), batch_size, show):
         group = windows[i:i + batch_size]
         prefixes = [ids[w.start:w.start + prefix].tolist() for w in group]
         conts = [ids[w.start + prefix:w.end].tolist() for w in group]

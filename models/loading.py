@@ -159,9 +159,30 @@ def open_gguf(path: str | os.PathLike):
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from None
 
 
-def load_gguf(path_or_reader) -> tuple[LlamaConfig, Params]:
-    """Read and dequantize a GGUF file: (config, float32 weights by state path)."""
+PROGRESS_ENV = "KVJAX_PROGRESS"
+
+
+def progress_enabled(progress: bool | None = None) -> bool:
+    """Whether to draw a progress bar (on stderr, never stdout): `progress` when given, else
+    $KVJAX_PROGRESS (1 forces bars, 0 hides them), else whether stderr is a terminal.
+
+    Example:
+        >>> progress_enabled(False), progress_enabled(True)
+        (False, True)
+    """
+    if progress is not None:
+        return bool(progress)
+    forced = os.environ.get(PROGRESS_ENV, "")
+    if forced:
+        return forced not in ("0", "false", "no")
+    return sys.stderr.isatty()
+
+
+def load_gguf(path_or_reader, progress: bool = False) -> tuple[LlamaConfig, Params]:
+    """Read and dequantize a GGUF file: (config, float32 weights by state path); with
+    `progress`, a bar over the layers on stderr."""
     import gguf
+    from tqdm import tqdm
 
     reader = path_or_reader if isinstance(path_or_reader, gguf.GGUFReader) else open_gguf(path_or_reader)
     cfg = gguf_config(reader)
@@ -184,7 +205,8 @@ def load_gguf(path_or_reader) -> tuple[LlamaConfig, Params]:
                       ("norm", "weight"): required("output_norm.weight")}
     if not cfg.tie_embeddings:
         params[("lm_head", "kernel")] = required("output.weight").T
-    for i in range(cfg.num_layers):
+    for i in tqdm(range(cfg.num_layers), desc="dequantizing GGUF layers", unit="layer",
+                  disable=not progress, file=sys.stderr):
         def get(ours: str, i=i) -> np.ndarray | None:
             base, _, kind = ours.rpartition(".")
             name = f"blk.{i}.{_GGUF_LAYER_NAMES[base]}.{kind}"
@@ -308,13 +330,15 @@ def load_weights(name_or_path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
 
 
 def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.float32, *,
-               use_converted: bool = True):
+               use_converted: bool = True, progress: bool | None = None):
     """(Llama, Tokenizer) from 'smollm2', a .gguf file or an HF directory.
 
     A GGUF file is parsed and dequantized once (about 20 s for SmolLM2 on two
     cores); the float32 result is kept under the kvjax cache directory,
     keyed by the file's path, size and modification time, and later loads
     read that instead (about 1 s). `use_converted=False` skips the store.
+    That first conversion draws a progress bar on stderr (`progress_enabled`:
+    a terminal, $KVJAX_PROGRESS=1 or `progress=True`).
     """
     from models.tokenizer import Tokenizer, load_tokenizer
 
@@ -338,8 +362,12 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.flo
             cfg, params, tokenizer = stored
             check_vocab(cfg, tokenizer, path)
             return build_model(cfg, params, dtype), tokenizer
+    show = progress_enabled(progress)
+    if show:
+        print(f"kvjax: converting {path.name} to float32 (once; later loads read the copy)",
+              file=sys.stderr, flush=True)
     reader = open_gguf(path)  # parsed once for weights and tokenizer
-    (cfg, params), tokenizer = load_gguf(reader), Tokenizer.from_gguf(reader)
+    (cfg, params), tokenizer = load_gguf(reader, progress=show), Tokenizer.from_gguf(reader)
     check_vocab(cfg, tokenizer, path)
     if use_converted:
         save_converted(converted, cfg, params, tokenizer)

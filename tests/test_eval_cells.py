@@ -20,9 +20,11 @@ def smollm2():
     return load_model("smollm2")
 
 
-def test_ppl_cell_equals_a_direct_computation(smollm2):
+@pytest.mark.parametrize("own_text", [False, True])
+def test_ppl_cell_equals_a_direct_computation(smollm2, tmp_path, own_text):
     """The cell's perplexity is exp(mean NLL) of every window's last quarter, from the model's
-    own logits over the whole window (full cache: compression changes nothing)."""
+    own logits over the whole window (full cache: compression changes nothing); with
+    `text = PATH` the windows come from that file."""
     import jax
     import jax.numpy as jnp
 
@@ -30,8 +32,15 @@ def test_ppl_cell_equals_a_direct_computation(smollm2):
     from models.llama import new_cache
 
     model, tokenizer = smollm2
-    row = cells.run_ppl_cell(Cell("ppl", 64, "full", trials=3, batch=2))
-    windows = np.asarray(window_ids(tokenizer, cells.PPL_TEXT, 64, 3))  # [3, 64]
+    text = cells.PPL_TEXT
+    if own_text:
+        text = tmp_path / "mine.txt"
+        text.write_text((cells.DATA / "devils_dictionary.txt").read_text(encoding="utf-8")[:20000],
+                        encoding="utf-8")
+    row = cells.run_ppl_cell(Cell("ppl", 64, "full", trials=3, batch=2,
+                                  text_path=str(text) if own_text else ""))
+    assert row["text"] == text.name
+    windows = np.asarray(window_ids(tokenizer, text, 64, 3))  # [3, 64]
     positions = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), windows.shape)
     logits, _ = model(jnp.asarray(windows), positions, new_cache(model.config, 3, 64))  # [3, 64, V]
     logp = np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), -1), np.float64)
@@ -48,6 +57,42 @@ def test_cells_are_reproducible_and_compression_shrinks_the_cache(smollm2):
     full = cells.run_kvjax_cell(Cell("ppl", 128, "full", trials=2, batch=2))
     assert first["cache_bytes_per_token"] < 0.3 * full["cache_bytes_per_token"]
     assert first["score"] != full["score"]
+
+
+def test_memory_cell_counts_the_bytes_the_formats_say(smollm2):
+    """bfloat16 full cache: 2 x 64 x 2 B of keys and values + a 4-byte position per token,
+    layer and KV head, plus each layer's 4-byte cursor, exactly; KIVI-4 after SnapKV within
+    its per-layer constants (group tables, cursors) of the formats' arithmetic."""
+    full = cells.run_memory_cell(Cell("memory", 256, "full", trials=1, batch=1))
+    assert full["theoretical"] == 30 * 3 * (2 * 64 * 2 + 4)
+    assert full["score"] == full["bytes_per_token"] == full["theoretical"] + 30 * 4 / 256
+    chain = cells.run_memory_cell(Cell("memory", 256, "snapkv:ratio=0.5+kivi:bits=4,residual=32",
+                                       trials=1, batch=1))
+    assert chain["theoretical"] == cells.theoretical_bytes(chain["method"], 256)
+    assert chain["bytes_per_token"] < 0.3 * full["bytes_per_token"]
+    assert abs(chain["bytes_per_token"] - chain["theoretical"]) < 0.03 * chain["theoretical"]
+
+
+def test_a_haystack_file_replaces_the_prose_and_query_aware_compresses_the_question(smollm2,
+                                                                                    tmp_path):
+    model, tokenizer = smollm2
+    hay = tmp_path / "hay.txt"
+    hay.write_text(" ".join(f"The zebra number {i} grazed on the plain." for i in range(400)),
+                   encoding="utf-8")
+    prompts = cells.make_prompts(Cell("passkey", 256, "full", trials=2, haystack_path=str(hay)),
+                                 tokenizer)
+    for ids in prompts.contexts:
+        text = tokenizer.decode(ids)
+        assert "zebra" in text and "pass key" in text.lower()
+    builtin = cells.make_prompts(Cell("passkey", 256, "full", trials=2), tokenizer)
+    assert all("zebra" not in tokenizer.decode(ids) for ids in builtin.contexts)
+    # the full cache compresses nothing: compressing the question too changes no answer
+    plain = cells.run_retrieval_cell(Cell("passkey", 256, "full", trials=2, batch=2,
+                                          max_new_tokens=8, haystack_path=str(hay)))
+    aware = cells.run_retrieval_cell(Cell("passkey", 256, "full", trials=2, batch=2,
+                                          max_new_tokens=8, haystack_path=str(hay),
+                                          query_aware=True))
+    assert aware["outputs"] == plain["outputs"] and aware["score"] == plain["score"] == 1.0
 
 
 def test_speed_cell_measures_prefill_decode_and_bytes(smollm2):

@@ -267,3 +267,36 @@ def test_a_write_failure_during_the_sweep_is_one_line(tmp_path, capsys, monkeypa
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "kvjax: error: [Errno 28] No space left on device"
     assert len(grid.read_rows(out / "cells.jsonl")) == 1  # the row written before is kept
+
+
+# ----------------------------------------------------------------------------- progress bars
+
+
+def test_progress_bars_go_to_stderr_only_when_asked_or_on_a_terminal(monkeypatch, capsys):
+    """`perplexity` draws a bar over its windows on stderr with progress=True (or
+    $KVJAX_PROGRESS=1), none by default when stderr is not a terminal, never on stdout;
+    the numbers are the same either way."""
+    import numpy as np
+    from flax import nnx
+
+    from experiments.ppl import perplexity
+    from models.llama import Llama, LlamaConfig
+    from models.loading import PROGRESS_ENV, progress_enabled
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    ids = np.random.default_rng(0).integers(3, 256, 80).tolist()
+    monkeypatch.delenv(PROGRESS_ENV, raising=False)
+    quiet = perplexity(model, ids, context=32, batch_size=2)
+    out, err = capsys.readouterr()
+    assert out == "" and "ppl windows" not in err  # pytest's stderr is no terminal
+    loud = perplexity(model, ids, context=32, batch_size=2, progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "ppl windows" in err and "window" in err
+    assert loud == quiet
+    monkeypatch.setenv(PROGRESS_ENV, "1")
+    assert progress_enabled() and not progress_enabled(False)
+    perplexity(model, ids, context=32, batch_size=2, prefix=16,
+               transform=__import__("kvjax").snapkv(ratio=0.5, window=4))
+    assert "ppl windows" in capsys.readouterr().err
+    monkeypatch.setenv(PROGRESS_ENV, "0")
+    assert not progress_enabled() and progress_enabled(True)

@@ -240,3 +240,123 @@ def test_the_kvjax_engine_refuses_a_kvpress_cell():
     from experiments.cells import run_kvjax_cell
     with pytest.raises(ValueError, match="engine 'kvjax' cells, not 'kvpress'"):
         run_kvjax_cell(Cell("passkey", 256, "full", trials=1, engine="kvpress"))
+
+
+# ----------------------------------------------------------------------------- your own text
+
+
+def _toml(tmp_path, body: str):
+    path = tmp_path / "grid.toml"
+    path.write_text('model = "smollm2"\ntrials = 2\n' + body)
+    return path
+
+
+def test_text_and_haystack_go_to_the_cells_that_read_them(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # paths are relative to the working directory
+    (tmp_path / "mine.txt").write_text("Some prose. More prose.\n", encoding="utf-8")
+    (tmp_path / "hay.txt").write_text("Hay. More hay.\n", encoding="utf-8")
+    g = grid.read_config(_toml(tmp_path, 'text = "mine.txt"\n[[grid]]\n'
+                               'tasks = ["ppl", "memory", "passkey", "speed"]\nlengths = [256]\n'
+                               'methods = ["full"]\nhaystack = "hay.txt"\n'))
+    by_task = {c.task: c for c in g.cells}
+    assert by_task["ppl"].text_path == by_task["memory"].text_path == "mine.txt"
+    assert by_task["passkey"].haystack_path == "hay.txt" and by_task["passkey"].text_path == ""
+    assert by_task["speed"].text_path == by_task["speed"].haystack_path == ""
+    assert by_task["ppl"].haystack_path == ""
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "text = 'mine.txt': no such file"),
+    (b"", "text = 'mine.txt': the file is empty"),
+    (b"  \n\t\n", "text = 'mine.txt': the file is empty"),
+    (b"caf\xe9 latin-1", "text = 'mine.txt': not UTF-8 text"),
+])
+def test_a_missing_empty_or_non_utf8_text_fails_when_the_config_loads(tmp_path, monkeypatch,
+                                                                      content, message):
+    monkeypatch.chdir(tmp_path)
+    if content is not None:
+        (tmp_path / "mine.txt").write_bytes(content)
+    path = _toml(tmp_path, 'text = "mine.txt"\n[[grid]]\ntasks = ["ppl"]\nlengths = [256]\n'
+                           'methods = ["full"]\n')
+    with pytest.raises(ValueError, match="grid.toml: " + message.replace("(", r"\(")):
+        harness.load_config(path)
+    (tmp_path / "hay.txt").write_bytes(b"\xff\xfe")  # the same checks for a haystack
+    path = _toml(tmp_path, '[[grid]]\ntasks = ["passkey"]\nlengths = [256]\n'
+                           'methods = ["full"]\nhaystack = "hay.txt"\n')
+    with pytest.raises(ValueError, match=r"\[\[grid\]\] haystack = 'hay.txt': not UTF-8"):
+        harness.load_config(path)
+
+
+def test_query_aware_cells_are_retrieval_cells_on_kvjax(tmp_path):
+    block = '[[grid]]\ntasks = ["{task}"]\nlengths = [256]\nmethods = ["full"]\n' \
+            'query_aware = {value}\n{extra}'
+    ok = grid.read_config(_toml(tmp_path, block.format(task="passkey", value="true", extra="")))
+    assert [c.query_aware for c in ok.cells] == [True]
+    for task, value, extra, message in [
+            ("ppl", "true", "", "query_aware applies to retrieval tasks, not 'ppl'"),
+            ("passkey", "1", "", "query_aware = 1: must be true or false"),
+            ("passkey", "true", 'engines = ["kvpress"]\n', "kvjax engine only")]:
+        with pytest.raises(ValueError, match=message):
+            grid.read_config(_toml(tmp_path, block.format(task=task, value=value, extra=extra)))
+
+
+# ----------------------------------------------------------------------------- [bases]
+
+
+BASES = """
+[bases.mine]
+path = "{path}"
+tokens = 2048
+text = "{text}"
+[[grid]]
+tasks = ["ppl"]
+lengths = [256]
+methods = ["full", "low_rank:rank=8,basis={path}"]
+"""
+
+
+def test_a_declared_basis_is_calibrated_once_before_the_sweep(tmp_path, monkeypatch):
+    import types
+
+    import models.calibration
+    import models.loading
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "calib.txt").write_text("word " * 5000, encoding="utf-8")
+    path = _toml(tmp_path, BASES.format(path="b/basis.npz", text="calib.txt"))
+    g = harness.load_config(path)  # a missing declared basis is not an error: it will be made
+    assert g.bases["mine"] == grid.Basis("b/basis.npz", "calib.txt", 2048, "smollm2")
+    calls = []
+
+    class Tokenizer:
+        def encode(self, text):
+            return list(range(len(text.split())))
+
+    class Basis:
+        def save(self, where):
+            (tmp_path / where).write_bytes(b"npz")
+
+    monkeypatch.setattr(models.loading, "load_model", lambda name: (types.SimpleNamespace(),
+                                                                    Tokenizer()))
+    monkeypatch.setattr(models.calibration, "calibrate_low_rank",
+                        lambda model, ids, progress: calls.append(ids) or Basis())
+    assert harness.prepare_bases(g, [], tmp_path / "out") == []  # no cell needs it yet
+    assert harness.prepare_bases(g, g.cells, tmp_path / "out") == ["b/basis.npz"]
+    assert calls == [list(range(5000 - 2048, 5000))]  # the last `tokens` tokens of the text
+    assert harness.prepare_bases(g, g.cells, tmp_path / "out") == []  # made once
+
+
+def test_bad_bases_tables_and_undeclared_missing_bases_are_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "calib.txt").write_text("word " * 5000, encoding="utf-8")
+    for old, new, message in [("tokens = 2048", "tokens = 10", "tokens = 10: must be an integer"),
+                              ('path = "b/basis.npz"', 'path = "b/basis.txt"', "must be a .npz"),
+                              ("tokens = 2048", "tokens = 2048\nwindow = 3",
+                               "unknown \\[bases.mine\\] key 'window'"),
+                              ('text = "calib.txt"', 'text = "none.txt"', "no such file")]:
+        body = BASES.format(path="b/basis.npz", text="calib.txt").replace(old, new)
+        with pytest.raises(ValueError, match=message):
+            harness.load_config(_toml(tmp_path, body))
+    undeclared = BASES.format(path="b/basis.npz", text="calib.txt").replace(
+        "basis=b/basis.npz", "basis=other.npz")
+    with pytest.raises(ValueError, match="method 'low_rank:rank=8,basis=other.npz'"):
+        harness.load_config(_toml(tmp_path, undeclared))
