@@ -27,8 +27,23 @@ A TOML config names the model, shared settings and one or more grid blocks:
     methods = ["full", "snapkv:ratio=0.5+kivi:bits=4"]
     trials = 3             # timed repeats
 
+    [[grid]]               # your own text: perplexity on it, passkey needles hidden in it
+    tasks = ["ppl", "memory", "passkey"]
+    lengths = [1024]
+    methods = ["full", "low_rank:rank=32,basis=results/basis.npz"]
+    text = "my_corpus.txt"          # ppl and memory cells (default: KJV Genesis)
+    haystack = "my_corpus.txt"      # retrieval cells (default: the built-in prose)
+    query_aware = false             # true: the question is compressed with the context
+
+    [bases.mine]           # a low-rank basis calibrated before the sweep if the file is missing
+    path = "results/basis.npz"      # (text = "...", tokens = 16384, model = ... optional)
+
+Paths are relative to the working directory; a missing, empty or non-UTF-8 `text` or
+`haystack` file is refused when the config loads. Task `memory` measures bytes per
+context token of a bfloat16 cache beside the formats' arithmetic.
+
 Tasks (what each measures: experiments/cells.py): `passkey` and the RULER-style tasks of
-experiments/ruler.py (retrieval accuracy), `ppl` (continuation perplexity) and `speed`
+experiments/ruler.py (retrieval accuracy), `ppl` (continuation perplexity), `memory` and `speed`
 (prefill tokens/s, decode ms/step, cache bytes). Engine `kvpress` runs a retrieval cell
 through kvpress at batch 1 (experiments/kvpress_engine.py); a block with both engines
 times both warm (after one untimed batch).
