@@ -207,12 +207,23 @@ def _gpu_load(block: PageRef, slots_last: bool = False) -> jax.Array:
 
 
 def _take_codes(ops: Ops, block, head_dim: int, bits: int, width: int) -> jax.Array:
-    """Gathered unpack: channel c is word row c % W shifted by (c // W) * bits -> [D, S] f32."""
+    """Gathered unpack: channel c is word row c % W shifted by (c // W) * bits -> [D, L] f32.
+
+    Each of the W word rows is loaded once ([W, L]); the 32/bits planes come
+    from a broadcast to [planes, W, L] and a reshape (no concatenate).
+    """
     w = head_dim * bits // 32
-    c = jax.lax.broadcasted_iota(jnp.int32, (head_dim,), 0)
-    words = ops.take(block, c % w, width)
-    shift = ((c // w) * bits).astype(jnp.uint32)[:, None]
-    return ((words >> shift) & jnp.uint32((1 << bits) - 1)).astype(jnp.int32).astype(jnp.float32)
+    words = ops.take(block, jax.lax.iota(jnp.int32, w), width)  # [W, L]
+    planes = 32 // bits
+    shift = (jax.lax.broadcasted_iota(jnp.int32, (planes, 1, 1), 0) * bits).astype(jnp.uint32)
+    codes = (words[None] >> shift) & jnp.uint32((1 << bits) - 1)  # [planes, W, L]
+    return codes.reshape(head_dim, -1).astype(jnp.int32).astype(jnp.float32)
+
+
+def _repeat_rows(x: jax.Array, reps: int) -> jax.Array:
+    """[N, L] -> [N * reps, L], each row repeated `reps` times (broadcast + reshape)."""
+    n, cols = x.shape
+    return jnp.broadcast_to(x[:, None, :], (n, reps, cols)).reshape(n * reps, cols)
 
 
 def _take_params(ops: Ops, block, start: int, logical: jax.Array, n: int, dtype: str,
@@ -369,11 +380,12 @@ class PackedTokens:
         d, n_words = head_dim, head_dim * self.bits // 32
         ng, n = d // self.group, self.n_params(d)
         s = _lanes(blocks[0]) // self.rows(d)
-        if ops.take is not None:  # gathered loads, no concatenation
+        if ops.take is not None:  # gathered loads (each word once), no concatenation
             codes = _take_codes(ops, blocks[0], d, self.bits, s)
-            g = jax.lax.broadcasted_iota(jnp.int32, (d,), 0) // self.group
-            param = lambda r: _take_params(ops, blocks[0], n_words, r, n, self.param_dtype, s)
-            scale = param(g)
+            g = jax.lax.iota(jnp.int32, ng)
+            param = lambda r: _repeat_rows(
+                _take_params(ops, blocks[0], n_words, r, n, self.param_dtype, s), self.group)
+            scale = param(g)  # [NG, L] loaded, repeated over each group's channels
             offset = None if self.symmetric else param(g + ng)
         else:
             codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]

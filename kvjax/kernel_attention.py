@@ -95,11 +95,11 @@ def channel_format(store: PackedChannels, page: int, wide: bool = False,
     """The kernel format of a KIVI key store read in pages of `page` slots.
 
     The window is the groups a page of consecutive slots overlaps (`wide`:
-    the whole table); a power of two for the GPU backend (Triton).
+    the whole table). Both backends take any window (the GPU kernel gathers
+    each slot's table row; `backend` is kept for callers).
     """
-    pow2 = backend == "gpu"
-    window = (pf.window_for(store.table_rows * store.group, store.group, store.table_rows, pow2)
-              if wide else pf.window_for(page, store.group, store.table_rows, pow2))
+    window = (pf.window_for(store.table_rows * store.group, store.group, store.table_rows)
+              if wide else pf.window_for(page, store.group, store.table_rows))
     return pf.PackedChannels(store.bits, window, symmetric=store.offset is None,
                              param_dtype=_param_dtype(store))
 
