@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention: XLA, or the Pallas kernels on TPU/GPU (XLA on CPU)")
     g.add_argument("--compress-every", type=int, default=0,
                    help="also apply --method every N decode steps (0 = only after prefill)")
+    g.add_argument("--monitor", action="store_true",
+                   help="report what the method did (kvjax.monitor): tokens kept and evicted, "
+                        "attention mass retained, key/value error; on stderr, or in --json")
 
     p = sub.add_parser("ppl", help="perplexity of a text file with sliding windows")
     _common(p)
@@ -197,6 +200,8 @@ MODULE_COMMANDS: dict[str, tuple[str, str]] = {
                "decode, weights, tokenizer"),
     "run-exported": ("experiments.export_cmd", "generate from an artifact of `kvjax export` "
                      "(no Flax, no model code)"),
+    "inspect": ("experiments.inspect_cmd", "heatmaps of what a method kept per layer and KV "
+                "head, and the attention mass it retained (PNG)"),
 }
 
 
@@ -246,15 +251,25 @@ def cmd_generate(args, model, tokenizer) -> dict:
     from models.pipeline import ask
     from models.sampler import Sampling
 
-    answer = ask(model, tokenizer, args.prompt, method=args.method, chat=args.chat,
+    method = args.method
+    if getattr(args, "monitor", False):
+        from kvjax.monitor import monitored
+        method = monitored(_transform(method))
+    answer = ask(model, tokenizer, args.prompt, method=method, chat=args.chat,
                  context=_read_text(args.context_file) if args.context_file else None,
                  answer_prefix=args.answer_prefix, max_new_tokens=args.max_new_tokens,
                  sampling=Sampling(args.temperature, args.top_k, args.top_p), seed=args.seed,
                  compress_every=args.compress_every, impl=args.impl)
-    return {"text": answer.text, "tokens": answer.tokens,
-            "prompt_tokens": answer.context_tokens + answer.question_tokens,
-            "context_tokens": answer.context_tokens, "cache_bytes": answer.cache_bytes,
-            "method": args.method, "seconds": answer.seconds}
+    result = {"text": answer.text, "tokens": answer.tokens,
+              "prompt_tokens": answer.context_tokens + answer.question_tokens,
+              "context_tokens": answer.context_tokens, "cache_bytes": answer.cache_bytes,
+              "method": args.method, "seconds": answer.seconds}
+    if getattr(args, "monitor", False):
+        from kvjax.monitor import find_monitor, refresh, summary
+        result["monitor"] = summary(refresh(find_monitor(answer.transform_state), answer.cache))
+        if not args.json:
+            print("monitor: " + json.dumps(result["monitor"]), file=sys.stderr)
+    return result
 
 
 def cmd_ppl(args, model, tokenizer) -> dict:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import kvjax
 from kvjax import Cache, CacheTransform
@@ -41,6 +41,7 @@ class Answer:
     cache_bytes: int  # exact bytes of this sequence's cache after generation
     seconds: float  # wall time of the whole batch (prefill, compression, decode)
     cache: Cache = dataclasses.field(repr=False)  # the batch's cache after generation
+    transform_state: Any = dataclasses.field(repr=False, default=None)  # e.g. a monitor's
 
     def __str__(self) -> str:
         return self.text
@@ -104,7 +105,7 @@ def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
     per_sequence = kvjax.nbytes(out.cache) // len(questions)
     spec = method if isinstance(method, str) else "custom"
     return [Answer(tokenizer.decode(row[:n]), row[:n].tolist(), spec, len(h), len(i),
-                   per_sequence, round(seconds, 3), out.cache)
+                   per_sequence, round(seconds, 3), out.cache, out.transform_state)
             for row, n, h, i in zip(out.tokens, out.num_tokens, heads, ids)]
 
 
