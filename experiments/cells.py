@@ -99,6 +99,9 @@ def run_retrieval_cell(cell: Cell) -> dict:
     from models.sampler import generate
 
     model, tokenizer, transform = _setup(cell)
+    if cell.method != "full":  # the row carries a summary of what the method did
+        from kvjax.monitor import monitored
+        transform = monitored(transform)
     prompts = make_prompts(cell, tokenizer)
     if cell.query_aware:  # one prompt per trial, compressed whole
         run = lambda b: generate(model, [c + q for c, q in zip(
@@ -115,8 +118,11 @@ def run_retrieval_cell(cell: Cell) -> dict:
         out = run(b)
         texts += [tokenizer.decode(row[:n].tolist()) for row, n in zip(out.tokens, out.num_tokens)]
         cache_bytes.append(nbytes(out.cache) / len(out.tokens))
-    return retrieval_row(cell, prompts, texts, time.perf_counter() - start,
-                         cache_bytes_per_seq=max(cache_bytes))
+    measured = dict(cache_bytes_per_seq=max(cache_bytes))
+    if cell.method != "full":  # kvjax.monitor, summed/averaged over the last batch
+        from kvjax.monitor import find_monitor, refresh, summary
+        measured["monitor"] = summary(refresh(find_monitor(out.transform_state), out.cache))
+    return retrieval_row(cell, prompts, texts, time.perf_counter() - start, **measured)
 
 
 def retrieval_row(cell: Cell, prompts: Prompts, texts: list[str], seconds: float,
