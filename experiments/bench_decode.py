@@ -1,11 +1,18 @@
-"""Prefill throughput and decode latency of kvjax on the real model, beside the floor and transformers.
+"""Prefill throughput, decode latency and compile time of kvjax on the real model, beside the floor and transformers.
 
-For each batch size x context x weight dtype it measures, after compilation:
-  * prefill tokens/s: a batch of `context - new_tokens` random-token prompts;
-  * decode ms/step: the jitted `lax.while_loop` decode of `new_tokens` greedy
-    tokens (end-of-sequence ignored), divided by the forward steps it ran;
+For each batch size x context x weight dtype it measures:
+  * prefill tokens/s: a batch of `context - new_tokens` random-token prompts
+    (`models.sampler.prefill_and_compress`, full cache), after compilation;
+  * decode ms/step: `models.sampler.decode` of `new_tokens` greedy tokens
+    (end-of-sequence ignored), divided by the forward steps it ran; and the
+    process CPU ms per step (all threads), which a loaded machine inflates less
+    than the wall time;
+  * compile seconds: the first prefill and the first decode call minus their
+    warm medians (with `--cold`, jax's persistent compilation cache is off, so
+    these are cold compiles);
   * the floor: bytes one decode step must read (every weight once, plus the
-    valid keys and values) / this machine's measured read bandwidth;
+    valid keys and values) / this machine's read bandwidth, measured beside
+    every cell;
   * Hugging Face transformers on the same GGUF, same machine, same run
     (when the `compare` extra is installed): prefill, then a `past_key_values`
     decode loop of the same length.
@@ -14,6 +21,7 @@ Markdown table.
 
     python experiments/bench_decode.py                       # full grid, ~15 min on 2 cores
     python experiments/bench_decode.py --batches 1 --contexts 512 --no-hf   # quick look
+    python experiments/bench_decode.py --dtypes float32 --contexts 2048 --no-hf --cold
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from flax import nnx
 import kvjax
 from kvjax.transforms import full
 from models.loading import build_model, load_weights, resolve_model_path
-from models.sampler import GREEDY, _decode, pad_prompts, prefill
+from models.sampler import decode, prefill_and_compress
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -78,26 +86,33 @@ def timed(fn, repeats: int) -> list[float]:
 
 def bench_kvjax(model, batch: int, context: int, new_tokens: int, repeats: int,
                 prefill_repeats: int, chunk: int) -> dict:
+    """Warm prefill tok/s, decode wall and CPU ms/step, and compile seconds of one cell."""
     cfg = model.config
     length = context - new_tokens
     chunk = max(d for d in range(1, chunk + 1) if length % d == 0)  # no padding: cache = context
-    padded = pad_prompts(random_prompts(batch, length, cfg.vocab_size), chunk)
-    fresh = lambda: kvjax.init_model_cache(cfg.cache_spec, batch, context)
-    run_prefill = lambda: prefill(model, padded.tokens, padded.positions, fresh(), chunk)
-    logits, cache = run_prefill()  # compile
+    prompts = random_prompts(batch, length, cfg.vocab_size)
+    run_prefill = lambda: prefill_and_compress(model, prompts, room=new_tokens, chunk=chunk)
+    start = time.perf_counter()
+    pre = jax.block_until_ready(run_prefill())  # compiles
+    first_prefill = time.perf_counter() - start
     prefill_s = statistics.median(timed(run_prefill, prefill_repeats))
-    graphdef, state = nnx.split(model)
-    lengths = jnp.asarray(padded.lengths)
 
-    def run_decode():
-        copy = jax.tree_util.tree_map(jnp.copy, cache)
-        return _decode(graphdef, state, logits, copy, (), lengths, jax.random.key(0),
-                       new_tokens, GREEDY, full(), 0, (), 0)[0]  # tokens
+    def run_decode():  # the cache is donated: decode a fresh copy each time
+        copy = pre._replace(cache=jax.tree_util.tree_map(jnp.copy, pre.cache))
+        return decode(model, copy, max_new_tokens=new_tokens, eos_ids=()).tokens
 
-    run_decode()  # compile
-    decode_s = statistics.median(timed(run_decode, repeats))
-    return {"prefill_tok_s": batch * padded.lengths[0] / prefill_s,
-            "decode_ms": 1e3 * decode_s / (new_tokens - 1)}
+    first_decode = timed(run_decode, 1)[0]
+    cpu_start = time.process_time()
+    decode_times = timed(run_decode, repeats)
+    cpu_s = (time.process_time() - cpu_start) / repeats
+    decode_s = statistics.median(decode_times)
+    steps = new_tokens - 1  # forward steps after the prefill's logits
+    return {"prefill_tok_s": batch * length / prefill_s,
+            "decode_ms": 1e3 * decode_s / steps,
+            "decode_cpu_ms": 1e3 * cpu_s / steps,
+            "compile_prefill_s": max(first_prefill - prefill_s, 0.0),
+            "compile_decode_s": max(first_decode - decode_s, 0.0),
+            "cache_bytes": kvjax.nbytes(pre.cache)}
 
 
 def bench_hf(gguf_path: Path, dtype: str, batch: int, context: int, new_tokens: int,
@@ -186,25 +201,32 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefill runs (median)")
     p.add_argument("--chunk", type=int, default=256, help="prefill chunk")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--cold", action="store_true",
+                   help="switch jax's persistent compilation cache off: compile seconds are cold")
     p.add_argument("--out", type=Path, default=Path("experiments/out/bench_decode"))
     args = p.parse_args(argv)
 
+    if args.cold:
+        jax.config.update("jax_enable_compilation_cache", False)
     path = resolve_model_path(args.model)
     cfg, params = load_weights(path)
     bandwidth = read_bandwidth_gbs()
     print(f"read bandwidth {bandwidth:.1f} GB/s; jax {jax.__version__} on {jax.devices()[0]}", flush=True)
     meta = {"bandwidth_gbs": bandwidth, "jax": jax.__version__, "cpus": os.cpu_count(),
             "new_tokens": args.new_tokens, "repeats": args.repeats,
-            "prefill_repeats": args.prefill_repeats, "model": str(path)}
+            "prefill_repeats": args.prefill_repeats, "model": str(path),
+            "cold_compile": args.cold, "load_average": os.getloadavg()}
     rows = []
     for dtype in args.dtypes:
         model = build_model(cfg, params, DTYPES[dtype])
         for batch in args.batches:
             for context in args.contexts:
-                row = {"dtype": dtype, "batch": batch, "context": context,
-                       "floor_ms": 1e3 * step_bytes(model, batch, context) / (bandwidth * 1e9)}
+                row = {"dtype": dtype, "batch": batch, "context": context}
                 row.update(bench_kvjax(model, batch, context, args.new_tokens, args.repeats,
                                        args.prefill_repeats, args.chunk))
+                bandwidth = read_bandwidth_gbs()  # beside the cell: the machine's load drifts
+                row.update(bandwidth_gbs=bandwidth, load_average=os.getloadavg()[0],
+                           floor_ms=1e3 * step_bytes(model, batch, context) / (bandwidth * 1e9))
                 if not args.no_hf and path.suffix == ".gguf":
                     row.update(bench_hf(path, dtype, batch, context, args.new_tokens,
                                         args.repeats, args.prefill_repeats) or {})
@@ -213,14 +235,17 @@ def main(argv: list[str] | None = None) -> None:
                                   for k, v in row.items()}), flush=True)
                 save(rows, meta, args.out)  # after every cell: an interrupted run keeps its rows
     plot(rows, args.out.with_suffix(".png"))
-    print("\n| dtype | batch | context | prefill tok/s | decode ms/step | floor ms | x floor "
+    print("\n| dtype | batch | context | prefill tok/s | decode ms/step | decode CPU ms/step "
+          "| floor ms | x floor | compile s (prefill + decode) "
           "| transformers prefill tok/s | transformers decode ms/step | kvjax speed-up |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         hf = r.get("hf_decode_ms")
         speedup = "" if hf is None else f"{hf / r['decode_ms']:.2f}x"
         print(f"| {r['dtype']} | {r['batch']} | {r['context']} | {r['prefill_tok_s']:.0f} | "
-              f"{r['decode_ms']:.1f} | {r['floor_ms']:.1f} | {r['decode_ms'] / r['floor_ms']:.2f} | "
+              f"{r['decode_ms']:.1f} | {r['decode_cpu_ms']:.1f} | {r['floor_ms']:.1f} | "
+              f"{r['decode_ms'] / r['floor_ms']:.2f} | "
+              f"{r['compile_prefill_s']:.1f} + {r['compile_decode_s']:.1f} | "
               f"{r.get('hf_prefill_tok_s', float('nan')):.0f} | "
               f"{hf if hf is None else round(hf, 1)} | "
               f"{speedup} |")

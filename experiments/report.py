@@ -363,13 +363,14 @@ def speed_section(rows: list[dict], out: Path, images: str) -> list[str]:
     body = [[f"`{r['method']}`", r["batch"], r["length"], f"{r['prefill_tok_s']:.0f}",
              f"{r['decode_ms']:.1f}", f"{r['floor_ms']:.1f}",
              f"{r['decode_ms'] / r['floor_ms']:.2f}", f"{r['cache_bytes_per_seq'] / 2**20:.1f}",
+             f"{r['compile_s']:.1f}" if "compile_s" in r else "",
              r.get("peak_rss_gb", "")] for r in sub]
     r0 = sub[0]
     lines = [f"#### Memory and speed ({r0['max_new_tokens']} decode steps, medians of "
              f"{r0['trials']} timed runs after a compiling one; floor = (weights + whole cache) "
              f"bytes / measured read bandwidth, {r0['bandwidth_gbs']:.1f} GB/s)", ""]
     lines += _table(["method", "batch", "context", "prefill+compress tok/s", "decode ms/step",
-                     "floor ms", "x floor", "cache MiB/seq", "peak RSS GB"], body)
+                     "floor ms", "x floor", "cache MiB/seq", "compile s", "peak RSS GB"], body)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (method, batch) in dict.fromkeys((r["method"], r["batch"]) for r in sub):

@@ -133,3 +133,23 @@ def test_bfloat16_model_is_float32_on_bfloat16_rounded_operands(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.abs(want).max()))
     tol = 1e-5 * float(jnp.abs(want).max())
     assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 100 * tol  # bf16 really differs
+
+
+@pytest.mark.parametrize("lead", [(1,), (2,), (8,), (2, 3), (33,)], ids=str)
+def test_tied_logits_equal_the_embedding_dot_for_any_rows(lead):
+    """`Llama.logits` multiply-reduces a few rows (2..FEW_ROWS) on CPU and dots the rest;
+    both equal the plain einsum up to float32 summation order over the hidden axis."""
+    import models.llama as llama
+    cfg = LlamaConfig.tiny(vocab_size=300, hidden_size=96)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    h = jax.random.normal(jax.random.key(1), (*lead, cfg.hidden_size))
+    emb = np.asarray(model.embed[...], np.float64)
+    want = np.asarray(h, np.float64) @ emb.T
+    got = np.asarray(jax.jit(model.logits)(h))
+    assert got.shape == (*lead, cfg.vocab_size) and got.dtype == np.float32
+    # float32 rounding of a D-term dot: D * eps * sum |h_d e_vd| bounds each entry
+    bound = cfg.hidden_size * np.finfo(np.float32).eps * (np.abs(np.asarray(h, np.float64)) @ np.abs(emb).T)
+    assert np.all(np.abs(got - want) <= bound)
+    hlo = jax.jit(model.logits).lower(h).as_text()
+    few = 2 <= int(np.prod(lead)) <= llama.FEW_ROWS and jax.default_backend() == "cpu"
+    assert ("dot_general" in hlo) != few  # the path really taken
