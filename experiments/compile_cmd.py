@@ -219,7 +219,18 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
         result["decode"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1),
                                 cache_bytes=kvjax.nbytes(small))
     result["weight_bytes"] = kvjax.nbytes(state)
+    result["weight_bytes_per_chip"] = shard_bytes(state)
+    if "decode" in result:
+        result["decode"]["cache_bytes_per_chip"] = shard_bytes(small_cache)
     return result
+
+
+def shard_bytes(tree: Any) -> int:
+    """Bytes of the largest shard of every leaf (ShapeDtypeStructs with shardings), summed:
+    what one chip holds, from the shardings alone (no compiler, no layout padding)."""
+    import jax
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -227,6 +238,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", required=True, help="e.g. data=2,model=4 (product = chips)")
     p.add_argument("--model", default="smollm2",
                    help="smollm2 | llama3-8b | llama3-70b (by shape) | a model path or repo id")
+    p.add_argument("--layers", type=int, default=0,
+                   help="compile only the first N decoder layers (0 = all; memory grows "
+                        "linearly with layers, compile time too)")
     p.add_argument("--method", default="full", help="cache method spec")
     p.add_argument("--context", type=int, required=True, help="prompt tokens N")
     p.add_argument("--batch", type=int, default=1, help="sequences B")
@@ -243,7 +257,7 @@ def _gib(n: int) -> str:
 
 def run(args) -> int:
     import jax.numpy as jnp
-    for name, low in (("context", 1), ("batch", 1), ("new_tokens", 1)):
+    for name, low in (("context", 1), ("batch", 1), ("new_tokens", 1), ("layers", 0)):
         if getattr(args, name) < low:
             print(f"kvjax: error: --{name.replace('_', '-')} {getattr(args, name)}: must be an "
                   f"integer >= {low}", file=sys.stderr)
@@ -253,6 +267,9 @@ def run(args) -> int:
         from models.sharding import make_mesh
         kvjax.parse_method(args.method)
         cfg = model_shape(args.model)
+        if args.layers:
+            import dataclasses
+            cfg = dataclasses.replace(cfg, num_layers=min(args.layers, cfg.num_layers))
         if args.context + args.new_tokens > cfg.max_position:
             raise ValueError(f"--context {args.context} + --new-tokens {args.new_tokens} exceeds "
                              f"the model's {cfg.max_position} positions")

@@ -401,6 +401,9 @@ def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
                                  stats, jnp.asarray(pre.next_pos), jax.random.key(seed),
                                  max_new_tokens, sampling, update, spec, compress_every,
                                  eos_ids, pad_id, impl)
+    if not out.is_fully_addressable:  # a multi-process run: every process gets every row
+        from jax.experimental import multihost_utils
+        out = multihost_utils.process_allgather(out, tiled=True)
     out = np.asarray(out)
     return Generation(out, _num_generated(out, eos_ids, max_new_tokens), cache, tstate)
 

@@ -102,7 +102,8 @@ def make_mesh(spec: str | Sequence[tuple[str, int]], devices: Sequence[Any] | No
     devices = list(jax.devices() if devices is None else devices)
     shape = tuple(size for _, size in axes)
     if math.prod(shape) != len(devices):
-        raise ValueError(f"mesh {dict(axes)}: {math.prod(shape)} devices needed, "
+        raise ValueError(f"needs {math.prod(shape)} devices "
+                         f"({' x '.join(f'{a}={n}' for a, n in axes)}), "
                          f"{len(devices)} available (set XLA_FLAGS="
                          f"--xla_force_host_platform_device_count=N for fake CPU devices)")
     grid = np.array(devices, dtype=object).reshape(shape)
@@ -249,3 +250,42 @@ def collectives(hlo_text: str) -> list[tuple[str, str]]:
         if m and m.group(3) != "-done":
             found.append((m.group(2), m.group(1).strip()))
     return found
+
+
+ENV = ("KVJAX_COORDINATOR", "KVJAX_NUM_PROCESSES", "KVJAX_PROCESS_ID", "KVJAX_LOCAL_DEVICES")
+"""Environment of a multi-process run (set by `kvjax launch`): coordinator host:port,
+process count, this process's id, and fake CPU devices per process (0 = the platform's)."""
+
+
+def init_distributed(environ: dict | None = None) -> bool:
+    """`jax.distributed.initialize` from `KVJAX_*` variables; False (nothing done) without them.
+
+    Call before anything touches a device. With `KVJAX_LOCAL_DEVICES=n` each process
+    gets n CPU devices (`jax_num_cpu_devices`); CPU collectives go over gloo.
+    """
+    import os
+    env = os.environ if environ is None else environ
+    if not env.get("KVJAX_COORDINATOR"):
+        return False
+    try:
+        count, index = int(env["KVJAX_NUM_PROCESSES"]), int(env["KVJAX_PROCESS_ID"])
+        local = int(env.get("KVJAX_LOCAL_DEVICES", "0"))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"multi-process run: {ENV[1]} and {ENV[2]} must be integers "
+                         f"({e})") from None
+    if not 0 <= index < count:
+        raise ValueError(f"multi-process run: {ENV[2]}={index} must be in [0, {count})")
+    if local:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", local)
+    jax.distributed.initialize(coordinator_address=env["KVJAX_COORDINATOR"],
+                               num_processes=count, process_id=index)
+    return True
+
+
+def gather_to_host(x: jax.Array) -> np.ndarray:
+    """A (possibly multi-process) array as one host numpy array on every process."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))

@@ -52,3 +52,99 @@ def test_generation_sharded_over_batch_and_kv_heads_matches_one_device():
     assert result["k_shard_shape"][0] == 1  # each device holds one sequence's one KV head
     assert result["kivi_sharded"] == result["kivi_single"]  # a KIVI cache shards the same way
     assert result["words_spec"][0] == str(("batch", "kv"))
+
+
+IDENTITY = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    import kvjax
+    from flax import nnx
+    from models import sampler
+    from models.llama import Llama, LlamaConfig
+    from models.sharding import cache_placer, collectives, make_mesh, on_mesh, shard_model
+
+    assert jax.device_count() == 8, jax.devices()
+    cfg = LlamaConfig.tiny(num_kv_heads=4, num_heads=8, head_dim=64, hidden_size=80,
+                           intermediate_size=120)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    mesh = make_mesh("data=2,model=4")
+    sharded = shard_model(model, mesh)
+    rng = np.random.default_rng(0)
+    rows = {}
+    for method, batch in METHODS:
+        prompts = [rng.integers(3, 250, 150 - 7 * i).tolist() for i in range(batch)]
+        transform = kvjax.parse_method(method)
+        kw = dict(max_new_tokens=6, chunk=8, eos_ids=())
+        one = sampler.generate(model, prompts, transform=transform, **kw)
+        placed = on_mesh(transform, mesh)
+        many = sampler.generate(sharded, prompts, transform=placed,
+                                place_cache=cache_placer(mesh), **kw)
+        # the compiled compression and decode steps of the sharded run, for their collectives
+        pre = sampler.prefill_batch(sharded, prompts, stats=placed.stats, room=6, chunk=8,
+                                    place_cache=cache_placer(mesh))
+        tstate = placed.init(pre.cache)
+        hlo_compress = sampler._compress.lower(placed.update, pre.cache, tstate,
+                                               pre.stats).compile().as_text()
+        post = sampler.compress(pre, placed, room=6)
+        graphdef, state = nnx.split(sharded)
+        hlo_decode = sampler._decode.lower(
+            graphdef, state, post.logits, post.cache, post.transform_state, None,
+            jnp.asarray(post.next_pos), jax.random.key(0), 6, sampler.GREEDY, None,
+            sampler.NO_STATS, 0, (), 0, "xla").compile().as_text()
+        leaves = lambda c: [x for x in jax.tree_util.tree_leaves(c) if x.ndim]
+        rows[method] = {
+            "one": one.tokens.tolist(), "many": many.tokens.tolist(),
+            "weight_spec": str(sharded.layers[0].attn.q_proj.kernel.get_value().sharding.spec),
+            "cache_specs": sorted({str(x.sharding.spec) for x in leaves(many.cache)}),
+            "cache_devices": min(len(x.sharding.device_set) for x in leaves(many.cache)),
+            "capacities": sorted({p.shape[-1] for c in (pre.cache, post.cache, many.cache)
+                                  for p in jax.tree_util.tree_leaves(
+                                      [getattr(l, "recent", l).pos for l in c]
+                                      + [l.body.pos for l in c if hasattr(l, "body")])}),
+            "compress": collectives(hlo_compress), "decode": collectives(hlo_decode)}
+    print(json.dumps(rows))
+""")
+
+SHARDED_METHODS = [("full", 2), ("snapkv:ratio=0.5+kivi:bits=4,residual=32", 2),
+                   ("snapkv:ratio=0.5,headwise=true", 8)]
+
+
+def _shape_dims(text: str) -> list[int]:
+    """Dimensions of an HLO result shape such as 'f32[2,96,32]{2,1,0}' (tuples flattened)."""
+    import re
+    return [int(d) for dims in re.findall(r"\[([\d,]*)\]", text) for d in dims.split(",") if d]
+
+
+def test_weights_and_caches_sharded_give_one_device_tokens_and_no_cache_all_gather():
+    """data=2 x model=4 fake devices, a tiny config with 4 KV heads: every method's tokens
+    equal one device's; the compiled compression and decode steps all-gather no cache tensor.
+
+    Batch 2 puts one sequence on each data shard, so the KV heads split over `model`; the
+    head-wise method runs at batch 8 (a sequence's heads share slots in its pooled layout, so
+    its sequences, not its heads, are split over both axes)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    script = f"METHODS = {SHARDED_METHODS!r}\n" + IDENTITY
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(rows) == {method for method, _ in SHARDED_METHODS}
+    for method, row in rows.items():
+        assert row["many"] == row["one"], method
+        assert row["weight_spec"] == "P(None, 'model')", method  # 4 KV heads: heads split
+        assert row["cache_devices"] == 8, method  # every cache array lives on the whole mesh
+        # a cache tensor is one with a slot axis: no collective moves a tensor with a
+        # dimension equal to any cache capacity (none equals a model dimension, so a hit is
+        # a cache tensor); what remains: o_proj/down_proj partial sums, the vocab-split
+        # argmax, compaction's shared cursor, and (batch over model) the statistics
+        capacities = set(row["capacities"])
+        assert not capacities & {80, 120, 64, 256, 8 * 64, 4 * 64}, capacities
+        for step in ("compress", "decode"):
+            moved = [(op, s) for op, s in row[step] if set(_shape_dims(s)) & capacities]
+            assert not moved, (method, step, moved)
+        if method != "snapkv:ratio=0.5,headwise=true":  # heads split like the weights
+            assert not [s for op, s in row["compress"] + row["decode"]
+                        if op in ("all-to-all", "collective-permute")], method
+    specs = rows["full"]["cache_specs"]  # one sequence per data shard, 4 KV heads on model=4
+    assert specs == ["P('data', 'model')", "P(('data', 'model'),)"]  # pos; rows of k, v

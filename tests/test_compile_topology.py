@@ -1,0 +1,57 @@
+"""`kvjax compile`: a SmolLM2-shaped decoder with a KIVI chain compiled for a v5e:2x4 slice.
+
+Deviceless (libtpu on this CPU host, kernels_pallas/tpu_compile.py): prefill, compression
+and decode are compiled by XLA:TPU for 8 chips on a data=2 x model=4 mesh, and the
+per-chip bytes the compiler reports are checked against the shardings. Two layers of the
+SmolLM2 config keep the compile bounded (memory is per layer).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kernels_pallas.tpu_compile import libtpu_available
+
+pytestmark = pytest.mark.skipif(not libtpu_available(),
+                                reason="[optional] needs libtpu (the tpu-compile extra)")
+
+
+def _compile(*extra: str, timeout: int = 1500) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "experiments.cli", "compile", *extra],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_compile_smollm2_kivi_chain_for_v5e_2x4_reports_sharded_per_chip_memory():
+    proc = _compile("--topology", "v5e:2x4", "--mesh", "data=2,model=4", "--model", "smollm2",
+                    "--layers", "2", "--method", "snapkv:ratio=0.5+kivi:bits=4",
+                    "--context", "512", "--batch", "2", "--new-tokens", "4", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) >= {"prefill", "compress", "decode"}
+    weights, per_chip = result["weight_bytes"], result["weight_bytes_per_chip"]
+    # SmolLM2: 3 KV heads do not divide model=4, so attention is replicated; the MLP
+    # (hidden 1536) and the vocabulary (49152) split four ways
+    assert weights / 4 < per_chip < weights / 2
+    decode = result["decode"]
+    floor = per_chip + decode["cache_bytes_per_chip"]  # from the shardings alone
+    # the compiler's arguments: those shards (plus logits, positions, TPU tile padding),
+    # far below the unsharded weights plus cache
+    assert floor <= decode["argument"] < 1.5 * floor
+    assert decode["argument"] < (weights + decode["cache_bytes"]) / 2
+    for step in ("prefill", "compress", "decode"):
+        m = result[step]
+        assert m["peak"] == m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"]
+        assert m["peak"] > 0
+
+
+def test_compile_rejects_a_bad_topology_and_mesh_before_compiling():
+    proc = _compile("--topology", "v5e:2x", "--mesh", "data=2,model=4", "--context", "64",
+                    timeout=300)
+    assert proc.returncode == 2 and "topology 'v5e:2x'" in proc.stderr
+    proc = _compile("--topology", "v5e:2x4", "--mesh", "data=2,model=2", "--context", "64",
+                    timeout=300)
+    assert proc.returncode == 2 and "needs 4 devices" in proc.stderr and "8 available" in proc.stderr
