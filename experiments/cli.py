@@ -123,6 +123,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--method", default="full", help="cache method spec, e.g. 'full'")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weight dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--mesh", help="device mesh, e.g. data=2,model=4: weights split over "
+                                  "model, caches over data and model (models/sharding.py)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -196,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
 # `add_arguments(parser)` and `run(args) -> int` (the exit status; it prints its own output
 # and turns bad input into `kvjax: error: ...` on stderr with status 2).
 MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+    "compile": ("experiments.compile_cmd", "compile prefill/compression/decode for a TPU slice "
+                "(deviceless) and print per-chip memory"),
+    "launch": ("experiments.launch", "run a command as N local processes of one JAX program"),
     "export": ("experiments.export_cmd", "write a jax.export artifact: prefill, compression, "
                "decode, weights, tokenizer"),
     "run-exported": ("experiments.export_cmd", "generate from an artifact of `kvjax export` "
@@ -247,19 +252,39 @@ def check_model_args(args, cfg) -> None:
                    f"must be < the model's {limit} positions (the prompt needs some)")
 
 
+def _mesh(args):
+    """The `--mesh` of a command (models.sharding.make_mesh), or None."""
+    if not getattr(args, "mesh", None):
+        return None
+    from models.sharding import make_mesh
+    try:
+        return make_mesh(args.mesh)
+    except ValueError as e:
+        raise _bad("mesh", args.mesh, str(e).removeprefix(f"mesh {args.mesh!r}: ")) from None
+
+
+def _on_mesh(args, method: str):
+    """(method or its mesh-pinned transform, place_cache) for `--mesh` (None without one)."""
+    mesh = getattr(args, "mesh_obj", None)
+    if mesh is None:
+        return method, None
+    from models.sharding import cache_placer, on_mesh
+    return on_mesh(_transform(method), mesh), cache_placer(mesh)
+
+
 def cmd_generate(args, model, tokenizer) -> dict:
     from models.pipeline import ask
     from models.sampler import Sampling
 
-    method = args.method
+    method, place_cache = _on_mesh(args, args.method)
     if getattr(args, "monitor", False):
         from kvjax.monitor import monitored
-        method = monitored(_transform(method))
+        method = monitored(_transform(method) if isinstance(method, str) else method)
     answer = ask(model, tokenizer, args.prompt, method=method, chat=args.chat,
                  context=_read_text(args.context_file) if args.context_file else None,
                  answer_prefix=args.answer_prefix, max_new_tokens=args.max_new_tokens,
                  sampling=Sampling(args.temperature, args.top_k, args.top_p), seed=args.seed,
-                 compress_every=args.compress_every, impl=args.impl)
+                 compress_every=args.compress_every, impl=args.impl, place_cache=place_cache)
     result = {"text": answer.text, "tokens": answer.tokens,
               "prompt_tokens": answer.context_tokens + answer.question_tokens,
               "context_tokens": answer.context_tokens, "cache_bytes": answer.cache_bytes,
@@ -278,7 +303,8 @@ def cmd_ppl(args, model, tokenizer) -> dict:
     ids = tokenizer.encode(_read_text(args.text))[:args.max_tokens]
     start = time.perf_counter()
     result = perplexity(model, ids, args.context, args.stride, batch_size=args.batch_size,
-                        prefix=args.prefix, transform=_transform(args.method))
+                        prefix=args.prefix, transform=_on_mesh(args, args.method)[0]
+                        if getattr(args, "mesh_obj", None) else _transform(args.method))
     if not math.isfinite(result.ppl):
         raise BadResult(f"perplexity is {result.ppl} (summed NLL {result.nll}): the model gave "
                         f"non-finite log-probabilities; not reporting it")
@@ -367,6 +393,9 @@ def cmd_train_state(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command != "launch":
+        from models.sharding import init_distributed
+        init_distributed()  # a process of `kvjax launch`: join the others (KVJAX_* variables)
     if args.command in ("eval", "bench"):
         return cmd_eval(args)
     if args.command == "train-state":
@@ -383,8 +412,13 @@ def main(argv: list[str] | None = None) -> int:
         for path in (getattr(args, "text", None), getattr(args, "context_file", None)):
             if path is not None:
                 _read_text(path)  # fail before the model loads
+        mesh = _mesh(args)  # before the model loads: a bad mesh fails fast
         model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
         check_model_args(args, model.config)
+        if mesh is not None:
+            from models.sharding import shard_model
+            model = shard_model(model, mesh)
+            args.mesh_obj = mesh
         commands = {"generate": cmd_generate, "ppl": cmd_ppl, "calibrate": cmd_calibrate}
         result = commands[args.command](args, model, tokenizer)
         result["model"] = args.model
