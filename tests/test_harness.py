@@ -45,7 +45,8 @@ methods = ["kivi:bits=2"]
 def test_config_expands_the_grid_and_rejects_mistakes(tmp_path):
     path = tmp_path / "grid.toml"
     path.write_text(CONFIG)
-    cells, limit_gb, workers = harness.load_config(path)
+    cells, limit_gb, workers, bases = harness.load_config(path)
+    assert bases == {}
     assert len(cells) == 2 * 2 * 2 + 1 and all(c.trials == 4 for c in cells)
     assert (limit_gb, workers) == (16, 1)  # the defaults
     assert cells[-1] == Cell("niah_multikey", 512, "kivi:bits=2", trials=4)
@@ -175,7 +176,7 @@ def test_report_ppl_front_speed_depth_maps_and_kvpress_table(tmp_path):
     assert "| `quantize:bits=2` * |" in text and "| `full` * | 5.000 | +0.0% |" in text
     assert "| passkey | 512 | `snapkv:ratio=0.5` | 1.00 | 0.50 | 1/2 | 0.50 (batch 8) | " \
            "2.00 (batch 1) | 4.0x |" in text
-    assert "| `full` | 8 | 1024 | 1000 | 4.0 | 1.0 | 4.00 | 2.0 | 1.5 |" in text
+    assert "| `full` | 8 | 1024 | 1000 | 4.0 | 1.0 | 4.00 | 2.0 |  | 1.5 |" in text  # no compile_s
     assert "killed: big" in text
     table = (tmp_path / "cells.csv").read_text().splitlines()
     assert len(table) == 1 + len(rows) and "cache_bytes_per_token" in table[0]
