@@ -56,6 +56,19 @@ def test_compiles_once_across_calls_with_same_shapes(tiny_model, count_traces):
     assert traces.count == 0
 
 
+@pytest.mark.parametrize("method", ["snapkv:ratio=0.5,window=2+quantize:bits=8,group=8",
+                                    "streaming_llm:ratio=0.5"])
+def test_compressed_generation_compiles_once_for_equal_shapes(tiny_model, count_traces, method):
+    """Prefill, compression, shrink and the decode loop of a compressed cache: a second call
+    with other tokens of the same lengths (and another seed) traces nothing."""
+    from kvjax import parse_method
+    kwargs = dict(max_new_tokens=6, chunk=4, eos_ids=(), transform=parse_method(method))
+    generate(tiny_model, [list(range(3, 15)), list(range(20, 29))], **kwargs)
+    with count_traces() as traces:
+        generate(tiny_model, [list(range(40, 52)), list(range(60, 69))], seed=1, **kwargs)
+    assert traces.count == 0
+
+
 def test_transform_runs_after_prefill_and_every_n_decode_steps(tiny_model):
     calls = CacheTransform(
         init=lambda cache: jnp.zeros((2,), jnp.int32),  # [calls, last cache length seen]
