@@ -16,10 +16,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import EMPTY, Layer, TokenCache, view
+from kvjax.cache import EMPTY, Layer, ResidualCache, TokenCache, view
 from kvjax.kernel_attention import attend_pallas, pallas_backend, supports_pallas
 from kvjax.paging import PagedLayer, dense_view
-from kvjax.stores import Latent
+from kvjax.stores import Latent, PackedChannels, is_encoded, map_slot_leaves, read
 
 IMPLS = ("xla", "reference", "pallas")
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
@@ -44,13 +44,15 @@ def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, window: int | None = Non
     return mask
 
 
-def _group_queries(q: jax.Array, q_pos: jax.Array, cache: Layer) -> jax.Array:
+def _group_queries(q: jax.Array, q_pos: jax.Array, cache: TokenCache,
+                   exact_dtype: bool = True) -> jax.Array:
     """[B, T, H, D] -> [R, (H/R')*T, D], R = the cache's key rows: one matmul per row.
 
     Per-head layout: R = B*KVH and each row serves its group of G = H/KVH
     query heads. Pooled layout: R = B and each row serves all H heads (the
     mask then keeps every head to its own slots). Row order is (b, kvh, g, t)
-    in both cases.
+    in both cases. The queries take the dtype of dense keys (bf16 x bf16
+    dots), else float32 (`exact_dtype=False`, or encoded keys: decoded to float32).
     """
     b, t, h, d = q.shape
     kvh = cache.kv_heads
@@ -60,7 +62,8 @@ def _group_queries(q: jax.Array, q_pos: jax.Array, cache: Layer) -> jax.Array:
     if q_pos.shape != (b, t):
         raise ValueError(f"attend: q_pos has shape {q_pos.shape}, expected {(b, t)}")
     qg = q.reshape(b, t, kvh, h // kvh, d).transpose(0, 2, 3, 1, 4)  # [B, KVH, G, T, D]
-    return qg.reshape(cache.k.shape[0], -1, d).astype(cache.k.dtype)
+    dense = exact_dtype and not is_encoded(cache.k)
+    return qg.reshape(cache.k.shape[0], -1, d).astype(cache.k.dtype if dense else jnp.float32)
 
 
 def _ungroup(out: jax.Array, q_shape: tuple[int, ...], kvh: int) -> jax.Array:
@@ -90,14 +93,18 @@ def _weighted_values(p: jax.Array, v) -> jax.Array:
     return jnp.einsum("nqs,nsd->nqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
-def _masked_scores(qg, k, kv_pos, q_pos, g, window, softcap, scale):
+def _einsum_scores(qg: jax.Array, k: jax.Array) -> jax.Array:
+    return jnp.einsum("nqd,nsd->nqs", qg, k, preferred_element_type=jnp.float32)
+
+
+def _masked_scores(qg, k, kv_pos, q_pos, g, window, softcap, scale, scores=_einsum_scores):
     """Scores [R, G'*T, S] float32 (masked entries NEG_INF) and the mask.
 
     Low-rank keys are scored in latent space: q . (P z) = (P^T q) . z.
     """
     if isinstance(k, Latent):
         qg, k = k.project(qg), k.z.astype(jnp.float32)
-    s = jnp.einsum("nqd,nsd->nqs", qg, k, preferred_element_type=jnp.float32) * scale
+    s = scores(qg, k) * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     mask = _row_mask(q_pos, kv_pos, g, k.shape[0], window)
@@ -194,6 +201,52 @@ def attention_mass(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int =
     return jnp.where(cache.pos != EMPTY, mass, 0.0)  # pooled: each slot to its owner head
 
 
+MATVEC_ROWS = 8
+"""Query rows per cache row up to which scores are one matrix-vector product per row.
+
+A decode step has `G*T = 3` query rows per KV head (SmolLM2); XLA:CPU runs the
+batched `[Q, D] x [S, D]^T` dot for so few rows 4-8x below its read bandwidth,
+and `Q` matrix-vector products `[S, D] x [D]` at it (docs/DECISIONS.md)."""
+
+
+def _scores(qg: jax.Array, k: jax.Array) -> jax.Array:
+    """qg [R, Q, D] . k [R, S, D] -> [R, Q, S] float32: few rows as matrix-vector products."""
+    n_q = qg.shape[1]
+    if n_q > MATVEC_ROWS:
+        return jnp.einsum("nqd,nsd->nqs", qg, k, preferred_element_type=jnp.float32)
+    rows = [jnp.einsum("nsd,nd->ns", k, qg[:, i], preferred_element_type=jnp.float32)
+            for i in range(n_q)]
+    return jnp.stack(rows, axis=1)
+
+
+def _block(store, start, size: int, length=None):
+    """Slots [start, start + size) of a store, decoded to float32 [R, size, D] (Latent stays).
+
+    Only the block is decoded (bit-unpacked, scaled), so a compressed cache
+    is never materialised whole: the block stays in the CPU's cache between
+    its decode and the dots that read it.
+    """
+    if isinstance(store, Latent):
+        return store.replace(z=jax.lax.dynamic_slice_in_dim(store.z, start, size, axis=1))
+    if isinstance(store, PackedChannels):
+        return store.read_slots(start, size, length)
+    piece = map_slot_leaves(store, lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1))
+    return read(piece)
+
+
+def _parts(cache: Layer) -> tuple[TokenCache, ...]:
+    """The `TokenCache`s attention reads, each with its own slots and cursor.
+
+    A residual layer is its encoded body and its exact recent part, read one
+    after the other without joining them (joining decodes the body whole).
+    """
+    if isinstance(cache, ResidualCache):
+        return _parts(cache.body) + _parts(cache.recent)
+    if cache.capacity == 0:
+        return ()
+    return (cache,)
+
+
 def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int = 256,
                      window: int | None = None, softcap: float | None = None,
                      scale: float | None = None) -> jax.Array:
@@ -205,32 +258,50 @@ def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int
     prompt does about half the work of `attend_reference`, and a large,
     mostly empty cache costs nothing. Any capacity works: the last block is
     shifted to end at the capacity and skips the slots an earlier block read.
+
+    Encoded layers are read without decoding them whole: each block of codes
+    is decoded inside the loop (`kvjax.stores.read` of the block), and a
+    `ResidualCache` runs the loop over its body, then over its exact part,
+    carrying one running softmax. An evicted, shrunk layer reads only its
+    kept slots.
     """
-    cache = view(cache, keep_latent=True)
-    qg = _group_queries(q, q_pos, cache)
-    g = q.shape[2] // cache.kv_heads
+    parts = _parts(cache)
+    first = cache.recent if isinstance(cache, ResidualCache) else cache
+    # float32 unless the layer is one dense bf16 array (a residual layer is read as float32)
+    as_f32 = isinstance(cache, ResidualCache)
+    qg = _group_queries(q, q_pos, first, exact_dtype=not as_f32)
+    g = q.shape[2] // first.kv_heads
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    block = min(block, cache.capacity)
     n, rows, d = qg.shape
 
-    def step(i, carry):
-        m, l, acc = carry  # [N, GT], [N, GT], [N, GT, D]
-        start = jnp.minimum(i * block, cache.capacity - block)
-        k, v = _slots(cache.k, start, block), _slots(cache.v, start, block)
-        pos = jax.lax.dynamic_slice_in_dim(cache.pos, start, block, axis=2)
-        pos = jnp.where(start + jnp.arange(block) >= i * block, pos, EMPTY)  # read once
-        s, mask = _masked_scores(qg, k, pos, q_pos, g, window, softcap, scale)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        p = jnp.exp(s - m_new[..., None]) * mask
-        correction = jnp.exp(m - m_new)
-        acc = acc * correction[..., None] + _weighted_values(p, v)
-        return m_new, l * correction + p.sum(axis=-1), acc
+    def run_part(part: TokenCache, carry):
+        size = min(block, part.capacity)
 
-    init = (jnp.full((n, rows), NEG_INF), jnp.zeros((n, rows)), jnp.zeros((n, rows, d)))
-    n_blocks = (cache.length + block - 1) // block
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, step, init)
+        def step(i, carry):
+            m, l, acc = carry  # [N, GT], [N, GT], [N, GT, D]
+            start = jnp.minimum(i * size, part.capacity - size)
+            k, v = _block(part.k, start, size, part.length), _block(part.v, start, size)
+            if as_f32:  # a residual layer's exact part in bf16 is read as float32, like its body
+                k, v = (x.astype(jnp.float32) if isinstance(x, jax.Array) else x for x in (k, v))
+            pos = jax.lax.dynamic_slice_in_dim(part.pos, start, size, axis=2)
+            pos = jnp.where(start + jnp.arange(size) >= i * size, pos, EMPTY)  # read once
+            s, mask = _masked_scores(qg, k, pos, q_pos, g, window, softcap, scale,
+                                     scores=_scores)
+            m_new = jnp.maximum(m, s.max(axis=-1))
+            p = jnp.exp(s - m_new[..., None]) * mask
+            correction = jnp.exp(m - m_new)
+            acc = acc * correction[..., None] + _weighted_values(p, v)
+            return m_new, l * correction + p.sum(axis=-1), acc
+
+        n_blocks = (part.length + size - 1) // size
+        return jax.lax.fori_loop(0, n_blocks, step, carry)
+
+    carry = (jnp.full((n, rows), NEG_INF), jnp.zeros((n, rows)), jnp.zeros((n, rows, d)))
+    for part in parts:
+        carry = run_part(part, carry)
+    _, l, acc = carry
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that saw nothing returns zeros
-    return _ungroup(out, q.shape, cache.kv_heads)
+    return _ungroup(out, q.shape, first.kv_heads)
 
 
 def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",

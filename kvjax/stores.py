@@ -186,14 +186,58 @@ class PackedChannels(Store):
                    offset=None if symmetric else params, groups=jnp.zeros((), jnp.int32),
                    bits=bits, group=group, dim=dim)
 
+    def table_rows_of_slots(self, table: jax.Array) -> jax.Array:
+        """[R, NG, D] table -> [R, C, D]: each slot's row, gathered as whole rows of D.
+
+        One gather index per slot (slice `[1, D]`), not one per element: on
+        XLA:CPU an element-wise `take_along_axis` of the table cost ~50 ns per
+        element, 60x a row gather (docs/DECISIONS.md). Batched over R (vmap), not
+        a take from the flattened [R*NG, D] table: a row-sharded cache then gathers
+        on its own device, where the flat index made XLA all-gather the table
+        (tests/test_sharding.py); same speed on XLA:CPU.
+        """
+        take = lambda t, i: jnp.take(t, i, axis=0, mode="clip")  # [NG, D], [C] -> [C, D]
+        return jax.vmap(take)(table, self.group_id.astype(jnp.int32))  # [R, C, D]
+
     def read(self) -> jax.Array:
-        codes = unpack(self.words, self.bits, self.dim).astype(jnp.float32)  # [R, C, D]
-        idx = self.group_id.astype(jnp.int32)[..., None]
-        scale = jnp.take_along_axis(self.scale, idx, axis=1).astype(jnp.float32)
+        return self._dequantize(self.words, self.table_rows_of_slots)
+
+    def _dequantize(self, words: jax.Array, rows_of) -> jax.Array:
+        """codes * scale + offset, float32 [R, S, D]; `rows_of(table)` gives each slot's row."""
+        codes = unpack(words, self.bits, self.dim).astype(jnp.float32)  # [R, S, D]
+        scale = rows_of(self.scale).astype(jnp.float32)
         if self.offset is None:
             return codes * scale - (2 ** (self.bits - 1)) * scale
-        offset = jnp.take_along_axis(self.offset, idx, axis=1).astype(jnp.float32)
-        return codes * scale + offset
+        return codes * scale + rows_of(self.offset).astype(jnp.float32)
+
+    def read_slots(self, start, size: int, length=None) -> jax.Array:
+        """`read()[:, start:start + size]` decoding only those slots (traced `start`).
+
+        When the slots hold their groups in write order (slot `s` in table row
+        `s // group`: a layer quantized and never compacted since), each
+        table row is broadcast over its `group` slots; otherwise the rows are
+        gathered per slot. Both give the same floats (`lax.cond`). Slots at or
+        after `length` (unwritten) do not count against the order.
+        """
+        piece = self.map_slots(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1))
+        g, ng = self.group, self.table_rows
+        n = size // g + 2  # table rows that can touch `size` consecutive slots
+        slots = start + jnp.arange(size, dtype=jnp.int32)
+        in_order = piece.group_id.astype(jnp.int32) == (slots // g)[None]
+        if length is not None:
+            in_order |= (slots >= length)[None]
+        in_order = jnp.all(in_order)
+
+        def by_group(table):  # [R, NG, D] -> [R, size, D], rows start//g ... repeated g times
+            if ng < n:
+                table = jnp.pad(table, ((0, 0), (0, n - ng), (0, 0)))
+            first = jnp.minimum(start // g, table.shape[1] - n)
+            rows = jax.lax.dynamic_slice_in_dim(table, first, n, axis=1)
+            return jax.lax.dynamic_slice_in_dim(jnp.repeat(rows, g, axis=1), start - first * g,
+                                                size, axis=1)
+
+        return jax.lax.cond(in_order, lambda p: p._dequantize(p.words, by_group),
+                            lambda p: p.read(), piece)
 
     def put_groups(self, x: jax.Array, valid: jax.Array, at, count) -> "PackedChannels":
         """Quantize x [R, T, D] (T a multiple of `group`) as T/G new groups at slot `at`.
