@@ -398,33 +398,41 @@ class PackedTokens:
         return (codes * scale + offset).astype(dtype)
 
     def scales_scores(self, head_dim: int) -> bool:
-        """True when a key page can be applied as codes plus a scale per slot on the scores.
+        """True when a key page can be applied as codes plus a scale (and offset) per slot on
+        the scores.
 
-        Symmetric codes with one group spanning D: k_s = scale_s * (c_s - 2**(bits-1)), so
-        q . k_s = scale_s * (q . (c_s - 2**(bits-1))) exactly (the centred codes are
-        integers of at most 8 bits, exact in bf16).
+        One group spanning D: symmetric k_s = scale_s * (c_s - 2**(bits-1)), so
+        q . k_s = scale_s * (q . (c_s - 2**(bits-1))); asymmetric k_s = scale_s * c_s +
+        offset_s, so q . k_s = scale_s * (q . c_s) + offset_s * sum(q). Exact algebra; the
+        codes (integers of at most 8 bits) are exact in bf16, so the dot's operands are the
+        same numbers the dequantized keys would be built from.
         """
-        return self.symmetric and self.group == head_dim
+        return self.group == head_dim
 
     def decode_codes(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32):
-        """blocks: ([1, (W + NW) * S],) -> centred codes [D, S] in `dtype`, scale [1, S] f32.
+        """blocks: ([1, (W + NW) * S],) -> codes [D, S] in `dtype`, scale [1, S] f32 and offset
+        [1, S] f32 (None when symmetric: the codes are then centred).
 
-        Only where `scales_scores(head_dim)`; the page decodes to codes * scale.
+        Only where `scales_scores(head_dim)`; the page decodes to codes * scale (+ offset).
         """
         if not self.scales_scores(head_dim):
-            raise ValueError(f"decode_codes: {self} has more than one parameter per slot at "
+            raise ValueError(f"decode_codes: {self} has more than one group per slot at "
                              f"head_dim {head_dim}; use decode")
-        n_words = head_dim * self.bits // 32
+        n_words, n = head_dim * self.bits // 32, self.n_params(head_dim)
         s = _lanes(blocks[0]) // self.rows(head_dim)
         if ops.take is not None:
             codes = _take_codes(ops, blocks[0], head_dim, self.bits, s)
-            scale = _take_params(ops, blocks[0], n_words, jnp.zeros((1,), jnp.int32), 1,
-                                 self.param_dtype, s)
+            param = lambda r: _take_params(ops, blocks[0], n_words, jnp.full((1,), r, jnp.int32),
+                                           n, self.param_dtype, s)
+            scale, offset = param(0), (None if self.symmetric else param(1))
         else:
             codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]
-            scale = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(head_dim), s), 1,
-                                self.param_dtype)  # [1, S]
-        return (codes - 2.0 ** (self.bits - 1)).astype(dtype), scale
+            params = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(head_dim), s), n,
+                                 self.param_dtype)  # [n, S]
+            scale, offset = params[0:1], (None if self.symmetric else params[1:2])
+        if self.symmetric:
+            codes = codes - 2.0 ** (self.bits - 1)
+        return codes.astype(dtype), scale, offset
 
     def decode_flops(self, head_dim: int, page_size: int) -> int:
         """codes * scale + offset per element."""

@@ -43,8 +43,13 @@ Backends:
   `tests/test_tpu_compile.py` compiles every variant with Mosaic for v5e
   and v6e (deviceless); no TPU has run it.
 - `"gpu"`: Pallas on Triton (a justified fallback, docs/DECISIONS.md): one
-  program per (sequence, KV head, split) loops over its pages, loading each
-  page through the block table; query rows are padded to 16 for `tl.dot`.
+  program per (sequence, KV head, split) loops over its pages in steps of
+  `pages_per_block` pages (default 128 slots), each step one `[L, D]` tile
+  gathered through the block table (L = pages x S, pages side by side);
+  bf16 queries make both dots bf16 x bf16 -> f32 (tensor cores); query rows
+  are padded to 16 (`tl.dot`'s minimum) and no further. Head dim, page size
+  and pages per step must be powers of two (ValueError otherwise). Not run
+  on a GPU; `tests/test_gpu_kernel.py` reads the lowered Triton IR.
 Both split the pages into `pages_per_split` chunks (flash-decoding; TPU:
 a multiple of `pages_per_block`); the
 per-split partial softmax states are merged in plain jnp.
@@ -95,13 +100,14 @@ class Partial(NamedTuple):
 
 
 def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, scale, window,
-                  softcap, k_scale=None):
+                  softcap, k_scale=None, k_offset=None):
     """One page into the online softmax.
 
     q [GT, D] in the MXU operand dtype; k/v [S, D], or [D, S] when
     `*_slots_last`, in the same dtype; kpos [1, S] int32, qpos [GT, 1] int32;
     carry (m [GT, 1], l [GT, 1], acc [GT, D]) float32. Dots accumulate in f32.
-    k_scale [1, S] float32: per-slot key scales applied to the scores (k holds codes).
+    k_scale [1, S] float32: per-slot key scales applied to the scores (k holds codes);
+    k_offset [1, S] float32: per-slot key offsets, added as offset * sum(q) to the scores.
     """
     m, l, acc = carry
     # f32 operands: full f32 products (Mosaic's default may be one bf16 pass); bf16: one pass
@@ -111,6 +117,9 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
                             precision=prec(q), preferred_element_type=jnp.float32) * scale
     if k_scale is not None:
         s = s * k_scale
+    if k_offset is not None:  # q . (c * scale + offset) = scale * (q . c) + offset * sum(q)
+        q_sum = jnp.sum(q.astype(jnp.float32), axis=1, keepdims=True)  # [GT, 1]
+        s = s + (q_sum * scale) * k_offset
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     visible = (kpos != EMPTY) & (qpos >= 0) & (kpos <= qpos)
@@ -171,12 +180,12 @@ def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops
                compute_dtype, **math):
     if getattr(k_format, "scales_scores", lambda d: False)(head_dim):
         # per-slot key scales on the [GT, S] scores instead of the [D, S] keys (exact)
-        k, k_scale = k_format.decode_codes(k_blocks, ops, head_dim, compute_dtype)
+        k, k_scale, k_offset = k_format.decode_codes(k_blocks, ops, head_dim, compute_dtype)
     else:
-        k, k_scale = k_format.decode(k_blocks, ops, head_dim, compute_dtype), None
+        k, k_scale, k_offset = k_format.decode(k_blocks, ops, head_dim, compute_dtype), None, None
     v = v_format.decode(v_blocks, ops, head_dim, compute_dtype)
     return _softmax_step(q.astype(compute_dtype), k, v, kpos, qpos, carry, k_scale=k_scale,
-                         **math)
+                         k_offset=k_offset, **math)
 
 
 def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_format, v_format,
@@ -612,7 +621,8 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
         `PackedChannels(...)`.
       pages_per_split: pages per flash-decoding split (static; TPU: rounded up
         to a multiple of pages_per_block).
-      pages_per_block: TPU pages per grid step (default: >= 512 slots).
+      pages_per_block: TPU: pages per grid step (default: >= 512 slots); GPU:
+        pages per loop step, a power of two (default: 128 slots).
       head_stride: with shared [B, NP] tables (static): KV head h of row b
         reads page `block_tables[b, i] + h * head_stride`.
       window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.

@@ -144,11 +144,25 @@ def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict 
                 head_stride=per_row)
 
 
-def supports_pallas(layer: Any) -> bool:
-    """True if `attend_pallas` reads this layer in the kernel."""
+def supports_pallas(layer: Any, backend: str | None = None) -> bool:
+    """True if `attend_pallas` reads this layer in the kernel of `backend` (default: the device's).
+
+    The GPU (Triton) kernel also needs a power-of-two head dim >= 16 and page size; other
+    layers take the XLA path there.
+    """
+    backend = backend or pallas_backend()
     if isinstance(layer, ResidualCache):
-        return supports_pallas(layer.body) and supports_pallas(layer.recent)
-    return isinstance(layer, PagedLayer) or kernel_inputs(layer) is not None
+        return supports_pallas(layer.body, backend) and supports_pallas(layer.recent, backend)
+    if isinstance(layer, PagedLayer):
+        page = layer.page_size
+    elif kernel_inputs(layer) is not None:
+        page = page_size_for(layer.capacity)
+    else:
+        return False
+    if backend == "gpu":
+        pow2 = lambda n: n >= 1 and n & (n - 1) == 0
+        return pow2(page) and pow2(layer.head_dim) and layer.head_dim >= 16
+    return True
 
 
 def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
@@ -156,11 +170,12 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
     if isinstance(layer, ResidualCache):
         return merge(attend_partial(q, q_pos, layer.body, **kwargs),
                      attend_partial(q, q_pos, layer.recent, **kwargs))
-    if not supports_pallas(layer):
-        raise ValueError(f"attend_pallas: the kernel does not read a {type(layer).__name__} "
-                         f"of this layout (pooled, low-rank, or capacity without a page size "
-                         f">= {MIN_PAGE}); use impl='xla'")
     backend = kwargs.get("backend", "tpu")
+    if not supports_pallas(layer, backend):
+        raise ValueError(f"attend_pallas: the {backend} kernel does not read a "
+                         f"{type(layer).__name__} of this layout (pooled, low-rank, capacity "
+                         f"without a page size >= {MIN_PAGE}, or on GPU a head dim or page size "
+                         f"that is not a power of two); use impl='xla'")
     call = lambda wide: paged_attention_partial(q, q_pos, **kernel_inputs(layer, wide, backend),
                                                 **kwargs)
     fits = _windows_fit(layer, page_size_for(layer.capacity) or 0, backend) \

@@ -111,3 +111,13 @@ def test_token_cache_pages_use_one_table_per_sequence():
                                pages_per_split=1)
         want = kvjax.attend(q, q_pos, layer, impl="reference", window=20)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+def test_gpu_kernel_takes_power_of_two_shapes_only():
+    """A head dim that is not a power of two: the TPU kernel reads the layer, the GPU (Triton)
+    kernel does not (impl="pallas" takes the XLA path there), and asking for it is an error."""
+    layer, q, q_pos = filled(5, 10, capacity=32, d=48)
+    assert ka.supports_pallas(layer, "tpu") and not ka.supports_pallas(layer, "gpu")
+    assert ka.supports_pallas(filled(5, 10, capacity=32)[0], "gpu")
+    with pytest.raises(ValueError, match="power of two"):
+        ka.attend_pallas(q, q_pos, layer, backend="gpu", interpret=True)

@@ -411,30 +411,35 @@ def test_shared_tables_need_a_head_stride():
 
 @pytest.mark.parametrize("interpret", [True, pltpu.InterpretParams(), "gpu"],
                          ids=["tpu-generic", "tpu-dma", "gpu"])
-@pytest.mark.parametrize("bits,param_dtype", [(8, "float16"), (4, "bfloat16"), (2, "float32")])
-def test_per_token_key_scales_applied_to_the_scores(interpret, bits, param_dtype):
-    """Symmetric per-token keys with one group spanning D: the kernel dots the queries with the
-    centred codes and scales the scores per slot; equal to the reference's dequantized keys."""
-    fmt = pf.PackedTokens(bits, 64, True, param_dtype)
+@pytest.mark.parametrize("bits,param_dtype,symmetric", [(8, "float16", True),
+                                                        (4, "bfloat16", False),
+                                                        (2, "float32", False)])
+def test_per_token_key_scales_applied_to_the_scores(interpret, bits, param_dtype, symmetric):
+    """Per-token keys with one group spanning D: the kernel dots the queries with the codes and
+    applies each slot's scale (and offset, times sum(q)) to the scores; equal to the
+    reference's dequantized keys."""
+    fmt = pf.PackedTokens(bits, 64, symmetric, param_dtype)
     assert fmt.scales_scores(64)
-    assert not pf.PackedTokens(bits, 32, True).scales_scores(64)  # two scales per slot
-    assert not pf.PackedTokens(bits, 64, False).scales_scores(64)  # offsets
+    assert not pf.PackedTokens(bits, 32, symmetric).scales_scores(64)  # two groups per slot
     rng = np.random.default_rng(40 + bits)
     lengths = [1, 40, 75]
     k, v, pos, tables, counts = make_pool(rng, batch=3, kv_heads=2, page_size=16, head_dim=64,
                                           lengths=lengths)
-    kp = packed_tokens(k, bits, 64, True, param_dtype)
+    k = k + 2.0  # a large common offset: sum(q) * offset matters
+    kp = packed_tokens(k, bits, 64, symmetric, param_dtype)
     q, q_pos = queries(rng, 3, 2, 4, 64, lengths)
     backend, interp = mode(*(("gpu", True) if interpret == "gpu" else ("tpu", interpret)))
     got, want = run_both(q, q_pos, kp, packed_tokens(v, 4, 32, False), pos, tables, counts,
                          backend, interpret=interp, k_format=fmt, v_format=pf.PackedTokens(4, 32),
                          softcap=20.0, window=50, pages_per_split=2)
     np.testing.assert_allclose(got, want, **TOL)
-    # the split decode is the page decode: centred codes times the slot's scale
-    codes, scale = fmt.decode_codes((kp[0][3],), pf.REFERENCE_OPS, 64)
-    np.testing.assert_allclose(np.asarray(codes * scale),
+    # the split decode is the page decode: codes times the slot's scale (plus its offset)
+    codes, scale, offset = fmt.decode_codes((kp[0][3],), pf.REFERENCE_OPS, 64)
+    assert (offset is None) == symmetric
+    split = codes * scale + (0.0 if offset is None else offset)
+    np.testing.assert_allclose(np.asarray(split),
                                np.asarray(fmt.decode((kp[0][3],), pf.REFERENCE_OPS, 64)),
-                               rtol=1e-6, atol=1e-6)
+                               rtol=1e-6, atol=1e-5)
     assert np.all(np.asarray(codes) == np.round(np.asarray(codes)))
     with pytest.raises(ValueError, match="decode_codes"):
-        pf.PackedTokens(bits, 32, True).decode_codes((kp[0][3],), pf.REFERENCE_OPS, 64)
+        pf.PackedTokens(bits, 32, symmetric).decode_codes((kp[0][3],), pf.REFERENCE_OPS, 64)
