@@ -16,16 +16,8 @@ is prefilled in the smallest bucket that holds its padded prompt plus the new to
 compressed there, then cut to the smallest bucket that holds what the method kept plus the
 new tokens (`bucket_layout`) and decoded step by step, greedily, on the host.
 
-Example (an artifact of a tiny random model, exported in a few seconds):
-    >>> import tempfile
-    >>> from flax import nnx
-    >>> from models.export import export_artifact
-    >>> from models.llama import Llama, LlamaConfig
-    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-    >>> path = export_artifact(model, None, tempfile.mkdtemp(), max_len=64, chunk=16)
-    >>> decoder = load(path)
-    >>> decoder.buckets, decoder.generate([[5, 6, 7]], max_new_tokens=4).tokens.shape
-    ((32, 64), (1, 4))
+The module docstring of `models.export` shows the round trip; `tests/test_export.py` and
+`tests/test_run_exported.py` check it against the live model.
 """
 
 from __future__ import annotations
@@ -69,7 +61,12 @@ _register_stats()
 
 
 def pick_bucket(buckets: Sequence[int], needed: int, what: str) -> int:
-    """The smallest bucket >= `needed`; ValueError naming `what` when none is large enough."""
+    """The smallest bucket >= `needed`; ValueError naming `what` when none is large enough.
+
+    Example:
+        >>> pick_bucket((128, 256, 512), 200, "a prompt")
+        256
+    """
     for bucket in sorted(buckets):
         if bucket >= needed:
             return bucket
@@ -203,10 +200,20 @@ class TextCodec:
         """`text` as one user turn of the chat template, the assistant's turn opened."""
         if not self.chat_template:
             raise ValueError("chat: this artifact's tokenizer has no chat template")
+        from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False)
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        # as Hugging Face renders chat templates (models.tokenizer does the same)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols])
+        env.filters["tojson"] = lambda v, ensure_ascii=False, indent=None, separators=None, \
+            sort_keys=False: json.dumps(v, ensure_ascii=ensure_ascii, indent=indent,
+                                        separators=separators, sort_keys=sort_keys)
+        env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
             messages=[{"role": "user", "content": text}], add_generation_prompt=True,
             **{k: v or "" for k, v in self.special.items()})

@@ -147,7 +147,7 @@ def _symbolic_batch(make: Callable[[int], Any], b) -> Any:
 
 
 def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: str = "full",
-                    platforms: Sequence[str] = ("cpu",), max_len: int = DEFAULT_MAX_LEN,
+                    platforms: Sequence[str] = ("cpu",), max_len: int | None = None,
                     chunk: int = DEFAULT_CHUNK, buckets: Sequence[int] | None = None,
                     source: str = "") -> Path:
     """Write an artifact that `kvjax.exported.load` generates from without Flax or `models`.
@@ -155,12 +155,26 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
     The directory holds, per capacity bucket, the prefill chunk (`chunk` tokens), the
     method's compression and the decode step, each `jax.export`ed with a symbolic batch
     for `platforms`; `weights.safetensors` (float32, by state path); the tokenizer (HF
-    `tokenizer.json`, when `tokenizer` is given); and `manifest.json`.
+    `tokenizer.json`, when `tokenizer` is given); and `manifest.json`. `max_len` (default
+    the smaller of 1024 and the model's positions) is the largest capacity served.
     Returns the directory.
+
+    Example (a tiny random model; `kvjax.exported.load` needs neither Flax nor `models`):
+        >>> import tempfile
+        >>> from kvjax import exported
+        >>> from models.llama import LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> path = export_artifact(model, None, tempfile.mkdtemp(), max_len=64, chunk=16,
+        ...                        buckets=(64,))
+        >>> decoder = exported.load(path)
+        >>> out = decoder.generate([[5, 6, 7], [8, 9]], max_new_tokens=3)   # batch 2
+        >>> out.tokens.shape, out.prefill_bucket
+        ((2, 3), 64)
     """
     transform = kvjax.parse_method(method)
     kvjax.methods.check_method(method, model.config.num_layers)
     cfg = model.config
+    max_len = min(DEFAULT_MAX_LEN, cfg.max_position) if max_len is None else max_len
     for name, value, low in (("chunk", chunk, 1), ("max_len", max_len, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"export_artifact: {name} must be an int >= {low}, got {value!r}")

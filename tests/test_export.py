@@ -138,3 +138,136 @@ def test_export_rejects_a_missing_or_double_layout(model):
         export_decode_step(model, batch=1, capacity=8, cache=new_cache(model.config, 1, 8))
     with pytest.raises(ValueError, match="layers"):
         export_decode_step(model, cache=new_cache(model.config, 1, 8)[:1])
+
+
+# ----------------------------------------------------------------------------- artifacts
+# `export_artifact` + `kvjax.exported`: prefill chunk, compression and decode step with a
+# symbolic batch, in capacity buckets, generating like the live sampler (the real model, in
+# a process without Flax: tests/test_run_exported.py).
+
+import json  # noqa: E402
+import shutil  # noqa: E402
+
+from kvjax import exported  # noqa: E402
+from models.export import export_artifact  # noqa: E402
+from models.sampler import generate  # noqa: E402
+
+SPEC = "snapkv:ratio=0.5,window=8+kivi:bits=4,group=8,residual=8"  # flushes on short prompts
+
+
+@pytest.fixture(scope="module")
+def artifacts(model, tmp_path_factory):
+    return {m: export_artifact(model, None, tmp_path_factory.mktemp("artifact"), method=m,
+                               chunk=16, max_len=128, buckets=(64, 128))
+            for m in ("full", SPEC)}
+
+
+def kept_positions(cache) -> list[np.ndarray]:
+    """Per layer, each [batch, head] row's valid positions, sorted ([B, KVH, n] ragged -> list)."""
+    out = []
+    for layer in cache:
+        pos = np.asarray(layer.pos)
+        out.append([sorted(row[row != kvjax.EMPTY].tolist()) for row in pos.reshape(-1, pos.shape[-1])])
+    return out
+
+
+@pytest.mark.parametrize("method", ["full", SPEC])
+def test_artifact_generates_the_live_models_tokens(model, artifacts, method):
+    """Batches 1 and 3 from one artifact: the live sampler's tokens, the same kept tokens."""
+    decoder = exported.load(artifacts[method])
+    rng = np.random.default_rng(1)
+    for batch in (1, 3):
+        prompts = [rng.integers(3, 256, int(n)).tolist() for n in rng.integers(40, 90, batch)]
+        got = decoder.generate(prompts, max_new_tokens=6)
+        live = generate(model, prompts, max_new_tokens=6, chunk=16,
+                        transform=kvjax.parse_method(method))
+        np.testing.assert_array_equal(got.tokens, live.tokens)
+        np.testing.assert_array_equal(got.num_tokens, live.num_tokens)
+        assert kept_positions(got.cache) == kept_positions(live.cache)
+        assert got.prefill_bucket == 128
+        if method == SPEC:  # compressed to ~half, decoded in the smaller bucket, quantized body
+            assert got.decode_bucket == 64
+            assert all(int(layer.body.length) > 0 for layer in got.cache)
+
+
+def assert_same_slots(a, b):
+    """Every row of dense layers `a` and `b` holds the same (position, key, value) set."""
+    pa, pb = (np.asarray(x.pos).reshape(-1, x.pos.shape[-1]) for x in (a, b))
+    for r in range(pa.shape[0]):
+        ia = np.flatnonzero(pa[r] != kvjax.EMPTY)[np.argsort(pa[r][pa[r] != kvjax.EMPTY])]
+        ib = np.flatnonzero(pb[r] != kvjax.EMPTY)[np.argsort(pb[r][pb[r] != kvjax.EMPTY])]
+        np.testing.assert_array_equal(pa[r][ia], pb[r][ib])
+        for name in ("k", "v"):  # decoded bit for bit: codes, groups and scales moved intact
+            np.testing.assert_array_equal(np.asarray(getattr(a, name))[r][ia],
+                                          np.asarray(getattr(b, name))[r][ib])
+
+
+def test_bucket_layout_keeps_every_slot_and_depends_on_capacity_only(model):
+    t = kvjax.parse_method(SPEC)
+    rng = np.random.default_rng(2)
+    shapes = []
+    for n in (70, 41):
+        pre = prefill_and_compress(model, [rng.integers(3, 256, n).tolist()] * 2, transform=t,
+                                   chunk=16, capacity=128, shrink=False)
+        cut = exported.bucket_layout(pre.cache, 64)
+        for before, after in zip(pre.cache, cut):
+            assert_same_slots(kvjax.view(before), kvjax.view(after))
+        shapes.append(jax.tree.map(lambda x: (x.shape, x.dtype), cut))
+    assert shapes[0] == shapes[1]  # 70 and 41 tokens: one layout, one compiled decode step
+
+
+def test_bucket_layout_refuses_to_drop_written_slots(model):
+    pre = prefill_and_compress(model, [list(range(3, 60))], chunk=16, capacity=96)
+    with pytest.raises(ValueError, match="would drop written slots"):
+        exported.bucket_layout(pre.cache, 32)
+
+
+def test_generate_from_an_artifact_rejects_bad_input(artifacts):
+    decoder = exported.load(artifacts["full"])
+    with pytest.raises(ValueError, match="largest capacity bucket is 128"):
+        decoder.generate([list(range(3, 120))], max_new_tokens=20)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1"):
+        decoder.generate([[5]], max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 256\)"):
+        decoder.generate([[5, 256]])
+    with pytest.raises(ValueError, match="no tokenizer"):
+        decoder.generate(["hello"])
+    with pytest.raises(ValueError, match="at least one token"):
+        decoder.generate([[5], []])
+
+
+def test_load_refuses_what_it_cannot_run(artifacts, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no manifest.json"):
+        exported.load(tmp_path)
+    manifest = json.loads((artifacts["full"] / "manifest.json").read_text())
+    for change, message in (({"format": 99}, "format 99"),
+                            ({"platforms": ["tpu"]}, r"exported for \['tpu'\]")):
+        (tmp_path / "manifest.json").write_text(json.dumps({**manifest, **change}))
+        with pytest.raises(ValueError, match=message):
+            exported.load(tmp_path)
+
+
+def test_export_artifact_rejects_bad_arguments(model, tmp_path):
+    for kwargs, message in ((dict(chunk=0), "chunk must be an int >= 1"),
+                            (dict(max_len=4096), "exceeds the model's 512 positions"),
+                            (dict(max_len=24, chunk=16), "must be >= 2 x chunk"),
+                            (dict(buckets=(16,), chunk=16, max_len=64), r"buckets \(16,\) must be ints"),
+                            (dict(platforms=("gpu",)), "platforms"),
+                            (dict(method="snapkv:ratio=2"), "ratio")):
+        with pytest.raises(ValueError, match=message):
+            export_artifact(model, None, tmp_path, **kwargs)
+
+
+def test_artifact_tpu_entry_compiles_deviceless(model, tmp_path):
+    """The TPU variant of every exported function goes through XLA:TPU (libtpu, no chip)."""
+    from kernels_pallas.tpu_compile import libtpu_available
+    if not libtpu_available():
+        pytest.skip("[optional] libtpu (the tpu-compile extra) is not installed")
+    path = export_artifact(model, None, tmp_path, method=SPEC, chunk=16, max_len=64,
+                           buckets=(64,), platforms=("cpu", "tpu"))
+    report = exported.compile_for_tpu(path, batch=3)
+    fns = report["buckets"]["64"]
+    assert set(fns) == {"prefill", "compress", "decode"}
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params_dict(model)))
+    assert fns["prefill"]["argument_bytes"] > weights and fns["decode"]["argument_bytes"] > weights
+    shutil.rmtree(path)
