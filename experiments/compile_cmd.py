@@ -24,6 +24,7 @@ model path / repo id (its config only).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -123,16 +124,10 @@ def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int
 
     layers = 1 if uniform_method(spec) else cfg.num_layers
     kvh, d = cfg.num_kv_heads, cfg.head_dim
-    cache = kvjax.init_model_cache(kvjax.CacheSpec(layers, kvh, d), 1, context + room, dtype,
-                                   track_mass=transform.stats.attention_mass)
-    k, v = jax.random.normal(jax.random.key(0), (2, 1, kvh, context, d), dtype)
-    cache = tuple(kvjax.write(layer, k, v, jnp.arange(context)[None]) for layer in cache)
-    stats = None
-    if transform.stats.window or transform.stats.query_moments:
-        stats = init_stats(transform.stats, cache, cfg.num_heads, rope_frequencies(cfg))
-    if transform is not kvjax.full():
-        cache, _ = jax.jit(transform.update)(cache, transform.init(cache), stats)
-        cache = kvjax.shrink(cache, room, 1)
+    if transform is kvjax.full():  # nothing to run: the prefilled cache with its room
+        return jax.eval_shape(lambda: kvjax.init_model_cache(
+            cfg.cache_spec, batch, context + room, dtype))
+    cache = _one_sequence(cfg, transform, layers, context, room, dtype)
     one = cache if layers == cfg.num_layers else cache * cfg.num_layers
 
     def widen(layer):
@@ -151,6 +146,28 @@ def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int
             return layer.replace(body=walk(layer.body), recent=walk(layer.recent))
         return widen(layer)
     return tuple(walk(layer) for layer in one)
+
+
+@functools.lru_cache(maxsize=8)
+def _one_sequence(cfg, transform, layers: int, context: int, room: int, dtype):
+    """The method run for real on one sequence of `context` random keys, then shrunk (abstract)."""
+    import jax
+    import jax.numpy as jnp
+    import kvjax
+    from kvjax.stats import init_stats
+    from models.llama import rope_frequencies
+
+    kvh, d = cfg.num_kv_heads, cfg.head_dim
+    cache = kvjax.init_model_cache(kvjax.CacheSpec(layers, kvh, d), 1, context + room, dtype,
+                                   track_mass=transform.stats.attention_mass)
+    k, v = jax.random.normal(jax.random.key(0), (2, 1, kvh, context, d), dtype)
+    cache = tuple(kvjax.write(layer, k, v, jnp.arange(context)[None]) for layer in cache)
+    stats = None
+    if transform.stats.window or transform.stats.query_moments:
+        stats = init_stats(transform.stats, cache, cfg.num_heads, rope_frequencies(cfg))
+    cache, _ = jax.jit(transform.update)(cache, transform.init(cache), stats)
+    cache = kvjax.shrink(cache, room, 1)
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
 
 
 def memory(compiled) -> dict:

@@ -1,21 +1,26 @@
-"""Per-chip HBM of a Llama-3-8B-shaped decoder on v5e-8 / v6e-8, from deviceless TPU compiles.
+"""Per-chip HBM of a Llama-3-8B-shaped decoder on v5e-8 / v6e-8 (data=2 x model=4).
 
-    python -m experiments.hbm_plan --out docs/bench/hbm_plan      # resumable; ~1 h on 2 cores
+    python -m experiments.hbm_plan --out docs/bench/hbm_plan            # shard bytes, ~10 min
+    python -m experiments.hbm_plan --out docs/bench/hbm_plan --compile  # + XLA:TPU check
 
-For each chip (v5e:2x4, v6e:2x4; mesh data=2,model=4), context (32k, 128k), batch
-(8, 32) and method (`full`, `snapkv:ratio=0.5+kivi:bits=4`, `kivi:bits=2`) the
-prefill, compression and decode steps of `models.sampler` are compiled by XLA:TPU
-on this CPU host (`experiments.compile_cmd.compile_steps`, bf16 weights and cache)
-and `memory_analysis()` gives each step's per-chip peak (arguments + outputs -
-donated + temporaries + code).
+For context 32k / 128k, batch 8 / 32 and the methods `full`,
+`snapkv:ratio=0.5+kivi:bits=4` and `kivi:bits=2` (bf16 weights and cache, 16 new
+tokens), every chip's bytes come from the shardings `kvjax compile` gives the
+arrays (`models.sharding`, `kvjax.cache.cache_axes`), summed over the shards one
+chip holds, with no weight materialized:
 
-Compiling 32 unrolled layers at 128k tokens takes minutes per step on 2 shared
-cores, so every configuration is compiled with 2 and with 4 layers and the peak is
-extrapolated linearly to 32 layers: weights and caches are per layer, and the
-temporaries of one step do not grow with depth. One configuration is also
-compiled at the full 32 layers to check the extrapolation (`check` in the JSON).
-Writes `<out>/rows.jsonl` (one line per compile, reused by a rerun) and
-`<out>/table.md`.
+- weights: the Llama-3-8B shape split over `model` (heads, MLP, vocabulary);
+- prefill: weights + the full cache of context + 16 slots (+ the statistics the
+  method collects) -- kvjax compresses after prefill, as kvpress does, so this is
+  the whole cache;
+- decode: weights + the compressed cache `generate` decodes from, planned by
+  running the method on one sequence (`experiments.compile_cmd.planned_cache`).
+
+These are the arrays' bytes, a floor: the compiler adds temporaries and TPU tile
+padding. `--compile` compiles the decode step of three configurations with XLA:TPU
+(deviceless, 2 of the 32 layers, which bounds the compile time on a CPU host) and
+records `memory_analysis()` beside the shard bytes of the same arrays, so the floor
+can be checked against the compiler. Writes `<out>/plan.json` and `<out>/table.md`.
 """
 
 from __future__ import annotations
@@ -31,89 +36,103 @@ CONTEXTS = (32768, 131072)
 BATCHES = (8, 32)
 METHODS = ("full", "snapkv:ratio=0.5+kivi:bits=4", "kivi:bits=2")
 MESH = "data=2,model=4"
-LAYERS = (2, 4)
-FULL_LAYERS = 32
 NEW_TOKENS = 16
+GIB = 2 ** 30
 
 
-def compile_row(chip: str, context: int, batch: int, method: str, layers: int) -> dict:
-    from experiments.compile_cmd import compile_steps, llama3_shape, topology_devices
-    from models.sharding import make_mesh
+def shard_plan(mesh, cfg, method: str, context: int, batch: int) -> dict:
+    """Per-chip bytes of weights, the prefill cache (+ statistics) and the decode cache."""
+    import jax
+    import jax.numpy as jnp
+    import kvjax
+    from kvjax.stats import init_stats
+    from experiments.compile_cmd import _abstract, _by_batch, planned_cache, shard_bytes
+    from models.llama import rope_frequencies
+    from models.sharding import abstract_model, cache_shardings
 
-    cfg = dataclasses.replace(llama3_shape("8b"), num_layers=layers)
-    mesh = make_mesh(MESH, topology_devices(CHIPS[chip][0]))
-    start = time.perf_counter()
-    steps = compile_steps(cfg, mesh, method, context, batch, new_tokens=NEW_TOKENS,
-                          chunk=1024)
-    return dict(chip=chip, context=context, batch=batch, method=method, layers=layers,
-                seconds=round(time.perf_counter() - start, 1), **steps)
+    transform = kvjax.parse_method(method)
+    _, state = abstract_model(cfg, mesh, jnp.bfloat16)
+    dense = jax.eval_shape(lambda: kvjax.init_model_cache(
+        cfg.cache_spec, batch, context + NEW_TOKENS, jnp.bfloat16,
+        track_mass=transform.stats.attention_mass))
+    stats = 0
+    if transform.stats.window or transform.stats.query_moments:
+        stats = shard_bytes(_by_batch(jax.eval_shape(lambda c: init_stats(
+            transform.stats, c, cfg.num_heads, rope_frequencies(cfg)), dense), batch, mesh))
+    small = planned_cache(cfg, transform, method, batch, context, NEW_TOKENS, jnp.bfloat16)
+    return {"weights": shard_bytes(state),
+            "prefill_cache": shard_bytes(_abstract(dense, cache_shardings(dense, mesh))),
+            "stats": stats,
+            "decode_cache": shard_bytes(_abstract(small, cache_shardings(small, mesh))),
+            "decode_cache_total": kvjax.nbytes(small)}
 
 
-def extrapolate(rows: dict, key: tuple, step: str, layers: int = FULL_LAYERS) -> float | None:
-    """Peak bytes of `step` at `layers` layers from the 2- and 4-layer compiles (linear)."""
-    a, b = rows.get(key + (LAYERS[0],)), rows.get(key + (LAYERS[1],))
-    if a is None or b is None or step not in a:
-        return None
-    slope = (b[step]["peak"] - a[step]["peak"]) / (LAYERS[1] - LAYERS[0])
-    return a[step]["peak"] + slope * (layers - LAYERS[0])
-
-
-def table(rows: dict) -> str:
-    gib = lambda n: "-" if n is None else f"{n / 2**30:.1f}"
-    lines = ["| chip (HBM/chip) | context | batch | method | prefill | compress | decode | "
-             "peak | fits |", "|---|---|---|---|---|---|---|---|---|"]
-    for chip, (_, hbm) in CHIPS.items():
-        for context in CONTEXTS:
-            for batch in BATCHES:
-                for method in METHODS:
-                    key = (chip, context, batch, method)
-                    steps = [extrapolate(rows, key, s) for s in ("prefill", "compress", "decode")]
-                    known = [s for s in steps if s is not None]
-                    peak = max(known) if len(known) >= 2 else None
-                    decode_fits = steps[2] is not None and steps[2] <= hbm * 2**30
-                    fits = "-" if peak is None else ("yes" if peak <= hbm * 2**30 else
-                                                     "decode only" if decode_fits else "no")
-                    lines.append(f"| {chip}-8 ({hbm} GiB) | {context // 1024}k | {batch} | "
-                                 f"`{method}` | {gib(steps[0])} | {gib(steps[1])} | "
-                                 f"{gib(steps[2])} | {gib(peak)} | {fits} |")
+def table(plan: dict) -> str:
+    gib = lambda n: f"{n / GIB:.1f}"
+    lines = ["| context | batch | method | weights | prefill: weights + cache | "
+             "decode: weights + cache | v5e-8 (16 GiB) | v6e-8 (32 GiB) |",
+             "|---|---|---|---|---|---|---|---|"]
+    fit = lambda n, hbm: "fits" if n <= hbm * GIB else "no"
+    for row in plan["rows"]:
+        pre = row["weights"] + row["prefill_cache"] + row["stats"]
+        dec = row["weights"] + row["decode_cache"]
+        fits = lambda hbm: (f"prefill {fit(pre, hbm)}, decode {fit(dec, hbm)}")
+        lines.append(f"| {row['context'] // 1024}k | {row['batch']} | `{row['method']}` | "
+                     f"{gib(row['weights'])} | {gib(pre)} | {gib(dec)} | {fits(16)} | "
+                     f"{fits(32)} |")
     return "\n".join(lines) + "\n"
 
 
+def compile_check(mesh_by_chip: dict) -> list[dict]:
+    """Decode steps of three configurations at 2 layers, compiled for v5e:2x4: the compiler's
+    per-chip arguments and temporaries beside the shard bytes of the same arrays."""
+    from experiments.compile_cmd import compile_steps, llama3_shape
+
+    cfg = dataclasses.replace(llama3_shape("8b"), num_layers=2)
+    rows = []
+    for method in METHODS:
+        start = time.perf_counter()
+        steps = compile_steps(cfg, mesh_by_chip["v5e"], method, 32768, 8, steps=("decode",),
+                              new_tokens=NEW_TOKENS, chunk=1024)
+        d = steps["decode"]
+        rows.append({"chip": "v5e", "layers": 2, "context": 32768, "batch": 8, "method": method,
+                     "compiled_argument": d["argument"], "compiled_temp": d["temp"],
+                     "compiled_peak": d["peak"],
+                     "shard_bytes": steps["weight_bytes_per_chip"] + d["cache_bytes_per_chip"],
+                     "seconds": round(time.perf_counter() - start, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
+    from experiments.compile_cmd import llama3_shape, topology_devices
+    from models.sharding import make_mesh
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs/bench/hbm_plan"))
-    parser.add_argument("--check", action="store_true",
-                        help="also compile one configuration at the full 32 layers")
+    parser.add_argument("--compile", action="store_true",
+                        help="also compile three decode steps with XLA:TPU (2 layers)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "rows.jsonl"
-    rows = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            r = json.loads(line)
-            rows[(r["chip"], r["context"], r["batch"], r["method"], r["layers"])] = r
-    todo = [(chip, context, batch, method, layers) for layers in LAYERS for chip in CHIPS
-            for context in CONTEXTS for batch in BATCHES for method in METHODS]
-    if args.check:
-        todo.append(("v5e", 32768, 8, "snapkv:ratio=0.5+kivi:bits=4", FULL_LAYERS))
-    for key in todo:
-        if key in rows:
-            continue
-        row = compile_row(*key)
-        rows[key] = row
-        with path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps({k: row[k] for k in ("chip", "context", "batch", "method", "layers",
-                                               "seconds")}), flush=True)
-        (args.out / "table.md").write_text(table(rows))
-    (args.out / "table.md").write_text(table(rows))
-    check = rows.get(("v5e", 32768, 8, "snapkv:ratio=0.5+kivi:bits=4", FULL_LAYERS))
-    if check:
-        key = ("v5e", 32768, 8, "snapkv:ratio=0.5+kivi:bits=4")
-        print("check at 32 layers (compiled vs extrapolated GiB):",
-              {s: (round(check[s]["peak"] / 2**30, 2), round(extrapolate(rows, key, s) / 2**30, 2))
-               for s in ("prefill", "compress", "decode") if s in check})
-    print(table(rows))
+    meshes = {chip: make_mesh(MESH, topology_devices(topo)) for chip, (topo, _) in CHIPS.items()}
+    cfg = llama3_shape("8b")
+    rows = []
+    for context in CONTEXTS:
+        for batch in BATCHES:
+            for method in METHODS:
+                start = time.perf_counter()
+                row = dict(context=context, batch=batch, method=method,
+                           **shard_plan(meshes["v5e"], cfg, method, context, batch))
+                row["seconds"] = round(time.perf_counter() - start, 1)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    plan = {"model": "llama3-8b shape", "mesh": MESH, "dtype": "bfloat16",
+            "new_tokens": NEW_TOKENS, "rows": rows}
+    if args.compile:
+        plan["compile_check"] = compile_check(meshes)
+    (args.out / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
+    (args.out / "table.md").write_text(table(plan))
+    print(table(plan))
     return 0
 
 

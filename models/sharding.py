@@ -289,3 +289,29 @@ def gather_to_host(x: jax.Array) -> np.ndarray:
         return np.asarray(x)
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def attend_on_mesh(q: jax.Array, q_pos: jax.Array, layer: Any, mesh: Mesh, *,
+                   backend: str | None = None, interpret: Any = False) -> jax.Array:
+    """`kvjax.attend_pallas` under `jax.shard_map`: each device runs the kernel on its shard.
+
+    q [B, T, H, D] and q_pos [B, T] are split like the layer's `pos` (`cache_axes`:
+    sequences over `data`, or over `data` x `model`; query heads over `model` when
+    the KV heads are), so a device's query heads read exactly its KV heads (whole
+    GQA groups) and no collective is needed. On CPU pass `backend="tpu"` with
+    `interpret=True`. Returns [B, T, H, D] float32 with q's split.
+    """
+    from kvjax.kernel_attention import attend_pallas
+
+    shardings = _cache_shardings((layer,), mesh, batch_axis="data", kv_axis="model")[0]
+    pos_spec = tuple(shardings.recent.pos.spec if hasattr(shardings, "recent")
+                     else shardings.pos.spec)
+    batch_spec = pos_spec[0] if pos_spec else None
+    head_spec = pos_spec[1] if len(pos_spec) > 1 else None
+    q_spec, pos_q = P(batch_spec, None, head_spec, None), P(batch_spec, None)
+    layer_specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
+    body = lambda q, q_pos, layer: attend_pallas(q, q_pos, layer, backend=backend,
+                                                 interpret=interpret)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, pos_q, layer_specs),
+                        out_specs=q_spec, check_vma=False)
+    return run(q, q_pos, layer)
