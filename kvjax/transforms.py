@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -58,15 +59,19 @@ def full() -> CacheTransform:
     return _FULL
 
 
-@functools.lru_cache(maxsize=None)
-def _chained_update(updates: tuple[Callable, ...]) -> Callable:
-    def update(cache, state, stats=None):
+@dataclasses.dataclass(frozen=True)
+class ChainedUpdate:
+    """`chain`'s update: equal parts (compared by value) make an equal update, so jitted
+    code keyed on it compiles once however often the chain is rebuilt."""
+
+    updates: tuple[Callable, ...]
+
+    def __call__(self, cache, state, stats=None):
         new_state = []
-        for u, s in zip(updates, state):
+        for u, s in zip(self.updates, state):
             cache, s = u(cache, s, stats)
             new_state.append(s)
         return cache, tuple(new_state)
-    return update
 
 
 def chain(*transforms: CacheTransform) -> CacheTransform:
@@ -74,22 +79,27 @@ def chain(*transforms: CacheTransform) -> CacheTransform:
     inits = tuple(t.init for t in transforms)
     spec = functools.reduce(StatsSpec.merge, (t.stats for t in transforms), NO_STATS)
     return CacheTransform(lambda cache: tuple(i(cache) for i in inits),
-                          _chained_update(tuple(t.update for t in transforms)), spec)
+                          ChainedUpdate(tuple(t.update for t in transforms)), spec)
 
 
-@functools.lru_cache(maxsize=None)
-def _layers_update(update: Callable, layers: tuple[int, ...]) -> Callable:
-    def on_some(cache, state, stats=None):
+@dataclasses.dataclass(frozen=True)
+class LayersUpdate:
+    """`on_layers`'s update: `update` on the chosen layers, the others passed through."""
+
+    update: Callable
+    layers: tuple[int, ...]
+
+    def __call__(self, cache, state, stats=None):
+        layers = self.layers
         if max(layers) >= len(cache):
             raise ValueError(f"on_layers: layer {max(layers)} does not exist; the cache has "
                              f"{len(cache)} layers")
         pick = lambda xs: None if xs is None else tuple(xs[i] for i in layers)
-        part, state = update(pick(cache), state, pick(stats))
+        part, state = self.update(pick(cache), state, pick(stats))
         out = list(cache)
         for i, layer in zip(layers, part):
             out[i] = layer
         return tuple(out), state
-    return on_some
 
 
 def on_layers(transform: CacheTransform, layers: Sequence[int]) -> CacheTransform:
@@ -117,4 +127,4 @@ def on_layers(transform: CacheTransform, layers: Sequence[int]) -> CacheTransfor
                              f"{len(cache)} layers, 0-{len(cache) - 1}")
         return init(tuple(cache[i] for i in layers))
     return CacheTransform(init_some,
-                          _layers_update(transform.update, layers), transform.stats)
+                          LayersUpdate(transform.update, layers), transform.stats)

@@ -191,7 +191,9 @@ def test_scorers_equal_by_value_share_one_compilation(tiny_model, count_traces):
              lambda r: kvjax.h2o(ratio=r, recent_fraction=0.25),
              lambda r: kvjax.streaming_llm(sinks=3, ratio=r),
              lambda r: kvjax.scored_policy("vnorm", ValueNormScorer(sinks=3), ratio=r,
-                                           budget=None)]
+                                           budget=None),
+             lambda r: kvjax.chain(kvjax.on_layers(kvjax.knorm(ratio=r), [0]),
+                                   kvjax.quantize(bits=8, group=8))]  # combinators: by value too
     for make in built:
         compress(tiny_model, prompts, make(0.5))
     assert kvjax.snapkv(ratio=0.5, window=W, kernel=3).update.scorer is not \
