@@ -5,9 +5,10 @@ pipeline module, and nothing of jax):
 
     grid  <-  cells (kvjax engine), kvpress_engine  <-  harness (dispatch, sweep)  <-  report, cli
 
-`read_config(path)` checks a config's keys, types and ranges and expands its
-`[[grid]]` blocks into `Cell`s; `experiments.harness.load_config` adds the checks that
-need the engines (every method spec parses). A result row is one JSON object per line
+`read_config(path)` checks a config's keys, types and ranges (and that `text` / `haystack`
+name non-empty UTF-8 files) and expands its `[[grid]]` blocks into `Cell`s, with its
+`[bases.NAME]` tables as `Basis` entries; `experiments.harness.load_config` adds the checks
+that need the engines (every method spec parses). A result row is one JSON object per line
 of `cells.jsonl`: the cell's fields plus what the cell measured; `cell_of(row)` is its
 cell, `read_rows(path)` reads a file of them (skipping damaged lines), `done_keys(path)`
 the cells already finished.
