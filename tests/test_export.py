@@ -271,3 +271,17 @@ def test_artifact_tpu_entry_compiles_deviceless(model, tmp_path):
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params_dict(model)))
     assert fns["prefill"]["argument_bytes"] > weights and fns["decode"]["argument_bytes"] > weights
     shutil.rmtree(path)
+
+
+def test_export_commands_report_bad_input_in_one_line(tmp_path, capsys):
+    """`kvjax run-exported` / `kvjax export`: exit status 2 and one `kvjax: error:` line, before
+    any model is loaded."""
+    from experiments.cli import main
+    cases = ((["run-exported", str(tmp_path), "--prompt", "x"], "no manifest.json"),
+             (["export", "--out", str(tmp_path / "a"), "--check-tpu"], "needs tpu in --platforms"),
+             (["export", "--out", str(tmp_path / "a"), "--buckets", "128,x"],
+              "--buckets '128,x': need comma-separated integers"))
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvjax: error:") and message in err and err.count("\n") == 1
