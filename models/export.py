@@ -34,7 +34,7 @@ from flax import nnx
 import kvjax
 import kvjax.methods
 from kvjax import exported
-from models.llama import Llama, rope_frequencies
+from models.llama import FEW_ROWS, Llama, rope_frequencies
 
 
 def params_dict(model: Llama) -> dict[str, jax.Array]:
@@ -146,6 +146,29 @@ def _symbolic_batch(make: Callable[[int], Any], b) -> Any:
     return jax.tree.map(leaf, one, two)
 
 
+def batch_logits(model: Llama, h: jax.Array) -> jax.Array:
+    """`model.logits(h)` for h [b, hidden] whose batch `b` may be symbolic.
+
+    `Llama.logits` picks its computation from the row count on the host (a multiply-reduce
+    for 2..FEW_ROWS rows on CPU, the dot otherwise); with a symbolic batch the same rule is
+    taken per call: `lax.platform_dependent` for the CPU test and a `lax.cond` on the batch
+    size, which XLA folds once the batch is known, so the artifact computes exactly what the
+    live model computes at each batch size.
+    """
+    rows = h.shape[0]
+    if model.lm_head is not None or not jax.export.is_symbolic_dim(rows):
+        return model.logits(h)
+    emb = model.embed[...]
+    dot = lambda h: jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb,
+                               preferred_element_type=jnp.float32)
+    if emb.dtype != jnp.float32:
+        return dot(h)
+    few = lambda h: jnp.sum(h[..., None, :].astype(jnp.float32) * emb, axis=-1)
+    n = jnp.asarray(rows)
+    on_cpu = lambda h: jax.lax.cond((n >= 2) & (n <= FEW_ROWS), few, dot, h)
+    return jax.lax.platform_dependent(h, cpu=on_cpu, default=dot)
+
+
 def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: str = "full",
                     platforms: Sequence[str] = ("cpu",), max_len: int | None = None,
                     chunk: int = DEFAULT_CHUNK, buckets: Sequence[int] | None = None,
@@ -206,14 +229,14 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
 
     def prefill(params, tokens, positions, cache, stats):
         h, cache, stats = merged(params).forward(tokens, positions, cache, stats, spec)
-        return merged(params).logits(h[:, -1]), cache, stats
+        return batch_logits(merged(params), h[:, -1]), cache, stats
 
     def compress(cache, stats):
         return transform.update(cache, transform.init(cache), stats)[0]
 
     def decode(params, tokens, positions, cache):
         h, cache, _ = merged(params).forward(tokens, positions, cache)
-        return merged(params).logits(h[:, -1]), cache
+        return batch_logits(merged(params), h[:, -1]), cache
 
     (b,) = jax.export.symbolic_shape("b")
     params = jax.eval_shape(lambda: params_dict(model))
