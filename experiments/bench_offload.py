@@ -72,7 +72,8 @@ def greedy_paged(model, prompt, steps: int, *, page_size: int = 16, host_fractio
     """Greedy tokens of `model` for one prompt over a paged cache, `host_fraction` of whose
     pages are kept in host memory after every step (0: a plain all-device pool).
 
-    Returns (tokens, info): info has `host_share` (per step), `misses` (host pages read
+    Returns (tokens, info): info has `host_share` (after each step's spill: the share of
+    allocated pages the next step finds on the host), `misses` (host pages read
     without a staged copy, summed over layers and heads) and the final `tier_counts`."""
     cfg = model.config
     need = -(-(len(prompt) + steps) // page_size)
@@ -89,14 +90,14 @@ def greedy_paged(model, prompt, steps: int, *, page_size: int = 16, host_fractio
     out, share, misses = [], [], 0
     for step in range(steps):
         pool, cache = reserve(pool, cache, jnp.array([tokens.shape[1]]))
-        if host_fraction > 0:
-            pool, cache = _keep_on_host(pool, cache, host_fraction)
-            counts = tier_counts(pool, cache[0])
-            share.append(counts["host"] / counts["allocated"])
-            if prefetch_pages:
-                cache = prefetch(cache, host_pages_in_use(cache[0]))
+        if host_fraction > 0 and prefetch_pages:
+            cache = prefetch(cache, host_pages_in_use(cache[0]))  # what this step reads
         token, cache = _forward(graphdef, state, tokens, positions, cache)
         kvjax.check_pool(pool)
+        if host_fraction > 0:  # spill what this step wrote and made cold: the next step reads
+            pool, cache = _keep_on_host(pool, cache, host_fraction)  # from both tiers
+            counts = tier_counts(pool, cache[0])
+            share.append(counts["host"] / counts["allocated"])
         out.append(int(token[0]))
         tokens, positions = token[:, None], positions[:, -1:] + 1
     if host_fraction > 0:

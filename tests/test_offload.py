@@ -208,12 +208,15 @@ def test_smollm2_greedy_tokens_identical_with_half_the_pages_on_host(bits):
     model, tok = load_model("smollm2")
     prompt = tok.encode("The three primary colours of light are red, green and blue. "
                         "Mixing all three gives")
-    steps = 12
+    steps = 10
     want, _ = greedy_paged(model, prompt, steps, page_size=8, host_fraction=0.0, bits=bits)
     got, info = greedy_paged(model, prompt, steps, page_size=8, host_fraction=0.5, bits=bits)
-    miss, info_miss = greedy_paged(model, prompt, steps, page_size=8, host_fraction=0.5,
-                                   bits=bits, prefetch_pages=False)
-    assert got == want == miss, (tok.decode(want), tok.decode(got))
-    assert min(info["host_share"]) >= 0.5 - 1e-9  # every step: half the pages or more on host
-    assert info["misses"] == 0 and info_miss["misses"] > 0
+    assert got == want, (tok.decode(want), tok.decode(got))
+    # after the prefill, every step reads half of the pages or more from the host
+    assert min(info["host_share"]) >= 0.5 and info["tier_counts"]["host"] > 0, info
+    assert info["misses"] == 0  # all staged by the prefetch
+    if bits is None:  # without the prefetch: the same tokens, every host page read a miss
+        miss, info_miss = greedy_paged(model, prompt, steps, page_size=8, host_fraction=0.5,
+                                       prefetch_pages=False)
+        assert miss == want and info_miss["misses"] > 0
     print(tok.decode(want), info)
