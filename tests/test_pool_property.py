@@ -30,6 +30,7 @@ from kvjax.paging import (NULL_PAGE, check_pool, dense_view, evict_pages, fork,
                           init_paged_cache, release, reserve)
 
 B, KVH, S, NP, P, D, LAYERS = 3, 2, 4, 4, 19, 4, 2
+PD = 12  # the tiered machine: page ids below PD on the device, the other 7 in host memory
 CAP = NP * S
 MIN_OPERATIONS = 10_000
 ZERO4 = jnp.zeros((4,), jnp.int32)
@@ -83,6 +84,10 @@ class Shadow:
     def free(self):
         return P - 1 - len(self.refc)
 
+    def room(self):
+        """Free pages `reserve` may allocate."""
+        return self.free
+
     def have(self, b, h):
         return -(-self.length[b][h] // S)
 
@@ -99,7 +104,7 @@ class Shadow:
                 grow = max(need - held, 0)
                 plan[b, h] = (cow, grow)
                 fresh += grow + cow
-        if fresh > self.free:
+        if fresh > self.room():
             return False
         for (b, h), (cow, grow) in plan.items():
             pages = self.pages[b][h]
@@ -180,6 +185,8 @@ class Shadow:
 
 
 class PoolMachine(RuleBasedStateMachine):
+    snapshot = staticmethod(lambda pool, layers: snapshot(pool, layers))
+
     @initialize()
     def start(self):
         self.pool, self.layers = init_paged_cache(P, S, B, KVH, NP, D, num_layers=LAYERS)
@@ -337,7 +344,7 @@ class PoolMachine(RuleBasedStateMachine):
             return
         check_pool(self.pool, self.layers)  # every invariant, no flag
         sh = self.shadow
-        refcount, layers = jax.device_get(snapshot(self.pool, self.layers))
+        refcount, layers = jax.device_get(self.snapshot(self.pool, self.layers))
         assert int((refcount[1:] == 0).sum()) == sh.free
         ids = {}  # device page -> shadow page: must be one-to-one
         for got in layers:
@@ -393,3 +400,132 @@ def test_pool_against_shadow_model():
         deadline=None, suppress_health_check=list(HealthCheck)))
     print(f"{Counter.operations} pool operations against the shadow model")
     assert Counter.operations >= MIN_OPERATIONS, Counter.operations
+
+
+# ---------------------------------------------------------------------------------------------
+# Across memory tiers (issue 20): the same machine over a tiered pool, with spill, restore and
+# prefetch steps; what each row reads goes through the stage (`tiered_view`).
+
+from kvjax import tiers  # noqa: E402
+
+
+class TieredShadow(Shadow):
+    """The shadow plus which pages are in host memory (learned from the pool after a spill or
+    restore: the policy picks the pages; what rows read must not change)."""
+
+    def __init__(self):
+        super().__init__()
+        self.host = set()
+
+    def unref(self, pid):
+        super().unref(pid)
+        if pid not in self.refc:
+            self.host.discard(pid)
+
+    def room(self):
+        return PD - 1 - (len(self.refc) - len(self.host))
+
+
+spill_jit = jax.jit(tiers.spill)
+restore_jit = jax.jit(tiers.restore)
+
+
+@jax.jit
+def plant_tiered(layers, pages, value, pos):
+    """`plant` for tiered layers: garbage into both tiers' unread pages."""
+    def one(layer):
+        dev, host = pages[:PD, None, None], pages[PD:, None, None]
+        back = lambda x, c: tiers._to_host(jnp.where(host, c, tiers._to_device(x)))
+        return layer.replace(k=jnp.where(dev, value, layer.k), v=jnp.where(dev, -value, layer.v),
+                             host_k=back(layer.host_k, value), host_v=back(layer.host_v, -value),
+                             pos=jnp.where(pages[:, None, None], pos[None, None, :], layer.pos))
+    return tuple(one(layer) for layer in layers)
+
+
+@jax.jit
+def snapshot_tiered(pool, layers):
+    """`snapshot` read through the tiers: pages from both, the view through the stage."""
+    out = []
+    for layer in layers:
+        view = tiers.tiered_view(layer)
+        k, v = layer.all_pages()
+        out.append(dict(tables=layer.tables, lengths=layer.lengths, k=k, v=v,
+                        pos=layer.pos[:, 0], num_pages=layer.num_pages_used, vk=view.k,
+                        vv=view.v, vpos=view.pos))
+    return pool.refcount, out
+
+
+class TieredPoolMachine(PoolMachine):
+    snapshot = staticmethod(lambda pool, layers: snapshot_tiered(pool, layers))
+
+    @initialize()
+    def start(self):
+        self.pool, self.layers = tiers.init_tiered_cache(PD, P - PD, S, B, KVH, NP, D,
+                                                         num_layers=LAYERS)
+        self.shadow = TieredShadow()
+        self.next_token = 1
+        self.next_pos = [0] * B
+
+    def learn_tiers(self):
+        """Which shadow pages are on the host now (the table ids of their rows)."""
+        tables = np.asarray(self.layers[0].tables)
+        self.shadow.host = {pid for b in range(B) for h in range(KVH)
+                            for dev, pid in zip(tables[b, h], self.shadow.pages[b][h])
+                            if dev >= PD}
+
+    @rule(n=st.integers(1, P - PD), by_recency=st.booleans(), jit=st.booleans())
+    def spill_cold_pages(self, n, by_recency, jit):
+        Counter.operations += 1
+        layer = self.layers[0]
+        scores = tiers.recency_scores(layer) if by_recency else -tiers.recency_scores(layer)
+        pages = tiers.coldest_pages(layer, scores, n)
+        before = tiers.tier_counts(self.pool, layer)
+        self.pool, self.layers = (spill_jit if jit else tiers.spill)(self.pool, self.layers,
+                                                                     pages)
+        after = tiers.tier_counts(self.pool, self.layers[0])
+        assert after["allocated"] == before["allocated"] == after["device"] + after["host"]
+        self.learn_tiers()
+
+    @rule(bits=st.integers(0, 2 ** (P - PD) - 1))
+    def restore_pages(self, bits):
+        Counter.operations += 1
+        pages = np.array([PD + i if (bits >> i) & 1 else tiers.NO_PAGE for i in range(P - PD)])
+        self.pool, self.layers = restore_jit(self.pool, self.layers, jnp.asarray(pages,
+                                                                                 jnp.int32))
+        self.learn_tiers()
+
+    @rule(drop=st.integers(0, P - PD))
+    def prefetch_pages(self, drop):
+        """Stage the host pages rows read, leaving `drop` of them out (misses)."""
+        Counter.operations += 1
+        pages = tiers.host_pages_in_use(self.layers[0])
+        pages = jnp.where(jnp.arange(pages.shape[0]) < drop, tiers.NO_PAGE, pages)
+        self.layers = tiers.prefetch(self.layers, pages)
+
+    @rule(value=st.sampled_from([np.nan, np.inf, -np.inf, 1e30]), shift=st.integers(-3, 40))
+    def plant_garbage(self, value, shift):
+        Counter.operations += 1
+        layer = self.layers[0]
+        used = np.arange(NP) < np.asarray(layer.num_pages_used)[..., None]
+        read = np.zeros(P, bool)
+        read[np.asarray(layer.tables)[used]] = True
+        pages = ~read
+        pages[NULL_PAGE] = False
+        self.layers = plant_tiered(self.layers, jnp.asarray(pages), jnp.float32(value),
+                                   jnp.arange(S, dtype=jnp.int32) + shift)
+
+    def release_rows(self, rows):
+        super().release_rows(rows)
+        self.learn_tiers()
+
+
+
+def test_tiered_pool_against_shadow_model():
+    """A page spilled (and staged, and restored) by one sequence is never readable by another:
+    every row reads exactly what it wrote or inherited, through both tiers and the stage."""
+    Counter.operations = 0
+    run_state_machine_as_test(TieredPoolMachine, settings=settings(
+        max_examples=30, stateful_step_count=40, derandomize=True, database=None,
+        deadline=None, suppress_health_check=list(HealthCheck)))
+    print(f"{Counter.operations} tiered pool operations against the shadow model")
+    assert Counter.operations >= 1000, Counter.operations
