@@ -163,9 +163,13 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
         kk, kv = jax.random.split(jax.random.key(i + 1))
         k = random_pages(kk, kf, name, kvh * plane, s, d)
         v = random_pages(kv, vf, name if isinstance(vf, pf.Dense) else "v", kvh * plane, s, d)
+        for npb in args.pages_per_block:  # 0: the kernel's default step
+            run = jax.jit(functools.partial(kernel, k_format=kf, v_format=vf,
+                                            pages_per_block=npb or None))
+            method = "kvjax paged" + (f" ppb={npb}" if npb else "")
+            record(method, name, time_it(run, q, q_pos, k, v, pos, tables, counts),
+                   per_page_bytes((k, v)) + pos.shape[-1] * 4)
         run = jax.jit(functools.partial(kernel, k_format=kf, v_format=vf))
-        record("kvjax paged", name, time_it(run, q, q_pos, k, v, pos, tables, counts),
-               per_page_bytes((k, v)) + pos.shape[-1] * 4)
         ours = run(q, q_pos, k, v, pos, tables, counts)[:, 0]  # [B, H, D] f32
         diff = lambda other: round(float(jnp.abs(other.astype(jnp.float32) - ours).max()), 4)
         if name == "bf16" and backend == "gpu":
@@ -228,6 +232,8 @@ def parse_args(argv=None):
     parser.add_argument("--page-size", type=int, default=64)
     parser.add_argument("--pages-per-split", type=int, default=64,
                         help="flash-decoding split (pages); 32k / 64-token pages -> 8 splits")
+    parser.add_argument("--pages-per-block", type=int, nargs="+", default=[0],
+                        help="kvjax pages per step to try (0: the default); e.g. 0 1 2 4 to tune")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--copy-bytes", type=int, default=2 << 30)

@@ -443,3 +443,30 @@ def test_per_token_key_scales_applied_to_the_scores(interpret, bits, param_dtype
     assert np.all(np.asarray(codes) == np.round(np.asarray(codes)))
     with pytest.raises(ValueError, match="decode_codes"):
         pf.PackedTokens(bits, 32, symmetric).decode_codes((kp[0][3],), pf.REFERENCE_OPS, 64)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_mixed_prefill_and_decode_rows_in_one_call(backend):
+    """Ragged query lengths in one call: a decode row (1 query) and prefill chunks (3 and 5
+    queries) share T = 5 with q_pos = -1 padding; each row equals its own unpadded call."""
+    rng = np.random.default_rng(50)
+    lengths = [40, 21, 64]
+    k, v, pos, tables, counts = make_pool(rng, batch=3, kv_heads=2, page_size=16, head_dim=64,
+                                          lengths=lengths)
+    q, _ = queries(rng, 3, 5, 4, 64, lengths)
+    n_q = [1, 3, 5]
+    q_pos = np.full((3, 5), -1, np.int32)
+    for b, (n, t) in enumerate(zip(lengths, n_q)):
+        q_pos[b, :t] = np.arange(n - t, n)
+    q_pos = jnp.asarray(q_pos)
+    kw = dict(k_format=pf.PackedTokens(4, 32), window=30, pages_per_split=2)
+    kp = packed_tokens(k, 4, 32, False)
+    got, want = run_both(q, q_pos, kp, v, pos, tables, counts, backend, **kw)
+    np.testing.assert_allclose(got, want, **TOL)
+    backend, interpret = mode(backend)
+    for b, t in enumerate(n_q):
+        alone = paged_attention(q[b:b + 1, :t], q_pos[b:b + 1, :t], kp, v, pos,
+                                tables[b:b + 1], counts[b:b + 1], backend=backend,
+                                interpret=interpret, **kw)
+        np.testing.assert_allclose(got[b, :t], np.asarray(alone)[0], **TOL)
+        assert np.all(got[b, t:] == 0)  # padding queries attend to nothing
