@@ -20,8 +20,9 @@ tokens in pages of `--page-size`, measured side by side in one run, medians of `
 `hidden = 1 - (host_prefetch - device) / transfer` is the fraction of the transfer the
 prefetch hid (1: free; 0: nothing hidden). Writes JSON (default docs/bench/offload.json).
 
-    python experiments/bench_offload.py                                   # GPU: 32k tokens
-    python experiments/bench_offload.py --tokens 4096 --repeats 3 --layers 4   # CPU smoke
+    python -m experiments.bench_offload                                  # GPU: 32k tokens
+    python -m experiments.bench_offload --tokens 4096 --page-size 64 --layers 4 --repeats 3 \
+        --out docs/bench/offload_cpu_smoke.json                        # CPU smoke
 
 `greedy_paged` (used by tests/test_offload.py) decodes greedily with the real model over a
 paged or tiered cache, keeping a share of the pages in host memory at every step.

@@ -63,6 +63,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.compute_on import compute_on
 
 from kvjax.cache import EMPTY, TokenCache
 from kvjax.paging import (NULL_PAGE, PagedLayer, PagePool, _finish, _held, _in_use, _last_page,
@@ -93,10 +94,19 @@ def _to_device(x: jax.Array) -> jax.Array:
     return x if host_memory_kind() is None else jax.device_put(x, jax.memory.Space.Device)
 
 
+def _on_host(fn, *args):
+    """fn(*args) computed in host memory (`compute_on("device_host")`, inside jit), so pages
+    are gathered or scattered where they live and only the pages moved cross the bus."""
+    if host_memory_kind() is None:
+        return fn(*args)
+    with compute_on("device_host"):
+        return fn(*args)
+
+
 def _host_take(store: Any, ids: jax.Array) -> Any:
     """Pages `ids` [N] of a host store, gathered on the host and brought to the device."""
     ids = _to_host(ids)
-    return map_slot_leaves(store, lambda x: _to_device(x[ids]))
+    return map_slot_leaves(store, lambda x: _to_device(_on_host(lambda a, i: a[i], x, ids)))
 
 
 @jax.tree_util.register_dataclass
@@ -284,14 +294,15 @@ def _move(pool: PagePool, layers: tuple[TieredLayer, ...], pages: jax.Array, to_
         s_, d_ = src, dst
         if to_host:
             hd = jnp.where(d_ < n, d_ - pd, n)
-            put = lambda h, x: h.at[_to_host(hd)].set(_to_host(x[jnp.minimum(s_, pd - 1)]),
-                                                       mode="drop")
+            put = lambda h, x: _on_host(lambda a, i, y: a.at[i].set(y, mode="drop"), h,
+                                        _to_host(hd), _to_host(x[jnp.minimum(s_, pd - 1)]))
             host_k = _tree_map2(put, l.host_k, l.k)
             host_v = _tree_map2(put, l.host_v, l.v)
             k, v = l.k, l.v
         else:
             hs = jnp.where(s_ < n, s_ - pd, 0)
-            put = lambda x, h: x.at[d_].set(_to_device(h[_to_host(hs)]), mode="drop")
+            put = lambda x, h: x.at[d_].set(_to_device(_on_host(lambda a, i: a[i], h,
+                                                                 _to_host(hs))), mode="drop")
             k, v = _tree_map2(put, l.k, l.host_k), _tree_map2(put, l.v, l.host_v)
             host_k, host_v = l.host_k, l.host_v
         pos = l.pos.at[d_].set(l.pos[jnp.minimum(s_, n - 1)], mode="drop")
