@@ -94,8 +94,7 @@ def draw(before, after, monitor, title: str, out: Path) -> None:
     fig = plt.figure(figsize=(14, 6.5))
     grid = fig.add_gridspec(1, 3, width_ratios=[6, 1, 1], wspace=0.35)
     ax = fig.add_subplot(grid[0])
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("white")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")  # NaN (evicted, unseen): blank
     vmax = max(float(np.nanmax(shown)) if np.isfinite(shown).any() else 0.0, 1e-6)
     im = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=vmax)
     ax.set_xlabel("token position")
@@ -121,8 +120,21 @@ def draw(before, after, monitor, title: str, out: Path) -> None:
     plt.close(fig)
 
 
+def _read_text(path: Path) -> str:
+    """The UTF-8 text of `path`, or a ValueError naming the option and the problem."""
+    if not path.is_file():
+        raise ValueError(f"--context-file {path}: " + ("is a directory: need a file"
+                                                        if path.is_dir() else "file not found"))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--context-file {path}: not UTF-8 text ({e.reason})") from None
+    if not text.strip():
+        raise ValueError(f"--context-file {path}: the file is empty")
+    return text
+
+
 def run(args) -> int:
-    from experiments.cli import _read_text
     from kvjax.monitor import per_head, summary
     from models.loading import load_model
     from models.pipeline import chat_prompt
@@ -135,6 +147,8 @@ def run(args) -> int:
         import kvjax
         kvjax.parse_method(args.method)  # a bad spec fails before the model loads
         context = _read_text(args.context_file) if args.context_file else None
+        if not args.prompt.strip():
+            raise ValueError("--prompt: must not be empty")
         import jax.numpy as jnp
         model, tok = load_model(args.model, dtype=jnp.bfloat16 if args.dtype == "bfloat16"
                                 else jnp.float32)

@@ -154,3 +154,29 @@ def test_monitor_of_a_tiered_paged_cache():
     with pytest.raises(ValueError, match="unknown field 'pages'"):
         per_head(mon, "pages")
     assert LayerMonitor._fields[0] == "tokens"
+
+
+def test_inspect_draws_the_three_panels(model, tmp_path):
+    from experiments.inspect_cmd import draw, inspect, kept_matrix
+    ids = prompts()[0]
+    before, after, mon = inspect(model, ids, "snapkv:ratio=0.5+quantize:bits=4,group=16")
+    kept, err = kept_matrix(before[0], after[0])
+    pos = np.asarray(dense(after[0]).pos)[0]
+    for h in range(CFG.num_kv_heads):  # kept = the positions the compressed cache holds
+        assert sorted(np.nonzero(kept[h])[0].tolist()) == sorted(pos[h][pos[h] != EMPTY].tolist())
+    assert np.isnan(err[~kept]).all() and (err[kept] > 0).all()
+    out = tmp_path / "x.png"
+    draw(before, after, mon, "test", out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "q", "--out", "x.jpg"], "--out x.jpg: must name a .png file"),
+    (["--prompt", "q", "--out", "x.png", "--max-tokens", "1"], "--max-tokens 1: must be"),
+    (["--prompt", "q", "--out", "x.png", "--method", "snapkv:ratoi=0.5"], "ratoi"),
+    (["--prompt", "q", "--out", "x.png", "--context-file", "/nonexistent"], "file not found"),
+])
+def test_inspect_bad_input_exits_2_before_loading(argv, message, capsys):
+    from experiments.cli import main
+    assert main(["inspect", *argv]) == 2
+    assert message in capsys.readouterr().err
