@@ -12,10 +12,11 @@ per-chip bytes printed are the compiler's `memory_analysis()`:
 arguments + outputs - aliased (donated) + temporaries = the step's peak.
 
 The decode step's cache is the compressed cache `generate` decodes from: its
-shape is planned by running the method for real on one sequence (one layer when
-every layer gets the same method, all layers otherwise; random keys, zero
-statistics: budgets depend only on lengths), shrinking it as `generate` does, and
-repeating that sequence's rows abstractly for the batch.
+shape is planned by running the method for real on one sequence and one KV head
+(all KV heads for head-wise budgets; one layer when every layer gets the same
+method, all layers otherwise; random keys, zero statistics: budgets depend only on
+lengths), shrinking it as `generate` does, and repeating those rows abstractly for
+the batch and the KV heads.
 
 Models by shape: `smollm2` (SmolLM2-135M), `llama3-8b`, `llama3-70b`, or a
 model path / repo id (its config only).
@@ -127,15 +128,17 @@ def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int
     if transform is kvjax.full():  # nothing to run: the prefilled cache with its room
         return jax.eval_shape(lambda: kvjax.init_model_cache(
             cfg.cache_spec, batch, context + room, dtype))
-    cache = _one_sequence(cfg, transform, layers, context, room, dtype)
+    heads = kvh if "headwise" in spec else 1  # per-head budgets are equal: plan one head
+    cache = _one_sequence(cfg, transform, layers, heads, context, room, dtype)
     one = cache if layers == cfg.num_layers else cache * cfg.num_layers
 
     def widen(layer):
         rows = layer.k.shape[0]
-        grow = lambda x: jax.ShapeDtypeStruct((x.shape[0] * batch, *x.shape[1:]), x.dtype) \
+        target = batch * (1 if layer.pooled else kvh)
+        grow = lambda x: jax.ShapeDtypeStruct((target, *x.shape[1:]), x.dtype) \
             if x.ndim and x.shape[0] == rows else jax.ShapeDtypeStruct(x.shape, x.dtype)
         meta = lambda x: None if x is None else jax.ShapeDtypeStruct(
-            (batch, *x.shape[1:]), x.dtype)
+            (batch, kvh, *x.shape[2:]), x.dtype)
         return layer.replace(k=jax.tree_util.tree_map(grow, layer.k),
                              v=jax.tree_util.tree_map(grow, layer.v), pos=meta(layer.pos),
                              mass=meta(layer.mass),
@@ -149,22 +152,23 @@ def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int
 
 
 @functools.lru_cache(maxsize=8)
-def _one_sequence(cfg, transform, layers: int, context: int, room: int, dtype):
-    """The method run for real on one sequence of `context` random keys, then shrunk (abstract)."""
+def _one_sequence(cfg, transform, layers: int, kvh: int, context: int, room: int, dtype):
+    """The method run for real on one sequence of `context` random keys over `kvh` KV heads
+    (with their share of query heads), then shrunk; abstract shapes."""
     import jax
     import jax.numpy as jnp
     import kvjax
     from kvjax.stats import init_stats
     from models.llama import rope_frequencies
 
-    kvh, d = cfg.num_kv_heads, cfg.head_dim
+    d, query_heads = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads * kvh
     cache = kvjax.init_model_cache(kvjax.CacheSpec(layers, kvh, d), 1, context + room, dtype,
                                    track_mass=transform.stats.attention_mass)
     k, v = jax.random.normal(jax.random.key(0), (2, 1, kvh, context, d), dtype)
     cache = tuple(kvjax.write(layer, k, v, jnp.arange(context)[None]) for layer in cache)
     stats = None
     if transform.stats.window or transform.stats.query_moments:
-        stats = init_stats(transform.stats, cache, cfg.num_heads, rope_frequencies(cfg))
+        stats = init_stats(transform.stats, cache, query_heads, rope_frequencies(cfg))
     cache, _ = jax.jit(transform.update)(cache, transform.init(cache), stats)
     cache = kvjax.shrink(cache, room, 1)
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)

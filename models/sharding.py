@@ -278,8 +278,10 @@ def init_distributed(environ: dict | None = None) -> bool:
     if local:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", local)
+    # generous timeouts: on a loaded host one process may finish minutes after the other
     jax.distributed.initialize(coordinator_address=env["KVJAX_COORDINATOR"],
-                               num_processes=count, process_id=index)
+                               num_processes=count, process_id=index,
+                               heartbeat_timeout_seconds=600, shutdown_timeout_seconds=1800)
     return True
 
 
