@@ -259,8 +259,8 @@ def decode_block(rows: int, n_q: int) -> int:
     >>> decode_block(rows=3, n_q=3), decode_block(rows=24, n_q=3), decode_block(3, 768)
     (1024, 256, 256)
     """
-    if n_q > MATVEC_ROWS:
-        return 256
+    if n_q > MATVEC_ROWS or jax.export.is_symbolic_dim(rows):
+        return 256  # symbolic rows: a batch-polymorphic export (kvjax.exported), one block
     return int(min(1024, max(256, 2 ** int(np.log2(max(1, 8192 // max(rows, 1)))))))
 
 
