@@ -77,6 +77,8 @@ def dense(layer: Any) -> TokenCache:
         return dense_view(layer)
     if isinstance(layer, (TokenCache, ResidualCache)):
         return view(layer)
+    if hasattr(layer, "tokens") and hasattr(layer, "state"):  # recurrent.FoldedLayer: kept tokens
+        return view(layer.tokens)
     raise ValueError(f"monitor: layer type {type(layer).__name__} is not supported (token, "
                      f"residual and paged layers are)")
 
