@@ -237,6 +237,21 @@ def _take_params(ops: Ops, block, start: int, logical: jax.Array, n: int, dtype:
     return _half_to_f32((words >> ((logical // half) * 16)[:, None]) & 0xFFFF, dtype)
 
 
+def _take_scale_offset(ops: Ops, block, start: int, ng: int, dtype: str, width: int):
+    """Gathered asymmetric parameters -> (scale, offset) [NG, L] f32, each word loaded once.
+
+    16-bit: the 2 * NG logical rows pack as word g = (scale g, offset g) (`pack_rows` with
+    half = NG), so one [NG, L] load gives both halves.
+    """
+    rows = jax.lax.iota(jnp.int32, ng)
+    if dtype == "float32":
+        load = lambda r: jax.lax.bitcast_convert_type(ops.take(block, start + r, width),
+                                                      jnp.float32)
+        return load(rows), load(rows + ng)
+    words = jax.lax.bitcast_convert_type(ops.take(block, start + rows, width), jnp.int32)
+    return _half_to_f32(words & 0xFFFF, dtype), _half_to_f32((words >> 16) & 0xFFFF, dtype)
+
+
 def _take_param_cols(ops: Ops, block, logical: jax.Array, n: int, dtype: str, width: int):
     """Column j: logical parameter row logical[0, j] of column j's page -> [width, L] f32."""
     if dtype == "float32":
@@ -382,11 +397,15 @@ class PackedTokens:
         s = _lanes(blocks[0]) // self.rows(d)
         if ops.take is not None:  # gathered loads (each word once), no concatenation
             codes = _take_codes(ops, blocks[0], d, self.bits, s)
-            g = jax.lax.iota(jnp.int32, ng)
-            param = lambda r: _repeat_rows(
-                _take_params(ops, blocks[0], n_words, r, n, self.param_dtype, s), self.group)
-            scale = param(g)  # [NG, L] loaded, repeated over each group's channels
-            offset = None if self.symmetric else param(g + ng)
+            if self.symmetric:
+                scale = _take_params(ops, blocks[0], n_words, jax.lax.iota(jnp.int32, ng), n,
+                                     self.param_dtype, s)  # [NG, L]
+                offset = None
+            else:
+                scale, offset = _take_scale_offset(ops, blocks[0], n_words, ng, self.param_dtype,
+                                                   s)
+                offset = _repeat_rows(offset, self.group)
+            scale = _repeat_rows(scale, self.group)  # over each group's channels
         else:
             codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]
             params = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(d), s), n,
@@ -422,9 +441,13 @@ class PackedTokens:
         s = _lanes(blocks[0]) // self.rows(head_dim)
         if ops.take is not None:
             codes = _take_codes(ops, blocks[0], head_dim, self.bits, s)
-            param = lambda r: _take_params(ops, blocks[0], n_words, jnp.full((1,), r, jnp.int32),
-                                           n, self.param_dtype, s)
-            scale, offset = param(0), (None if self.symmetric else param(1))
+            if self.symmetric:
+                scale = _take_params(ops, blocks[0], n_words, jnp.zeros((1,), jnp.int32), n,
+                                     self.param_dtype, s)  # [1, L]
+                offset = None
+            else:
+                scale, offset = _take_scale_offset(ops, blocks[0], n_words, 1, self.param_dtype,
+                                                   s)
         else:
             codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]
             params = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(head_dim), s), n,

@@ -105,6 +105,25 @@ def test_triton_dots_take_bf16_operands(name):
     assert launch["num_warps"] in (4, 8) and launch["num_stages"] == 2
 
 
+LOAD = re.compile(r"tt\.load .*: tensor<(\d+)x(\d+)x!tt\.ptr<i32>>")
+
+
+@pytest.mark.parametrize("name", ["int4-tokens", "int8-tokens"])
+def test_each_page_word_is_loaded_once_per_step(name):
+    """The loop's i32 loads of a step of 128 slots: the block table entries and positions (one
+    row each), then for keys and values the format's code word rows and parameter word rows,
+    each row once: the step reads exactly its pages' bytes, no duplicated gathers."""
+    kf, vf, encode = FORMATS[name]
+    q, q_pos, k, v, pos, tables, counts = _pool()
+    kp, vp = encode(k, v)
+    fn = functools.partial(paged_attention, k_format=kf, v_format=vf, backend="gpu")
+    (text, _), = triton_modules(fn, q.astype(jnp.bfloat16), q_pos, kp, vp, pos, tables, counts)
+    rows = sorted(int(r) for r, cols in LOAD.findall(text) if cols == "128")
+    words, params = 64 * kf.bits // 32, kf.param_words(64)
+    assert rows == sorted([1, 1, words, words, params, params]), rows
+    assert sum(rows) == 2 + 2 * kf.rows(64)  # = table + positions + every row of both pages
+
+
 def test_float32_queries_get_bf16_dots_when_asked():
     """f32 queries keep IEEE f32 dots (exact reference behaviour) unless compute_dtype=bf16."""
     q, q_pos, k, v, pos, tables, counts = _pool()
