@@ -293,10 +293,13 @@ class Llama(nnx.Module):
         if self.lm_head is not None:
             return self.lm_head(h)
         emb = self.embed[...]
-        rows = math.prod(h.shape[:-1])
+        concrete = all(isinstance(n, int) for n in h.shape[:-1])  # not a symbolic export batch
+        rows = math.prod(h.shape[:-1]) if concrete else 0
         if (2 <= rows <= FEW_ROWS and emb.dtype == jnp.float32
                 and jax.default_backend() == "cpu"):
-            return jnp.sum(h[..., None, :].astype(jnp.float32) * emb, axis=-1)
+            rows_h = h.reshape(rows, -1).astype(jnp.float32)  # [N, D]
+            out = jnp.sum(emb[None] * rows_h[:, None, :], axis=-1)  # [N, V]; emb first: the
+            return out.reshape(*h.shape[:-1], emb.shape[0])  # other order ran 1.7x slower
         return jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb,
                           preferred_element_type=jnp.float32)
 

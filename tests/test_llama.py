@@ -153,3 +153,13 @@ def test_tied_logits_equal_the_embedding_dot_for_any_rows(lead):
     hlo = jax.jit(model.logits).lower(h).as_text()
     few = 2 <= int(np.prod(lead)) <= llama.FEW_ROWS and jax.default_backend() == "cpu"
     assert ("dot_general" in hlo) != few  # the path really taken
+
+
+def test_tied_logits_export_with_a_symbolic_batch():
+    """A symbolic batch (models.export) cannot be compared with FEW_ROWS: it keeps the dot."""
+    from jax import export
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    b, = export.symbolic_shape("b")
+    exported = export.export(jax.jit(model.logits))(jax.ShapeDtypeStruct((b, 64), jnp.float32))
+    h = jax.random.normal(jax.random.key(1), (3, 64))
+    np.testing.assert_allclose(exported.call(h), model.logits(h), rtol=1e-5, atol=1e-5)
