@@ -88,8 +88,23 @@ def _by_head(x: jax.Array, batch: int, kv_heads: int) -> jax.Array:
     return jnp.broadcast_to(x, (batch, kv_heads, *x.shape[2:]))
 
 
+def _supported(layer: Any) -> bool:
+    try:
+        dense(layer)
+    except ValueError:
+        return False
+    return True
+
+
 def _snapshot(layer: Any) -> dict[str, jax.Array]:
-    """The counters read off one layer: tokens, slots, capacity, pages, misses ([B, KVH])."""
+    """The counters read off one layer: tokens, slots, capacity, pages, misses ([B, KVH]).
+    A layer that holds no tokens to read (a pure recurrent state) reports -1 for the token
+    counts and 0 for the pages."""
+    if not _supported(layer):
+        shape = (layer.batch, layer.kv_heads)
+        unknown, zero = jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.int32)
+        return dict(tokens=unknown, slots_used=unknown, capacity=unknown, pages_device=zero,
+                    pages_host=zero, prefetch_misses=zero)
     d = dense(layer)
     shape = d.pos.shape[:2]
     full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape)
@@ -165,6 +180,9 @@ def observe(monitor: Monitor, before: Any, after: Any, stats: Any = None) -> Mon
     """The monitor after an update took `before` to `after` (`stats`: what it saw)."""
     out = []
     for i, (m, lb, la) in enumerate(zip(monitor, before, after)):
+        if not (_supported(lb) and _supported(la)):  # e.g. tokens folded into a linear state
+            out.append(m._replace(**_snapshot(la)))
+            continue
         db, da = dense(lb), dense(la)
         b, h = db.pos.shape[:2]
         snap_b, snap = _snapshot(lb), _snapshot(la)
@@ -217,7 +235,8 @@ def summary(monitor: Monitor) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in ("tokens", "slots_used", "capacity", "evicted", "pages_device", "pages_host",
               "prefetch_misses"):
-        out[f] = int(stack(f).sum())
+        x = stack(f)
+        out[f] = int(x[x >= 0].sum())  # -1: a layer holding no tokens (a recurrent state)
     mass = stack("mass_retained")
     out["mass_retained"] = (None if np.isnan(mass).all()
                             else round(float(np.nanmean(mass)), 6))

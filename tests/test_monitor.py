@@ -180,3 +180,13 @@ def test_inspect_bad_input_exits_2_before_loading(argv, message, capsys):
     from experiments.cli import main
     assert main(["inspect", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_linear_state_layer_is_reported_not_refused(model):
+    """Methods whose layers hold no tokens (linear_state) still run monitored (eval rows)."""
+    t = kvjax.parse_method("linear_state:map=elu")
+    out = generate(model, prompts(), max_new_tokens=3, transform=monitored(t))
+    mon = refresh(find_monitor(out.transform_state), out.cache)
+    plain = generate(model, prompts(), max_new_tokens=3, transform=t)
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+    assert summary(mon)["layers"] == CFG.num_layers
