@@ -70,6 +70,11 @@ def topology_devices(name: str) -> list:
     from kernels_pallas.tpu_compile import libtpu_available
     if not libtpu_available():
         raise ValueError("compiling for a TPU needs libtpu: pip install -e '.[tpu-compile]'")
+    if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+        # measured: with JAX_PLATFORMS=cpu, XLA:TPU (libtpu) segfaulted compiling these steps
+        # (SpatialMajorConvolution cost model); without it the same compiles succeed
+        raise ValueError("unset JAX_PLATFORMS=cpu for kvjax compile: libtpu's compiler "
+                         "crashes under it (the CPU is still used as the host)")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
     x, y = int(m.group(2)), int(m.group(3))
