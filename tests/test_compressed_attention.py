@@ -107,8 +107,9 @@ def _largest_f32_temp(fn, *args) -> int:
 @pytest.mark.parametrize("method", ["kivi:bits=4,group=16,residual=16", "quantize:bits=4"])
 def test_decode_never_decodes_the_whole_layer(method):
     """No float32 array in the compiled decode step is as large as the decoded keys: the
-    codes are decoded one block at a time (before: view() built [R, C, D] float32)."""
-    ctx = 2048
+    codes are decoded one block at a time (before: view() built [R, C, D] float32).
+    Blocks hold at most 1024 slots (`decode_block`), an eighth of these 8192."""
+    ctx = 8192
     layer = _layer(method, ctx)
     q, q_pos = _queries(1, ctx)
     decoded = B * KVH * ctx * D
