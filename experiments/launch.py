@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -44,7 +43,7 @@ def command(cmd: list[str]) -> list[str]:
     """`kvjax ...` runs this interpreter's CLI (so the launched processes use the same env)."""
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
-    if cmd and cmd[0] == "kvjax" and not shutil.which("kvjax"):
+    if cmd and cmd[0] == "kvjax":  # this interpreter's CLI, whatever `kvjax` is on PATH
         return [sys.executable, "-m", "experiments.cli", *cmd[1:]]
     return cmd
 
