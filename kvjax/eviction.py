@@ -220,17 +220,6 @@ def _check_scores(layer: int, scores: jax.Array, valid: jax.Array) -> None:
                        jnp.sum(jnp.isnan(scores) & valid))
 
 
-def _raise_on_nan(layer: int, count) -> None:
-    if int(count):
-        raise FloatingPointError(f"kvjax debug check: the eviction scorer gave {int(count)} "
-                                 f"NaN scores in layer {layer}")
-
-
-def _check_scores(layer: int, scores: jax.Array, valid: jax.Array) -> None:
-    jax.debug.callback(functools.partial(_raise_on_nan, layer),
-                       jnp.sum(jnp.isnan(scores) & valid))
-
-
 @dataclasses.dataclass(frozen=True)
 class ScoredUpdate:
     """The `update` of a scored policy; equal fields (the scorer by value) = one compilation."""
