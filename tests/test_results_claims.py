@@ -663,3 +663,27 @@ def test_smoke_tables_are_their_rows(task):
     assert {m for m, _ in rows} == {m for t, m in SMOKE_SCORE if t == task}
     for method, score in rows:
         same(score, SMOKE_SCORE[(task, method)])
+
+
+def test_linear_state_passkey_table_is_its_rows():
+    """The issue-17 table (passkey at equal cache bytes) is `linear_state/cells.jsonl`, cell by
+    cell: successes, trials, successes per depth and bytes; and reading (1): the fold answers
+    exactly the trials that eviction alone answers."""
+    rows = {(r["length"], r["method"]): r for r in load("linear_state/cells.jsonl")
+            if r["task"] == "passkey" and r["status"] == "ok"}
+    text = RESULTS.read_text().split("### Passkey at equal cache bytes (issue 17)", 1)[1]
+    table = [line for line in text.split("\n\n")[2].splitlines() if line.startswith("| ")][1:]
+    assert len(table) == len(rows) >= 5
+    for line in table:
+        length, method, counts, _ci, depths, nbytes = [c.strip() for c in line.strip("|").split("|")]
+        r = rows[(int(length), method.strip("`"))]
+        k, n = (int(x) for x in counts.strip("*").split("/"))
+        assert (k, n) == (round(sum(r["scores"])), len(r["scores"]))
+        by = collections.Counter()
+        for depth, score in zip(r["depths"], r["scores"]):
+            by[depth] += round(score)
+        assert [int(c.split("/")[0]) for c in depths.split(" / ")] == [by[d] for d in sorted(by)]
+        assert int(nbytes.replace(",", "")) == round(r["cache_bytes_per_seq"])
+    for policy in ("streaming_llm", "snapkv"):
+        fold = f"{policy}:budget=192+fold:map=docs/results/linear_state_maps"
+        assert rows[(1024, fold)]["scores"] == rows[(1024, f"{policy}:budget=224")]["scores"]
