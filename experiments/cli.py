@@ -30,6 +30,8 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from experiments.grid import read_text
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -195,8 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Subcommands that live in their own module: name -> (module, help). Each module has
-# `add_arguments(parser)` and `run(args) -> int` (the exit status; it prints its own output
-# and turns bad input into `kvjax: error: ...` on stderr with status 2).
+# `add_arguments(parser)` and `run(args) -> int` (the exit status; it prints its own output).
+# A FileNotFoundError, ValueError or OSError it raises becomes `kvjax: error: ...` on stderr
+# with status 2.
 MODULE_COMMANDS: dict[str, tuple[str, str]] = {
     "compile": ("experiments.compile_cmd", "compile prefill/compression/decode for a TPU slice "
                 "(deviceless) and print per-chip memory"),
@@ -216,25 +219,13 @@ CALIBRATION_TEXT = Path(__file__).parent / "data" / "devils_dictionary.txt"
 def cmd_calibrate(args, model, tokenizer) -> dict:
     from models.calibration import calibrate_low_rank
 
-    ids = tokenizer.encode(_read_text(args.text))[-args.tokens:]
+    ids = tokenizer.encode(read_text(args.text))[-args.tokens:]
     start = time.perf_counter()
     basis = calibrate_low_rank(model, ids, window=args.window)
     basis.save(args.out)
     captured = {r: basis.captured(r) for r in (8, 16, 32, 48)}
     return {"out": str(args.out), "tokens": len(ids), "seconds": round(time.perf_counter() - start, 3),
             "energy_captured": {r: {"keys": k, "values": v} for r, (k, v) in captured.items()}}
-
-
-def _read_text(path: Path) -> str:
-    if not path.is_file():
-        raise FileNotFoundError(f"text file not found: {path}")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
-    if not text.strip():
-        raise ValueError(f"{path} is empty")
-    return text
 
 
 def check_model_args(args, cfg) -> None:
@@ -281,7 +272,7 @@ def cmd_generate(args, model, tokenizer) -> dict:
         from kvjax.monitor import monitored
         method = monitored(_transform(method) if isinstance(method, str) else method)
     answer = ask(model, tokenizer, args.prompt, method=method, chat=args.chat,
-                 context=_read_text(args.context_file) if args.context_file else None,
+                 context=read_text(args.context_file) if args.context_file else None,
                  answer_prefix=args.answer_prefix, max_new_tokens=args.max_new_tokens,
                  sampling=Sampling(args.temperature, args.top_k, args.top_p), seed=args.seed,
                  compress_every=args.compress_every, impl=args.impl, place_cache=place_cache)
@@ -300,7 +291,7 @@ def cmd_generate(args, model, tokenizer) -> dict:
 def cmd_ppl(args, model, tokenizer) -> dict:
     from experiments.ppl import perplexity
 
-    ids = tokenizer.encode(_read_text(args.text))[:args.max_tokens]
+    ids = tokenizer.encode(read_text(args.text))[:args.max_tokens]
     start = time.perf_counter()
     result = perplexity(model, ids, args.context, args.stride, batch_size=args.batch_size,
                         prefix=args.prefix, transform=_on_mesh(args, args.method)[0]
@@ -401,7 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train-state":
         return cmd_train_state(args)
     if args.command in MODULE_COMMANDS:
-        return importlib.import_module(MODULE_COMMANDS[args.command][0]).run(args)
+        try:
+            return importlib.import_module(MODULE_COMMANDS[args.command][0]).run(args)
+        except (FileNotFoundError, ValueError, OSError) as e:
+            print(f"kvjax: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("kvjax: interrupted", file=sys.stderr)
+            return 130
     from models.hub import enable_compilation_cache
     from models.loading import load_model
 
@@ -411,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         _transform(getattr(args, "method", "full"))
         for path in (getattr(args, "text", None), getattr(args, "context_file", None)):
             if path is not None:
-                _read_text(path)  # fail before the model loads
+                read_text(path)  # fail before the model loads
         mesh = _mesh(args)  # before the model loads: a bad mesh fails fast
         model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
         check_model_args(args, model.config)

@@ -13,7 +13,6 @@ artifact: it goes through `kvjax.exported`, which imports neither Flax nor `mode
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -97,20 +96,10 @@ def run_exported(args) -> dict:
 
 
 def run(args) -> int:
-    try:
-        if args.command == "run-exported":
-            result = run_exported(args)
-        else:
-            result = run_export(args)
-        text = json.dumps(result, allow_nan=False)
-    except (FileNotFoundError, ValueError, OSError) as e:
-        print(f"kvjax: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("kvjax: interrupted", file=sys.stderr)
-        return 130
+    """Errors propagate: `kvjax`'s main prints them as one line with exit status 2."""
+    result = run_exported(args) if args.command == "run-exported" else run_export(args)
     if args.json:
-        print(text)
+        print(json.dumps(result, allow_nan=False))
     elif args.command == "run-exported":
         print("\n".join(result["texts"]))
     else:

@@ -273,3 +273,18 @@ def done_keys(path: Path) -> set:
     if not path.exists():
         return set()
     return {cell_of(r).key for r in read_rows(path) if r.get("status") == "ok"}
+
+
+def read_text(path: Path) -> str:
+    """The UTF-8 text of `path`; FileNotFoundError or ValueError naming the file otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"text file not found: {path}" if not path.is_dir()
+                                else f"{path} is a directory: need a text file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason})") from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty")
+    return text

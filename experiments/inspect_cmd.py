@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.grid import read_text
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2", help="as for `kvjax generate`")
@@ -120,20 +122,6 @@ def draw(before, after, monitor, title: str, out: Path) -> None:
     plt.close(fig)
 
 
-def _read_text(path: Path) -> str:
-    """The UTF-8 text of `path`, or a ValueError naming the option and the problem."""
-    if not path.is_file():
-        raise ValueError(f"--context-file {path}: " + ("is a directory: need a file"
-                                                        if path.is_dir() else "file not found"))
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--context-file {path}: not UTF-8 text ({e.reason})") from None
-    if not text.strip():
-        raise ValueError(f"--context-file {path}: the file is empty")
-    return text
-
-
 def run(args) -> int:
     from kvjax.monitor import per_head, summary
     from models.loading import load_model
@@ -146,7 +134,7 @@ def run(args) -> int:
             raise ValueError(f"--out {args.out}: must name a .png file")
         import kvjax
         kvjax.parse_method(args.method)  # a bad spec fails before the model loads
-        context = _read_text(args.context_file) if args.context_file else None
+        context = read_text(args.context_file) if args.context_file else None
         if not args.prompt.strip():
             raise ValueError("--prompt: must not be empty")
         import jax.numpy as jnp
