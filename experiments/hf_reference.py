@@ -98,3 +98,18 @@ def load_hf_reference(gguf_path: str | os.PathLike, *, dtype: Any,
 
     info = {"gguf_path": str(path), "gguf_name": gname, "gguf_sha256": sha, "timings": timings}
     return model, tok, info
+
+
+def save_golden(path, arrays: dict, timings: dict, max_bytes: int = 3 * 1024 * 1024) -> None:
+    """Write a golden `.npz` (compressed) and say what was written; goldens stay small."""
+    import json
+
+    import numpy as np
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, **arrays)
+    size = path.stat().st_size
+    print(f"wrote {path} ({size} bytes, {len(arrays)} arrays)")
+    print("timings (s):", json.dumps({k: round(v, 2) for k, v in timings.items()}))
+    assert size < max_bytes, f"{path}: {size} bytes, golden files stay under {max_bytes}"

@@ -113,7 +113,6 @@ couple of minutes, most of it loading the GGUF.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from importlib import metadata
@@ -121,7 +120,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.hf_reference import DEFAULT_GGUF, load_hf_reference
+from experiments.hf_reference import DEFAULT_GGUF, load_hf_reference, save_golden
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_golden.npz"
@@ -374,13 +373,7 @@ def main(argv=None) -> int:
     out["rope_theta"] = np.float64(rope_theta)
     out["attn_implementation"] = np.asarray(ATTN)
 
-    out_path = Path(args.out)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(out_path, **out)
-    size = out_path.stat().st_size
-    print(f"wrote {out_path} ({size} bytes, {len(out)} arrays)")
-    print("timings (s):", json.dumps({k: round(v, 2) for k, v in timings.items()}))
-    assert size < 3 * 1024 * 1024
+    save_golden(args.out, out, timings)
     return 0
 
 
