@@ -176,9 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also rewrite the generated section of this Markdown file "
                             "(e.g. docs/RESULTS.md)")
 
-    from models.train_state import build_parser as train_state_arguments
-    train_state_arguments(sub.add_parser(
-        "train-state", help="train feature maps for linear_state / fold with optax"))
 
     for name, (module, text) in MODULE_COMMANDS.items():
         importlib.import_module(module).add_arguments(sub.add_parser(name, help=text))
@@ -201,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 # A FileNotFoundError, ValueError or OSError it raises becomes `kvjax: error: ...` on stderr
 # with status 2.
 MODULE_COMMANDS: dict[str, tuple[str, str]] = {
+    "train-state": ("experiments.train_state_cmd",
+                    "train feature maps for linear_state / fold with optax"),
     "compile": ("experiments.compile_cmd", "compile prefill/compression/decode for a TPU slice "
                 "(deviceless) and print per-chip memory"),
     "launch": ("experiments.launch", "run a command as N local processes of one JAX program"),
@@ -365,32 +364,13 @@ def check_results_file(path: Path) -> None:
         raise _bad("results", path, str(e).split(": ", 1)[-1]) from None
 
 
-def cmd_train_state(args) -> int:
-    """Train feature maps (`models.train_state`); prints a JSON summary."""
-    from models.train_state import run
-
-    try:
-        summary = run(args)
-    except (FileNotFoundError, ValueError, OSError) as e:
-        print(f"kvjax: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("kvjax: interrupted", file=sys.stderr)
-        return 130
-    print(json.dumps({k: summary[k] for k in ("seconds", "first_loss", "last_loss",
-                                               "heldout_mean")}, allow_nan=False))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command != "launch":
+    if args.command != "launch" and os.environ.get("KVJAX_COORDINATOR"):
         from models.sharding import init_distributed
         init_distributed()  # a process of `kvjax launch`: join the others (KVJAX_* variables)
     if args.command in ("eval", "bench"):
         return cmd_eval(args)
-    if args.command == "train-state":
-        return cmd_train_state(args)
     if args.command in MODULE_COMMANDS:
         try:
             return importlib.import_module(MODULE_COMMANDS[args.command][0]).run(args)

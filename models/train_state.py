@@ -352,33 +352,6 @@ def check_args(args: argparse.Namespace) -> None:
             raise FileNotFoundError(f"--data {path}: not a file")
 
 
-def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """Arguments of `kvjax train-state` (also `python -m models.train_state`)."""
-    p = parser or argparse.ArgumentParser(
-        prog="kvjax train-state",
-        description="Train per-layer feature maps for linear_state / fold on real prose.")
-    p.add_argument("--out", required=True, help="directory for the maps (orbax), the loss "
-                   "curve PNG and a JSON summary")
-    p.add_argument("--model", default="smollm2", help="model name or path (default smollm2)")
-    p.add_argument("--data", nargs="+", default=[str(DEFAULT_TEXT)],
-                   help="text files to train on (default: The Devil's Dictionary; the "
-                   "perplexity eval reads KJV Genesis, so the two do not overlap)")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per window")
-    p.add_argument("--queries", type=int, default=128, help="continuation queries scored "
-                   "per window (the rest is the compressed prefix)")
-    p.add_argument("--windows", type=int, default=16, help="training windows")
-    p.add_argument("--heldout", type=int, default=4, help="held-out windows (after the "
-                   "training ones) for the error report")
-    p.add_argument("--features", type=int, default=64, help="features per map (even)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--keep", type=float, default=0.25, help="fraction of tokens kept exact "
-                   "in the training eviction pattern")
-    p.add_argument("--batch", type=int, default=2, help="windows per step")
-    p.add_argument("--seed", type=int, default=0)
-    return p
-
-
 def run(args: argparse.Namespace) -> dict:
     """`kvjax train-state`: train, save the maps, the curve and a summary; returns the summary."""
     from models.loading import load_model
@@ -405,13 +378,3 @@ def run(args: argparse.Namespace) -> dict:
                    heldout=result.heldout)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    summary = run(build_parser().parse_args(argv))
-    print(json.dumps({k: summary[k] for k in ("seconds", "first_loss", "last_loss",
-                                                "heldout_mean")}, indent=1))
-
-
-if __name__ == "__main__":
-    main()

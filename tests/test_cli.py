@@ -91,3 +91,18 @@ def test_train_state_writes_maps_a_curve_and_a_summary(capsys, tmp_path):
     assert (tmp_path / "loss.png").is_file() and (tmp_path / "summary.json").is_file()
     assert isinstance(kvjax.parse_method(f"snapkv:ratio=0.5+fold:map={tmp_path}"),
                       kvjax.CacheTransform)
+
+
+def test_run_exported_imports_neither_flax_nor_models(tmp_path):
+    """`kvjax run-exported` builds the whole parser and runs without Flax or the model code
+    (here on a missing artifact: a one-line error, exit 2)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom experiments.cli import main\n"
+            f"rc = main(['run-exported', {str(tmp_path / 'none')!r}, '--prompt', 'hi'])\n"
+            "print(rc, sorted(m for m in ('flax', 'models') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.split("\n")[-2] == "2 []", out.stdout + out.stderr
+    assert "kvjax: error:" in out.stderr
