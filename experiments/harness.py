@@ -259,7 +259,10 @@ def sweep(cells: Iterable[Cell], out: Path, limit_gb: float,
 
     STOP.clear()
     try:
-        pool = ThreadPoolExecutor(max(workers, 1))
+        # pool threads block SIGINT: a process-directed Ctrl-C goes to any thread that does not
+        # block it, and one taken by a pool thread would leave the main thread waiting
+        pool = ThreadPoolExecutor(max(workers, 1), initializer=signal.pthread_sigmask,
+                                  initargs=(signal.SIG_BLOCK, {signal.SIGINT}))
         try:
             for future in [pool.submit(run, c) for c in todo if not c.timed]:
                 future.result()
