@@ -5,7 +5,7 @@ A format names the arrays that hold a pool of P pages and decodes one page
 to float32 inside the kernel. The same decode runs in the plain-jnp
 reference, so a kernel and its reference read identical numbers.
 
-Kernel layout (docs/drafts/tpu-kernels.md): every array is indexed by page
+Kernel layout (docs/DECISIONS.md, "Paged pool"): every array is indexed by page
 first. Packed pages keep the **slot axis last** (on TPU lanes) and are
 **lane-flat**: a page's logical `[rows, S]` words lie side by side in one
 `[1, rows * S]` row (row r at lanes `r*S ...`). TPU tiles the two minor dims
