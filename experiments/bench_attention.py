@@ -42,13 +42,16 @@ E2E_METHODS = ["full", "snapkv:ratio=0.75", "kivi:bits=4", "snapkv:ratio=0.5+kiv
 KV_HEADS, HEADS, HEAD_DIM = 3, 9, 64  # SmolLM2-135M
 
 
-def make_layer(method: str, batch: int, context: int, room: int = 16, seed: int = 0):
-    """One float32 layer of `context` random tokens, compressed by `method`, shrunk to `room`.
+def make_layer(method: str, batch: int, context: int, room: int = 16, seed: int = 0, *,
+               kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, dtype=jnp.float32):
+    """One layer of `context` random tokens, compressed by `method`, shrunk to `room` free slots
+    (the layer a decode step reads). Also the layers of tests/test_compressed_attention.py.
 
     Eviction uses `random:` scores (same layout as SnapKV: needs no model queries).
     """
-    cache = kvjax.init_model_cache(kvjax.CacheSpec(1, KV_HEADS, HEAD_DIM), batch, context + room)
-    k, v = jax.random.normal(jax.random.key(seed), (2, batch, KV_HEADS, context, HEAD_DIM))
+    spec = kvjax.CacheSpec(1, kv_heads, head_dim)
+    cache = kvjax.init_model_cache(spec, batch, context + room, dtype)
+    k, v = jax.random.normal(jax.random.key(seed), (2, batch, kv_heads, context, head_dim))
     pos = jnp.broadcast_to(jnp.arange(context)[None], (batch, context))
     cache = (kvjax.write(cache[0], k, v, pos),)
     if method != "full":

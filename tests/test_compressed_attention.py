@@ -13,8 +13,9 @@ import pytest
 
 import kvjax
 from kvjax.attention import MATVEC_ROWS, _scores
-from kvjax.methods import parse_method
 from kvjax.stores import PackedChannels, read
+
+from experiments.bench_attention import make_layer
 
 B, KVH, H, D = 2, 2, 6, 32
 TOL = 2e-6  # float32: outputs are O(1) averages of O(1) values
@@ -22,15 +23,7 @@ TOL = 2e-6  # float32: outputs are O(1) averages of O(1) values
 
 def _layer(method: str, ctx: int, room: int = 8, dtype=jnp.float32, seed: int = 0):
     """One layer holding `ctx` random tokens, compressed by `method` and shrunk (as decode sees it)."""
-    cache = kvjax.init_model_cache(kvjax.CacheSpec(1, KVH, D), B, ctx + room, dtype)
-    k, v = jax.random.normal(jax.random.key(seed), (2, B, KVH, ctx, D))
-    pos = jnp.broadcast_to(jnp.arange(ctx)[None], (B, ctx))
-    cache = (kvjax.write(cache[0], k, v, pos),)
-    if method != "full":
-        t = parse_method(method)
-        cache, _ = t.update(cache, t.init(cache), None)
-        cache = kvjax.shrink(cache, room, 1)
-    return cache[0]
+    return make_layer(method, B, ctx, room, seed, kv_heads=KVH, head_dim=D, dtype=dtype)
 
 
 def _queries(t: int, ctx: int, seed: int = 1):
