@@ -54,6 +54,15 @@ def plant(layers, pages, value, pos):
     return tuple(one(layer) for layer in layers)
 
 
+def unread_pages(layer) -> np.ndarray:
+    """[P] bool: the pages no row's table lists (free and reserved ones), never the null page."""
+    used = np.arange(NP) < np.asarray(layer.num_pages_used)[..., None]
+    read = np.zeros(P, bool)
+    read[np.asarray(layer.tables)[used]] = True
+    read[NULL_PAGE] = True
+    return ~read
+
+
 class Counter:
     operations = 0
 
@@ -297,12 +306,7 @@ class PoolMachine(RuleBasedStateMachine):
     def plant_garbage(self, value, shift):
         """Adversary: garbage in every page no row reads (free pages and reserved ones)."""
         Counter.operations += 1
-        layer = self.layers[0]
-        used = np.arange(NP) < np.asarray(layer.num_pages_used)[..., None]
-        read = np.zeros(P, bool)
-        read[np.asarray(layer.tables)[used]] = True
-        pages = ~read
-        pages[NULL_PAGE] = False
+        pages = unread_pages(self.layers[0])
         self.layers = plant(self.layers, jnp.asarray(pages), jnp.float32(value),
                             jnp.arange(S, dtype=jnp.int32) + shift)
 
@@ -505,12 +509,7 @@ class TieredPoolMachine(PoolMachine):
     @rule(value=st.sampled_from([np.nan, np.inf, -np.inf, 1e30]), shift=st.integers(-3, 40))
     def plant_garbage(self, value, shift):
         Counter.operations += 1
-        layer = self.layers[0]
-        used = np.arange(NP) < np.asarray(layer.num_pages_used)[..., None]
-        read = np.zeros(P, bool)
-        read[np.asarray(layer.tables)[used]] = True
-        pages = ~read
-        pages[NULL_PAGE] = False
+        pages = unread_pages(self.layers[0])
         self.layers = plant_tiered(self.layers, jnp.asarray(pages), jnp.float32(value),
                                    jnp.arange(S, dtype=jnp.int32) + shift)
 
