@@ -39,13 +39,18 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_generation_sharded_over_batch_and_kv_heads_matches_one_device():
+def run_on_8_devices(script: str, timeout: int = 600) -> dict:
+    """Run `script` in a process with 8 fake CPU devices; the JSON of its last stdout line."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_generation_sharded_over_batch_and_kv_heads_matches_one_device():
+    result = run_on_8_devices(SCRIPT)
     assert result["sharded"] == result["single"]
     assert result["devices"] == 8
     assert result["k_spec"][0] == str(("batch", "kv")) and result["pos_spec"][:2] == ["batch", "kv"]
@@ -122,13 +127,7 @@ def test_weights_and_caches_sharded_give_one_device_tokens_and_no_cache_all_gath
     Batch 2 puts one sequence on each data shard, so the KV heads split over `model`; the
     head-wise method runs at batch 8 (a sequence's heads share slots in its pooled layout, so
     its sequences, not its heads, are split over both axes)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    script = f"METHODS = {SHARDED_METHODS!r}\n" + IDENTITY
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_on_8_devices(f"METHODS = {SHARDED_METHODS!r}\n" + IDENTITY, timeout=900)
     assert set(rows) == {method for method, _ in SHARDED_METHODS}
     for method, row in rows.items():
         assert row["many"] == row["one"], method
@@ -184,12 +183,7 @@ def test_pallas_kernel_under_shard_map_matches_the_reference_on_8_devices():
     """The TPU kernel (interpret mode) under `jax.shard_map` on data=2 x model=4, one sequence
     per data shard and one KV head (two query heads) per model shard, for a dense, an int4 and
     a KIVI layer: equal to `attend(impl="reference")` on the whole layer within f32 rounding."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", PALLAS], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_on_8_devices(PALLAS)
     assert rows["kivi"]["type"] == "ResidualCache"
     for name, row in rows.items():
         assert row["err"] < 1e-5, name
