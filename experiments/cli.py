@@ -366,9 +366,11 @@ def check_results_file(path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # a process of `kvjax launch` joins the others (KVJAX_* variables); the variable is tested
+    # here too so that other runs (`run-exported`) never import models.sharding (and Flax)
     if args.command != "launch" and os.environ.get("KVJAX_COORDINATOR"):
         from models.sharding import init_distributed
-        init_distributed()  # a process of `kvjax launch`: join the others (KVJAX_* variables)
+        init_distributed()
     if args.command in ("eval", "bench"):
         return cmd_eval(args)
     if args.command in MODULE_COMMANDS:
