@@ -78,15 +78,31 @@ def make_prompts(cell: Cell, tokenizer) -> Prompts:
                    lambda i, text: score(trials[i], text), None)
 
 
-def _setup(cell: Cell):
-    """(model, tokenizer, transform) with the persistent compilation cache on."""
+class Setup(NamedTuple):
+    model: object  # models.llama.Llama, its weights on the cell's mesh when it has one
+    tokenizer: object
+    transform: object  # kvjax.CacheTransform (pinned to the mesh's cache layout)
+    place_cache: Callable | None  # puts an empty cache on the mesh (None: one device)
+
+
+def _setup(cell: Cell) -> Setup:
+    """The cell's model, tokenizer, transform and cache placement, with the persistent
+    compilation cache on. With `cell.mesh` ("data=2,model=4", the config's `[mesh]`) the
+    weights, the caches and the transform's output are placed as `kvjax generate --mesh`
+    places them (models.sharding: shard_model, cache_placer, on_mesh)."""
     from kvjax import parse_method
     from models.hub import enable_compilation_cache
     from models.loading import load_model
 
     enable_compilation_cache()  # cells of one sweep share shapes: compile each once
     model, tokenizer = load_model(cell.model)
-    return model, tokenizer, parse_method(cell.method)
+    transform = parse_method(cell.method)
+    if not cell.mesh:
+        return Setup(model, tokenizer, transform, None)
+    from models.sharding import cache_placer, make_mesh, on_mesh, shard_model
+    mesh = make_mesh(cell.mesh)
+    return Setup(shard_model(model, mesh), tokenizer, on_mesh(transform, mesh),
+                 cache_placer(mesh))
 
 
 def run_retrieval_cell(cell: Cell) -> dict:
@@ -98,7 +114,7 @@ def run_retrieval_cell(cell: Cell) -> dict:
     from kvjax import nbytes
     from models.sampler import generate
 
-    model, tokenizer, transform = _setup(cell)
+    model, tokenizer, transform, place_cache = _setup(cell)
     if cell.method != "full":  # the row carries a summary of what the method did
         from kvjax.monitor import monitored
         transform = monitored(transform)
@@ -106,11 +122,12 @@ def run_retrieval_cell(cell: Cell) -> dict:
     if cell.query_aware:  # one prompt per trial, compressed whole
         run = lambda b: generate(model, [c + q for c, q in zip(
             prompts.contexts[b:b + cell.batch], prompts.questions[b:b + cell.batch])],
-            transform=transform, max_new_tokens=cell.max_new_tokens)
+            transform=transform, max_new_tokens=cell.max_new_tokens, place_cache=place_cache)
     else:
         run = lambda b: generate(model, prompts.questions[b:b + cell.batch],
                                  contexts=prompts.contexts[b:b + cell.batch],
-                                 transform=transform, max_new_tokens=cell.max_new_tokens)
+                                 transform=transform, max_new_tokens=cell.max_new_tokens,
+                                 place_cache=place_cache)
     if cell.warmup:
         run(0)
     texts, cache_bytes, start = [], [], time.perf_counter()
@@ -146,7 +163,7 @@ def run_ppl_cell(cell: Cell) -> dict:
     from models.sampler import prefill_and_compress
     from models.scoring import score_continuations
 
-    model, tokenizer, transform = _setup(cell)
+    model, tokenizer, transform, place_cache = _setup(cell)
     prefix = int(cell.length * PPL_PREFIX)
     text = text_of(cell)
     windows = window_ids(tokenizer, text, cell.length, cell.trials)
@@ -155,7 +172,7 @@ def run_ppl_cell(cell: Cell) -> dict:
         group = windows[b:b + cell.batch]
         conts = [w[prefix:] for w in group]
         pre = prefill_and_compress(model, [w[:prefix] for w in group], transform=transform,
-                                   room=len(conts[0]))
+                                   room=len(conts[0]), place_cache=place_cache)
         kept_bytes += kvjax.nbytes(kvjax.shrink(pre.cache, 0))  # the prefix's cache, no room
         for lp in score_continuations(model, pre, conts):
             nll -= float(np.sum(lp, dtype=np.float64))
@@ -182,11 +199,12 @@ def run_memory_cell(cell: Cell) -> dict:
     from experiments.ppl import window_ids
     from models.sampler import compress, prefill_batch
 
-    model, tokenizer, transform = _setup(cell)
+    model, tokenizer, transform, place_cache = _setup(cell)
     text = text_of(cell)
     (ids,) = window_ids(tokenizer, text, cell.length, 1)
     start = time.perf_counter()
-    pre = prefill_batch(model, [ids], stats=transform.stats, cache_dtype=jnp.bfloat16)
+    pre = prefill_batch(model, [ids], stats=transform.stats, cache_dtype=jnp.bfloat16,
+                        place_cache=place_cache)
     small = pre if cell.method == "full" else compress(pre, transform, room=0)
     measured = kvjax.nbytes(small.cache) / cell.length
     cfg = model.config
@@ -265,7 +283,7 @@ def run_speed_cell(cell: Cell) -> dict:
     from experiments.ppl import window_ids
     from models.sampler import decode, prefill_and_compress
 
-    model, tokenizer, transform = _setup(cell)
+    model, tokenizer, transform, place_cache = _setup(cell)
     contexts = window_ids(tokenizer, SPEED_TEXT, cell.length, cell.batch)
     new = cell.max_new_tokens
 
@@ -275,7 +293,8 @@ def run_speed_cell(cell: Cell) -> dict:
         return time.perf_counter() - start, out
 
     def run_prefill():
-        return prefill_and_compress(model, contexts, transform=transform, room=new, max_write=1)
+        return prefill_and_compress(model, contexts, transform=transform, room=new, max_write=1,
+                                    place_cache=place_cache)
 
     def run_decode(pre):  # the cache is donated: decode a fresh copy each time
         return timed(lambda: decode(model, pre._replace(cache=jax.tree.map(jnp.copy, pre.cache)),

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
 import json
@@ -42,7 +43,8 @@ ENGINES = ("kvjax", "kvpress")
 SHARED = ("model", "trials", "seed", "batch", "max_new_tokens", "text", "haystack")
 BLOCK_KEYS = ("tasks", "lengths", "methods", "engines", "batches", "warmup", "query_aware",
               *SHARED)
-TOP_KEYS = ("grid", "bases", "max_rss_gb", "workers", *SHARED)
+TOP_KEYS = ("grid", "bases", "max_rss_gb", "workers", "mesh", *SHARED)
+MESH_AXES = ("data", "model")  # as models.sharding.AXES (this module imports no jax)
 BASIS_KEYS = ("path", "text", "tokens", "model")
 CALIBRATION_TEXT = Path(__file__).parent / "data" / "devils_dictionary.txt"  # as `kvjax calibrate`
 # setting -> lowest allowed int value
@@ -122,6 +124,7 @@ class Cell:
     query_aware: bool = False  # retrieval: the question is prefilled and compressed too
     text_path: str = ""  # ppl / memory: config `text`, a text file ("" = KJV Genesis)
     haystack_path: str = ""  # retrieval: config `haystack`, a prose file ("" = built-in texts)
+    mesh: str = ""  # config `[mesh]` as "data=2,model=4" ("" = one device)
 
     @property
     def key(self) -> tuple:
@@ -148,6 +151,7 @@ class Grid(NamedTuple):
     max_rss_gb: float  # memory bound of one worker
     workers: int  # untimed cells run this many at a time
     bases: dict[str, Basis] = {}  # [bases.NAME] tables, by name
+    mesh: str = ""  # the `[mesh]` table as "data=D,model=M" ("" = none)
 
 
 def _read_bases(path, config: dict) -> dict[str, Basis]:
@@ -171,6 +175,53 @@ def _read_bases(path, config: dict) -> dict[str, Basis]:
         _check_settings(path, f"{where} ", {"model": model})
         out[name] = Basis(file, text, tokens, model)
     return out
+
+
+def read_mesh(path, config: dict) -> str:
+    """The `[mesh]` table of a config as "data=D,model=M" ("" without one).
+
+    Keys are the axis names `data` (splits sequences) and `model` (splits weights and KV
+    heads); sizes are integers >= 1, a missing axis is 1. Whether the sizes multiply to the
+    device count is `check_mesh_devices`' (it needs jax).
+
+    Example:
+        >>> read_mesh("c.toml", {"mesh": {"data": 2, "model": 4}})
+        'data=2,model=4'
+        >>> read_mesh("c.toml", {"mesh": {"modle": 4}})
+        Traceback (most recent call last):
+        ...
+        ValueError: c.toml: unknown [mesh] key 'modle' (did you mean 'model'?); allowed: data, model
+    """
+    if "mesh" not in config:
+        return ""
+    table = config["mesh"]
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"{path}: mesh = {table!r}: must be a [mesh] table such as "
+                         f"data = 2 and model = 4")
+    _check_keys(path, "[mesh]", table, MESH_AXES)
+    for key, value in table.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{path}: [mesh] {key} = {value!r}: must be an integer >= 1")
+    return ",".join(f"{axis}={table.get(axis, 1)}" for axis in MESH_AXES)
+
+
+def check_mesh_devices(path, mesh: str, device_count: int) -> None:
+    """ValueError unless the `[mesh]` sizes multiply to `device_count` (every device is used
+    once; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N for N fake devices).
+
+    Example:
+        >>> check_mesh_devices("c.toml", "data=2,model=4", 8)
+        >>> check_mesh_devices("c.toml", "data=2,model=3", 8)
+        Traceback (most recent call last):
+        ...
+        ValueError: c.toml: [mesh] data=2,model=3 needs 6 devices, 8 available: the sizes must multiply to the device count
+    """
+    if not mesh:
+        return
+    need = math.prod(int(part.split("=")[1]) for part in mesh.split(","))
+    if need != device_count:
+        raise ValueError(f"{path}: [mesh] {mesh} needs {need} devices, {device_count} "
+                         f"available: the sizes must multiply to the device count")
 
 
 def _block_cells(path, block: dict, shared: dict) -> list[Cell]:
@@ -234,11 +285,17 @@ def read_config(path: Path) -> Grid:
     if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
         raise ValueError(f"{path}: `grid` must be [[grid]] tables")
     shared = {k: config[k] for k in SHARED if k in config}
+    mesh = read_mesh(path, config)
     cells = [c for block in blocks for c in _block_cells(path, block, shared)]
     if not cells:
         raise ValueError(f"{path}: no [[grid]] cells")
+    if mesh:
+        if any(c.engine == "kvpress" for c in cells):
+            raise ValueError(f"{path}: [mesh] runs kvjax cells only; a [[grid]] block has "
+                             f"engine 'kvpress' (it runs on one device)")
+        cells = [dataclasses.replace(c, mesh=mesh) for c in cells]
     return Grid(cells, float(config.get("max_rss_gb", 16)), int(config.get("workers", 1)),
-                _read_bases(path, config))
+                _read_bases(path, config), mesh)
 
 
 # ----------------------------------------------------------------------------- result rows

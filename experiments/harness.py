@@ -38,6 +38,10 @@ A TOML config names the model, shared settings and one or more grid blocks:
     [bases.mine]           # a low-rank basis calibrated before the sweep if the file is missing
     path = "results/basis.npz"      # (text = "...", tokens = 16384, model = ... optional)
 
+    [mesh]                 # optional: every kvjax cell's weights and caches on a device mesh,
+    data = 2               # placed as `kvjax generate --mesh data=2,model=4` places them
+    model = 4              # (models/sharding.py); the sizes multiply to the device count
+
 Paths are relative to the working directory; a missing, empty or non-UTF-8 `text` or
 `haystack` file is refused when the config loads. Task `memory` measures bytes per
 context token of a bfloat16 cache beside the formats' arithmetic.
@@ -78,7 +82,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Iterable
 
-from experiments.grid import Cell, Grid, done_keys, read_config
+from experiments.grid import Cell, Grid, check_mesh_devices, done_keys, read_config
 
 
 def load_config(path: Path) -> Grid:
@@ -86,6 +90,9 @@ def load_config(path: Path) -> Grid:
     every method spec is parsed here (for its engine), so a bad one fails before a sweep."""
     grid = read_config(path)
     path, cells = Path(path), grid.cells
+    if grid.mesh:  # the workers see the parent's devices (same environment)
+        import jax
+        check_mesh_devices(path, grid.mesh, jax.device_count())
     from kvjax import parse_method
     from experiments.kvpress_engine import parse_press_spec
     pending = [b.path for b in grid.bases.values() if not Path(b.path).exists()]
