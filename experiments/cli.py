@@ -262,6 +262,15 @@ def _on_mesh(args, method: str):
     return on_mesh(_transform(method), mesh), cache_placer(mesh)
 
 
+def _impl(args):
+    """`--impl`; with `--mesh`, "pallas" is the kernel per shard (models.sharding.pallas_impl)."""
+    mesh = getattr(args, "mesh_obj", None)
+    if mesh is None or args.impl != "pallas":
+        return args.impl
+    from models.sharding import pallas_impl
+    return pallas_impl(mesh)
+
+
 def cmd_generate(args, model, tokenizer) -> dict:
     from models.pipeline import ask
     from models.sampler import Sampling
@@ -274,7 +283,7 @@ def cmd_generate(args, model, tokenizer) -> dict:
                  context=read_text(args.context_file) if args.context_file else None,
                  answer_prefix=args.answer_prefix, max_new_tokens=args.max_new_tokens,
                  sampling=Sampling(args.temperature, args.top_k, args.top_p), seed=args.seed,
-                 compress_every=args.compress_every, impl=args.impl, place_cache=place_cache)
+                 compress_every=args.compress_every, impl=_impl(args), place_cache=place_cache)
     result = {"text": answer.text, "tokens": answer.tokens,
               "prompt_tokens": answer.context_tokens + answer.question_tokens,
               "context_tokens": answer.context_tokens, "cache_bytes": answer.cache_bytes,
@@ -292,9 +301,10 @@ def cmd_ppl(args, model, tokenizer) -> dict:
 
     ids = tokenizer.encode(read_text(args.text))[:args.max_tokens]
     start = time.perf_counter()
+    method, place_cache = _on_mesh(args, args.method)  # with --mesh: caches on the mesh
     result = perplexity(model, ids, args.context, args.stride, batch_size=args.batch_size,
-                        prefix=args.prefix, transform=_on_mesh(args, args.method)[0]
-                        if getattr(args, "mesh_obj", None) else _transform(args.method))
+                        prefix=args.prefix, place_cache=place_cache,
+                        transform=_transform(method) if isinstance(method, str) else method)
     if not math.isfinite(result.ppl):
         raise BadResult(f"perplexity is {result.ppl} (summed NLL {result.nll}): the model gave "
                         f"non-finite log-probabilities; not reporting it")

@@ -30,7 +30,8 @@ from kvjax.cache import EMPTY
 from kvjax.transforms import CacheTransform, full
 from models.llama import Llama
 from models.loading import progress_enabled
-from models.scoring import continuation_logprobs, token_logprobs
+from models.sampler import prefill_and_compress
+from models.scoring import _padded, score_continuations, token_logprobs
 
 
 class Window(NamedTuple):
@@ -78,11 +79,14 @@ def window_ids(tokenizer, path: Path, length: int, count: int) -> list[list[int]
 def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | None = None,
                *, batch_size: int = 8, chunk: int = 256, prefix: int = 0,
                transform: CacheTransform | None = None,
-               progress: bool | None = None) -> Perplexity:
+               progress: bool | None = None, place_cache=None) -> Perplexity:
     """Perplexity of `ids` under `model` with sliding windows; windows run batched.
 
     A progress bar over the windows goes to stderr when `progress` (default:
     `models.loading.progress_enabled`, a terminal or $KVJAX_PROGRESS=1).
+    `place_cache` puts each batch's empty cache on devices (`kvjax ppl --mesh`:
+    `models.sharding.cache_placer(mesh)`, with the weights `shard_model`'s and the
+    transform `on_mesh`'s), as `models.sampler.generate`'s does.
     """
     ids = np.asarray(ids, np.int32)
     if ids.ndim != 1 or len(ids) < 2:
@@ -96,7 +100,7 @@ def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | Non
     show = progress_enabled(progress)
     if prefix or transform is not full():
         return _continuation_perplexity(model, ids, context, stride, batch_size, chunk, prefix,
-                                        transform, show)
+                                        transform, show, place_cache)
     windows = sliding_windows(len(ids), context, stride)
     width = max(w.end - w.start for w in windows)
     nll, scored = 0.0, 0
@@ -113,10 +117,35 @@ def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | Non
             targets[row, off:-1] = ids[w.start + 1:w.end]
             # the logit at window offset j predicts token start + j + 1
             score[row, off + (w.first_scored - w.start) - 1: width - 1] = True
-        lp = np.asarray(token_logprobs(model, tokens, positions, targets, chunk=chunk), np.float64)
+        lp = np.asarray(_token_logprobs(model, tokens, positions, targets, chunk, place_cache),
+                        np.float64)
         nll -= float(lp[score].sum())
         scored += int(score.sum())
     return Perplexity(math.exp(nll / scored), nll, scored)
+
+
+def _token_logprobs(model, tokens, positions, targets, chunk: int, place_cache):
+    """`models.scoring.token_logprobs` ([B, T] float32), its fresh cache placed by
+    `place_cache` when given (the same padding and jitted scan)."""
+    if place_cache is None:
+        return token_logprobs(model, tokens, positions, targets, chunk=chunk)
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import kvjax
+    from models import scoring
+
+    b, t = tokens.shape
+    scoring.check_ids(model.config, tokens, positions)
+    chunk = min(chunk, t)
+    pad = -t % chunk
+    left = lambda x, value: jnp.pad(jnp.asarray(x, jnp.int32), ((0, 0), (pad, 0)),
+                                    constant_values=value)
+    cache = place_cache(kvjax.init_model_cache(model.config.cache_spec, b, t + pad))
+    graphdef, state = nnx.split(model)
+    lp, _ = scoring._token_logprobs(graphdef, state, left(tokens, 0),
+                                    left(positions, kvjax.EMPTY), left(targets, 0), cache, chunk)
+    return lp[:, pad:]
 
 
 def _batches(count: int, batch_size: int, show: bool):
@@ -132,7 +161,7 @@ def _batches(count: int, batch_size: int, show: bool):
 
 
 def _continuation_perplexity(model, ids, context, stride, batch_size, chunk, prefix,
-                             transform, show: bool = False) -> Perplexity:
+                             transform, show: bool = False, place_cache=None) -> Perplexity:
     """Score window tokens after the first `prefix`, on a cache compressed by `transform`."""
     if not 1 <= prefix < context:
         raise ValueError(f"a compressing method needs a prefix P with 1 <= P < context "
@@ -145,7 +174,11 @@ def _continuation_perplexity(model, ids, context, stride, batch_size, chunk, pre
         group = windows[i:i + batch_size]
         prefixes = [ids[w.start:w.start + prefix].tolist() for w in group]
         conts = [ids[w.start + prefix:w.end].tolist() for w in group]
-        lps = continuation_logprobs(model, prefixes, conts, transform=transform, chunk=chunk)
+        # models.scoring.continuation_logprobs, with the prefix's cache placed
+        pre = prefill_and_compress(model, prefixes, transform=transform,
+                                   room=_padded(conts, chunk)[0].tokens.shape[1], chunk=chunk,
+                                   place_cache=place_cache)
+        lps = score_continuations(model, pre, conts, chunk=chunk)
         for w, lp in zip(group, lps):
             first = max(w.first_scored, w.start + prefix) - (w.start + prefix)
             nll -= float(np.sum(lp[first:], dtype=np.float64))

@@ -11,6 +11,7 @@ from kvjax.eviction import (Scorer, debug_checks, expected_attention, h2o, knorm
 from kvjax.layout import compact, pool_heads, resize, shrink
 from kvjax.selection import keep_top_k
 from kvjax.kernel_attention import attend_pallas, supports_pallas
+from kvjax.sharded_attention import PallasOnMesh
 from kvjax.paging import (NULL_PAGE, PagedLayer, PagePool, PoolError, check_pool,
                           drop_lowest_pages, evict_pages, fork, init_paged_cache, page_scores,
                           release, reserve)
@@ -23,7 +24,7 @@ from kvjax.transforms import CacheTransform, chain, full, on_layers
 
 __all__ = [
     "EMPTY", "Cache", "CacheSpec", "CacheTransform", "LayerStats", "METHODS", "ResidualCache",
-    "StatsSpec", "TokenCache", "fp8", "free_tokens", "kivi", "quantize", "view", "attend", "attend_blockwise", "attend_reference", "attention_mask",
+    "StatsSpec", "TokenCache", "fp8", "free_tokens", "kivi", "quantize", "view", "attend", "PallasOnMesh", "attend_blockwise", "attend_reference", "attention_mask",
     "attention_mass", "attention_weights", "chain", "check_cache", "compact",
     "expected_attention", "full", "h2o", "init_cache", "init_model_cache", "init_stats",
     "keep_top_k", "knorm", "nbytes", "num_valid", "on_layers", "parse_method", "pool_heads",

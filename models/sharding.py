@@ -293,9 +293,28 @@ def gather_to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def pallas_impl(mesh: Mesh, *, backend: str | None = None,
+                interpret: Any = False) -> kvjax.PallasOnMesh:
+    """`impl=` for the samplers and `kvjax.attend`: the Pallas kernel per shard of `mesh`.
+
+    `generate(sharded, prompts, place_cache=cache_placer(mesh), impl=pallas_impl(mesh))`
+    runs attention in the kernel on each device's block of the cache
+    (`kvjax.sharded_attention`), never on a gathered cache. On CPU there is no
+    compiled kernel: it falls back to XLA unless `backend="tpu"`, `interpret=True`.
+
+    Example:
+        >>> pallas_impl(make_mesh("data=1,model=1")).kv_axis
+        'model'
+    """
+    return kvjax.PallasOnMesh(mesh, backend, interpret,
+                              batch_axis="data" if "data" in mesh.axis_names else None,
+                              kv_axis="model" if "model" in mesh.axis_names else None)
+
+
 def attend_on_mesh(q: jax.Array, q_pos: jax.Array, layer: Any, mesh: Mesh, *,
                    backend: str | None = None, interpret: Any = False) -> jax.Array:
-    """`kvjax.attend_pallas` under `jax.shard_map`: each device runs the kernel on its shard.
+    """`kvjax.attend_pallas` under `jax.shard_map`: each device runs the kernel on its shard
+    (`kvjax.sharded_attention.attend_on_mesh` with `pallas_impl(mesh)`).
 
     q [B, T, H, D] and q_pos [B, T] are split like the layer's `pos` (`cache_axes`:
     sequences over `data`, or over `data` x `model`; query heads over `model` when
@@ -303,17 +322,6 @@ def attend_on_mesh(q: jax.Array, q_pos: jax.Array, layer: Any, mesh: Mesh, *,
     GQA groups) and no collective is needed. On CPU pass `backend="tpu"` with
     `interpret=True`. Returns [B, T, H, D] float32 with q's split.
     """
-    from kvjax.kernel_attention import attend_pallas
+    from kvjax.sharded_attention import attend_on_mesh as run
 
-    shardings = _cache_shardings((layer,), mesh, batch_axis="data", kv_axis="model")[0]
-    pos_spec = tuple(shardings.recent.pos.spec if hasattr(shardings, "recent")
-                     else shardings.pos.spec)
-    batch_spec = pos_spec[0] if pos_spec else None
-    head_spec = pos_spec[1] if len(pos_spec) > 1 else None
-    q_spec, pos_q = P(batch_spec, None, head_spec, None), P(batch_spec, None)
-    layer_specs = jax.tree_util.tree_map(lambda s: s.spec, shardings)
-    body = lambda q, q_pos, layer: attend_pallas(q, q_pos, layer, backend=backend,
-                                                 interpret=interpret)
-    run = jax.shard_map(body, mesh=mesh, in_specs=(q_spec, pos_q, layer_specs),
-                        out_specs=q_spec, check_vma=False)
-    return run(q, q_pos, layer)
+    return run(q, q_pos, layer, pallas_impl(mesh, backend=backend, interpret=interpret))

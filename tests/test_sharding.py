@@ -129,6 +129,14 @@ def test_weights_and_caches_sharded_give_one_device_tokens_and_no_cache_all_gath
     its sequences, not its heads, are split over both axes)."""
     rows = run_on_8_devices(f"METHODS = {SHARDED_METHODS!r}\n" + IDENTITY, timeout=900)
     assert set(rows) == {method for method, _ in SHARDED_METHODS}
+    _check_tokens_and_collectives(rows)
+    specs = rows["full"]["cache_specs"]  # one sequence per data shard, 4 KV heads on model=4
+    assert specs == ["P('data', 'model')", "P(('data', 'model'),)"]  # pos; rows of k, v
+
+
+def _check_tokens_and_collectives(rows: dict) -> None:
+    """Each method's sharded tokens equal one device's, its weights and caches are split,
+    and its compiled compression and decode steps move no cache tensor."""
     for method, row in rows.items():
         assert row["many"] == row["one"], method
         assert row["weight_spec"] == "P(None, 'model')", method  # 4 KV heads: heads split
@@ -145,8 +153,31 @@ def test_weights_and_caches_sharded_give_one_device_tokens_and_no_cache_all_gath
         if method != "snapkv:ratio=0.5,headwise=true":  # heads split like the weights
             assert not [s for op, s in row["compress"] + row["decode"]
                         if op in ("all-to-all", "collective-permute")], method
-    specs = rows["full"]["cache_specs"]  # one sequence per data shard, 4 KV heads on model=4
-    assert specs == ["P('data', 'model')", "P(('data', 'model'),)"]  # pos; rows of k, v
+
+
+BASIS = textwrap.dedent("""
+    import numpy as np
+    from kvjax.low_rank import LowRankBasis
+    rng = np.random.default_rng(0)  # random orthonormal per-head bases, [L, KVH, D, D]
+    q = np.linalg.qr(rng.normal(size=(2, 4, 64, 64)))[0].astype(np.float32)
+    energy = np.sort(rng.random((2, 4, 64)), -1)[..., ::-1].astype(np.float32)
+    LowRankBasis(q, q, energy, energy, 1).save(BASIS_PATH)
+""")
+
+
+def test_h2o_expected_attention_and_low_rank_sharded_move_no_cache_tensor(tmp_path):
+    """The same check for the transforms that read more than keys: H2O (the accumulated
+    attention mass, a [B, KVH, C] cache tensor), expected attention (query moments from the
+    prefill's statistics) and low-rank latents (a random orthonormal basis of rank 32):
+    tokens equal one device's; no collective of the compression or decode step moves a
+    tensor with a cache-capacity axis."""
+    basis = tmp_path / "basis.npz"
+    methods = [("h2o:ratio=0.5", 2), ("expected_attention:ratio=0.5", 2),
+               (f"low_rank:rank=32,basis={basis}", 2)]
+    script = (f"METHODS = {methods!r}\nBASIS_PATH = {str(basis)!r}\n" + BASIS + IDENTITY)
+    rows = run_on_8_devices(script, timeout=900)
+    assert set(rows) == {method for method, _ in methods}
+    _check_tokens_and_collectives(rows)
 
 
 PALLAS = textwrap.dedent("""
@@ -188,3 +219,117 @@ def test_pallas_kernel_under_shard_map_matches_the_reference_on_8_devices():
     for name, row in rows.items():
         assert row["err"] < 1e-5, name
         assert row["spec"] == "P('data', None, 'model')", name  # query heads stay split
+
+
+PPL = textwrap.dedent("""
+    import argparse, json
+    import jax, numpy as np
+    import kvjax
+    from flax import nnx
+    import models.sharding as sharding
+    from experiments import cli
+    from experiments.ppl import perplexity
+    from models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig.tiny(num_kv_heads=4, num_heads=8, head_dim=16, hidden_size=64,
+                           intermediate_size=96)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    mesh = sharding.make_mesh("data=2,model=4")
+    sharded = sharding.shard_model(model, mesh)
+    ids = np.random.default_rng(0).integers(3, 250, 300).tolist()
+    placed = []  # the layouts of the caches `kvjax ppl --mesh` puts on the mesh
+    real_placer = sharding.cache_placer
+    def recording_placer(mesh):
+        place = real_placer(mesh)
+        def run(cache):
+            out = place(cache)
+            placed.append([str(x.sharding.spec) for x in jax.tree_util.tree_leaves(out[0])
+                           if x.ndim])
+            return out
+        return run
+    sharding.cache_placer = recording_placer
+
+    class Tokens:  # `cmd_ppl` encodes the text file: a stand-in giving `ids`
+        encode = staticmethod(lambda text: ids)
+    rows = {}
+    for method, prefix in (("full", 0), ("snapkv:ratio=0.5+kivi:bits=4,group=8,residual=8", 48)):
+        one = perplexity(model, ids, 64, 64, batch_size=2, prefix=prefix,
+                         transform=kvjax.parse_method(method))
+        args = argparse.Namespace(text=TEXT, max_tokens=len(ids), context=64, stride=64,
+                                  batch_size=2, prefix=prefix, method=method, mesh_obj=mesh)
+        placed.clear()
+        many = cli.cmd_ppl(args, sharded, Tokens())
+        rows[method] = {"one": [one.ppl, one.tokens_scored],
+                        "many": [many["ppl"], many["tokens_scored"]], "placed": placed[:]}
+    print(json.dumps(rows))
+""")
+
+
+def test_ppl_on_a_mesh_places_its_caches_and_equals_one_device(tmp_path):
+    """`kvjax ppl --mesh` (cmd_ppl with a mesh) puts every batch's cache on the data=2 x
+    model=4 mesh through `cache_placer` (two windows a batch: one per data shard, 4 KV heads
+    over model) for plain and compressed-prefix perplexity; the perplexity equals one
+    device's within float32 summation-order rounding."""
+    text = tmp_path / "t.txt"
+    text.write_text("any text: the stand-in tokenizer ignores it", encoding="utf-8")
+    rows = run_on_8_devices(f"TEXT = {str(text)!r}\n" + PPL)
+    for method, row in rows.items():
+        assert row["many"][1] == row["one"][1], method
+        assert abs(row["many"][0] / row["one"][0] - 1) < 1e-5, (method, row)
+        assert row["placed"], method  # every batch's cache went through the placer
+        for specs in row["placed"]:
+            assert "P('data', 'model', None)" in specs, (method, specs)  # pos [B, KVH, C]
+
+
+PALLAS_MODEL = textwrap.dedent("""
+    import json
+    import jax, numpy as np
+    import kvjax
+    import kvjax.attention
+    from flax import nnx
+    from models import sampler
+    from models.llama import Llama, LlamaConfig
+    from models.sharding import cache_placer, make_mesh, on_mesh, pallas_impl, shard_model
+
+    calls = []  # layers that took the per-shard kernel (counted while tracing)
+    real = kvjax.attention.attend_on_mesh
+    def counting(q, q_pos, layer, impl, **kw):
+        calls.append(type(layer).__name__)
+        return real(q, q_pos, layer, impl, **kw)
+    kvjax.attention.attend_on_mesh = counting
+
+    cfg = LlamaConfig.tiny(num_kv_heads=4, num_heads=8, head_dim=64, hidden_size=80,
+                           intermediate_size=120)
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    mesh = make_mesh("data=2,model=4")
+    sharded = shard_model(model, mesh)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 250, n).tolist() for n in (40, 29)]
+    impl = pallas_impl(mesh, backend="tpu", interpret=True)
+    rows = {}
+    for method in METHODS:
+        transform = kvjax.parse_method(method)
+        kw = dict(max_new_tokens=8, chunk=8, eos_ids=())
+        one = sampler.generate(model, prompts, transform=transform, **kw)
+        calls.clear()
+        many = sampler.generate(sharded, prompts, transform=on_mesh(transform, mesh),
+                                place_cache=cache_placer(mesh), impl=impl, **kw)
+        rows[method] = {"one": one.tokens.tolist(), "many": many.tokens.tolist(),
+                        "kernel_layers": sorted(set(calls)), "kernel_calls": len(calls)}
+    print(json.dumps(rows))
+""")
+
+
+def test_pallas_impl_on_a_mesh_runs_the_kernel_per_shard_inside_the_model():
+    """`generate(..., impl=pallas_impl(mesh))` on data=2 x model=4 (one sequence per data
+    shard, one KV head per model shard): every layer's attention goes through the
+    shard_map'd kernel (TPU kernel, interpret mode), and the greedy tokens equal one
+    device's XLA run, for a dense cache and a SnapKV+KIVI (body + residual) cache."""
+    methods = ["full", "snapkv:ratio=0.5+kivi:bits=4,group=16,residual=16"]
+    rows = run_on_8_devices(f"METHODS = {methods!r}\n" + PALLAS_MODEL)
+    for method, row in rows.items():
+        assert row["many"] == row["one"], method
+        # prefill and decode traced once each, every one of the 2 layers through the kernel
+        assert row["kernel_calls"] >= 2 * 2, (method, row["kernel_calls"])
+    assert rows["full"]["kernel_layers"] == ["TokenCache"]
+    assert "ResidualCache" in rows[methods[1]]["kernel_layers"]
