@@ -231,41 +231,9 @@ def _block(store, start, size: int, length=None):
     if isinstance(store, Latent):
         return store.replace(z=jax.lax.dynamic_slice_in_dim(store.z, start, size, axis=1))
     if isinstance(store, PackedChannels):
-        return _channel_block(store, start, size, length)
+        return store.read_slots(start, size, length)
     piece = map_slot_leaves(store, lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1))
     return read(piece)
-
-
-def _channel_block(store: PackedChannels, start, size: int, length=None) -> jax.Array:
-    """`store.read_slots(start, size, length)` for blocks that start on a group boundary.
-
-    When `size` and the capacity are multiples of the group and the table has
-    a row for every group of the capacity (all static), every block start
-    `attend_blockwise` makes (`i * size`, or `capacity - size`) is a multiple
-    of the group, so the block's slots in write order use table rows
-    `start // group ...`, `size // group` of them, each broadcast over its
-    group by a reshape: no `repeat` of `size // group + 2` rows and second
-    slice as in `read_slots` (measured: a KIVI-4 key decode loop at batch 8,
-    4096 tokens, 6.2 -> 4.0 CPU ms; docs/DECISIONS.md). Slots out of write
-    order (codes compacted after quantization) take `read` (row gathers),
-    as `read_slots` does; both give its floats bit for bit.
-    """
-    g, capacity = store.group, store.words.shape[1]
-    if size % g or capacity % g or store.table_rows * g < capacity:
-        return store.read_slots(start, size, length)
-    piece = store.map_slots(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis=1))
-    slots = start + jnp.arange(size, dtype=jnp.int32)
-    in_order = piece.group_id.astype(jnp.int32) == (slots // g)[None]  # [R, size]
-    if length is not None:
-        in_order |= (slots >= length)[None]  # unwritten slots do not count
-
-    def by_group(table):  # [R, NG, D] -> [R, size, D]: rows start//g ..., each g times
-        rows = jax.lax.dynamic_slice_in_dim(table, start // g, size // g, axis=1)
-        r, n, d = rows.shape
-        return jnp.broadcast_to(rows[:, :, None], (r, n, g, d)).reshape(r, size, d)
-
-    return jax.lax.cond(jnp.all(in_order), lambda p: p._dequantize(p.words, by_group),
-                        lambda p: p.read(), piece)
 
 
 def _parts(cache: Layer) -> tuple[TokenCache, ...]:
