@@ -189,12 +189,15 @@ def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops
 
 
 def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_format, v_format,
-                kv_heads, table_len, head_stride, pages_per_block, blocks_per_split, math):
+                kv_heads, table_len, head_stride, pages_per_block, blocks_per_split, math,
+                row_pages=None, slot_axes=None, page_size=None):
     # tables_ref [B*KVH*NP], or shared [B*NP] when head_stride is set, int32 (SMEM);
     # counts_ref / starts_ref [B*KVH] int32 (SMEM): the
     # row's pages [start, count) of its table are read, from start on in blocks
     # qpos_ref [GT, 1], q_ref [GT, D] (VMEM blocks of this (b, h));
-    # refs: the pools in HBM (pos [P, 1, S], then each format array [P, ...]), the outputs,
+    # refs: the pools in HBM (pos [P, 1, S], then each format array [P, ...]; or, with
+    # `row_pages`, row pools [R, X, C] / [R, C, X] whose page p is row p // row_pages's slots
+    # (p % row_pages) * S + [0, S) along `slot_axes`), the outputs,
     # a VMEM double buffer [2, NPB, ...] per pool, DMA semaphores [2], softmax state.
     nk, nv = k_format.arity(), v_format.arity()
     n = 1 + nk + nv
@@ -214,10 +217,17 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_fo
             idx = first(blk) + i
             entry = table_row * table_len + jnp.minimum(idx, table_len - 1)
             page = tables_ref[entry] + head_offset
-            page = jnp.clip(page, 0, pools[0].shape[0] - 1)
-            out.append((idx < count, [pltpu.make_async_copy(pool.at[page], buf.at[slot, i],
-                                                            sem.at[slot])
-                                      for pool, buf in zip(pools, bufs)]))
+            n_pages = pools[0].shape[0] * (row_pages or 1)
+            page = jnp.clip(page, 0, n_pages - 1)
+            if row_pages is None:
+                srcs = [pool.at[page] for pool in pools]
+            else:  # a page is a slice of its row: the cache's own layout, no conversion
+                r, c = jax.lax.div(page, row_pages), jax.lax.rem(page, row_pages)
+                cols = pl.ds(pl.multiple_of(c * page_size, page_size), page_size)
+                srcs = [pool.at[r, :, cols] if axis == 2 else pool.at[r, cols, :]
+                        for pool, axis in zip(pools, slot_axes)]
+            out.append((idx < count, [pltpu.make_async_copy(src, buf.at[slot, i], sem.at[slot])
+                                      for src, buf in zip(srcs, bufs)]))
         return out
 
     def run(blk, slot, method):
@@ -263,9 +273,14 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_fo
 
 def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
               v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages,
-              head_stride):
+              head_stride, rows_=None):
     b, kvh, rows, d = qg.shape
     pools = (pos_pages, *k_arrays, *v_arrays)
+    # rows_: (row pools, row_pages, slot axes): DMA pages straight out of the cache's rows
+    page_shapes = [x.shape[1:] for x in pools]
+    row_pages = slot_axes = None
+    if rows_ is not None:
+        pools, row_pages, slot_axes = rows_
     blocks_per_split = pages_per_split // pages_per_block
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
@@ -277,14 +292,17 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, *_: (bi, h, 0, 0)),
                   *[hbm] * len(pools)],
         out_specs=[out_block(d), out_block(1), out_block(1)],
-        scratch_shapes=[*[pltpu.VMEM((2, pages_per_block, *x.shape[1:]), x.dtype) for x in pools],
+        scratch_shapes=[*[pltpu.VMEM((2, pages_per_block, *shape), x.dtype)
+                          for shape, x in zip(page_shapes, pools)],
                         pltpu.SemaphoreType.DMA((2,)),
                         pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
                         pltpu.VMEM((rows, d), jnp.float32)])
     kernel = functools.partial(_tpu_kernel, k_format=k_format, v_format=v_format,
                                kv_heads=kvh, table_len=tables.shape[-1], head_stride=head_stride,
                                pages_per_block=pages_per_block,
-                               blocks_per_split=blocks_per_split, math=math)
+                               blocks_per_split=blocks_per_split, math=math,
+                               row_pages=row_pages, slot_axes=slot_axes,
+                               page_size=pos_pages.shape[-1])
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid_spec=grid_spec,
@@ -561,16 +579,22 @@ def window_pages(window: int | None, q_len: int, page_size: int) -> int | None:
 @functools.partial(jax.jit, static_argnames=("k_format", "v_format", "pages_per_split", "window",
                                              "softcap", "scale", "backend", "interpret",
                                              "compute_dtype", "pages_per_block",
-                                             "head_stride"))
+                                             "head_stride", "row_pages"))
 def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
                             k_format: Format = DENSE, v_format: Format = DENSE,
                             pages_per_split: int = 8, window: int | None = None,
                             softcap: float | None = None, scale: float | None = None,
                             backend: str = "tpu", interpret=False,
                             compute_dtype=None, pages_per_block: int | None = None,
-                            head_stride: int | None = None) -> Partial:
+                            head_stride: int | None = None,
+                            row_pages: int | None = None) -> Partial:
     """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
+    rows_ = None
+    if row_pages is not None:  # row pools: the page views below only give shapes to the TPU path
+        rows_ = _row_pools(pos_pages, k_arrays, v_arrays, k_format, v_format, row_pages)
+        pos_pages, k_arrays, v_arrays = rows_as_pages(pos_pages, k_arrays, v_arrays, k_format,
+                                                      v_format, row_pages)
     _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, k_format,
                   v_format, pages_per_split, backend, head_stride)
     kvh = num_pages.shape[1]
@@ -591,7 +615,7 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     qg, qpos = group_queries(q.astype(cdt), q_pos, kvh, rows)
     math = _math(k_format, v_format, dict(scale=q.shape[-1] ** -0.5 if scale is None else scale,
                                           window=window, softcap=softcap), cdt)
-    call = _tpu_call if backend == "tpu" else _gpu_call
+    call = (functools.partial(_tpu_call, rows_=rows_) if backend == "tpu" else _gpu_call)
     starts = window_start_pages(q_pos, pos_pages, per_head_tables(block_tables, kvh, head_stride),
                                 num_pages, window)
     acc, m, l = call(qg, qpos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, starts,
@@ -603,6 +627,55 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     for i in range(1, splits):
         out = merge(out, Partial(acc[i], m[i], l[i]))
     return out
+
+
+def _slot_axes(k_format, k_arrays, v_format, v_arrays) -> tuple[int, ...]:
+    """The slot axis of each row pool (pos first): 2 for slot-last arrays, 1 for [R, C, D]."""
+    axis = lambda fmt: 2 if fmt.slots_last else 1
+    return (2, *[axis(k_format)] * len(k_arrays), *[axis(v_format)] * len(v_arrays))
+
+
+def _row_pools(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int):
+    """Check row pools -> (pools, row_pages, slot axes) for the TPU kernel."""
+    if row_pages < 1:
+        raise ValueError(f"paged_attention: row_pages must be >= 1, got {row_pages}")
+    for name, fmt in (("keys", k_format), ("values", v_format)):
+        if not isinstance(fmt, Dense):
+            raise ValueError(f"paged_attention: row_pages reads dense row pools only; {name} "
+                             f"are in format {fmt}")
+    pools = (pos_rows, *k_arrays, *v_arrays)
+    axes = _slot_axes(k_format, k_arrays, v_format, v_arrays)
+    if pos_rows.ndim != 3 or pos_rows.shape[1] != 1:
+        raise ValueError(f"paged_attention: with row_pages, pos_pages must be [R, 1, C], got "
+                         f"{pos_rows.shape}")
+    c = pos_rows.shape[2]
+    for x, axis in zip(pools, axes):
+        if x.ndim != 3 or x.shape[0] != pos_rows.shape[0] or x.shape[axis] != c:
+            raise ValueError(f"paged_attention: row pools must all be [R={pos_rows.shape[0]}, "
+                             f"..., C={c}] along the slot axis {axis}; got {x.shape}")
+    if c % row_pages:
+        raise ValueError(f"paged_attention: row_pages {row_pages} must divide the rows' "
+                         f"{c} slots")
+    return pools, row_pages, axes
+
+
+def rows_as_pages(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int):
+    """Row pools [R, X, C] ([R, C, D] for row-major dense) -> page pools of C / row_pages slots.
+
+    Page r * row_pages + i is slots [i*S, (i+1)*S) of row r. A copy in XLA (the
+    reference and GPU paths read these); the TPU kernel reads the rows in place.
+    """
+    def pages(x, axis):
+        r, s = x.shape[0], x.shape[axis] // row_pages
+        if axis == 1:  # [R, C, X] -> [R*n, S, X]: a reshape
+            return x.reshape(r * row_pages, s, x.shape[2])
+        y = x.reshape(r, x.shape[1], row_pages, s)  # [R, X, n, S]
+        return jnp.swapaxes(y, 1, 2).reshape(r * row_pages, x.shape[1], s)
+
+    axes = _slot_axes(k_format, k_arrays, v_format, v_arrays)
+    out = [pages(x, a) for x, a in zip((pos_rows, *k_arrays, *v_arrays), axes)]
+    nk = len(k_arrays)
+    return out[0], tuple(out[1:1 + nk]), tuple(out[1 + nk:])
 
 
 def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, **kwargs):
@@ -625,6 +698,11 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
         pages per loop step, a power of two (default: 128 slots).
       head_stride: with shared [B, NP] tables (static): KV head h of row b
         reads page `block_tables[b, i] + h * head_stride`.
+      row_pages: (static) the pools are *row pools*, a cache's own rows: pos
+        [R, 1, C], dense keys/values [R, C, D] (or [R, D, C] slot-last), page
+        r * row_pages + i being slots [i*S, (i+1)*S) of row r (S = C /
+        row_pages). The TPU kernel DMAs pages straight out of the rows (no
+        copy of the cache into a page pool); other paths use `rows_as_pages`.
       window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.
         With a window, pages wholly before it are skipped
         (`window_start_pages`).
@@ -659,9 +737,12 @@ def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_table
                               k_format: Format = DENSE, v_format: Format = DENSE,
                               window: int | None = None, softcap: float | None = None,
                               scale: float | None = None, head_stride: int | None = None,
-                              **_) -> jax.Array:
+                              row_pages: int | None = None, **_) -> jax.Array:
     """Plain-jnp paged attention: gather and decode every page, one masked softmax, float32."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
+    if row_pages is not None:
+        pos_pages, k_arrays, v_arrays = rows_as_pages(pos_pages, k_arrays, v_arrays, k_format,
+                                                      v_format, row_pages)
     block_tables = per_head_tables(block_tables, num_pages.shape[1], head_stride)
     b, t, h, d = q.shape
     kvh, n_table = block_tables.shape[1:]

@@ -128,20 +128,36 @@ def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict 
     page = page_size_for(layer.capacity)
     if page is None:
         return None
-    valid = (layer.pos != EMPTY).reshape(-1, page)
-    k, v = (_store_pages(layer.k, page, valid, wide, backend),
-            _store_pages(layer.v, page, valid, wide, backend))
-    if k is None or v is None:
-        return None
     b, kvh, c = layer.pos.shape
     per_row = c // page
     # one table per sequence, shared by its heads: row (b, h)'s page i is (b*KVH + h)*per_row + i
     tables = (jnp.arange(b, dtype=jnp.int32)[:, None] * (kvh * per_row)
               + jnp.arange(per_row, dtype=jnp.int32))
     used = jnp.full((b, kvh), (layer.length + page - 1) // page, jnp.int32)
+    shared = dict(block_tables=tables, num_pages=used, head_stride=per_row)
+    if backend == "tpu" and is_dense(layer.k) and is_dense(layer.v) and page % 128 == 0:
+        # the kernel DMAs pages out of the cache's own rows (row_pages): no page pool is built
+        return dict(k_pages=_dense_rows(layer.k), v_pages=_dense_rows(layer.v),
+                    k_format=_dense_row_format(layer.k), v_format=_dense_row_format(layer.v),
+                    pos_pages=layer.pos.reshape(b * kvh, 1, c), row_pages=per_row, **shared)
+    valid = (layer.pos != EMPTY).reshape(-1, page)
+    k, v = (_store_pages(layer.k, page, valid, wide, backend),
+            _store_pages(layer.v, page, valid, wide, backend))
+    if k is None or v is None:
+        return None
     return dict(k_pages=k[1], v_pages=v[1], k_format=k[0], v_format=v[0],
-                pos_pages=layer.pos.reshape(-1, 1, page), block_tables=tables, num_pages=used,
-                head_stride=per_row)
+                pos_pages=layer.pos.reshape(-1, 1, page), **shared)
+
+
+def _dense_row_format(store: jax.Array) -> pf.Dense:
+    """Dense rows [R, C, D]: read slot-last below 128 lanes (XLA:TPU keeps such an array
+    slot-minor, so the [R, D, C] view is free), row-major [R, C, D] otherwise."""
+    return pf.DENSE_T if store.shape[-1] % 128 else pf.DENSE
+
+
+def _dense_rows(store: jax.Array) -> jax.Array:
+    """The row pool of a dense [R, C, D] store in `_dense_row_format`'s layout."""
+    return jnp.swapaxes(store, 1, 2) if store.shape[-1] % 128 else store
 
 
 def supports_pallas(layer: Any, backend: str | None = None) -> bool:

@@ -121,3 +121,27 @@ def test_gpu_kernel_takes_power_of_two_shapes_only():
     assert ka.supports_pallas(filled(5, 10, capacity=32)[0], "gpu")
     with pytest.raises(ValueError, match="power of two"):
         ka.attend_pallas(q, q_pos, layer, backend="gpu", interpret=True)
+
+
+@pytest.mark.parametrize("d,dtype", [(64, jnp.float32), (128, jnp.bfloat16)])
+def test_dense_token_cache_is_read_in_place(d, dtype):
+    """A dense TokenCache whose pages are lane-aligned (S = 256 here) goes to the TPU kernel as its
+    own rows (`row_pages`: no page pool is built; [R, D, C] slot-last below 128 lanes, [R, C, D]
+    otherwise) and the kernel's pages, DMA'd out of the rows, give the reference's attention."""
+    layer, q, q_pos = filled(6, 300, capacity=512, kvh=2, d=d)
+    layer = layer.replace(k=layer.k.astype(dtype), v=layer.v.astype(dtype))
+    inputs = ka.kernel_inputs(layer, backend="tpu")
+    assert inputs["row_pages"] == 2 and inputs["head_stride"] == 2
+    rows = (4, d, 512) if d % 128 else (4, 512, d)
+    assert inputs["k_pages"].shape == rows and inputs["pos_pages"].shape == (4, 1, 512)
+    assert "row_pages" not in ka.kernel_inputs(layer, backend="gpu")  # GPU: page pools
+    backend, interpret = mode("tpu")
+    if compiled() and device_backend() != "tpu":
+        pytest.skip("[optional] compiled mode: the TPU kernel needs a TPU")
+    # the reference over the same stored numbers in f32 (its bf16 path rounds its own dots)
+    exact = layer.replace(k=layer.k.astype(jnp.float32), v=layer.v.astype(jnp.float32))
+    for window in (None, 200):
+        got = ka.attend_pallas(q, q_pos, layer, window=window, backend=backend,
+                               interpret=interpret, pages_per_split=1)
+        want = kvjax.attend(q, q_pos, exact, impl="reference", window=window)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
