@@ -1,0 +1,110 @@
+"""Paged KIVI (kvjax/paged_kivi.py, issue 20): KIVI groups in pool pages, offloadable.
+
+- every flushed page holds bit for bit the codes and parameters the unpaged KIVI layer stores
+  for the same tokens, through a prompt (with left padding) and decode writes;
+- attention over the paged layer equals the unpaged layer's (float tolerance: the summation
+  runs over a different padding), and over half the pages on the host equals all on device
+  bit for bit;
+- an eviction after KIVI (codes compacted across groups) is refused with a ValueError.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import tiers
+from kvjax.cache import EMPTY
+from kvjax.paged_kivi import (bodies, flush_tokens, from_residual, unpaged_groups, with_bodies)
+from kvjax.paging import check_pool, reserve
+
+B, KVH, D, G, RES = 2, 2, 64, 8, 8
+PROMPT, STEPS, CAP = 21, 20, 64
+
+
+def prompt_cache(key=0):
+    """A dense layer of a 21-token prompt; sequence 1 left-padded by 3 (EMPTY positions)."""
+    k, v = jax.random.normal(jax.random.key(key), (2, B, KVH, PROMPT, D)) * 3
+    pos = jnp.broadcast_to(jnp.arange(PROMPT), (B, PROMPT))
+    pos = pos.at[1, :3].set(EMPTY).at[1, 3:].add(-3)
+    return (kvjax.write(kvjax.init_cache(B, KVH, CAP, D), k, v, pos),)
+
+
+def unpaged_body(layer):
+    """The unpaged KIVI body as slot arrays [R, Lb, ...] and key tables [R, Lb/G, D]."""
+    body, n = layer.body, int(layer.body.length)
+    return {"k_words": body.k.words[:, :n], "k_scale": body.k.scale[:, :n // G],
+            "k_offset": body.k.offset[:, :n // G], "v_words": body.v.words[:, :n],
+            "v_scale": body.v.scale[:, :n], "v_offset": body.v.offset[:, :n],
+            "pos": body.pos.reshape(B * KVH, -1)[:, :n]}
+
+
+def assert_same_bits(paged, unpaged):
+    want, got = unpaged_body(unpaged), unpaged_groups(paged)
+    n = want["pos"].shape[1]
+    assert (np.asarray(paged.body.lengths) == n).all()
+    valid = np.asarray(want["pos"]) != EMPTY
+    np.testing.assert_array_equal(np.asarray(got["pos"])[:, :n], np.asarray(want["pos"]))
+    np.testing.assert_array_equal(np.asarray(got["k_live"])[:, :n], valid)
+    for name in ("k_words", "v_words", "v_scale", "v_offset"):  # per slot: the valid ones
+        np.testing.assert_array_equal(np.asarray(got[name])[:, :n][valid],
+                                      np.asarray(want[name])[valid], err_msg=name)
+    group_valid = valid.reshape(valid.shape[0], -1, G).any(-1)  # groups holding a token
+    for name in ("k_scale", "k_offset"):
+        np.testing.assert_array_equal(np.asarray(got[name])[:, :n // G][group_valid],
+                                      np.asarray(want[name])[group_valid], err_msg=name)
+    assert want["pos"].size and group_valid.any()
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_flushed_pages_bit_identical_to_unpaged_kivi(bits):
+    t = kvjax.kivi(bits=bits, group=G, residual=RES)
+    unpaged, _ = t.update(prompt_cache(), t.init(prompt_cache()), None)
+    npages = CAP // G
+    plain = from_residual(unpaged, max_pages=npages, device_pages=B * KVH * npages + 1)
+    tiered = from_residual(unpaged, max_pages=npages, device_pages=B * KVH * npages // 2 + 2,
+                           host_pages=B * KVH * npages // 2)
+    write = jax.jit(lambda l, k, v, p: tuple(kvjax.write(x, k, v, p) for x in l))
+    q = jax.random.normal(jax.random.key(9), (B, 1, 2 * KVH, D))
+    (p0, l0), (p1, l1) = plain, tiered
+    assert_same_bits(l0[0], unpaged[0])
+    flushed = 0
+    for step in range(STEPS):
+        k, v = jax.random.normal(jax.random.key(100 + step), (2, B, KVH, 1, D)) * 3
+        pos = jnp.array([[PROMPT + step], [PROMPT - 3 + step]])
+        flushed += int(flush_tokens(l0)[0])
+        p0, b0 = reserve(p0, bodies(l0), flush_tokens(l0))
+        p1, b1 = reserve(p1, bodies(l1), flush_tokens(l1))
+        l0, l1 = with_bodies(l0, b0), with_bodies(l1, b1)
+        unpaged = write(unpaged, k, v, pos)
+        l0, l1 = write(l0, k, v, pos), write(l1, k, v, pos)
+        assert_same_bits(l0[0], unpaged[0])
+        assert_same_bits(l1[0], unpaged[0])
+        # half of the allocated pages to the host (as far as the last pages allow), staged
+        n = tiers.tier_counts(p1, l1[0].body)["allocated"] // 2
+        p1, b1 = tiers.spill(p1, bodies(l1), tiers.coldest_pages(
+            l1[0].body, tiers.recency_scores(l1[0].body), n))
+        b1 = tiers.prefetch(b1, tiers.host_pages_in_use(b1[0]))
+        l1 = with_bodies(l1, b1)
+        check_pool(p0, bodies(l0))
+        check_pool(p1, bodies(l1))
+        qpos = pos + 1
+        want = np.asarray(kvjax.attend(q, qpos, unpaged[0]))
+        got0 = np.asarray(kvjax.attend(q, qpos, l0[0]))
+        got1 = np.asarray(kvjax.attend(q, qpos, l1[0]))
+        np.testing.assert_array_equal(got1, got0)  # offloaded == all on device, bit for bit
+        np.testing.assert_allclose(got0, want, rtol=1e-5, atol=1e-5)
+    assert flushed >= 2 * G  # the decode flushed pages, not only the prompt
+    assert tiers.tier_counts(p1, l1[0].body)["host"] > 0
+    assert_same_bits(l1[0], unpaged[0])
+
+
+def test_eviction_after_kivi_cannot_be_paged():
+    t = kvjax.chain(kvjax.kivi(bits=4, group=G, residual=RES), kvjax.knorm(ratio=0.5))
+    cache = prompt_cache()
+    small, _ = t.update(cache, t.init(cache), None)
+    with pytest.raises(ValueError, match="eviction after KIVI"):
+        from_residual(small, max_pages=8, device_pages=40)
+    with pytest.raises(ValueError, match="not an unpaged KIVI layer"):
+        from_residual(cache, max_pages=8, device_pages=40)
