@@ -61,7 +61,15 @@ def main(argv=None) -> int:
                         help="comma-separated steps to compile: decode, prefill")
     parser.add_argument("--methods", default=";".join(METHODS),
                         help="semicolon-separated method specs")
+    parser.add_argument("--layers", default=",".join(map(str, LAYERS)),
+                        help="comma-separated layer counts (32 = the whole 8B decoder)")
     args = parser.parse_args(argv)
+    try:
+        layer_counts = [int(n) for n in args.layers.split(",")]
+    except ValueError:
+        parser.error(f"--layers {args.layers!r}: expected integers such as 1,2")
+    if not all(1 <= n <= 32 for n in layer_counts):
+        parser.error(f"--layers {args.layers!r}: each count must be in [1, 32]")
     steps = [s for s in args.steps.split(",") if s]
     for s in steps:
         if s not in ("decode", "prefill"):
@@ -72,7 +80,7 @@ def main(argv=None) -> int:
               "dtype": "bfloat16", "rows": []}
     for step in steps:
         for method in args.methods.split(";"):
-            for layers in LAYERS:
+            for layers in layer_counts:
                 row = check_row(mesh, layers, method, step)
                 result["rows"].append(row)
                 print(json.dumps({k: row[k] for k in ("layers", "method", "step",

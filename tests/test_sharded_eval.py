@@ -76,7 +76,19 @@ def test_mesh_must_use_every_device_and_kvjax_cells_only(tmp_path):
 SWEEP = textwrap.dedent("""
     import dataclasses, json, sys
     from pathlib import Path
+    from flax import nnx
+    import models.loading
     from experiments import cells, harness
+    from models.llama import Llama, LlamaConfig
+    from models.tokenizer import load_tokenizer
+    from tests.conftest import smollm2_path
+
+    # a tiny random decoder with 4 KV heads behind the real tokenizer (so the cells' prompts
+    # are the real ones): on data=2 x model=4 its attention, MLP and vocabulary split over
+    # `model` and batch-2 caches put one sequence per data shard, one KV head per device
+    tokenizer = load_tokenizer(models.loading.converted_dir(smollm2_path()))
+    cfg = LlamaConfig.tiny(vocab_size=49152, num_kv_heads=4, num_heads=8, max_position=2048)
+    models.loading.load_model = lambda name, *a, **k: (Llama(cfg, rngs=nnx.Rngs(0)), tokenizer)
 
     grid = harness.load_config(Path(sys.argv[1]))  # checks data x model = 8 devices
     rows = []
@@ -91,10 +103,10 @@ TIMES = ("seconds", "seconds_per_trial", "mesh")  # what may differ between the 
 
 
 def test_eval_rows_on_a_mesh_equal_one_device_rows(tmp_path):
-    """SmolLM2 (3 KV heads: attention replicated over `model`, MLP and vocabulary split; the
-    cache split over `data`), ppl with `full` and a SnapKV+KIVI chain and a passkey cell: every
-    row field equals the one-device row's (tokens and outputs exactly), the perplexities within
-    float32 summation-order rounding."""
+    """The harness's own cells (`run_kvjax_cell`) on data=2 x model=4 vs one device: ppl with
+    `full` and a SnapKV+KIVI chain and a SnapKV passkey cell, a tiny random 4-KV-head decoder
+    behind the real tokenizer: every row field equals the one-device row's (passkey outputs
+    exactly), the perplexities within float32 summation-order rounding."""
     path = _config(tmp_path, "[mesh]\ndata = 2\nmodel = 4\n")
     rows = run_on_8_devices(SWEEP.replace("sys.argv[1]", repr(str(path))), timeout=900)
     assert len(rows) == 3
