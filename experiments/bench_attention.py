@@ -65,14 +65,16 @@ def make_layer(method: str, batch: int, context: int, room: int = 16, seed: int 
     return cache[0]
 
 
-def timings(fn, *args, repeats: int) -> list[float]:
+def timings(fn, *args, repeats: int) -> tuple[list[float], list[float]]:
+    """Wall and process-CPU seconds of `repeats` calls (after one untimed call)."""
     jax.block_until_ready(fn(*args))  # compile
-    out = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         jax.block_until_ready(fn(*args))
-        out.append(time.perf_counter() - start)
-    return out
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return wall, cpu
 
 
 def old_attend(q, q_pos, layer):
@@ -91,13 +93,15 @@ def bench_layer(method: str, batch: int, context: int, repeats: int, bandwidth: 
         old = jax.jit(old_attend).lower(q, q_pos, layer).compile()
     finally:
         attention.MATVEC_ROWS = saved
-    t_new = timings(new, q, q_pos, layer, repeats=repeats)
-    t_old = timings(old, q, q_pos, layer, repeats=repeats)
+    t_new, cpu_new = timings(new, q, q_pos, layer, repeats=repeats)
+    t_old, cpu_old = timings(old, q, q_pos, layer, repeats=repeats)
     nbytes = kvjax.nbytes(layer)
     return {"method": method, "batch": batch, "context": context, "layer_bytes": nbytes,
             "floor_ms": 1e3 * nbytes / (bandwidth * 1e9),
             "new_ms": 1e3 * statistics.median(t_new), "new_min_ms": 1e3 * min(t_new),
             "old_ms": 1e3 * statistics.median(t_old), "old_min_ms": 1e3 * min(t_old),
+            "new_cpu_ms": 1e3 * statistics.median(cpu_new), "new_cpu_min_ms": 1e3 * min(cpu_new),
+            "old_cpu_ms": 1e3 * statistics.median(cpu_old),
             "matvec_rows": rows}
 
 
