@@ -108,6 +108,53 @@ def greedy_paged(model, prompt, steps: int, *, page_size: int = 16, host_fractio
                  "tier_counts": tier_counts(pool, cache[0])}
 
 
+def greedy_kivi(model, prompt, steps: int, method: str, *, host_fraction: float | None = None,
+                prefetch_pages: bool = True):
+    """Greedy tokens of `model` for one prompt compressed by a KIVI `method` (e.g.
+    ``"snapkv:ratio=0.5+kivi:bits=4,group=16,residual=16"``): `host_fraction=None` decodes
+    over the unpaged KIVI cache; a number loads it into pages (`kvjax.paged_kivi`) and keeps
+    that share of the allocated pages in host memory after every step (0: all on device).
+
+    Returns (tokens, info) as `greedy_paged` (info empty for the unpaged run)."""
+    from kvjax.methods import parse_method
+    from kvjax.paged_kivi import bodies, flush_tokens, from_residual, with_bodies
+    from models.sampler import prefill_and_compress
+    pre = prefill_and_compress(model, [prompt], transform=parse_method(method), room=steps)
+    cache = pre.cache
+    token = jnp.argmax(pre.logits, -1).astype(jnp.int32)
+    paged = host_fraction is not None
+    tiered = paged and host_fraction > 0
+    if paged:
+        first = cache[0]
+        need = -(-(first.body.capacity + steps) // first.block) + 1  # pages per row
+        pages = first.batch * first.kv_heads * need + 2
+        pool, cache = from_residual(cache, max_pages=need, device_pages=pages,
+                                    host_pages=pages if tiered else 0)
+    graphdef, state = nnx.split(model)
+    positions = jnp.asarray(pre.next_pos, jnp.int32)[:, None]
+    out, share = [int(token[0])], []
+    for step in range(steps - 1):
+        if paged:
+            pool, b = reserve(pool, bodies(cache), flush_tokens(cache))
+            if tiered and prefetch_pages:
+                b = prefetch(b, host_pages_in_use(b[0]))  # what this step reads
+            cache = with_bodies(cache, b)
+        token, cache = _forward(graphdef, state, token[:, None], positions, cache)
+        if tiered:
+            pool, b = _keep_on_host(pool, bodies(cache), host_fraction)
+            cache = with_bodies(cache, b)
+            counts = tier_counts(pool, b[0])
+            share.append(counts["host"] / max(counts["allocated"], 1))
+        out.append(int(token[0]))
+        positions = positions + 1
+    if not paged:
+        return out, {}
+    kvjax.check_pool(pool, bodies(cache))
+    misses = int(sum(int(l.body.misses.sum()) for l in cache)) if tiered else 0
+    return out, {"host_share": share, "misses": misses,
+                 "tier_counts": tier_counts(pool, cache[0].body)}
+
+
 # ------------------------------------------------------------------------------------------
 # The timing
 

@@ -44,8 +44,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.attention import attention_mass
-from kvjax.cache import EMPTY, ResidualCache, TokenCache, view
+from kvjax.cache import EMPTY, ResidualCache, TokenCache, flush_span, view
 from kvjax.paging import PagedLayer, dense_view
+from kvjax.stores import map_slot_leaves, read
 from kvjax.transforms import CacheTransform
 
 
@@ -62,6 +63,10 @@ class LayerMonitor(NamedTuple):
     pages_device: jax.Array  # int32 pages listed on the device (paged layers)
     pages_host: jax.Array  # int32 pages listed in host memory (tiered layers)
     prefetch_misses: jax.Array  # int32 host pages read without a staged copy
+    k_err_sq: jax.Array | None = None  # float32 sum |stored - exact|^2 of the held keys
+    k_ref_sq: jax.Array | None = None  # float32 sum |exact|^2 of the held keys
+    v_err_sq: jax.Array | None = None  # the same for values
+    v_ref_sq: jax.Array | None = None
 
 
 Monitor = tuple  # tuple[LayerMonitor, ...], one per layer
@@ -136,7 +141,11 @@ def init_monitor(cache: Any) -> Monitor:
         out.append(LayerMonitor(evicted=jnp.zeros(shape, jnp.int32),
                                 mass_retained=jnp.full(shape, jnp.nan, jnp.float32),
                                 k_error=jnp.zeros(shape, jnp.float32),
-                                v_error=jnp.zeros(shape, jnp.float32), **snap))
+                                v_error=jnp.zeros(shape, jnp.float32),
+                                k_err_sq=jnp.zeros(shape, jnp.float32),
+                                k_ref_sq=jnp.zeros(shape, jnp.float32),
+                                v_err_sq=jnp.zeros(shape, jnp.float32),
+                                v_ref_sq=jnp.zeros(shape, jnp.float32), **snap))
     return tuple(out)
 
 
@@ -156,14 +165,19 @@ def match_positions(pos_from: jax.Array, pos_to: jax.Array) -> tuple[jax.Array, 
     return jnp.take_along_axis(order, i, -1), found
 
 
-def _relative_error(before: jax.Array, after: jax.Array, idx: jax.Array,
-                    found: jax.Array) -> jax.Array:
-    """[B, KVH] ||after - before[idx]|| / ||before[idx]|| over found slots (0 if none)."""
+def _error_sums(before: jax.Array, after: jax.Array, idx: jax.Array,
+                found: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[B, KVH] sums over found slots of |after - before[idx]|^2 and |before[idx]|^2."""
     exact = jnp.take_along_axis(before, idx[..., None], axis=2)
     w = found[..., None]
     num = jnp.sum(jnp.where(w, (after - exact) ** 2, 0.0), (-1, -2))
     den = jnp.sum(jnp.where(w, exact ** 2, 0.0), (-1, -2))
-    return jnp.sqrt(num / jnp.where(den > 0, den, 1.0))
+    return num.astype(jnp.float32), den.astype(jnp.float32)
+
+
+def _ratio(num: jax.Array, den: jax.Array) -> jax.Array:
+    """sqrt(num / den), 0 where den is 0: a relative error from its sums."""
+    return jnp.sqrt(num / jnp.where(den > 0, den, 1.0)).astype(jnp.float32)
 
 
 def _observed_mass(layer: Any, d: TokenCache, stats: Any) -> jax.Array | None:
@@ -191,7 +205,8 @@ def observe(monitor: Monitor, before: Any, after: Any, stats: Any = None) -> Mon
         ka = _by_head(da.logical_k.astype(jnp.float32), b, h)
         vb = _by_head(db.logical_v.astype(jnp.float32), b, h)
         va = _by_head(da.logical_v.astype(jnp.float32), b, h)
-        k_err, v_err = _relative_error(kb, ka, idx, found), _relative_error(vb, va, idx, found)
+        (k_num, k_den), (v_num, v_den) = (_error_sums(kb, ka, idx, found),
+                                          _error_sums(vb, va, idx, found))
         layer_stats = None if stats is None else stats[i]
         mass = _observed_mass(lb, db, layer_stats)
         retained = m.mass_retained
@@ -202,8 +217,72 @@ def observe(monitor: Monitor, before: Any, after: Any, stats: Any = None) -> Mon
             retained = jnp.where(total > 0, share, retained).astype(jnp.float32)
         out.append(m._replace(
             evicted=m.evicted + jnp.maximum(snap_b["tokens"] - snap["tokens"], 0),
-            mass_retained=retained, k_error=k_err.astype(jnp.float32),
-            v_error=v_err.astype(jnp.float32), **snap))
+            mass_retained=retained, k_error=_ratio(k_num, k_den), v_error=_ratio(v_num, v_den),
+            k_err_sq=k_num, k_ref_sq=k_den, v_err_sq=v_num, v_ref_sq=v_den, **snap))
+    return tuple(out)
+
+
+def _slots(store: Any, start: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """Slots [start, start + size) of a store decoded, [R, size, D] float32, and [size] bool
+    marking those inside its capacity (the rest read 0). Decodes only `size` slots."""
+    cap = store.shape[1]
+    n = min(size, cap)
+    first = jnp.minimum(start, cap - n)
+    piece = read(map_slot_leaves(store, lambda x: jax.lax.dynamic_slice_in_dim(x, first, n,
+                                                                               axis=1)))
+    at = start - first + jnp.arange(size)
+    ok = at < n
+    x = jnp.take(piece.astype(jnp.float32), jnp.minimum(at, n - 1), axis=1)
+    return jnp.where(ok[None, :, None], x, 0.0), ok
+
+
+def _flush_sums(before: ResidualCache, after: ResidualCache):
+    """([B, KVH] x 4) squared errors of the keys/values one write flushed from `before`'s
+    exact part into `after`'s body, and squared norms of the tokens it wrote (exact)."""
+    b, h = before.batch, before.kv_heads
+    rows = lambda x: jnp.sum(x, (-1, -2)).reshape(b, h)
+    zero = jnp.zeros((b, h), jnp.float32)
+    errors = [zero, zero]
+    span = flush_span(before)
+    moved = after.body.length - before.body.length
+    if span:
+        flushed = (jnp.arange(span) < moved) & (before.recent.pos[..., :span] != EMPTY)
+        for i, name in enumerate(("k", "v")):
+            exact = getattr(before.recent, name)[:, :span].astype(jnp.float32)  # [R, span, D]
+            stored, ok = _slots(getattr(after.body, name), before.body.length, span)
+            w = (flushed.reshape(-1, span) & ok)[..., None]
+            errors[i] = rows(jnp.where(w, (stored - exact) ** 2, 0.0))
+    recent = after.recent
+    written = recent.length - (before.recent.length - moved)
+    slot = jnp.arange(recent.capacity)
+    new = (slot >= recent.length - written) & (slot < recent.length) & (recent.pos != EMPTY)
+    w = new.reshape(-1, recent.capacity)[..., None]
+    norms = [rows(jnp.where(w, getattr(recent, n).astype(jnp.float32) ** 2, 0.0))
+             for n in ("k", "v")]
+    return errors[0], norms[0], errors[1], norms[1]
+
+
+def observe_flush(monitor: Monitor, before: Any, after: Any) -> Monitor:
+    """The monitor after a decode write took `before` to `after` (the model's step).
+
+    A KIVI (residual) layer's write flushes the oldest exact tokens into its quantized body:
+    their key/value errors are measured now, against the exact values they had, and added to
+    the layer's sums; the tokens written add their squared norms (exact, no error). So
+    `k_error` / `v_error` stay the relative error of the keys/values the cache holds, each
+    token measured when it was encoded (tests/test_monitor.py::
+    test_flush_error_equals_a_numpy_recomputation). Other layers are returned unchanged (a
+    per-token codec encodes at write, where the exact value is not kept; eviction in decode
+    is seen by `observe`)."""
+    out = []
+    for m, lb, la in zip(monitor, before, after):
+        if not isinstance(lb, ResidualCache) or m.k_err_sq is None:
+            out.append(m)
+            continue
+        ke, kn, ve, vn = _flush_sums(lb, la)
+        k_num, k_den = m.k_err_sq + ke, m.k_ref_sq + kn
+        v_num, v_den = m.v_err_sq + ve, m.v_ref_sq + vn
+        out.append(m._replace(k_err_sq=k_num, k_ref_sq=k_den, v_err_sq=v_num, v_ref_sq=v_den,
+                              k_error=_ratio(k_num, k_den), v_error=_ratio(v_num, v_den)))
     return tuple(out)
 
 
@@ -267,6 +346,6 @@ def find_monitor(state: Any) -> Monitor | None:
 
 
 __all__ = ["LayerMonitor", "Monitor", "dense", "find_monitor", "init_monitor", "match_positions",
-           "monitored", "observe", "per_head", "refresh", "summary"]
+           "monitored", "observe", "observe_flush", "per_head", "refresh", "summary"]
 
 

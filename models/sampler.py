@@ -143,6 +143,14 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
     return logits, cache
 
 
+def _observe_flush(tstate, before: Cache, after: Cache):
+    """A monitored transform's state with the error of the tokens this step's write flushed
+    into a quantized body (`kvjax.monitor.observe_flush`); any other state is unchanged."""
+    from kvjax.monitor import find_monitor, observe_flush
+    monitor = find_monitor(tstate)
+    return tstate if monitor is None else (tstate[0], observe_flush(monitor, before, after))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "sampling", "update",
                                              "spec", "every", "eos_ids", "pad_id", "impl"),
                    donate_argnames=("cache",))
@@ -166,8 +174,10 @@ def _decode(graphdef, state, logits, cache, tstate, stats, next_pos, key, max_ne
 
     def body(carry):
         step, token, cache, tstate, stats, pos, done, out, key = carry
+        before = cache
         h, cache, stats = model.forward(token[:, None], pos[:, None], cache, stats, spec,
                                         impl=impl)
+        tstate = _observe_flush(tstate, before, cache)
         if every:
             cache, tstate = jax.lax.cond(step % every == 0, update, lambda c, s, _: (c, s),
                                          cache, tstate, stats)

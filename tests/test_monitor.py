@@ -190,3 +190,66 @@ def test_a_linear_state_layer_is_reported_not_refused(model):
     plain = generate(model, prompts(), max_new_tokens=3, transform=t)
     np.testing.assert_array_equal(out.tokens, plain.tokens)
     assert summary(mon)["layers"] == CFG.num_layers
+
+
+def kivi_error_reference(layer, exact_k, exact_v):
+    """[B, KVH] relative errors of a KIVI layer's held keys and values against the exact ones
+    (`exact_*[b, h, position]`), recomputed in numpy from the decoded cache."""
+    d = kvjax.view(layer)
+    pos = np.asarray(d.pos)
+    out = []
+    for stored, exact in ((logical(d, "k"), exact_k), (logical(d, "v"), exact_v)):
+        err = np.zeros(pos.shape[:2])
+        for b, h in np.ndindex(*pos.shape[:2]):
+            held = pos[b, h] != EMPTY
+            s, e = stored[b, h][held].astype(np.float64), exact[b, h][pos[b, h][held]]
+            err[b, h] = np.sqrt(((s - e) ** 2).sum() / (e ** 2).sum())
+        out.append(err)
+    return out
+
+
+def test_flush_error_equals_a_numpy_recomputation():
+    """KIVI flushes tokens into its quantized body during decode: the monitor's key/value
+    errors, updated at each flush (`observe_flush`), equal the error of the held tokens
+    recomputed from the decoded cache against the exact keys and values."""
+    from kvjax.monitor import observe_flush
+    b, kvh, d, n, steps = 2, 2, 32, 20, 20
+    k, v = (np.asarray(x) for x in jax.random.normal(jax.random.key(0), (2, b, kvh, n + steps, d)))
+    t = monitored(kvjax.kivi(bits=2, group=8, residual=8))
+    cache = (kvjax.write(kvjax.init_cache(b, kvh, 64, d), k[:, :, :n], v[:, :, :n],
+                         jnp.broadcast_to(jnp.arange(n), (b, n))),)
+    cache, (_, mon) = t.update(cache, t.init(cache), None)
+    ref_k, ref_v = kivi_error_reference(cache[0], k, v)
+    np.testing.assert_allclose(np.asarray(mon[0].k_error), ref_k, rtol=1e-5)
+
+    @jax.jit
+    def step(cache, mon, k, v, pos):
+        new = tuple(kvjax.write(layer, k, v, pos) for layer in cache)
+        return new, observe_flush(mon, cache, new)
+
+    body = int(cache[0].body.length)
+    for i in range(n, n + steps):
+        cache, mon = step(cache, mon, k[:, :, i:i + 1], v[:, :, i:i + 1], jnp.full((b, 1), i))
+        ref_k, ref_v = kivi_error_reference(cache[0], k, v)
+        np.testing.assert_allclose(np.asarray(mon[0].k_error), ref_k, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(mon[0].v_error), ref_v, rtol=1e-5)
+    assert int(cache[0].body.length) >= body + 16  # two groups flushed during the decode
+    assert (ref_k > 0.05).all()
+
+
+def test_generate_updates_the_kivi_error_at_flushes(model):
+    """`generate` with a monitored KIVI transform: layer 0's keys depend on the token and its
+    position only, so the exact keys of every held token are those of a full-cache prefill of
+    the same tokens; the monitor's layer-0 error equals the numpy recomputation."""
+    ids = prompts()[0][:40]
+    t = kvjax.parse_method("kivi:bits=2,group=8,residual=8")
+    out = generate(model, [ids], max_new_tokens=24, transform=monitored(t))
+    mon = find_monitor(out.transform_state)
+    held = ids + out.tokens[0, :-1].tolist()  # the last token is emitted, not written
+    exact = prefill_batch(model, [held]).cache[0]
+    ek, ev = (np.asarray(x).reshape(1, CFG.num_kv_heads, len(held), -1)
+              for x in (exact.k, exact.v))
+    ref_k, ref_v = kivi_error_reference(out.cache[0], ek, ev)
+    assert int(out.cache[0].body.length) > 32  # decode flushed beyond the prompt's groups
+    np.testing.assert_allclose(np.asarray(mon[0].k_error), ref_k, rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(mon[0].v_error), ref_v, rtol=1e-3)
