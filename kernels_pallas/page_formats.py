@@ -466,6 +466,120 @@ class PackedTokens:
             jnp.dtype(self.param_dtype).itemsize
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedTokenRows:
+    """Per-token codes as two slot-last arrays: the layout a `kvjax.stores.PackedTokens` holds.
+
+    Arrays: words `[P, W, S]` uint32 (W = D*bits/32: a store's `[R, C, W]` words
+    seen as `[R, W, C]`, which is how XLA:TPU lays them out, so the view is
+    free) and params `[P, NW, S]` uint32 (scale, then offset rows, by
+    `pack_rows`). Decodes exactly as `PackedTokens` does. With the kernel's
+    `row_pages` the codes are read straight out of the cache; only the
+    parameters (2 or 4 bytes per group) are repacked by XLA, because Mosaic
+    takes no float16 arguments.
+    """
+
+    bits: int
+    group: int
+    symmetric: bool = False
+    param_dtype: str = "float16"
+
+    slots_last = True
+
+    def __post_init__(self):
+        _check_param_dtype(self.param_dtype)
+
+    def arity(self) -> int:
+        return 2
+
+    def n_params(self, head_dim: int) -> int:
+        return (head_dim // self.group) * (1 if self.symmetric else 2)
+
+    def param_words(self, head_dim: int) -> int:
+        return param_rows(self.n_params(head_dim), self.param_dtype)
+
+    def check(self, arrays, head_dim: int) -> None:
+        if len(arrays) != 2:
+            raise ValueError(f"{self} takes words and params, got {len(arrays)} arrays")
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"packed pages hold 2, 4 or 8-bit codes, got bits={self.bits}")
+        if self.group < 1 or head_dim % self.group:
+            raise ValueError(f"group {self.group} must divide head_dim {head_dim}")
+        words, params = arrays
+        w, nw = head_dim * self.bits // 32, self.param_words(head_dim)
+        if words.ndim != 3 or words.shape[1] != w or words.dtype != jnp.uint32:
+            raise ValueError(f"per-token word pages must be uint32 [P, {w}, S], got "
+                             f"{words.dtype} {words.shape}")
+        want = (words.shape[0], nw, words.shape[2])
+        if params.shape != want or params.dtype != jnp.uint32:
+            raise ValueError(f"per-token parameter pages must be uint32 {want}, got "
+                             f"{params.dtype} {params.shape}")
+
+    def page_size(self, arrays, head_dim: int) -> int:
+        return arrays[0].shape[2]
+
+    def shapes(self, n_pages: int, page_size: int, head_dim: int, dtype=None):
+        """The pool's arrays as `jax.ShapeDtypeStruct`s."""
+        return (jax.ShapeDtypeStruct((n_pages, head_dim * self.bits // 32, page_size), jnp.uint32),
+                jax.ShapeDtypeStruct((n_pages, self.param_words(head_dim), page_size), jnp.uint32))
+
+    def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array | None):
+        """kvjax.stores layout [R, C, ...] -> (words [R, W, C], params [R, NW, C]) uint32.
+
+        The words' view is free on TPU; the parameters are repacked (a copy of them only,
+        one XLA fusion: 16-bit asymmetric word g is scale g | offset g << 16, which is
+        `pack_rows` of [scale; offset] without materialising the concatenation).
+        """
+        if self.param_dtype == "float32":
+            params = scale if self.symmetric else jnp.concatenate([scale, offset], axis=-1)
+            return _slots_last(words), pack_rows(_slots_last(params), self.param_dtype)
+        bits16 = lambda x: jax.lax.bitcast_convert_type(
+            _slots_last(x.astype(self.param_dtype)), jnp.uint16).astype(jnp.uint32)
+        if not self.symmetric:
+            return _slots_last(words), bits16(scale) | (bits16(offset) << 16)
+        # word i = groups i | i + ceil(NG/2) << 16, sliced before widening (one fusion)
+        ng = scale.shape[-1]
+        half = -(-ng // 2)
+        hi = jnp.pad(scale[..., half:], ((0, 0), (0, 0), (0, 2 * half - ng)))
+        return _slots_last(words), bits16(scale[..., :half]) | (bits16(hi) << 16)
+
+    def _params(self, blocks, ops: Ops, head_dim: int):
+        n, ng = self.n_params(head_dim), head_dim // self.group
+        params = unpack_rows(ops.load(blocks[1], True), n, self.param_dtype)  # [n, S]
+        return params[:ng], (None if self.symmetric else params[ng:])
+
+    def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
+        """blocks: (words [W, S], params [NW, S]) -> [D, S] in `dtype`."""
+        codes = unpack_planes(ops.load(blocks[0], True), self.bits)  # [D, S]
+        scale, offset = self._params(blocks, ops, head_dim)
+        scale = expand_groups(scale, self.group)
+        offset = (-(2.0 ** (self.bits - 1)) * scale if offset is None
+                  else expand_groups(offset, self.group))
+        return (codes * scale + offset).astype(dtype)
+
+    def scales_scores(self, head_dim: int) -> bool:
+        """As `PackedTokens.scales_scores`: one group spanning D."""
+        return self.group == head_dim
+
+    def decode_codes(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32):
+        """As `PackedTokens.decode_codes`: codes [D, S], scale [1, S], offset [1, S] or None."""
+        if not self.scales_scores(head_dim):
+            raise ValueError(f"decode_codes: {self} has more than one group per slot at "
+                             f"head_dim {head_dim}; use decode")
+        codes = unpack_planes(ops.load(blocks[0], True), self.bits)
+        scale, offset = self._params(blocks, ops, head_dim)
+        if self.symmetric:
+            codes = codes - 2.0 ** (self.bits - 1)
+        return codes.astype(dtype), scale, offset
+
+    def decode_flops(self, head_dim: int, page_size: int) -> int:
+        return 2 * head_dim * page_size
+
+    def store_bytes(self, head_dim: int, dtype=None) -> float:
+        return head_dim * self.bits / 8 + self.n_params(head_dim) * \
+            jnp.dtype(self.param_dtype).itemsize
+
+
 def window_for(page_size: int, group: int, table_rows: int, pow2: bool = False) -> int:
     """Table rows a page of consecutive slots can use (groups of `group` tokens it overlaps);
     `pow2` rounds up to a power of two (Triton loads power-of-two blocks)."""
@@ -592,7 +706,7 @@ class PackedChannels:
 
 DENSE = Dense()
 DENSE_T = Dense(slots_last=True)
-Format = Dense | PackedTokens | PackedChannels
+Format = Dense | PackedTokens | PackedTokenRows | PackedChannels
 
 
 def block_spec(x: jax.Array, page_index) -> pl.BlockSpec:

@@ -78,7 +78,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Dense, Format,
-                                         PageRef, block_spec)
+                                         PackedTokenRows, PageRef, block_spec)
 
 EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
 NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
@@ -640,9 +640,9 @@ def _row_pools(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int)
     if row_pages < 1:
         raise ValueError(f"paged_attention: row_pages must be >= 1, got {row_pages}")
     for name, fmt in (("keys", k_format), ("values", v_format)):
-        if not isinstance(fmt, Dense):
-            raise ValueError(f"paged_attention: row_pages reads dense row pools only; {name} "
-                             f"are in format {fmt}")
+        if not isinstance(fmt, (Dense, PackedTokenRows)):
+            raise ValueError(f"paged_attention: row_pages reads Dense and PackedTokenRows row "
+                             f"pools only; {name} are in format {fmt}")
     pools = (pos_rows, *k_arrays, *v_arrays)
     axes = _slot_axes(k_format, k_arrays, v_format, v_arrays)
     if pos_rows.ndim != 3 or pos_rows.shape[1] != 1:
@@ -701,8 +701,9 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       row_pages: (static) the pools are *row pools*, a cache's own rows: pos
         [R, 1, C], dense keys/values [R, C, D] (or [R, D, C] slot-last), page
         r * row_pages + i being slots [i*S, (i+1)*S) of row r (S = C /
-        row_pages). The TPU kernel DMAs pages straight out of the rows (no
-        copy of the cache into a page pool); other paths use `rows_as_pages`.
+        row_pages; `PackedTokenRows` arrays [R, X, C]). The TPU kernel DMAs
+        pages straight out of the rows (no copy of the cache into a page
+        pool); other paths use `rows_as_pages`.
       window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.
         With a window, pages wholly before it are skipped
         (`window_start_pages`).

@@ -135,11 +135,12 @@ def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict 
               + jnp.arange(per_row, dtype=jnp.int32))
     used = jnp.full((b, kvh), (layer.length + page - 1) // page, jnp.int32)
     shared = dict(block_tables=tables, num_pages=used, head_stride=per_row)
-    if backend == "tpu" and is_dense(layer.k) and is_dense(layer.v) and page % 128 == 0:
+    k_rows, v_rows = _row_pool(layer.k), _row_pool(layer.v)
+    if backend == "tpu" and page % 128 == 0 and k_rows and v_rows:
         # the kernel DMAs pages out of the cache's own rows (row_pages): no page pool is built
-        return dict(k_pages=_dense_rows(layer.k), v_pages=_dense_rows(layer.v),
-                    k_format=_dense_row_format(layer.k), v_format=_dense_row_format(layer.v),
-                    pos_pages=layer.pos.reshape(b * kvh, 1, c), row_pages=per_row, **shared)
+        return dict(k_pages=k_rows[1], v_pages=v_rows[1], k_format=k_rows[0],
+                    v_format=v_rows[0], pos_pages=layer.pos.reshape(b * kvh, 1, c),
+                    row_pages=per_row, **shared)
     valid = (layer.pos != EMPTY).reshape(-1, page)
     k, v = (_store_pages(layer.k, page, valid, wide, backend),
             _store_pages(layer.v, page, valid, wide, backend))
@@ -149,15 +150,25 @@ def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict 
                 pos_pages=layer.pos.reshape(-1, 1, page), **shared)
 
 
-def _dense_row_format(store: jax.Array) -> pf.Dense:
-    """Dense rows [R, C, D]: read slot-last below 128 lanes (XLA:TPU keeps such an array
-    slot-minor, so the [R, D, C] view is free), row-major [R, C, D] otherwise."""
-    return pf.DENSE_T if store.shape[-1] % 128 else pf.DENSE
+def _row_pool(store: Any):
+    """(format, arrays) of a store read by the TPU kernel as its own rows (`row_pages`), or None.
 
-
-def _dense_rows(store: jax.Array) -> jax.Array:
-    """The row pool of a dense [R, C, D] store in `_dense_row_format`'s layout."""
-    return jnp.swapaxes(store, 1, 2) if store.shape[-1] % 128 else store
+    Dense [R, C, D]: slot-last [R, D, C] below 128 lanes (XLA:TPU keeps such an
+    array slot-minor, so the view is free), row-major [R, C, D] otherwise.
+    `PackedTokens`: words as [R, W, C] (free, as for dense) and the 16-bit
+    parameters repacked into uint32 rows (a copy of the parameters only:
+    Mosaic takes no float16 arguments). KIVI keys: None (their per-row tables
+    become per-page windows, a conversion).
+    """
+    if is_dense(store):
+        if store.shape[-1] % 128:
+            return pf.DENSE_T, (jnp.swapaxes(store, 1, 2),)
+        return pf.DENSE, (store,)
+    if isinstance(store, PackedTokens):
+        fmt = pf.PackedTokenRows(store.bits, store.group, symmetric=store.offset is None,
+                                 param_dtype=_param_dtype(store))
+        return fmt, fmt.from_store(store.words, store.scale, store.offset)
+    return None
 
 
 def supports_pallas(layer: Any, backend: str | None = None) -> bool:

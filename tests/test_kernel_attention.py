@@ -133,7 +133,7 @@ def test_dense_token_cache_is_read_in_place(d, dtype):
     inputs = ka.kernel_inputs(layer, backend="tpu")
     assert inputs["row_pages"] == 2 and inputs["head_stride"] == 2
     rows = (4, d, 512) if d % 128 else (4, 512, d)
-    assert inputs["k_pages"].shape == rows and inputs["pos_pages"].shape == (4, 1, 512)
+    assert inputs["k_pages"][0].shape == rows and inputs["pos_pages"].shape == (4, 1, 512)
     assert "row_pages" not in ka.kernel_inputs(layer, backend="gpu")  # GPU: page pools
     backend, interpret = mode("tpu")
     if compiled() and device_backend() != "tpu":
@@ -145,3 +145,24 @@ def test_dense_token_cache_is_read_in_place(d, dtype):
                                interpret=interpret, pages_per_split=1)
         want = kvjax.attend(q, q_pos, exact, impl="reference", window=window)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+@pytest.mark.parametrize("method", ["quantize:bits=4", "quantize:bits=2,group=32,symmetric=true",
+                                    "quantize:bits=8,group=64,symmetric=true",
+                                    "quantize:bits=4,group=64,param_dtype=bfloat16"])
+def test_packed_token_cache_codes_are_read_in_place(method):
+    """A PackedTokens TokenCache with pages of 256 slots: the TPU kernel reads its code words as
+    row pools (`PackedTokenRows`, `row_pages`) and gives the reference's attention (g = D cases:
+    scales applied on the scores)."""
+    layer, q, q_pos = filled(7, 300, capacity=512, kvh=2, d=64)
+    layer = encode(layer, method)
+    inputs = ka.kernel_inputs(layer, backend="tpu")
+    assert inputs["row_pages"] == 2 and isinstance(inputs["k_format"], pf.PackedTokenRows)
+    assert inputs["k_pages"][0].shape == (4, 64 * layer.k.bits // 32, 512)
+    if compiled() and device_backend() != "tpu":
+        pytest.skip("[optional] compiled mode: the TPU kernel needs a TPU")
+    backend, interpret = mode("tpu")
+    got = ka.attend_pallas(q, q_pos, layer, window=250, backend=backend, interpret=interpret,
+                           pages_per_split=1)
+    want = kvjax.attend(q, q_pos, layer, impl="reference", window=250)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)

@@ -156,3 +156,53 @@ def test_kernel_pages_of_a_cache_decode_to_what_the_store_reads(method):
         got = np.asarray(got).reshape(-1, store.shape[-1])
         assert got.shape[0] == valid.shape[0] and page >= 8
         f32_close(got[valid], want[valid])
+
+
+@pytest.mark.parametrize("bits,group,symmetric,param_dtype", TOKEN_CASES)
+def test_per_token_row_pages_decode_like_numpy(bits, group, symmetric, param_dtype):
+    """`PackedTokenRows` (words [P, W, S] and params [P, NW, S]: a store's own words, slot-last)
+    decodes like the numpy dequantization, and its `from_store` (one fused repack of the
+    parameters) builds the parameter words `numpy_pairs` builds."""
+    rng = np.random.default_rng(bits * 5 + group)
+    p, s, d = 3, 16, 64
+    codes = rng.integers(0, 2 ** bits, size=(p, s, d))
+    ng = d // group
+    scale = params_as(rng.random((p, s, ng)) * 0.2 + 1e-6, param_dtype)
+    offset = params_as(rng.normal(size=(p, s, ng)), param_dtype)
+    per_ch = lambda x: np.repeat(x, group, axis=-1)
+    lo = -(2.0 ** (bits - 1)) * per_ch(scale) if symmetric else per_ch(offset)
+    want = codes * per_ch(scale) + lo
+    params = scale if symmetric else np.concatenate([scale, offset], axis=-1)
+    numpy_arrays = (numpy_words(codes, bits), numpy_pairs(np.swapaxes(params, 1, 2), param_dtype))
+    fmt = pf.PackedTokenRows(bits, group, symmetric, param_dtype)
+    store_words = jnp.asarray(np.swapaxes(numpy_arrays[0], 1, 2))  # a store's [P, S, W]
+    dt = NP_DTYPES[param_dtype]
+    arrays = fmt.from_store(store_words, jnp.asarray(scale.astype(dt)),
+                            None if symmetric else jnp.asarray(offset.astype(dt)))
+    for got, ref in zip(arrays, numpy_arrays):
+        np.testing.assert_array_equal(np.asarray(got), ref)
+    fmt.check(arrays, d)
+    f32_close(decode_pages(fmt, arrays, d), want)
+
+
+@pytest.mark.parametrize("method", ["quantize:bits=4", "quantize:bits=8,group=64",
+                                    "quantize:bits=2,group=32,symmetric=true",
+                                    "quantize:bits=4,param_dtype=bfloat16", "fp8:fmt=e4m3", "full"])
+def test_row_pools_of_a_cache_decode_to_what_the_store_reads(method):
+    """A cache with lane-aligned pages (S = 128) goes to the TPU kernel as row pools; their
+    pages (`rows_as_pages`) decode to `store.read()` slot by slot."""
+    from kernels_pallas.paged_attention import rows_as_pages
+    layer = cache_layer(method, capacity=256, n=200)
+    inputs = ka.kernel_inputs(layer, backend="tpu")
+    assert inputs["row_pages"] == 1
+    k_fmt, v_fmt = inputs["k_format"], inputs["v_format"]
+    as_tuple = lambda x: x if isinstance(x, tuple) else (x,)
+    pos, k, v = rows_as_pages(inputs["pos_pages"], as_tuple(inputs["k_pages"]),
+                              as_tuple(inputs["v_pages"]), k_fmt, v_fmt, inputs["row_pages"])
+    valid = np.asarray(layer.pos != kvjax.EMPTY).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(pos).reshape(-1), np.asarray(layer.pos).reshape(-1))
+    for store, fmt, arrays in ((layer.k, k_fmt, k), (layer.v, v_fmt, v)):
+        want = np.asarray(store if isinstance(store, jax.Array) else store.read(),
+                          np.float32).reshape(-1, store.shape[-1])
+        got = np.asarray(decode_pages(fmt, arrays, store.shape[-1])).reshape(want.shape)
+        f32_close(got[valid], want[valid])

@@ -295,43 +295,92 @@ def test_shared_tables_fit_smem_where_per_head_tables_do_not(chip, capsys):
               f"{b * n_table * 4 // 1024} KiB compile")
 
 
+def _written_at_least(hlo: str, n: int) -> list[str]:
+    """HLO ops (not parameters or bitcasts) whose result has >= n elements: a copy of the cache."""
+    import math
+    import re
+
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r" = \w+\[([\d,]*)\]", line)
+        if m and "parameter(" not in line and "bitcast(" not in line and m.group(1) and \
+                math.prod(int(x) for x in m.group(1).split(",")) >= n:
+            out.append(line.strip()[:160])
+    return out
+
+
+def _token_cache_step_bytes(chip, store, b, kvh, heads, d, c, hlo=False):
+    """(whole compiled attend(impl="pallas") step bytes, the kernel's own estimate, kernel
+    inputs) over an abstract TokenCache whose k and v are `store()` ([R, C, D] rows)."""
+    from kernels_pallas.paged_attention import block_sizes, cost_estimate, rows_as_pages
+    from kvjax import kernel_attention as ka
+    from kvjax.cache import EMPTY, TokenCache
+
+    device = tc.tpu_device(chip)
+    layer = jax.eval_shape(lambda: TokenCache(k=store(), v=store(), pos=jnp.full(
+        (b, kvh, c), EMPTY, jnp.int32), length=jnp.zeros((), jnp.int32), mass=None))
+    q, q_pos = jax.ShapeDtypeStruct((b, 1, heads, d), BF16), jax.ShapeDtypeStruct(
+        (b, 1), jnp.int32)
+    step = functools.partial(ka.attend_pallas, backend="tpu")
+    compiled = tc.compile_for(device, step, *tc.abstract_like((q, q_pos, layer), device))
+    statics = {}
+
+    def inputs(layer):
+        kin = ka.kernel_inputs(layer, backend="tpu")
+        statics.update({k: kin.pop(k) for k in ("k_format", "v_format", "row_pages")})
+        return kin
+
+    kin = jax.eval_shape(inputs, layer)
+    kf, vf, n = statics["k_format"], statics["v_format"], statics["row_pages"]
+    tup = lambda x: x if isinstance(x, tuple) else (x,)
+    pos, k, v = jax.eval_shape(lambda p, k, v: rows_as_pages(p, k, v, kf, vf, n),
+                               kin["pos_pages"], tup(kin["k_pages"]), tup(kin["v_pages"]))
+    qg = jax.ShapeDtypeStruct((b, kvh, heads // kvh, d), BF16)
+    splits = block_sizes(c // n, c // n, 8, None)[2]  # attend_pallas's pages_per_split=8
+    est = cost_estimate(qg, kf, k, vf, v, pos, kin["block_tables"], splits).bytes_accessed
+    out = compiled.cost_analysis()["bytes accessed"], est, layer
+    return (*out, compiled.as_text()) if hlo else out
+
+
 @pytest.mark.parametrize("chip", tc.CHIPS)
 def test_dense_token_cache_step_moves_about_the_kernels_bytes(chip, capsys):
     """attend(impl="pallas")'s whole compiled step over a dense bf16 TokenCache (SmolLM2 and
     Llama-3-8B attention shapes, batch 8, 4096 slots) moves at most 10% more bytes than the
     kernel's own estimate: the kernel reads the cache's rows in place (`row_pages`), no page pool
     is built (before: 8.2x the kernel's bytes at D = 64, docs/drafts/kernels.md)."""
-    from kernels_pallas.paged_attention import block_sizes, cost_estimate, rows_as_pages
-    from kvjax import kernel_attention as ka
-    from kvjax.cache import EMPTY, TokenCache
-
-    device = tc.tpu_device(chip)
     for kvh, heads, d in ((3, 9, 64), (8, 32, 128)):
         b, c = 8, 4096
-        rows = jnp.zeros((b * kvh, c, d), BF16)
-        layer = jax.eval_shape(lambda: TokenCache(k=rows, v=rows, pos=jnp.full(
-            (b, kvh, c), EMPTY, jnp.int32), length=jnp.zeros((), jnp.int32), mass=None))
-        q, q_pos = jax.ShapeDtypeStruct((b, 1, heads, d), BF16), jax.ShapeDtypeStruct(
-            (b, 1), jnp.int32)
-        step = functools.partial(ka.attend_pallas, backend="tpu")
-        compiled = tc.compile_for(device, step, *tc.abstract_like((q, q_pos, layer), device))
-        whole = compiled.cost_analysis()["bytes accessed"]
-        statics = {}
-
-        def inputs(layer):
-            kin = ka.kernel_inputs(layer, backend="tpu")
-            statics.update({k: kin.pop(k) for k in ("k_format", "v_format", "row_pages")})
-            return kin
-
-        kin = jax.eval_shape(inputs, layer)
-        fmt, n = statics["k_format"], statics["row_pages"]
-        pos, (k,), (v,) = jax.eval_shape(lambda p, k, v: rows_as_pages(p, (k,), (v,), fmt, fmt, n),
-                                         kin["pos_pages"], kin["k_pages"], kin["v_pages"])
-        qg = jax.ShapeDtypeStruct((b, kvh, heads // kvh, d), BF16)
-        splits = block_sizes(c // n, c // n, 8, None)[2]  # attend_pallas's pages_per_split=8
-        est = cost_estimate(qg, fmt, (k,), fmt, (v,), pos, kin["block_tables"],
-                            splits).bytes_accessed
+        whole, est, _ = _token_cache_step_bytes(chip, lambda: jnp.zeros((b * kvh, c, d), BF16),
+                                                b, kvh, heads, d, c)
         with capsys.disabled():
             print(f"\n{chip} dense bf16 TokenCache b{b} kvh{kvh} D{d} C{c}: whole step "
                   f"{whole / 2**20:.2f} MiB, kernel {est / 2**20:.2f} MiB ({whole / est:.3f}x)")
         assert whole <= 1.1 * est
+
+
+@pytest.mark.parametrize("chip,bits,group,symmetric,d", [
+    ("v5e", 4, 32, False, 64), ("v6e", 4, 32, False, 64), ("v5e", 2, 32, True, 128),
+    ("v5e", 8, 64, True, 64)])
+def test_packed_token_cache_step_reads_codes_in_place(chip, bits, group, symmetric, d, capsys):
+    """attend(impl="pallas") over a PackedTokens TokenCache (batch 64, 32k slots) compiles with the
+    code words read in place (`PackedTokenRows` row pools: no XLA op writes an array as large
+    as the code words); the whole step moves at most 2.2x the kernel's own bytes (measured 1.5-2.0x:
+    the float16 parameters' repack into uint32 words, as Mosaic takes no float16 arguments, a
+    layout copy of the positions and XLA's prefetches of small arrays into VMEM; before: 11-13x,
+    a converted copy of the whole cache, docs/drafts/kernels.md). g = D covers scales applied
+    on the scores."""
+    from kvjax import stores
+
+    b, c = 64, 32768
+    kvh, heads = (3, 9) if d == 64 else (8, 32)
+    store = lambda: stores.PackedTokens.empty(b * kvh, c, d, bits, group, symmetric=symmetric)
+    whole, est, layer, hlo = _token_cache_step_bytes(chip, store, b, kvh, heads, d, c, hlo=True)
+    assert not _written_at_least(hlo, b * kvh * c * (d * bits // 32))
+    nbytes = lambda x: x.size * x.dtype.itemsize
+    params = sum(nbytes(x) for s in (layer.k, layer.v) for x in (s.scale, s.offset)
+                 if x is not None)
+    with capsys.disabled():
+        print(f"\n{chip} int{bits} g{group}{' sym' if symmetric else ''} TokenCache b{b} kvh{kvh} "
+              f"D{d} C{c}: whole step {whole / 2**20:.1f} MiB, kernel {est / 2**20:.1f} MiB "
+              f"({whole / est:.2f}x), f16 params {params / 2**20:.1f} MiB")
+    assert whole <= 2.2 * est
