@@ -151,7 +151,6 @@ class Grid(NamedTuple):
     max_rss_gb: float  # memory bound of one worker
     workers: int  # untimed cells run this many at a time
     bases: dict[str, Basis] = {}  # [bases.NAME] tables, by name
-    mesh: str = ""  # the `[mesh]` table as "data=D,model=M" ("" = none)
 
 
 def _read_bases(path, config: dict) -> dict[str, Basis]:
@@ -293,9 +292,9 @@ def read_config(path: Path) -> Grid:
         if any(c.engine == "kvpress" for c in cells):
             raise ValueError(f"{path}: [mesh] runs kvjax cells only; a [[grid]] block has "
                              f"engine 'kvpress' (it runs on one device)")
-        cells = [dataclasses.replace(c, mesh=mesh) for c in cells]
+        cells = [dataclasses.replace(c, mesh=mesh) for c in cells]  # every cell: one mesh
     return Grid(cells, float(config.get("max_rss_gb", 16)), int(config.get("workers", 1)),
-                _read_bases(path, config), mesh)
+                _read_bases(path, config))
 
 
 # ----------------------------------------------------------------------------- result rows

@@ -90,9 +90,9 @@ def load_config(path: Path) -> Grid:
     every method spec is parsed here (for its engine), so a bad one fails before a sweep."""
     grid = read_config(path)
     path, cells = Path(path), grid.cells
-    if grid.mesh:  # the workers see the parent's devices (same environment)
+    if cells[0].mesh:  # `[mesh]`, the same in every cell; workers see the parent's devices
         import jax
-        check_mesh_devices(path, grid.mesh, jax.device_count())
+        check_mesh_devices(path, cells[0].mesh, jax.device_count())
     from kvjax import parse_method
     from experiments.kvpress_engine import parse_press_spec
     pending = [b.path for b in grid.bases.values() if not Path(b.path).exists()]

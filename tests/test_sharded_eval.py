@@ -36,9 +36,9 @@ def _config(tmp_path, mesh: str, grid: str = GRID):
 
 def test_mesh_table_sets_every_cell_mesh(tmp_path):
     grid = read_config(_config(tmp_path, "[mesh]\ndata = 2\nmodel = 4\n"))
-    assert grid.mesh == "data=2,model=4"
-    assert {c.mesh for c in grid.cells} == {"data=2,model=4"}
-    assert read_config(_config(tmp_path, "[mesh]\nmodel = 8\n")).mesh == "data=1,model=8"
+    assert len(grid.cells) == 3 and {c.mesh for c in grid.cells} == {"data=2,model=4"}
+    assert {c.mesh for c in read_config(_config(tmp_path, "[mesh]\nmodel = 8\n")).cells} \
+        == {"data=1,model=8"}
     assert {c.mesh for c in read_config(_config(tmp_path, "")).cells} == {""}
 
 
@@ -67,7 +67,7 @@ def test_mesh_must_use_every_device_and_kvjax_cells_only(tmp_path):
     with pytest.raises(ValueError, match=rf"\[mesh\] data=1,model={n + 1} needs {n + 1} "
                                          rf"devices, {n} available"):
         harness.load_config(_config(tmp_path, f"[mesh]\nmodel = {n + 1}\n"))
-    assert harness.load_config(_config(tmp_path, f"[mesh]\nmodel = {n}\n")).mesh
+    assert harness.load_config(_config(tmp_path, f"[mesh]\nmodel = {n}\n")).cells[0].mesh
     kvpress = GRID + 'engines = ["kvjax", "kvpress"]\n'
     with pytest.raises(ValueError, match=r"\[mesh\] runs kvjax cells only"):
         read_config(_config(tmp_path, "[mesh]\nmodel = 1\n", kvpress))
