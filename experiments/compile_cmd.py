@@ -203,6 +203,12 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
     from models.sharding import abstract_model, cache_shardings, on_mesh
 
     dtype = jnp.bfloat16 if dtype is None else dtype
+    decode_impl = impl
+    if impl == "pallas":  # the TPU kernel per shard (the host's default backend is the CPU)
+        from models.sharding import pallas_impl
+        # decode only: measured, a 508-token prefill chunk (1524 query rows per KV head)
+        # does not fit the kernel's VMEM on v5e; prefill compiles the XLA path
+        decode_impl, impl = pallas_impl(mesh, backend="tpu"), "xla"
     transform = kvjax.parse_method(spec)
     placed = on_mesh(transform, mesh)
     graphdef, state = abstract_model(cfg, mesh, dtype)
@@ -241,14 +247,22 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
                                    sharding=NamedSharding(mesh, P()))
         compiled = sampler._decode.lower(
             graphdef, state, logits, small_cache, tstate, None, next_pos, key, new_tokens,
-            sampler.GREEDY, None, NO_STATS, 0, tuple(cfg.eos_ids), 0, impl).compile()
+            sampler.GREEDY, None, NO_STATS, 0, tuple(cfg.eos_ids), 0, decode_impl).compile()
         result["decode"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1),
-                                cache_bytes=kvjax.nbytes(small))
+                                cache_bytes=kvjax.nbytes(small),
+                                kernel_calls=kernel_calls(compiled.as_text()))
     result["weight_bytes"] = kvjax.nbytes(state)
     result["weight_bytes_per_chip"] = shard_bytes(state)
     if "decode" in result:
         result["decode"]["cache_bytes_per_chip"] = shard_bytes(small_cache)
     return result
+
+
+def kernel_calls(hlo_text: str) -> int:
+    """Pallas attention kernel calls in compiled HLO text (custom calls named
+    `kvjax_paged_attention...`): 0 when attention compiled on the XLA path."""
+    return sum(1 for line in hlo_text.splitlines()
+               if "custom-call(" in line and "kvjax_paged_attention" in line.split("=")[0])
 
 
 def shard_bytes(tree: Any) -> int:

@@ -56,3 +56,21 @@ def test_compile_rejects_a_bad_topology_and_mesh_before_compiling():
     proc = _compile("--topology", "v5e:2x4", "--mesh", "data=2,model=2", "--context", "64",
                     timeout=300)
     assert proc.returncode == 2 and "needs 4 devices" in proc.stderr and "8 available" in proc.stderr
+
+
+def test_compile_pallas_decode_runs_the_tpu_kernel_per_shard():
+    """`--impl pallas` compiles the decode step with the Mosaic kernel under `shard_map`
+    (`kvjax.PallasOnMesh`, backend "tpu": the host's own backend is the CPU) for every layer
+    of an int4 cache on v5e:2x4; a 508-token context + 4 new tokens = 512 slots, a page
+    multiple (other capacities take the XLA path, as on a chip)."""
+    proc = _compile("--topology", "v5e:2x4", "--mesh", "data=2,model=4", "--model", "smollm2",
+                    "--layers", "2", "--method", "quantize:bits=4", "--context", "508",
+                    "--batch", "2", "--new-tokens", "4", "--impl", "pallas", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["decode"]["kernel_calls"] == 2  # one per layer
+    xla = _compile("--topology", "v5e:2x4", "--mesh", "data=2,model=4", "--model", "smollm2",
+                   "--layers", "1", "--method", "quantize:bits=4", "--context", "508",
+                   "--batch", "2", "--new-tokens", "4", "--json")
+    assert xla.returncode == 0, xla.stderr[-3000:]
+    assert json.loads(xla.stdout.strip().splitlines()[-1])["decode"]["kernel_calls"] == 0
