@@ -121,8 +121,10 @@ def test_spilled_plus_resident_equals_allocated():
 
 
 def test_prefetched_page_is_never_read_before_its_copy_completes(monkeypatch):
-    """Make the host -> device copy of a prefetch take 0.5 s: the eager call returns at once
-    (asynchronous), and attention issued right after still reads the finished copy."""
+    """Make the host -> device copy of a prefetch take 0.5 s (a host callback; on CPU such a
+    program runs synchronously, so this checks the order only): attention issued right after
+    reads the finished copy. The asynchrony with real copies: `test_eager_prefetch_returns_
+    before_its_copies_finish`."""
     (p0, l0), (p1, l1) = pools()
     p0, l0 = fill(p0, l0, 12, jax.random.key(0))
     p1, l1 = fill(p1, l1, 12, jax.random.key(0))
@@ -220,3 +222,42 @@ def test_smollm2_greedy_tokens_identical_with_half_the_pages_on_host(bits):
                                        prefetch_pages=False)
         assert miss == want and info_miss["misses"] > 0
     print(tok.decode(want), info)
+
+
+def test_smollm2_kivi_chain_tokens_identical_with_half_the_pages_on_host():
+    """The KIVI chain offloaded (kvjax.paged_kivi: one KIVI group per page): SnapKV keeps half
+    of the prompt, KIVI-4 quantizes it in groups of 16 (16 newest exact); greedy tokens with
+    half of the allocated KIVI pages in host memory equal the all-device paged run and the
+    unpaged KIVI chain (`ResidualCache`)."""
+    from experiments.bench_offload import greedy_kivi
+    from models.loading import load_model
+    model, tok = load_model("smollm2")
+    prompt = tok.encode(
+        "The history of the printing press begins in the fifteenth century, when Johannes "
+        "Gutenberg combined movable metal type, oil-based inks and a wooden screw press into a "
+        "system that could produce books quickly and cheaply. Before that, books were copied by "
+        "hand, usually by monks, and a single Bible could take years to finish. The new presses "
+        "spread across Europe within a few decades, and by 1500 millions of volumes had been "
+        "printed. Question: who combined movable type with a screw press? Answer:")
+    method, steps = "snapkv:ratio=0.5+kivi:bits=4,group=16,residual=16", 20
+    want, _ = greedy_kivi(model, prompt, steps, method)  # unpaged
+    device, info0 = greedy_kivi(model, prompt, steps, method, host_fraction=0.0)
+    got, info = greedy_kivi(model, prompt, steps, method, host_fraction=0.5)
+    assert device == want, (tok.decode(want), tok.decode(device))
+    assert got == want, (tok.decode(want), tok.decode(got))
+    assert info0["tier_counts"]["host"] == 0
+    # 50 prompt tokens kept -> 2 pages per row at the compression, a third flushed in decode
+    assert info["tier_counts"]["allocated"] == 3 * 3, info
+    assert min(info["host_share"]) >= 0.5 and info["misses"] == 0, info
+    print(tok.decode(want), info)
+
+
+def test_eager_prefetch_returns_before_its_copies_finish():
+    """Real copies (32 MiB of host pages, two layers): the eager `prefetch` returns long before
+    its copies are done, an attention reading the stage waits for them and equals the
+    all-device pool's output (asserted inside the probe), and nothing is a miss."""
+    from experiments.bench_offload import ordering_probe
+    r = ordering_probe(pages=32, layers=2, repeats=3)
+    assert r["issued_ms"] * 5 < r["copies_ms"], r
+    assert r["read_ms"] >= r["copies_ms"] * 0.5 and r["misses"] == 0, r
+    print(r)
