@@ -336,3 +336,20 @@ def test_pallas_impl_on_a_mesh_runs_the_kernel_per_shard_inside_the_model():
     # prefill (same dense shapes, jit cache) and traces its decode over int4 pages
     assert rows["full"]["kernel_calls"] >= 2 * 2
     assert rows["quantize:bits=4,group=16"]["kernel_calls"] >= 2
+
+
+def test_generate_impl_pallas_with_a_mesh_is_the_per_shard_kernel():
+    """`kvjax generate --mesh M --impl pallas` hands the sampler `pallas_impl(M)` (the kernel
+    per shard, axes data/model); without a mesh, or with `--impl xla`, the flag as given."""
+    import argparse
+
+    import kvjax
+    from experiments.cli import _impl
+    from models.sharding import make_mesh
+
+    mesh = make_mesh("data=1,model=1")
+    impl = _impl(argparse.Namespace(impl="pallas", mesh_obj=mesh))
+    assert impl == kvjax.PallasOnMesh(mesh, None, False, batch_axis="data", kv_axis="model")
+    assert hash(impl) == hash(_impl(argparse.Namespace(impl="pallas", mesh_obj=mesh)))
+    assert _impl(argparse.Namespace(impl="pallas")) == "pallas"
+    assert _impl(argparse.Namespace(impl="xla", mesh_obj=mesh)) == "xla"
