@@ -24,6 +24,14 @@ and Llama-3-8B (8 KV heads, 32 query heads, D = 128), one layer, pages of
 
 Run: python -m experiments.tpu_kernel_costs  (about 2 minutes on 2 cores)
 Writes docs/bench/tpu_kernel_costs.json and .csv.
+
+`--table steps` compiles instead the whole `attend_pallas` step over one
+abstract `TokenCache` layer (batch 64, 32k slots, both models' shapes) in
+each store kvjax holds, and reports its `cost_analysis()` bytes now
+(`step_mb`) and with the cache converted to a kernel page pool every call
+(`before_mb`: the conversion this session replaced, reproduced by turning
+the in-place row pools off), beside the kernel's own estimate (`kernel_mb`).
+Writes docs/bench/tpu_step_costs.json and .csv (about 5 minutes).
 """
 
 from __future__ import annotations
@@ -118,11 +126,118 @@ def measure(chip: str, model: str, name: str, batch: int, ctx: int, pages_per_sp
                 pool_copies=pool_copies(compiled.as_text()))
 
 
+def step_stores(batch: int, kv_heads: int, ctx: int, head_dim: int):
+    """name -> a function building one abstract layer's (k, v) stores in kvjax's layout."""
+    from kvjax import stores
+
+    r = batch * kv_heads
+    dense = lambda dtype: lambda: (jnp.zeros((r, ctx, head_dim), dtype),) * 2
+    tok = lambda bits, g, sym=False: lambda: (stores.PackedTokens.empty(
+        r, ctx, head_dim, bits, g, symmetric=sym),) * 2
+    kivi = lambda bits: lambda: (stores.PackedChannels.empty(r, ctx, head_dim, bits, GROUP),
+                                 stores.PackedTokens.empty(r, ctx, head_dim, bits, GROUP))
+    return {"bf16": dense(jnp.bfloat16), "fp8-e4m3": dense(jnp.float8_e4m3fn),
+            "int8 g64": tok(8, 64), "int4 g32": tok(4, 32), "int4-sym g32": tok(4, 32, True),
+            "int2 g32": tok(2, 32), "kivi4 (keys/ch g32, values int4 g32)": kivi(4)}
+
+
+def measure_step(chip: str, model: str, name: str, batch: int, ctx: int) -> dict:
+    """Whole attend_pallas step over one TokenCache layer: bytes now, before, and the kernel's."""
+    from kernels_pallas.paged_attention import block_sizes, rows_as_pages
+    from kvjax import kernel_attention as ka
+    from kvjax.cache import EMPTY, TokenCache
+
+    device = tc.tpu_device(chip)
+    shape = MODELS[model]
+    kvh, heads, d = shape["kv_heads"], shape["heads"], shape["head_dim"]
+    build = step_stores(batch, kvh, ctx, d)[name]
+
+    def layer():
+        k, v = build()
+        return TokenCache(k=k, v=v, pos=jnp.full((batch, kvh, ctx), EMPTY, jnp.int32),
+                          length=jnp.zeros((), jnp.int32), mass=None)
+
+    layer = jax.eval_shape(layer)
+    q = jax.ShapeDtypeStruct((batch, 1, heads, d), jnp.bfloat16)
+    q_pos = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+    args = tc.abstract_like((q, q_pos, layer), device)
+    step = functools.partial(ka.attend_pallas, backend="tpu")
+    in_place = ka._row_pool
+
+    def bytes_of(fn):
+        """Compiled bytes accessed, or the compiler's out-of-memory message (temporaries)."""
+        try:
+            return tc.compile_for(device, fn, *args).cost_analysis()["bytes accessed"]
+        except Exception as e:  # noqa: BLE001 - XLA:TPU reports HBM overflow at compile time
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            return str(e).split("RESOURCE_EXHAUSTED: ")[-1].splitlines()[0][:160]
+
+    step_b = bytes_of(step)
+    try:  # the page-pool conversion every call, as before row pools
+        ka._row_pool = lambda store: None
+        # a new function object: jit would reuse the first trace of `step`
+        before_b = bytes_of(functools.partial(ka.attend_pallas, backend="tpu"))
+    finally:
+        ka._row_pool = in_place
+    statics = {}
+
+    def inputs(layer):
+        kin = ka.kernel_inputs(layer, backend="tpu")
+        statics.update({k: kin.pop(k, None) for k in ("k_format", "v_format", "row_pages",
+                                                       "head_stride")})
+        return kin
+
+    kin = jax.eval_shape(inputs, layer)
+    tup = lambda x: x if isinstance(x, tuple) else (x,)
+    kf, vf, n = statics["k_format"], statics["v_format"], statics["row_pages"]
+    pos, k, v = kin["pos_pages"], tup(kin["k_pages"]), tup(kin["v_pages"])
+    if n is not None:
+        pos, k, v = jax.eval_shape(lambda p, k, v: rows_as_pages(p, k, v, kf, vf, n), pos, k, v)
+    qg = jax.ShapeDtypeStruct((batch, kvh, heads // kvh, d), jnp.bfloat16)
+    page = pos.shape[-1]
+    splits = block_sizes(ctx // page, page, 8, None)[2]
+    est = cost_estimate(qg, kf, k, vf, v, pos, kin["block_tables"], splits)
+    mb = lambda b: round(b / MiB, 1) if isinstance(b, float) else b
+    ratio = lambda b: round(b / est.bytes_accessed, 2) if isinstance(b, float) else None
+    return dict(chip=chip, model=model, format=name, batch=batch, context=ctx,
+                in_place=n is not None, kernel_mb=round(est.bytes_accessed / MiB, 1),
+                step_mb=mb(step_b), before_mb=mb(before_b), step_x_kernel=ratio(step_b),
+                before_x_kernel=ratio(before_b))
+
+
+def write_table(rows: list, meta: dict, out: pathlib.Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    with out.with_suffix(".csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}.json/.csv ({len(rows)} rows, {meta['seconds']} s)")
+
+
+def main_steps(chip: str, out: str) -> None:
+    rows, start = [], time.time()
+    for model in MODELS:
+        d = MODELS[model]["head_dim"]
+        for name in step_stores(1, 1, 256, d):
+            row = measure_step(chip, model, name, 64, 32768)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    meta = dict(command="python -m experiments.tpu_kernel_costs --table steps", chip=chip,
+                jax=jax.__version__, seconds=round(time.time() - start))
+    write_table(rows, meta, pathlib.Path(out))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chip", default="v5e", choices=tc.CHIPS)
-    parser.add_argument("--out", default="docs/bench/tpu_kernel_costs")
+    parser.add_argument("--table", default="kernels", choices=("kernels", "steps"))
+    parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.table == "steps":
+        return main_steps(args.chip, args.out or "docs/bench/tpu_step_costs")
+    args.out = args.out or "docs/bench/tpu_kernel_costs"
     rows, start = [], time.time()
     for model in MODELS:
         for batch in (8, 64):

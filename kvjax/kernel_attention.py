@@ -4,11 +4,16 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
 
 - `PagedLayer`: as it is.
 - `TokenCache` (per-head layout): each row's `C` slots are `C/S` pages of
-  `S` slots, by a free reshape of `[B*KVH, C, ...]` to `[B*KVH*C/S, S, ...]`;
-  its KV heads share one block table per sequence (`[B, C/S]`, head h at
-  page offset `h * C/S`: KVH times less SMEM than per-head tables); only the
-  pages below the write cursor are read.
+  `S` slots; its KV heads share one block table per sequence (`[B, C/S]`,
+  head h at page offset `h * C/S`: KVH times less SMEM than per-head
+  tables); only the pages below the write cursor are read.
   `S` is the largest power of two <= 256 that divides `C` (at least 8).
+  On TPU with `S` a multiple of 128, dense and `PackedTokens` stores go to
+  the kernel as *row pools* (`row_pages`): the kernel DMAs each page out of
+  the cache's own `[R, D, C]` / `[R, C, D]` rows (packed: the code words
+  `[R, W, C]`; only the float16 parameters are repacked, as Mosaic takes no
+  float16 arguments), so no page pool is built per call. Other layouts are
+  converted to a page pool each call (a copy of the cache).
 - `ResidualCache` (KIVI): the encoded body and the exact recent part are two
   kernel calls whose softmax states are merged.
 
@@ -77,6 +82,13 @@ def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False,
         if backend == "tpu" and store.shape[-1] % 128:  # D < 128 lanes: XLA keeps it page-minor
             return pf.DENSE_T, (jnp.swapaxes(as_pages(store), 1, 2),)
         return pf.DENSE, (as_pages(store),)
+    if isinstance(store, PackedTokens) and backend == "tpu":
+        # the store's words as [P, W, S]: free for a page pool (XLA:TPU keeps [P, S, W]
+        # slot-minor), a transpose for a TokenCache's [R, C, W] rows cut in pages
+        fmt = pf.PackedTokenRows(store.bits, store.group, symmetric=store.offset is None,
+                                 param_dtype=_param_dtype(store))
+        offset = None if store.offset is None else as_pages(store.offset)
+        return fmt, fmt.from_store(as_pages(store.words), as_pages(store.scale), offset)
     if isinstance(store, PackedTokens):
         fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None,
                               param_dtype=_param_dtype(store))
