@@ -75,6 +75,9 @@ Monitor = tuple  # tuple[LayerMonitor, ...], one per layer
 def dense(layer: Any) -> TokenCache:
     """Any supported layer as a dense `TokenCache` (stores decoded, parts joined, pages
     gathered from every tier)."""
+    if hasattr(layer, "body") and hasattr(layer.body, "tables"):  # kvjax.paged_kivi.PagedKivi
+        from kvjax.paged_kivi import as_residual
+        return view(as_residual(layer))
     if hasattr(layer, "host_k"):  # kvjax.tiers.TieredLayer
         from kvjax.tiers import tiered_view
         return tiered_view(layer)
@@ -126,6 +129,11 @@ def _snapshot(layer: Any) -> dict[str, jax.Array]:
             out["prefetch_misses"] = layer.misses
     elif isinstance(layer, ResidualCache):
         out.update(slots_used=full(layer.body.length + layer.recent.length),
+                   capacity=full(layer.body.capacity + layer.recent.capacity))
+    elif hasattr(layer, "body"):  # a paged KIVI layer: its pages, then its exact part
+        pages = _snapshot(layer.body)
+        out.update({f: pages[f] for f in ("pages_device", "pages_host", "prefetch_misses")},
+                   slots_used=layer.body.lengths + layer.recent.length,
                    capacity=full(layer.body.capacity + layer.recent.capacity))
     else:
         out.update(slots_used=full(layer.length), capacity=full(layer.capacity))

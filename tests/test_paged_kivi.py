@@ -5,7 +5,8 @@
 - attention over the paged layer equals the unpaged layer's (float tolerance: the summation
   runs over a different padding), and over half the pages on the host equals all on device
   bit for bit;
-- an eviction after KIVI (codes compacted across groups) is refused with a ValueError.
+- an eviction after KIVI (codes compacted across groups) is refused with a ValueError;
+- the monitor reads a paged KIVI layer (tokens as the unpaged layer, pages per tier).
 """
 
 import jax
@@ -20,7 +21,7 @@ from kvjax.paged_kivi import (bodies, flush_tokens, from_residual, unpaged_group
 from kvjax.paging import check_pool, reserve
 
 B, KVH, D, G, RES = 2, 2, 64, 8, 8
-PROMPT, STEPS, CAP = 21, 20, 64
+PROMPT, STEPS, CAP = 21, 16, 64
 
 
 def prompt_cache(key=0):
@@ -40,8 +41,12 @@ def unpaged_body(layer):
             "pos": body.pos.reshape(B * KVH, -1)[:, :n]}
 
 
+groups_of = jax.jit(unpaged_groups)
+attend = jax.jit(kvjax.attend)
+
+
 def assert_same_bits(paged, unpaged):
-    want, got = unpaged_body(unpaged), unpaged_groups(paged)
+    want, got = unpaged_body(unpaged), groups_of(paged)
     n = want["pos"].shape[1]
     assert (np.asarray(paged.body.lengths) == n).all()
     valid = np.asarray(want["pos"]) != EMPTY
@@ -87,17 +92,31 @@ def test_flushed_pages_bit_identical_to_unpaged_kivi(bits):
             l1[0].body, tiers.recency_scores(l1[0].body), n))
         b1 = tiers.prefetch(b1, tiers.host_pages_in_use(b1[0]))
         l1 = with_bodies(l1, b1)
-        check_pool(p0, bodies(l0))
-        check_pool(p1, bodies(l1))
+        if step % 5 == 4:
+            check_pool(p0, bodies(l0))
+            check_pool(p1, bodies(l1))
         qpos = pos + 1
-        want = np.asarray(kvjax.attend(q, qpos, unpaged[0]))
-        got0 = np.asarray(kvjax.attend(q, qpos, l0[0]))
-        got1 = np.asarray(kvjax.attend(q, qpos, l1[0]))
+        want = np.asarray(attend(q, qpos, unpaged[0]))
+        got0 = np.asarray(attend(q, qpos, l0[0]))
+        got1 = np.asarray(attend(q, qpos, l1[0]))
         np.testing.assert_array_equal(got1, got0)  # offloaded == all on device, bit for bit
         np.testing.assert_allclose(got0, want, rtol=1e-5, atol=1e-5)
     assert flushed >= 2 * G  # the decode flushed pages, not only the prompt
     assert tiers.tier_counts(p1, l1[0].body)["host"] > 0
     assert_same_bits(l1[0], unpaged[0])
+    check_pool(p0, bodies(l0))
+    check_pool(p1, bodies(l1))
+    # the monitor reads a paged KIVI layer: the unpaged layer's tokens, its pages per tier
+    from kvjax.monitor import init_monitor
+    mu, m0, m1 = (init_monitor(c)[0] for c in (unpaged, l0, l1))
+    for m in (m0, m1):
+        np.testing.assert_array_equal(np.asarray(m.tokens), np.asarray(mu.tokens))
+    body = l1[0].body
+    used = np.arange(body.tables.shape[-1]) < np.asarray(body.num_pages_used)[..., None]
+    on_host = used & (np.asarray(body.tables) >= body.device_pages)
+    np.testing.assert_array_equal(np.asarray(m1.pages_host), on_host.sum(-1))
+    np.testing.assert_array_equal(np.asarray(m1.pages_device), (used & ~on_host).sum(-1))
+    assert on_host.any()
 
 
 def test_eviction_after_kivi_cannot_be_paged():
