@@ -236,7 +236,7 @@ PPL = textwrap.dedent("""
     model = Llama(cfg, rngs=nnx.Rngs(0))
     mesh = sharding.make_mesh("data=2,model=4")
     sharded = sharding.shard_model(model, mesh)
-    ids = np.random.default_rng(0).integers(3, 250, 300).tolist()
+    ids = np.random.default_rng(0).integers(3, 250, 257).tolist()  # 4 windows of 64: 2 batches of 2
     placed = []  # the layouts of the caches `kvjax ppl --mesh` puts on the mesh
     real_placer = sharding.cache_placer
     def recording_placer(mesh):
