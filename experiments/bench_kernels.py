@@ -11,6 +11,9 @@ attention call (one query token per sequence, all heads) over a paged pool:
     32, float16 scale and offset), KIVI-4 / KIVI-2 (per-channel keys, per-token
     values of the same bits); random codes and parameters of the exact layout
     (time does not depend on the values);
+  * on a GPU, kvjax's Mosaic GPU kernel (`paged_attention_mgpu`: TMA pipeline,
+    wgmma) on the same bf16 pages ("kvjax mosaic"; its packed formats do not
+    lower for CUDA yet, see docs/drafts/mgpu.md);
   * on a GPU, `jax.experimental.pallas.ops.gpu.paged_attention` (Triton) on
     the same bf16 pages: both read one `[KVH, P, S, D]` pool with `[B, NP]`
     block tables shared by a sequence's KV heads (kvjax: `head_stride = P`);
@@ -151,7 +154,7 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
         gbs = moved / ms / 1e6
         rows.append(dict(shape=shape_name, method=method, format=fmt_name, batch=batch,
                          context=context, page_size=s, ms=round(ms, 4), bytes=int(moved),
-                         gbs=round(gbs, 1), of_copy=round(gbs / copy_bw, 3),
+                         gbs=float(f"{gbs:.4g}"), of_copy=float(f"{gbs / copy_bw:.3g}"),
                          max_diff_vs_kvjax=diff))
         print(rows[-1], flush=True)
 
@@ -182,6 +185,17 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
             record("jax.experimental gpu paged_attention", name,
                    time_it(run, qj, kj, vj, tables, lengths), per_page_bytes((k, v)),
                    diff(run(qj, kj, vj, tables, lengths)))
+        if name == "bf16" and backend == "gpu":  # the Mosaic GPU kernel (TMA, wgmma) beside it
+            from kernels_pallas import paged_attention_mgpu as mgpu
+            if interpret:
+                mgpu.interpret_transposed_wgmma()
+            run = jax.jit(functools.partial(
+                mgpu.paged_attention_mgpu, k_format=kf, v_format=vf, head_stride=plane,
+                pages_per_split=args.pages_per_split, pages_per_step=args.mosaic_pages_per_step,
+                interpret=mgpu.INTERPRET if interpret else False))
+            record("kvjax mosaic", name, time_it(run, q, q_pos, k, v, pos, tables, counts),
+                   per_page_bytes((k, v)) + pos.shape[-1] * 4,
+                   diff(run(q, q_pos, k, v, pos, tables, counts)[:, 0]))
         if name == "bf16" and batch == min(args.batches):
             import kvjax
             from kvjax.cache import TokenCache
@@ -234,6 +248,8 @@ def parse_args(argv=None):
                         help="flash-decoding split (pages); 32k / 64-token pages -> 8 splits")
     parser.add_argument("--pages-per-block", type=int, nargs="+", default=[0],
                         help="kvjax pages per step to try (0: the default); e.g. 0 1 2 4 to tune")
+    parser.add_argument("--mosaic-pages-per-step", type=int, default=2,
+                        help="pages per pipeline step of the Mosaic GPU kernel (bf16 pages)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--copy-bytes", type=int, default=2 << 30)
@@ -250,8 +266,9 @@ def main(argv=None):
     backend, interpret = pallas_backend(), False
     if args.smoke:
         backend, interpret = backend or "gpu", True
-        args.shapes, args.batches, args.contexts = ["smollm2"], [2], [64]
-        args.page_size, args.pages_per_split, args.repeats, args.rounds = 16, 2, 1, 1
+        args.shapes, args.batches, args.contexts = ["smollm2"], [2], [128]
+        # 64-slot pages: the Mosaic GPU kernel's smallest (one 128-byte swizzled bf16 row)
+        args.page_size, args.pages_per_split, args.repeats, args.rounds = 64, 2, 1, 1
         args.copy_bytes = 1 << 20
     elif backend is None:
         raise SystemExit("bench_kernels: no GPU or TPU here (compiled Pallas needs one); "
