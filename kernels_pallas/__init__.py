@@ -4,6 +4,10 @@
   key/value pool (decode and prefill chunks), pages decoded in the kernel.
 - `page_formats`: how a page is stored (dense, per-token packed, KIVI
   per-channel) and decoded, shared by kernels and references.
+- `paged_attention_mgpu`: the same contract as a Mosaic GPU (Hopper) kernel:
+  TMA pipeline, wgmma, per-token packed pages dequantized in registers.
+  Called explicitly (`attend(impl="pallas")` on GPU stays on Triton until a
+  GPU has run it); proven in GPU interpret mode (`tests/test_mgpu_kernel.py`).
 
 - `tpu_compile`: compile for a TPU without one (deviceless libtpu).
 
