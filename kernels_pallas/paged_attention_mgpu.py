@@ -19,10 +19,15 @@ jax's own Mosaic GPU ops are (`jax/experimental/pallas/ops/gpu/*_mgpu.py`):
   page (`Dense(slots_last=True)` or a decoded packed page) directly, a
   `[S, D]` dense page through `plgpu.transpose_ref`; `p @ V` takes a `[S, D]`
   value page directly and a decoded `[D, S]` page through `transpose_ref`;
-- packed per-token pages (`PackedTokens`: 2/4/8-bit codes with a per-token
-  scale and offset per group of channels) are dequantized in registers, as in
-  `hopper_mixed_type_matmul_mgpu` (SMEM words -> registers -> shifts, masks,
-  scale, offset -> bf16), written to an SMEM tile and fed to wgmma;
+- packed per-token pages (`PackedTokens`: 2/4/8-bit codes with a scale and
+  offset per token and group of channels) are unpacked in registers, as in
+  `hopper_mixed_type_matmul_mgpu` (SMEM words -> registers -> shifts and masks
+  -> bf16, exact integers), into an SMEM `[D, S]` tile fed to wgmma; the
+  per-token parameters act on the `[64, S]` tiles instead of the `[D, S]`
+  page: keys as q_g . c * scale_g + sum(q_g) * offset_g per group g (q_g: the
+  queries zeroed outside group g's channels), values as (p * scale_g) @ c +
+  p . offset_g, kept on group g's channels. Only p (and p * scale) is rounded
+  to bf16 before its wgmma;
 - online softmax in float32 registers; m and l leave as [64] vectors, the
   accumulator as [64, D], by TMA stores.
 
@@ -35,12 +40,19 @@ argument. KIVI (`PackedChannels`) pages are not read here (Triton reads them).
 
 Status: proven on CPU only. `tests/test_mgpu_kernel.py` runs it in jax's GPU
 interpret mode (simulated GMEM/SMEM, TMA, barriers, wgmma) element-wise
-against `paged_attention_reference`, and lowers it for CUDA (the
-`mosaic_gpu` custom call) on a CPU host. jax 0.10.2's interpreter cannot
-apply a `TransposeTransform` to a wgmma operand (AttributeError in
-`interpret.utils.to_range`); the tests install `interpret_transposed_wgmma`,
-which does exactly that one thing. No GPU has run it: the Triton kernel stays
-the GPU default and this one is chosen explicitly (`gpu_kernel="mosaic"`).
+against `paged_attention_reference`, and lowers the dense bf16 kernel for
+CUDA on a CPU host (wgmma m64n64k16 bf16 -> f32, TMA loads). Two limits of
+jax 0.10.2 shape it: (1) its GPU interpreter cannot apply a
+`TransposeTransform` to a wgmma operand (AttributeError in
+`interpret.utils.to_range`), nor run `run_state` or `layout_cast`; the tests
+install `interpret_transposed_wgmma` (that one transform, nothing else), and
+the kernel uses fresh accumulators and no layout casts; (2) lowering a packed
+format for CUDA fails Mosaic GPU layout inference ("Layout inference failed
+to find a solution"): a `[W, S]` code plane (W = 8 rows for 4-bit, D = 64)
+stored into a swizzled bf16 SMEM tile has no layout; the packed path is
+interpret-proven only. No GPU has run any of it: `attend(impl="pallas")` on a
+GPU stays on Triton, and this kernel is chosen explicitly (call
+`paged_attention_mgpu`; `experiments/bench_kernels.py` times it).
 
 Example (GPU interpret mode on CPU):
     >>> from kernels_pallas.paged_attention import paged_attention_reference
