@@ -470,3 +470,38 @@ def test_mixed_prefill_and_decode_rows_in_one_call(backend):
                                 interpret=interpret, **kw)
         np.testing.assert_allclose(got[b, :t], np.asarray(alone)[0], **TOL)
         assert np.all(got[b, t:] == 0)  # padding queries attend to nothing
+
+
+def test_row_pools_equal_the_page_pools_they_stand_for():
+    """Row pools (`row_pages`: a cache's own rows, pages DMA'd out of them) give exactly what the
+    same data cut into a page pool gives, for dense slot-last, dense row-major and
+    PackedTokenRows; bad row pools raise."""
+    from kernels_pallas.paged_attention import rows_as_pages
+    rng = np.random.default_rng(41)
+    b, kvh, c, s, d = 2, 2, 256, 128, 64
+    n = c // s
+    x = jnp.asarray(rng.normal(size=(2, b * kvh, c, d)), jnp.float32)  # k, v rows [R, C, D]
+    pos = jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b * kvh, 1, c))
+    pos = jnp.where(jnp.arange(c) < 200, pos, EMPTY)
+    tables = jnp.arange(b, dtype=jnp.int32)[:, None] * (kvh * n) + jnp.arange(n, dtype=jnp.int32)
+    counts = jnp.full((b, kvh), n, jnp.int32)
+    q, q_pos = queries(rng, b, 1, 2 * kvh, d, [200, 200])
+    tok = pf.PackedTokenRows(4, 32)
+    q4 = quantize(x[0], 4, 32, axis=-1)
+    packed = tok.from_store(pack(q4.codes, 4), q4.scale, q4.offset)
+    backend, interp = mode("tpu", pltpu.InterpretParams())
+    for fmt, k_rows in ((pf.DENSE_T, jnp.swapaxes(x[0], 1, 2)), (pf.DENSE, x[0]), (tok, packed)):
+        v_rows = jnp.swapaxes(x[1], 1, 2)
+        kw = dict(k_format=fmt, v_format=pf.DENSE_T, head_stride=n, pages_per_split=1)
+        got = paged_attention(q, q_pos, k_rows, v_rows, pos, tables, counts, backend=backend,
+                              interpret=interp, row_pages=n, **kw)
+        k_tuple = k_rows if isinstance(k_rows, tuple) else (k_rows,)
+        p_pos, p_k, p_v = rows_as_pages(pos, k_tuple, (v_rows,), fmt, pf.DENSE_T, n)
+        want = paged_attention(q, q_pos, p_k, p_v, p_pos, tables, counts, backend=backend,
+                               interpret=interp, **kw)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="row_pages 3 must divide"):
+        paged_attention(q, q_pos, x[0], x[1], pos, tables, counts, head_stride=n, row_pages=3)
+    with pytest.raises(ValueError, match="row_pages reads Dense and PackedTokenRows"):
+        paged_attention(q, q_pos, x[0], x[1], pos, tables, counts, head_stride=n, row_pages=n,
+                        k_format=pf.PackedTokens(4, 32))
