@@ -166,3 +166,24 @@ def test_packed_token_cache_codes_are_read_in_place(method):
                            pages_per_split=1)
     want = kvjax.attend(q, q_pos, layer, impl="reference", window=250)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+def test_packed_paged_layer_reads_like_the_reference():
+    """A PagedLayer of PackedTokens pages goes to the TPU kernel as `PackedTokenRows` page pools
+    (the store's words as [P, W, S]) and gives the reference's attention over its dense view."""
+    from kvjax.paging import dense_view, init_paged_cache, reserve
+    rng = np.random.default_rng(8)
+    pool, layers = init_paged_cache(12, 16, 2, 2, 4, 64, num_layers=1, bits=4, group=32)
+    pool, (layer,) = reserve(pool, layers, jnp.array([40, 29]))
+    k = jnp.asarray(rng.normal(size=(2, 2, 40, 64)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(40), (2, 40)).at[1, 29:].set(-1)
+    layer = layer.write(k, -k, pos)
+    assert isinstance(ka.kernel_inputs(layer, backend="tpu")["k_format"], pf.PackedTokenRows)
+    if compiled() and device_backend() != "tpu":
+        pytest.skip("[optional] compiled mode: the TPU kernel needs a TPU")
+    q = jnp.asarray(rng.normal(size=(2, 1, 6, 64)), jnp.float32)
+    q_pos = jnp.array([[40], [29]], jnp.int32)
+    backend, interpret = mode("tpu")
+    got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret)
+    want = kvjax.attend(q, q_pos, dense_view(layer), impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
