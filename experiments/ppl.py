@@ -30,8 +30,7 @@ from kvjax.cache import EMPTY
 from kvjax.transforms import CacheTransform, full
 from models.llama import Llama
 from models.loading import progress_enabled
-from models.sampler import prefill_and_compress
-from models.scoring import _padded, score_continuations, token_logprobs
+from models.scoring import continuation_logprobs, token_logprobs
 
 
 class Window(NamedTuple):
@@ -117,35 +116,11 @@ def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | Non
             targets[row, off:-1] = ids[w.start + 1:w.end]
             # the logit at window offset j predicts token start + j + 1
             score[row, off + (w.first_scored - w.start) - 1: width - 1] = True
-        lp = np.asarray(_token_logprobs(model, tokens, positions, targets, chunk, place_cache),
-                        np.float64)
+        lp = np.asarray(token_logprobs(model, tokens, positions, targets, chunk=chunk,
+                                       place_cache=place_cache), np.float64)
         nll -= float(lp[score].sum())
         scored += int(score.sum())
     return Perplexity(math.exp(nll / scored), nll, scored)
-
-
-def _token_logprobs(model, tokens, positions, targets, chunk: int, place_cache):
-    """`models.scoring.token_logprobs` ([B, T] float32), its fresh cache placed by
-    `place_cache` when given (the same padding and jitted scan)."""
-    if place_cache is None:
-        return token_logprobs(model, tokens, positions, targets, chunk=chunk)
-    import jax.numpy as jnp
-    from flax import nnx
-
-    import kvjax
-    from models import scoring
-
-    b, t = tokens.shape
-    scoring.check_ids(model.config, tokens, positions)
-    chunk = min(chunk, t)
-    pad = -t % chunk
-    left = lambda x, value: jnp.pad(jnp.asarray(x, jnp.int32), ((0, 0), (pad, 0)),
-                                    constant_values=value)
-    cache = place_cache(kvjax.init_model_cache(model.config.cache_spec, b, t + pad))
-    graphdef, state = nnx.split(model)
-    lp, _ = scoring._token_logprobs(graphdef, state, left(tokens, 0),
-                                    left(positions, kvjax.EMPTY), left(targets, 0), cache, chunk)
-    return lp[:, pad:]
 
 
 def _batches(count: int, batch_size: int, show: bool):
@@ -174,11 +149,8 @@ def _continuation_perplexity(model, ids, context, stride, batch_size, chunk, pre
         group = windows[i:i + batch_size]
         prefixes = [ids[w.start:w.start + prefix].tolist() for w in group]
         conts = [ids[w.start + prefix:w.end].tolist() for w in group]
-        # models.scoring.continuation_logprobs, with the prefix's cache placed
-        pre = prefill_and_compress(model, prefixes, transform=transform,
-                                   room=_padded(conts, chunk)[0].tokens.shape[1], chunk=chunk,
-                                   place_cache=place_cache)
-        lps = score_continuations(model, pre, conts, chunk=chunk)
+        lps = continuation_logprobs(model, prefixes, conts, transform=transform, chunk=chunk,
+                                    place_cache=place_cache)
         for w, lp in zip(group, lps):
             first = max(w.first_scored, w.start + prefix) - (w.start + prefix)
             nll -= float(np.sum(lp[first:], dtype=np.float64))

@@ -46,13 +46,16 @@ def _token_logprobs(graphdef, state, tokens, positions, targets, cache, chunk):
 
 
 def token_logprobs(model: Llama, tokens: jax.Array, positions: jax.Array, targets: jax.Array,
-                   *, chunk: int = 256, cache_dtype: Any = jnp.float32) -> jax.Array:
+                   *, chunk: int = 256, cache_dtype: Any = jnp.float32,
+                   place_cache=None) -> jax.Array:
     """log p(targets[b, t] | tokens[b, :t+1]) as [B, T] float32, in a fresh cache.
 
     Args:
       tokens, positions: [B, T] int32; negative positions mark padding.
       targets: [B, T] int32, usually `tokens` shifted left by one.
       chunk: tokens per forward call; T is padded up to a multiple on the left.
+      place_cache: puts the fresh cache on devices (`models.sharding.cache_placer(mesh)`),
+        as `models.sampler.generate`'s does; None leaves it where it is made.
     """
     b, t = tokens.shape
     if positions.shape != (b, t) or targets.shape != (b, t):
@@ -66,6 +69,8 @@ def token_logprobs(model: Llama, tokens: jax.Array, positions: jax.Array, target
     left = lambda x, value: jnp.pad(jnp.asarray(x, jnp.int32), ((0, 0), (pad, 0)),
                                     constant_values=value)
     cache = kvjax.init_model_cache(model.config.cache_spec, b, t + pad, cache_dtype)
+    if place_cache is not None:
+        cache = place_cache(cache)
     graphdef, state = nnx.split(model)
     lp, _ = _token_logprobs(graphdef, state, left(tokens, 0), left(positions, kvjax.EMPTY),
                             left(targets, 0), cache, chunk)
@@ -91,14 +96,15 @@ def check_ids(cfg, tokens, positions=None) -> None:
 def continuation_logprobs(model: Llama, prefixes: Sequence[Sequence[int]],
                           continuations: Sequence[Sequence[int]], *,
                           transform: CacheTransform | None = None, chunk: int = 256,
-                          cache_dtype: Any = jnp.float32) -> list[np.ndarray]:
+                          cache_dtype: Any = jnp.float32, place_cache=None) -> list[np.ndarray]:
     """log p(cont[b][j] | prefix[b], cont[b][:j]) with the prefix's cache compressed first.
 
     Each prefix is prefilled (batched, collecting what `transform` needs),
     compressed by `transform` and shrunk to its budget; the continuation is
     then fed on top of the compressed cache. The first continuation token is
     scored from the prefix's last logits. With `full()` this is ordinary
-    teacher forcing of the continuation.
+    teacher forcing of the continuation. `place_cache` places the prefix's
+    fresh cache (as in `token_logprobs`).
 
     Returns:
       one float32 array of len(cont[b]) per sequence.
@@ -119,7 +125,7 @@ def continuation_logprobs(model: Llama, prefixes: Sequence[Sequence[int]],
         raise ValueError("need one non-empty continuation per prefix")
     pre = prefill_and_compress(model, prefixes, transform=transform,
                                room=_padded(continuations, chunk)[0].tokens.shape[1],
-                               chunk=chunk, cache_dtype=cache_dtype)
+                               chunk=chunk, cache_dtype=cache_dtype, place_cache=place_cache)
     return score_continuations(model, pre, continuations, chunk=chunk)
 
 
