@@ -212,7 +212,8 @@ def _write_groups(body: PagedLayer, keys: dict, values: dict, pos: jax.Array,
                   count: jax.Array) -> PagedLayer:
     """Write the first `count` (multiple of G, shared by the rows) of n groups per row
     (leaves [R, n, G, ...], pos [R, n, G]) into each row's next pages. A group whose page is
-    not reserved, shared or in host memory is dropped and sets `error` (codes 6, 5, 8)."""
+    not reserved, shared or in host memory is dropped, and sets `error` (codes 6, 5, 8) when
+    it holds a token (a group of padding only is dropped silently, as `PagedLayer.write`)."""
     g, n_table = body.page_size, body.tables.shape[-1]
     b, h = body.batch, body.kv_heads
     n = pos.shape[1]
@@ -220,13 +221,14 @@ def _write_groups(body: PagedLayer, keys: dict, values: dict, pos: jax.Array,
     index = (body.lengths // g)[..., None] + j  # [B, KVH, n] table entries
     page = jnp.take_along_axis(body.tables, jnp.minimum(index, n_table - 1), axis=-1)
     want = jnp.broadcast_to(j * g < count, (b, h, n))
+    real = want & keys["live"].reshape(b, h, n, g).any(-1)  # groups that hold a token
     held = (index < n_table) & (page != NULL_PAGE)
     shared = held & body.shared[page]
     on_host = held & (page >= body.device_pages)
     slot = index * g
-    error = _first_error(body.error, _error_at(want & shared, 5, slot),
-                         _error_at(want & ~held, 6, slot),
-                         _error_at(want & on_host & ~shared, 8, slot))
+    error = _first_error(body.error, _error_at(real & shared, 5, slot),
+                         _error_at(real & ~held, 6, slot),
+                         _error_at(real & on_host & ~shared, 8, slot))
     ok = want & held & ~shared & ~on_host
     dst = jnp.where(ok, page, body.pos.shape[0]).reshape(-1)  # out of range: dropped
     flat = lambda x: x.reshape(b * h * n, *x.shape[2:])  # [R, n, G, ...] -> [R*n, G, ...]

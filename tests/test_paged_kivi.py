@@ -127,3 +127,41 @@ def test_eviction_after_kivi_cannot_be_paged():
         from_residual(small, max_pages=8, device_pages=40)
     with pytest.raises(ValueError, match="not an unpaged KIVI layer"):
         from_residual(cache, max_pages=8, device_pages=40)
+
+
+def test_pages_released_by_one_sequence_are_never_read_by_the_other():
+    """Sequence 0's KIVI pages go to the host and are staged, then it releases them; sequence
+    1 keeps decoding, its flushes and spills reuse the freed ids. The stage forgets the freed
+    pages, the pool audit holds, and sequence 1 reads only positions it wrote."""
+    from kvjax.paging import release
+    t = kvjax.kivi(bits=4, group=G, residual=RES)
+    unpaged, _ = t.update(prompt_cache(), t.init(prompt_cache()), None)
+    pool, layers = from_residual(unpaged, max_pages=CAP // G, device_pages=12, host_pages=4)
+    write = jax.jit(lambda l, k, v, p: tuple(kvjax.write(x, k, v, p) for x in l))
+    for step in range(8):  # a second page per row: the first becomes spillable
+        k, v = jax.random.normal(jax.random.key(50 + step), (2, B, KVH, 1, D))
+        pool, b = reserve(pool, bodies(layers), flush_tokens(layers))
+        layers = write(with_bodies(layers, b), k, v, jnp.array([[21 + step], [18 + step]]))
+    pool, b = tiers.spill(pool, bodies(layers), tiers.coldest_pages(
+        layers[0].body, tiers.recency_scores(layers[0].body), 4))
+    b = tiers.prefetch(b, tiers.host_pages_in_use(b[0]))
+    freed = set(np.asarray(b[0].tables)[0].reshape(-1).tolist()) - {0}
+    assert freed & set(np.asarray(b[0].stage_ids).tolist())  # staged pages of sequence 0
+    pool, b = release(pool, b, jnp.array([True, False]))
+    assert not freed & set(np.asarray(b[0].stage_ids).tolist())  # the stage forgot them
+    layers = with_bodies(layers, b)
+    for step in range(12):
+        k, v = jax.random.normal(jax.random.key(step), (2, B, KVH, 1, D))
+        pos = jnp.array([[1000 + step], [100 + step]])
+        pool, b = reserve(pool, bodies(layers), flush_tokens(layers))
+        layers = write(with_bodies(layers, b), k, v, pos)
+        n = tiers.tier_counts(pool, layers[0].body)["allocated"] // 2
+        pool, b = tiers.spill(pool, bodies(layers), tiers.coldest_pages(
+            layers[0].body, tiers.recency_scores(layers[0].body), n))
+        layers = with_bodies(layers, b)
+    check_pool(pool, bodies(layers))
+    reused = set(np.asarray(layers[0].body.tables)[1].reshape(-1).tolist()) & freed
+    assert reused  # sequence 1 now holds ids sequence 0 freed
+    seen = np.asarray(groups_of(layers[0])["pos"])[KVH:2 * KVH]  # sequence 1's rows
+    mine = set(range(PROMPT - 3 + 8)) | set(range(100, 112))
+    assert set(seen[seen != EMPTY].tolist()) <= mine
