@@ -57,6 +57,8 @@ def pallas_backend() -> str | None:
 
 def page_size_for(capacity: int) -> int | None:
     """Largest power of two <= MAX_PAGE dividing `capacity`, or None below MIN_PAGE."""
+    if capacity < MIN_PAGE:
+        return None
     size = MAX_PAGE
     while size >= MIN_PAGE:
         if capacity % size == 0:
@@ -190,8 +192,9 @@ def supports_pallas(layer: Any, backend: str | None = None) -> bool:
     layers take the XLA path there.
     """
     backend = backend or pallas_backend()
-    if isinstance(layer, ResidualCache):
-        return supports_pallas(layer.body, backend) and supports_pallas(layer.recent, backend)
+    if isinstance(layer, ResidualCache):  # a body of 0 slots (all tokens in the window) is skipped
+        return ((layer.body.capacity == 0 or supports_pallas(layer.body, backend))
+                and supports_pallas(layer.recent, backend))
     if isinstance(layer, PagedLayer):
         page = layer.page_size
     elif kernel_inputs(layer) is not None:
@@ -207,6 +210,8 @@ def supports_pallas(layer: Any, backend: str | None = None) -> bool:
 def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
     """The kernel's softmax state of `q` over one layer (both parts of a residual layer)."""
     if isinstance(layer, ResidualCache):
+        if layer.body.capacity == 0:
+            return attend_partial(q, q_pos, layer.recent, **kwargs)
         return merge(attend_partial(q, q_pos, layer.body, **kwargs),
                      attend_partial(q, q_pos, layer.recent, **kwargs))
     backend = kwargs.get("backend", "tpu")

@@ -70,6 +70,25 @@ def test_unsupported_layouts_fall_back_and_cpu_uses_xla():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
+@pytest.mark.parametrize("n, supported", [(12, False), (16, True)])
+def test_kivi_layer_with_an_empty_body_reads_its_window_alone(n, supported):
+    """A short prompt's KIVI layer keeps every token in its exact window: shrunk, the quantized
+    body has 0 slots. The kernel reads the window alone (16 slots: pages of 16), or the layer
+    takes the XLA path (12 slots: no page size), never a division by zero."""
+    layer, q, q_pos = filled(3, n, capacity=n)
+    layer = kvjax.shrink((encode(layer, "kivi:bits=4,group=16,residual=16"),), 0)[0]
+    assert layer.body.capacity == 0 and ka.page_size_for(0) is None
+    assert ka.supports_pallas(layer, "tpu") is supported
+    want = kvjax.attend(q, q_pos, layer, impl="reference")
+    if supported:
+        backend, interpret = mode("tpu")
+        got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+    else:
+        with pytest.raises(ValueError, match="does not read"):
+            ka.attend_pallas(q, q_pos, layer, backend="tpu", interpret=True)
+
+
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_kivi_pages_whose_groups_spread_use_the_wide_window(backend):
     """Eviction can leave a page's slots in groups far apart: the narrow per-page table window
