@@ -135,8 +135,12 @@ def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict 
         valid = layer.pos[:, 0] != EMPTY
         (kf, ka), (vf, va) = (_store_pages(layer.k, layer.page_size, valid, wide, backend),
                               _store_pages(layer.v, layer.page_size, valid, wide, backend))
+        if layer.shared_tables:  # head h's page is head 0's + h: one [B, NP] table in SMEM
+            tables = dict(block_tables=layer.tables[:, 0], head_stride=1)
+        else:
+            tables = dict(block_tables=layer.tables)
         return dict(k_pages=ka, v_pages=va, k_format=kf, v_format=vf, pos_pages=layer.pos,
-                    block_tables=layer.tables, num_pages=layer.num_pages_used)
+                    num_pages=layer.num_pages_used, **tables)
     if not isinstance(layer, TokenCache) or layer.pooled:
         return None
     page = page_size_for(layer.capacity)

@@ -125,7 +125,11 @@ class PagedLayer:
     pages (rows = pages, capacity = S). Row `(b, h)`'s slot `i` lives in
     page `tables[b, h, i // S]` at offset `i % S`. `shared` mirrors the
     pool's `refcount > 1` (the pool functions keep it), so `write` can refuse
-    shared pages without the pool.
+    shared pages without the pool. With `shared_tables` the pool hands out
+    pages in aligned groups of KVH ids, one group per (sequence, block):
+    `tables[b, h, i] == tables[b, 0, i] + h` with `tables[b, 0, i] % KVH == 0`,
+    so `tables[:, 0]` is a `[B, NP]` table the heads share (the kernel reads
+    head h's page at `+ h`, `head_stride=1`).
     """
 
     k: Any  # [P, S, D] or PackedTokens
@@ -135,6 +139,8 @@ class PagedLayer:
     lengths: jax.Array  # [B, KVH] int32 slots written per row
     shared: jax.Array  # [P] bool pages listed by more than one table entry (read-only)
     error: jax.Array  # [4] int32 first dropped write (code, a, b, c); 0 = none
+    # True: a sequence's KV heads share one page id per block (`init_paged_cache`)
+    shared_tables: bool = dataclasses.field(default=False, metadata=_static, kw_only=True)
 
     @property
     def batch(self) -> int:
@@ -290,13 +296,19 @@ def _first_error(*records: jax.Array) -> jax.Array:
 
 def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, max_pages: int,
                      head_dim: int, num_layers: int, dtype=jnp.float32, bits: int | None = None,
-                     group: int = 32) -> tuple[PagePool, tuple[PagedLayer, ...]]:
+                     group: int = 32, shared_tables: bool = False
+                     ) -> tuple[PagePool, tuple[PagedLayer, ...]]:
     """An empty pool of `num_pages` pages (one of them the null page) and its layers.
 
     `max_pages` is the block-table length: one row holds at most
     `max_pages * page_size` tokens. `bits` stores keys and values as
     per-token `bits`-bit codes in groups of `group` channels (kernels read
-    them packed); otherwise pages are dense `dtype`.
+    them packed); otherwise pages are dense `dtype`. `shared_tables`: pages
+    are allocated `kv_heads` at a time, one aligned group of ids per
+    (sequence, block) (group 0 holds the null page and is never used, nor
+    are the `num_pages % kv_heads` last ids), so the kernel reads a `[B, NP]`
+    table shared by the heads; `evict_pages` then drops a page for all heads
+    of a sequence or none.
     """
     for name, value in (("num_pages", num_pages), ("page_size", page_size), ("batch", batch),
                         ("kv_heads", kv_heads), ("max_pages", max_pages),
@@ -305,6 +317,9 @@ def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, 
             raise ValueError(f"init_paged_cache: {name} must be a positive int, got {value!r}")
     if num_pages < 2:
         raise ValueError("init_paged_cache: the pool needs the null page and at least one more")
+    if shared_tables and num_pages // kv_heads < 2:
+        raise ValueError(f"init_paged_cache: shared_tables needs num_pages >= 2 * kv_heads "
+                         f"(= {2 * kv_heads}; page group 0 holds the null page), got {num_pages}")
     if max_pages * page_size >= 2 ** 30:
         raise ValueError(f"init_paged_cache: max_pages * page_size = {max_pages * page_size} "
                          f"slots per row; must be below 2**30 (int32 lengths)")
@@ -319,7 +334,8 @@ def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, 
                           pos=jnp.full((num_pages, 1, page_size), EMPTY, jnp.int32),
                           tables=jnp.full((batch, kv_heads, max_pages), NULL_PAGE, jnp.int32),
                           lengths=jnp.zeros((batch, kv_heads), jnp.int32),
-                          shared=jnp.zeros((num_pages,), bool), error=jnp.zeros((4,), jnp.int32))
+                          shared=jnp.zeros((num_pages,), bool), error=jnp.zeros((4,), jnp.int32),
+                          shared_tables=bool(shared_tables))
 
     pool = PagePool(refcount=jnp.zeros((num_pages,), jnp.int32),
                     overflow=jnp.zeros((), bool), page_size=page_size,
@@ -431,15 +447,33 @@ def _reserve(pool: PagePool, layers: Sequence[PagedLayer], new_tokens: jax.Array
     fresh = grow + cow  # pages to take from the free list
     free = ((pool.refcount == 0) & (jnp.arange(n_pages) != NULL_PAGE)
             & (jnp.arange(n_pages) < layer.device_pages))  # new pages are written: on device
-    fits = (fresh.sum() <= free.sum()) & jnp.all(need <= n_table)
+    if layer.shared_tables:
+        # allocate in aligned groups of KVH ids, one per (sequence, block): the heads of a
+        # sequence hold equal lengths and tables up to `+ h`, so head 0 decides for all
+        kvh = layer.kv_heads
+        unit = n_pages // kvh  # groups; group 0 holds the null page, so it is never free
+        free = free[:unit * kvh].reshape(unit, kvh).all(-1)  # [G]
+        fits = (fresh[:, 0].sum() <= free.sum()) & jnp.all(need <= n_table)
+    else:
+        unit = n_pages
+        fits = (fresh.sum() <= free.sum()) & jnp.all(need <= n_table)
     ok = fits & ~jnp.any(bad)
     fresh, grow, cow = jnp.where(ok, fresh, 0), jnp.where(ok, grow, 0), cow & ok
-    free_list = jnp.nonzero(free, size=n_pages, fill_value=NULL_PAGE)[0]
-    first = (jnp.cumsum(fresh.reshape(-1)) - fresh.reshape(-1)).reshape(fresh.shape)
+    free_list = jnp.nonzero(free, size=unit, fill_value=NULL_PAGE)[0]  # free pages or groups
+    if layer.shared_tables:
+        first = jnp.cumsum(fresh[:, 0]) - fresh[:, 0]  # [B] first group each sequence takes
+        first = jnp.broadcast_to(first[:, None], fresh.shape)
+        to_page = lambda idx, h: free_list[idx] * kvh + h  # group -> head h's page
+        heads = jnp.arange(kvh, dtype=jnp.int32)
+    else:
+        first = (jnp.cumsum(fresh.reshape(-1)) - fresh.reshape(-1)).reshape(fresh.shape)
+        to_page = lambda idx, h: free_list[idx]
+        heads = jnp.zeros((layer.kv_heads,), jnp.int32)
     j = jnp.arange(n_table)
     take = (j >= held[..., None]) & (j < (held + grow)[..., None])  # [B, KVH, NP] new pages
-    picked = free_list[jnp.clip((first + cow)[..., None] + j - held[..., None], 0, n_pages - 1)]
-    copy_to = free_list[jnp.clip(first, 0, n_pages - 1)]  # [B, KVH] the copy of a shared page
+    picked = to_page(jnp.clip((first + cow)[..., None] + j - held[..., None], 0, unit - 1),
+                     heads[None, :, None])
+    copy_to = to_page(jnp.clip(first, 0, unit - 1), heads[None, :])  # [B, KVH] copy of a shared page
     tables = jnp.where(take, picked, layer.tables)
     tables = jnp.where(cow[..., None] & (j == (have - 1)[..., None]), copy_to[..., None], tables)
     refcount = (pool.refcount + _count_refs(picked, take, n_pages)
@@ -535,12 +569,21 @@ def evict_pages(pool: PagePool, layers: Sequence[PagedLayer], drop: Any):
     if arr.dtype != jnp.bool_ or tuple(arr.shape) != want:
         raise ValueError(f"evict_pages: drop must be a bool mask of shape {list(want)} "
                          f"[batch, kv_heads, max_pages], got {arr.dtype} {list(arr.shape)}")
+    concrete = _concrete(drop)
+    if layers[0].shared_tables and concrete is not None and \
+            np.any(concrete != concrete[:, :1]):
+        b, h, i = (int(x[0]) for x in np.nonzero(concrete != concrete[:, :1]))
+        raise ValueError(f"evict_pages: with shared_tables a page is dropped for all KV heads of "
+                         f"a sequence or none; drop[{b}, {h}, {i}] = {bool(concrete[b, h, i])} "
+                         f"differs from head 0's")
     return _evict_pages(pool, layers, jnp.asarray(drop))
 
 
 @jax.jit
 def _evict_pages(pool: PagePool, layers: Sequence[PagedLayer], drop: jax.Array):
     layer = layers[0]
+    if layer.shared_tables:  # under jit a mixed mask drops only what every head drops
+        drop = jnp.broadcast_to(jnp.all(drop, axis=1, keepdims=True), drop.shape)
     drop = drop & _in_use(layer) & _held(layer) & ~_last_page(layer)
     refcount = pool.refcount - _count_refs(layer.tables, drop, pool.num_pages)
     keep = _held(layer) & ~drop
@@ -621,6 +664,14 @@ def _audit(pool: PagePool, layers: Sequence[PagedLayer]):
     illegal = (refs > 1) & ((hi != lo) | (used_refs != refs))
     out["mapped_twice"] = (illegal.sum() + twice_in_row,
                            jnp.where(illegal.any(), jnp.argmax(illegal), -1))
+    # shared tables: head h lists head 0's page + h, head 0 a multiple of KVH, lengths equal
+    if layer.shared_tables:
+        base = layer.tables[:, :1]
+        off = held & ((layer.tables != base + heads) | (base % kvh != 0))
+        off = off.sum() + jnp.sum(layer.lengths != layer.lengths[:, :1])
+    else:
+        off = jnp.int32(0)
+    out["head_aligned"] = (off, 0)
     # the layers agree, and `shared` mirrors the reference counts
     disagree = jnp.int32(0)
     stale_shared = jnp.int32(0)
@@ -664,6 +715,8 @@ _AUDIT_MESSAGES = {
     "lengths": "{n} rows' lengths are negative or exceed the pages they hold",
     "mapped_twice": "{n} pages are mapped twice other than by fork sharing (same KV head, "
                     "written pages only, once per row; e.g. page {i})",
+    "head_aligned": "{n} entries of shared_tables layers break head alignment (head h must "
+                    "list head 0's page + h, head 0 a multiple of KV heads, equal lengths)",
     "layers_disagree": "the layers disagree on block tables or lengths ({n} entries)",
     "shared_flag": "the layers' shared-page flags disagree with the reference counts ({n} "
                    "entries)",

@@ -206,3 +206,68 @@ def test_packed_paged_layer_reads_like_the_reference():
     got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret)
     want = kvjax.attend(q, q_pos, dense_view(layer), impl="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+def _paged_pair_history(shared_tables, bits):
+    """One history (reserve, write, fork, copy-on-write, evict) run on a PagedLayer pool."""
+    from kvjax.paging import check_pool, evict_pages, fork, init_paged_cache, reserve
+    rng = np.random.default_rng(9)
+    b, kvh, s, d = 3, 2, 16, 64
+    pool, layers = init_paged_cache(30, s, b, kvh, 4, d, num_layers=1, bits=bits,
+                                    shared_tables=shared_tables)
+    k = jnp.asarray(rng.normal(size=(b, kvh, 40, d)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(40), (b, 40)).at[1, 29:].set(-1).at[2].set(-1)
+    pool, layers = reserve(pool, layers, jnp.array([40, 40, 0]))
+    layers = (layers[0].write(k, -k, pos),)
+    pool, layers = fork(pool, layers, jnp.array([-1, -1, 0]))  # sequence 2 shares 0's pages
+    pool, layers = reserve(pool, layers, jnp.array([5, 0, 7]))  # 0 and 2 copy the shared last page
+    k2 = jnp.asarray(rng.normal(size=(b, kvh, 7, d)), jnp.float32)
+    pos2 = jnp.broadcast_to(40 + jnp.arange(7), (b, 7)).at[0, 5:].set(-1).at[1].set(-1)
+    layers = (layers[0].write(k2, 2 * k2, pos2),)
+    drop = np.zeros((b, kvh, 4), bool)
+    drop[0, :, 1] = True  # the same page for both heads
+    pool, layers = evict_pages(pool, layers, jnp.asarray(drop))
+    check_pool(pool, layers)
+    return pool, layers[0]
+
+
+@pytest.mark.parametrize("bits", [None, 4], ids=["dense", "int4"])
+def test_shared_table_paged_layer_equals_the_per_head_pool(bits):
+    """`init_paged_cache(shared_tables=True)`: after the same reserve/write/fork/copy-on-write/
+    evict history the layer holds exactly what the per-head pool holds (dense views equal
+    element-wise), its table entries are aligned groups (head h = head 0's page + h), the kernel
+    gets one [B, NP] table with head_stride 1, and its attention equals the per-head pool's
+    kernel output and the reference."""
+    from kernels_pallas.paged_attention import per_head_tables
+    from kvjax.paging import dense_view
+    from kvjax.stores import read
+    _, per_head = _paged_pair_history(False, bits)
+    _, shared = _paged_pair_history(True, bits)
+    a, b = dense_view(per_head), dense_view(shared)
+    np.testing.assert_array_equal(np.asarray(a.pos), np.asarray(b.pos))
+    np.testing.assert_array_equal(np.asarray(read(a.k)),
+                                  np.asarray(read(b.k)))
+    np.testing.assert_array_equal(np.asarray(read(a.v)),
+                                  np.asarray(read(b.v)))
+    tables = np.asarray(shared.tables)
+    held = tables != 0
+    np.testing.assert_array_equal(tables[:, 1][held[:, 1]], tables[:, 0][held[:, 0]] + 1)
+    inputs = ka.kernel_inputs(shared, backend="tpu")
+    assert inputs["head_stride"] == 1 and inputs["block_tables"].shape == (3, 4)
+    used = np.arange(4) < np.asarray(shared.num_pages_used)[..., None]
+    expanded = np.asarray(per_head_tables(inputs["block_tables"], 2, 1))
+    np.testing.assert_array_equal(expanded[used], tables[used])
+    rng = np.random.default_rng(10)
+    q = jnp.asarray(rng.normal(size=(3, 1, 6, 64)), jnp.float32)
+    q_pos = jnp.array([[45], [29], [47]], jnp.int32)
+    want = kvjax.attend(q, q_pos, dense_view(shared), impl="reference")
+    for backend in ("tpu", "gpu"):
+        if compiled() and device_backend() != backend:
+            continue  # compiled mode: only the present chip's kernel
+        backend, interpret = mode(backend)
+        got = ka.attend_pallas(q, q_pos, shared, backend=backend, interpret=interpret,
+                               pages_per_split=1)
+        ref = ka.attend_pallas(q, q_pos, per_head, backend=backend, interpret=interpret,
+                               pages_per_split=1)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)

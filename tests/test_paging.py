@@ -41,6 +41,10 @@ def check_invariants(pool, layers, shadow):
             assert np.all(tables[b, h, used:] == NULL_PAGE)
             for page in tables[b, h, :used]:
                 refs[page] += 1
+            if layer.shared_tables:  # one aligned group of KVH page ids per (sequence, block)
+                held = tables[b, h] != NULL_PAGE
+                np.testing.assert_array_equal(tables[b, h, held], tables[b, 0, held] + h)
+                assert np.all(tables[b, 0, held] % KVH == 0)
     np.testing.assert_array_equal(np.asarray(pool.refcount), refs)
     # the null page stays empty
     assert np.all(np.asarray(layer.pos[NULL_PAGE]) == EMPTY)
@@ -62,8 +66,10 @@ def check_invariants(pool, layers, shadow):
     st.tuples(st.just("release"), st.integers(0, B - 1)),
     st.tuples(st.just("fork"), st.integers(0, B - 1), st.integers(0, B - 1)),
     st.tuples(st.just("evict"), st.integers(0, 2 ** 16))), min_size=4, max_size=14))
-def test_pool_invariants_under_random_operations(ops):
-    pool, layers = init_paged_cache(P, S, B, KVH, NP, D, num_layers=2)
+@pytest.mark.parametrize("shared_tables", [False, True], ids=["per_head", "shared_tables"])
+def test_pool_invariants_under_random_operations(shared_tables, ops):
+    pool, layers = init_paged_cache(P, S, B, KVH, NP, D, num_layers=2,
+                                    shared_tables=shared_tables)
     shadow = {b: [] for b in range(B)}  # sequence -> [(token id, position)]
     next_id = 1
     for op in ops:
@@ -77,7 +83,12 @@ def test_pool_invariants_under_random_operations(ops):
                 have = -(-lengths[b] // S)
                 shared = lengths[b] % S and refc[tables[b, 0, have - 1]] > 1
                 fresh += KVH * (need[b] - have + bool(shared))
-            fits = fresh <= (refc == 0).sum() - 1 and need.max() <= NP
+            if shared_tables:  # whole free groups of KVH ids; group 0 holds the null page
+                groups = refc[:P // KVH * KVH].reshape(-1, KVH)[1:]
+                free = KVH * int(np.all(groups == 0, axis=1).sum())
+            else:
+                free = (refc == 0).sum() - 1
+            fits = fresh <= free and need.max() <= NP
             pool, layers = reserve(pool, layers, jnp.full((B,), n))
             assert bool(pool.overflow) == (not fits)
             if not fits:
@@ -269,3 +280,24 @@ def test_generate_with_the_kernel_matches_xla(kernel_on_cpu):
     want = generate(model, prompts, max_new_tokens=6, capacity=48, chunk=8)
     got = generate(model, prompts, max_new_tokens=6, capacity=48, chunk=8, impl="pallas")
     np.testing.assert_array_equal(got.tokens, want.tokens)
+
+
+def test_shared_tables_reject_bad_input_and_the_audit_catches_misaligned_tables():
+    """shared_tables: a pool too small for one page group, and an evict mask that differs
+    between the heads of a sequence, raise ValueErrors naming the argument; a table whose head 1
+    does not list head 0's page + 1 fails `check_pool`."""
+    from kvjax.paging import PoolError
+    with pytest.raises(ValueError, match="num_pages >= 2 \\* kv_heads"):
+        init_paged_cache(3, S, B, KVH, NP, D, num_layers=1, shared_tables=True)
+    pool, layers = init_paged_cache(P, S, B, KVH, NP, D, num_layers=1, shared_tables=True)
+    pool, layers = reserve(pool, layers, jnp.full((B,), 2 * S))
+    assert int(jnp.sum(pool.refcount)) == B * KVH * 2
+    drop = np.zeros((B, KVH, NP), bool)
+    drop[0, 1, 0] = True
+    with pytest.raises(ValueError, match=r"evict_pages: .*drop\[0, 1, 0\]"):
+        evict_pages(pool, layers, jnp.asarray(drop))
+    check_pool(pool, layers)
+    t = layers[0].tables
+    bad = t.at[0, 1, 0].set(t[0, 1, 1]).at[0, 1, 1].set(t[0, 1, 0])  # swapped: refcounts hold
+    with pytest.raises(PoolError, match="head alignment"):
+        check_pool(pool, (layers[0].replace(tables=bad),))

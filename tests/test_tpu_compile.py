@@ -300,6 +300,36 @@ def test_shared_tables_fit_smem_where_per_head_tables_do_not(chip, capsys):
               f"{b * n_table * 4 // 1024} KiB compile")
 
 
+def test_shared_table_paged_layer_fits_smem_where_per_head_tables_do_not(capsys):
+    """The whole attend(impl="pallas") step over a PagedLayer of batch 64 x 32k tokens x 8 KV
+    heads in int4 pages of 64 (v5e): with per-head [B, KVH, NP] tables (1 MiB) Mosaic rejects it
+    for SMEM; with `init_paged_cache(shared_tables=True)` the kernel gets [B, NP] tables
+    (128 KiB, head_stride=1) and it compiles."""
+    from kvjax import kernel_attention as ka
+    from kvjax.paging import init_paged_cache
+
+    b, kvh, heads, d, s, ctx = 64, 8, 32, 128, 64, 32768
+    n_table = ctx // s
+    device = tc.tpu_device("v5e")
+    q = tc.abstract((b, 1, heads, d), BF16, device)
+    q_pos = tc.abstract((b, 1), jnp.int32, device)
+    step = functools.partial(ka.attend_pallas, backend="tpu")
+
+    def compile_with(shared_tables):
+        _, (layer,) = jax.eval_shape(lambda: init_paged_cache(
+            (b * n_table + 1) * kvh, s, b, kvh, n_table, d, num_layers=1, bits=4, group=32,
+            shared_tables=shared_tables))
+        return tc.compile_for(device, step, q, q_pos, tc.abstract_like(layer, device))
+
+    with pytest.raises(Exception, match="(?i)smem"):
+        compile_with(False)
+    compile_with(True)
+    with capsys.disabled():
+        print(f"\nv5e PagedLayer int4 batch 64 x 32k x 8 KV heads, pages of 64: per-head "
+              f"tables {b * kvh * n_table * 4 // 1024} KiB overflow SMEM; shared_tables "
+              f"{b * n_table * 4 // 1024} KiB compile")
+
+
 def _written_at_least(hlo: str, n: int) -> list[str]:
     """HLO ops (not parameters or bitcasts) whose result has >= n elements: a copy of the cache."""
     import math
