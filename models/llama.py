@@ -233,6 +233,20 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attn_norm(x)), cache, stats
 
 
+SHARED_LAYER_PROGRAM = True  # under jit, trace and lower a layer once per cache type
+
+
+def _shared_block():
+    """A fresh jitted decoder layer for one `Llama.forward` trace: its layers of equal
+    weights' shapes and cache type reuse one traced and lowered body (a `call` that XLA
+    inlines, so the compiled program is the same), and tracing and lowering no longer grow
+    with the layer count. Fresh per trace so that its trace cache lives only as long as the
+    enclosing one (a later trace sees whatever module functions are then in place)."""
+    def _block(graphdef, state, x, positions, cache, stats, spec, impl):
+        return nnx.merge(graphdef, state)(x, positions, cache, impl, stats, spec)
+    return jax.jit(_block, static_argnames=("graphdef", "spec", "impl"))
+
+
 class Llama(nnx.Module):
     """Decoder-only transformer; `__call__(tokens, positions, cache) -> (logits, cache)`.
 
@@ -269,9 +283,16 @@ class Llama(nnx.Module):
         kvjax.check_cache(cache, self.config.cache_spec, b)
         x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
         new_cache, new_stats = [], []
+        block = _shared_block()
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            x, layer_cache, layer_stats = layer(x, positions, layer_cache, impl,
-                                                None if stats is None else stats[i], spec)
+            layer_stats = None if stats is None else stats[i]
+            if SHARED_LAYER_PROGRAM and isinstance(x, jax.core.Tracer):  # inside a jit
+                graphdef, state = nnx.split(layer)
+                x, layer_cache, layer_stats = block(graphdef, state, x, positions,
+                                                    layer_cache, layer_stats, spec, impl)
+            else:
+                x, layer_cache, layer_stats = layer(x, positions, layer_cache, impl,
+                                                    layer_stats, spec)
             new_cache.append(layer_cache)
             new_stats.append(layer_stats)
         return self.norm(x), tuple(new_cache), None if stats is None else tuple(new_stats)

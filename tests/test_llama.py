@@ -163,3 +163,34 @@ def test_tied_logits_export_with_a_symbolic_batch():
     exported = export.export(jax.jit(model.logits))(jax.ShapeDtypeStruct((b, 64), jnp.float32))
     h = jax.random.normal(jax.random.key(1), (3, 64))
     np.testing.assert_allclose(exported.call(h), model.logits(h), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_lower_to_one_shared_body_with_the_inline_loops_outputs(monkeypatch):
+    """`Llama.forward` calls each layer through one jitted `_block` per trace (`models.llama._shared_block`): the lowered
+    program holds one layer body called once per layer (so tracing and lowering do not grow
+    with the layer count), and logits and cache equal, element for element, those of the
+    inline per-layer loop (`SHARED_LAYER_PROGRAM = False`; XLA inlines the calls)."""
+    import re
+
+    import models.llama as llama
+    cfg = LlamaConfig.tiny(num_layers=3)
+    model = Llama(cfg, rngs=nnx.Rngs(4))
+    graphdef, state = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(2), (2, 6), 0, cfg.vocab_size)
+    pos = jnp.broadcast_to(jnp.arange(6), (2, 6))
+
+    def run(shared):
+        monkeypatch.setattr(llama, "SHARED_LAYER_PROGRAM", shared)
+        step = jax.jit(lambda s, t, p, c: nnx.merge(graphdef, s)(t, p, c))  # a fresh trace
+        args = (state, tokens, pos, new_cache(cfg, 2, 8))
+        text = step.lower(*args).as_text()
+        return step(*args), text
+
+    (logits, cache), text = run(True)
+    assert len(re.findall(r"func\.func private @_block\b", text)) == 1
+    assert len(re.findall(r"call @_block\b", text)) == cfg.num_layers
+    (want_logits, want_cache), inline_text = run(False)
+    assert "@_block" not in inline_text
+    np.testing.assert_array_equal(logits, want_logits)
+    for got, want in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(want_cache)):
+        np.testing.assert_array_equal(got, want)
