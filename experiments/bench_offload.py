@@ -51,8 +51,8 @@ from flax import nnx
 import kvjax
 from kvjax import tiers
 from kvjax.paging import init_paged_cache, reserve
-from kvjax.tiers import (coldest_pages, host_pages_in_use, init_tiered_cache, prefetch,
-                         recency_scores, spill, tier_counts)
+from kvjax.tiers import (coldest_pages, host_pages_in_use, init_tiered_cache, keep_on_host,
+                         prefetch, recency_scores, spill, tier_counts)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -64,13 +64,8 @@ def _forward(graphdef, state, tokens, positions, cache):
 
 def _keep_on_host(pool, layers, fraction: float):
     """Spill the coldest pages (by recency) until `fraction` of the allocated pages are on
-    the host (as far as spillable pages allow)."""
-    counts = tier_counts(pool, layers[0])
-    want = math.ceil(fraction * counts["allocated"]) - counts["host"]
-    if want > 0:
-        pool, layers = spill(pool, layers, coldest_pages(layers[0], recency_scores(layers[0]),
-                                                         want))
-    return pool, layers
+    the host (as far as spillable pages allow): `kvjax.tiers.keep_on_host`, one jitted call."""
+    return keep_on_host(pool, layers, fraction)
 
 
 def greedy_paged(model, prompt, steps: int, *, page_size: int = 16, host_fraction: float = 0.5,

@@ -66,8 +66,8 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from kvjax.cache import EMPTY, TokenCache
-from kvjax.paging import (NULL_PAGE, PagedLayer, PagePool, _finish, _held, _in_use, _last_page,
-                          init_paged_cache)
+from kvjax.paging import (NULL_PAGE, PagedLayer, PagePool, _concrete, _finish, _held, _in_use,
+                          _last_page, init_paged_cache)
 from kvjax.stores import is_dense, map_slot_leaves, read
 
 NO_PAGE = -1
@@ -224,8 +224,14 @@ def init_tiered_cache(device_pages: int, host_pages: int, page_size: int, batch:
             stage_ids=jnp.full((stage_pages,), NO_PAGE, jnp.int32),
             stage_k=take(small[0].k, stage_pages), stage_v=take(small[0].v, stage_pages),
             misses=jnp.zeros((batch, kv_heads), jnp.int32))
+        # committed to the device like a jitted step's outputs: an uncommitted leaf would make
+        # the first `reserve`/step compile once more than the next ones (same shapes)
+        dev = jax.devices()[0]
+        static = {f.name for f in dataclasses.fields(TieredLayer) if f.metadata.get("static")}
+        fields.update({f: jax.device_put(x, dev) for f, x in fields.items()
+                       if f not in static | {"host_k", "host_v"}})
         layers.append(TieredLayer(**fields))
-    return pool, tuple(layers)
+    return jax.device_put(pool, jax.devices()[0]), tuple(layers)
 
 
 def recency_scores(layer: PagedLayer) -> jax.Array:
@@ -252,6 +258,29 @@ def coldest_pages(layer: PagedLayer, slot_scores: jax.Array, n: int) -> jax.Arra
     ok = _spillable(layer)
     order = jnp.argsort(jnp.where(ok, best, jnp.inf), stable=True)[:n]
     return jnp.where(ok[order], order, NO_PAGE).astype(jnp.int32)
+
+
+def keep_on_host(pool: PagePool, layers: Sequence[TieredLayer], fraction: Any):
+    """Spill the coldest device pages (`recency_scores`) until `fraction` of the allocated
+    pages are on the host, as far as spillable pages and free host pages allow.
+
+    One jitted call (the decision and the copies), `fraction` a traced scalar: a decode loop
+    calling it every step compiles it once, with no host sync."""
+    f = _concrete(fraction)
+    if f is not None and not (f.shape == () and 0 <= float(f) <= 1):
+        raise ValueError(f"keep_on_host: fraction must be a scalar in [0, 1], got {fraction!r}")
+    return _keep_on_host(pool, tuple(layers), jnp.asarray(fraction, jnp.float32))
+
+
+@jax.jit
+def _keep_on_host(pool: PagePool, layers: tuple[TieredLayer, ...], fraction: jax.Array):
+    layer = layers[0]
+    n = pool.num_pages
+    live = pool.refcount > 0
+    host = jnp.sum(live & (jnp.arange(n) >= layer.device_pages), dtype=jnp.int32)
+    want = jnp.ceil(fraction * jnp.sum(live, dtype=jnp.int32)).astype(jnp.int32) - host
+    order = coldest_pages(layer, recency_scores(layer), n)  # [P] coldest first
+    return _move(pool, layers, jnp.where(jnp.arange(n) < want, order, NO_PAGE), to_host=True)
 
 
 def spill(pool: PagePool, layers: Sequence[TieredLayer], pages: Any):

@@ -203,6 +203,25 @@ def test_spill_refuses_last_pages_and_writes_never_reach_the_host():
         init_tiered_cache(4, 0, S, B, KVH, NP, D, 1)
 
 
+def test_keep_on_host_spills_the_coldest_pages_up_to_the_share():
+    """`keep_on_host` (one jitted call) does what the eager recipe does: count, then spill
+    the ceil(fraction * allocated) - host coldest pages; a second call moves nothing."""
+    _, (pool, layers) = pools()
+    pool, layers = fill(pool, layers, 13, jax.random.key(0))  # 4 pages per row, 3 spillable
+    counts = tier_counts(pool, layers[0])
+    want = int(np.ceil(0.5 * counts["allocated"])) - counts["host"]
+    p0, l0 = spill(pool, layers, coldest_pages(layers[0], recency_scores(layers[0]), want))
+    p1, l1 = tiers.keep_on_host(pool, layers, 0.5)
+    np.testing.assert_array_equal(np.asarray(l1[0].tables), np.asarray(l0[0].tables))
+    np.testing.assert_array_equal(np.asarray(p1.refcount), np.asarray(p0.refcount))
+    assert tier_counts(p1, l1[0]) == {"allocated": 16, "device": 8, "host": 8}
+    p2, l2 = tiers.keep_on_host(p1, l1, jnp.float32(0.5))
+    np.testing.assert_array_equal(np.asarray(l2[1].tables), np.asarray(l1[1].tables))
+    check_pool(p2, l2)
+    with pytest.raises(ValueError, match=r"keep_on_host: fraction must be a scalar in \[0, 1\]"):
+        tiers.keep_on_host(pool, layers, 1.5)
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_smollm2_greedy_tokens_identical_with_half_the_pages_on_host(bits):
     from experiments.bench_offload import greedy_paged
