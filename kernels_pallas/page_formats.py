@@ -558,14 +558,19 @@ class PackedTokenRows:
         return (codes * scale + offset).astype(dtype)
 
     def scales_scores(self, head_dim: int) -> bool:
-        """As `PackedTokens.scales_scores`: one group spanning D."""
-        return self.group == head_dim
+        """True for every group size dividing D: the kernel applies the NG = D / group scales
+        (and offsets) per slot on the scores, q . k_s = sum_g scale_gs (q_g . c_gs) +
+        sum_g offset_gs sum(q_g), one masked dot per group (exact algebra; the codes are
+        exact in bf16)."""
+        return head_dim % self.group == 0
 
     def decode_codes(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32):
-        """As `PackedTokens.decode_codes`: codes [D, S], scale [1, S], offset [1, S] or None."""
+        """codes [D, S] in `dtype`, scale [NG, S] f32 and offset [NG, S] f32 (None when
+        symmetric: the codes are then centred), NG = D / group; group g covers channels
+        [g * group, (g + 1) * group)."""
         if not self.scales_scores(head_dim):
-            raise ValueError(f"decode_codes: {self} has more than one group per slot at "
-                             f"head_dim {head_dim}; use decode")
+            raise ValueError(f"decode_codes: group {self.group} does not divide head_dim "
+                             f"{head_dim}")
         codes = unpack_planes(ops.load(blocks[0], True), self.bits)
         scale, offset = self._params(blocks, ops, head_dim)
         if self.symmetric:

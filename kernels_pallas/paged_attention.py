@@ -106,20 +106,38 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
     q [GT, D] in the MXU operand dtype; k/v [S, D], or [D, S] when
     `*_slots_last`, in the same dtype; kpos [1, S] int32, qpos [GT, 1] int32;
     carry (m [GT, 1], l [GT, 1], acc [GT, D]) float32. Dots accumulate in f32.
-    k_scale [1, S] float32: per-slot key scales applied to the scores (k holds codes);
-    k_offset [1, S] float32: per-slot key offsets, added as offset * sum(q) to the scores.
+    k_scale [NG, S] float32: per-slot key scales of NG groups of D / NG channels applied to
+    the scores (k holds codes); k_offset [NG, S] float32: per-slot key offsets, added as
+    offset * sum(q) to the scores. NG > 1 needs slots-last keys: one dot per group, with the
+    other groups' query lanes zeroed (exact: the zeros add exact zeros).
     """
     m, l, acc = carry
     # f32 operands: full f32 products (Mosaic's default may be one bf16 pass); bf16: one pass
     prec = lambda x: (jax.lax.Precision.HIGHEST if x.dtype == jnp.float32
                       else jax.lax.Precision.DEFAULT)
-    s = jax.lax.dot_general(q, k, (((1,), (0 if k_slots_last else 1,)), ((), ())),
-                            precision=prec(q), preferred_element_type=jnp.float32) * scale
-    if k_scale is not None:
-        s = s * k_scale
-    if k_offset is not None:  # q . (c * scale + offset) = scale * (q . c) + offset * sum(q)
-        q_sum = jnp.sum(q.astype(jnp.float32), axis=1, keepdims=True)  # [GT, 1]
-        s = s + (q_sum * scale) * k_offset
+    dot = lambda a: jax.lax.dot_general(a, k, (((1,), (0 if k_slots_last else 1,)), ((), ())),
+                                        precision=prec(q), preferred_element_type=jnp.float32)
+    n_groups = 1 if k_scale is None else k_scale.shape[0]
+    if n_groups == 1:
+        s = dot(q) * scale
+        if k_scale is not None:
+            s = s * k_scale
+        if k_offset is not None:  # q . (c * scale + offset) = scale * (q . c) + offset * sum(q)
+            q_sum = jnp.sum(q.astype(jnp.float32), axis=1, keepdims=True)  # [GT, 1]
+            s = s + (q_sum * scale) * k_offset
+    else:  # sum_g scale_g (q_g . c_g) + sum_g offset_g sum(q_g)
+        width = q.shape[1] // n_groups
+        lane = jax.lax.broadcasted_iota(jnp.int32, q.shape, 1)
+        s = None
+        for g in range(n_groups):
+            q_g = jnp.where((lane >= g * width) & (lane < (g + 1) * width), q,
+                            jnp.zeros_like(q))  # [GT, D] group g's lanes
+            s_g = dot(q_g) * k_scale[g:g + 1]
+            if k_offset is not None:
+                s_g = s_g + jnp.sum(q_g.astype(jnp.float32), axis=1, keepdims=True) * \
+                    k_offset[g:g + 1]
+            s = s_g if s is None else s + s_g
+        s = s * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     visible = (kpos != EMPTY) & (qpos >= 0) & (kpos <= qpos)

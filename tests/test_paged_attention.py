@@ -445,6 +445,48 @@ def test_per_token_key_scales_applied_to_the_scores(interpret, bits, param_dtype
         pf.PackedTokens(bits, 32, symmetric).decode_codes((kp[0][3],), pf.REFERENCE_OPS, 64)
 
 
+@pytest.mark.parametrize("interpret", [True, pltpu.InterpretParams()],
+                         ids=["tpu-generic", "tpu-dma"])
+@pytest.mark.parametrize("bits,group,param_dtype,symmetric", [(4, 32, "float16", False),
+                                                              (2, 16, "float32", False),
+                                                              (8, 16, "bfloat16", True)])
+def test_several_key_groups_applied_to_the_scores(interpret, bits, group, param_dtype,
+                                                  symmetric):
+    """PackedTokenRows keys with NG = D / group > 1 groups per slot: the TPU kernel dots the
+    queries with the codes once per group (other groups' lanes zeroed) and applies each group's
+    scale (and offset times that group's sum(q)) to the scores; equal to the reference's
+    dequantized keys, and the split decode (codes * scale + offset per group) is the page
+    decode."""
+    from kernels_pallas.page_formats import expand_groups
+    fmt = pf.PackedTokenRows(bits, group, symmetric, param_dtype)
+    assert fmt.scales_scores(64)
+    rng = np.random.default_rng(60 + bits)
+    lengths = [1, 40, 75]
+    k, v, pos, tables, counts = make_pool(rng, batch=3, kv_heads=2, page_size=16, head_dim=64,
+                                          lengths=lengths)
+    # per-group offsets that differ: sum(q_g) * offset_g matters and a one-group sum would not do
+    k = k + jnp.repeat(jnp.arange(64 // group, dtype=jnp.float32) * 1.5 - 1.0, group)
+    qk = quantize(k, bits, group, axis=-1, symmetric=symmetric,
+                  param_dtype=jnp.dtype(param_dtype))
+    kp = fmt.from_store(pack(qk.codes, bits), qk.scale, None if symmetric else qk.offset)
+    q, q_pos = queries(rng, 3, 2, 4, 64, lengths)
+    got, want = run_both(q, q_pos, kp, jnp.swapaxes(v, 1, 2), pos, tables, counts, "tpu",
+                         interpret=interpret, k_format=fmt, v_format=pf.DENSE_T, softcap=20.0,
+                         window=50, pages_per_split=2)
+    np.testing.assert_allclose(got, want, **TOL)
+    page = tuple(x[3] for x in kp)
+    codes, scale, offset = fmt.decode_codes(page, pf.REFERENCE_OPS, 64)
+    assert scale.shape == (64 // group, 16) and (offset is None) == symmetric
+    split = codes * expand_groups(scale, group) + (
+        0.0 if offset is None else expand_groups(offset, group))
+    np.testing.assert_allclose(np.asarray(split),
+                               np.asarray(fmt.decode(page, pf.REFERENCE_OPS, 64)),
+                               rtol=1e-6, atol=1e-5)
+    assert np.all(np.asarray(codes) == np.round(np.asarray(codes)))
+    with pytest.raises(ValueError, match="group 48 does not divide head_dim 64"):
+        pf.PackedTokenRows(bits, 48, symmetric).decode_codes(page, pf.REFERENCE_OPS, 64)
+
+
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_mixed_prefill_and_decode_rows_in_one_call(backend):
     """Ragged query lengths in one call: a decode row (1 query) and prefill chunks (3 and 5
