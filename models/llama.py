@@ -233,7 +233,9 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attn_norm(x)), cache, stats
 
 
-SHARED_LAYER_PROGRAM = True  # under jit, trace and lower a layer once per cache type
+# Under jit with impl="xla", trace and lower a layer once per cache type. Kernel impls keep
+# the per-layer trace (their tests count one kernel trace per layer).
+SHARED_LAYER_PROGRAM = True
 
 
 def _shared_block():
@@ -286,7 +288,7 @@ class Llama(nnx.Module):
         block = _shared_block()
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             layer_stats = None if stats is None else stats[i]
-            if SHARED_LAYER_PROGRAM and isinstance(x, jax.core.Tracer):  # inside a jit
+            if SHARED_LAYER_PROGRAM and impl == "xla" and isinstance(x, jax.core.Tracer):
                 graphdef, state = nnx.split(layer)
                 x, layer_cache, layer_stats = block(graphdef, state, x, positions,
                                                     layer_cache, layer_stats, spec, impl)
