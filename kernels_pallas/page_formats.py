@@ -342,8 +342,9 @@ class Dense:
 
 
 @dataclasses.dataclass(frozen=True)
-class PackedTokens:
-    """Per-token codes: each slot's D channels in groups of `group`, one scale (and offset) each."""
+class _PerTokenCodes:
+    """What both per-token layouts share: `bits`-bit codes per channel, and per slot one scale
+    (and, unless `symmetric`, one offset) per group of `group` channels."""
 
     bits: int
     group: int
@@ -355,14 +356,27 @@ class PackedTokens:
     def __post_init__(self):
         _check_param_dtype(self.param_dtype)
 
-    def arity(self) -> int:
-        return 1
-
     def n_params(self, head_dim: int) -> int:
         return (head_dim // self.group) * (1 if self.symmetric else 2)
 
     def param_words(self, head_dim: int) -> int:
         return param_rows(self.n_params(head_dim), self.param_dtype)
+
+    def decode_flops(self, head_dim: int, page_size: int) -> int:
+        """codes * scale + offset per element."""
+        return 2 * head_dim * page_size
+
+    def store_bytes(self, head_dim: int, dtype=None) -> float:
+        return head_dim * self.bits / 8 + self.n_params(head_dim) * \
+            jnp.dtype(self.param_dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedTokens(_PerTokenCodes):
+    """Per-token codes: each slot's D channels in groups of `group`, one scale (and offset) each."""
+
+    def arity(self) -> int:
+        return 1
 
     def check(self, arrays, head_dim: int) -> None:
         if len(arrays) != 1:
@@ -457,17 +471,9 @@ class PackedTokens:
             codes = codes - 2.0 ** (self.bits - 1)
         return codes.astype(dtype), scale, offset
 
-    def decode_flops(self, head_dim: int, page_size: int) -> int:
-        """codes * scale + offset per element."""
-        return 2 * head_dim * page_size
-
-    def store_bytes(self, head_dim: int, dtype=None) -> float:
-        return head_dim * self.bits / 8 + self.n_params(head_dim) * \
-            jnp.dtype(self.param_dtype).itemsize
-
 
 @dataclasses.dataclass(frozen=True)
-class PackedTokenRows:
+class PackedTokenRows(_PerTokenCodes):
     """Per-token codes as two slot-last arrays: the layout a `kvjax.stores.PackedTokens` holds.
 
     Arrays: words `[P, W, S]` uint32 (W = D*bits/32: a store's `[R, C, W]` words
@@ -479,24 +485,8 @@ class PackedTokenRows:
     takes no float16 arguments.
     """
 
-    bits: int
-    group: int
-    symmetric: bool = False
-    param_dtype: str = "float16"
-
-    slots_last = True
-
-    def __post_init__(self):
-        _check_param_dtype(self.param_dtype)
-
     def arity(self) -> int:
         return 2
-
-    def n_params(self, head_dim: int) -> int:
-        return (head_dim // self.group) * (1 if self.symmetric else 2)
-
-    def param_words(self, head_dim: int) -> int:
-        return param_rows(self.n_params(head_dim), self.param_dtype)
 
     def check(self, arrays, head_dim: int) -> None:
         if len(arrays) != 2:
@@ -576,13 +566,6 @@ class PackedTokenRows:
         if self.symmetric:
             codes = codes - 2.0 ** (self.bits - 1)
         return codes.astype(dtype), scale, offset
-
-    def decode_flops(self, head_dim: int, page_size: int) -> int:
-        return 2 * head_dim * page_size
-
-    def store_bytes(self, head_dim: int, dtype=None) -> float:
-        return head_dim * self.bits / 8 + self.n_params(head_dim) * \
-            jnp.dtype(self.param_dtype).itemsize
 
 
 def window_for(page_size: int, group: int, table_rows: int, pow2: bool = False) -> int:
