@@ -249,16 +249,9 @@ def main(argv=None):
                     row["x_bf16"] = round(row["kernel_mb"] / base, 3)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     meta = dict(command="python -m experiments.tpu_kernel_costs", chip=args.chip,
                 jax=jax.__version__, page_size=PAGE, group=GROUP, seconds=round(time.time() - start))
-    out.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    with out.with_suffix(".csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out}.json/.csv ({len(rows)} rows, {meta['seconds']} s)")
+    write_table(rows, meta, pathlib.Path(args.out))
 
 
 if __name__ == "__main__":
