@@ -149,14 +149,27 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
     time_it = functools.partial(time_ms, repeats=args.repeats, rounds=args.rounds)
     rows = []
 
-    def record(method, fmt_name, ms, per_page, diff=None):
+    def record(method, fmt_name, ms, per_page, diff=None, error=None):
         moved = pages_read * per_page + q_bytes
-        gbs = moved / ms / 1e6
+        gbs = moved / ms / 1e6 if ms else None
         rows.append(dict(shape=shape_name, method=method, format=fmt_name, batch=batch,
-                         context=context, page_size=s, ms=round(ms, 4), bytes=int(moved),
-                         gbs=float(f"{gbs:.4g}"), of_copy=float(f"{gbs / copy_bw:.3g}"),
-                         max_diff_vs_kvjax=diff))
+                         context=context, page_size=s, ms=ms and round(ms, 4), bytes=int(moved),
+                         gbs=gbs and float(f"{gbs:.4g}"),
+                         of_copy=gbs and float(f"{gbs / copy_bw:.3g}"),
+                         max_diff_vs_kvjax=diff, error=error))
         print(rows[-1], flush=True)
+
+    def measure(method, fmt_name, per_page, make_run, *call_args, compare=None):
+        """Time one method; a failure (lowering, compile, launch) is a row with its error, so
+        one method that fails on this device does not lose the cells after it."""
+        try:
+            run = make_run()
+            ms = time_it(run, *call_args)
+            diff = compare(run(*call_args)) if compare else None
+        except Exception as e:  # noqa: BLE001 - reported in the row, the run goes on
+            record(method, fmt_name, None, per_page, error=f"{type(e).__name__}: {e}"[:300])
+            return
+        record(method, fmt_name, ms, per_page, diff)
 
     splits = max(1, context // s // args.pages_per_split)
     kernel = functools.partial(paged_attention, backend=backend, interpret=interpret,
@@ -166,36 +179,40 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
         kk, kv = jax.random.split(jax.random.key(i + 1))
         k = random_pages(kk, kf, name, kvh * plane, s, d)
         v = random_pages(kv, vf, name if isinstance(vf, pf.Dense) else "v", kvh * plane, s, d)
+        per_page = per_page_bytes((k, v)) + pos.shape[-1] * 4
         for npb in args.pages_per_block:  # 0: the kernel's default step
-            run = jax.jit(functools.partial(kernel, k_format=kf, v_format=vf,
-                                            pages_per_block=npb or None))
-            method = "kvjax paged" + (f" ppb={npb}" if npb else "")
-            record(method, name, time_it(run, q, q_pos, k, v, pos, tables, counts),
-                   per_page_bytes((k, v)) + pos.shape[-1] * 4)
-        run = jax.jit(functools.partial(kernel, k_format=kf, v_format=vf))
-        ours = run(q, q_pos, k, v, pos, tables, counts)[:, 0]  # [B, H, D] f32
-        diff = lambda other: round(float(jnp.abs(other.astype(jnp.float32) - ours).max()), 4)
+            measure("kvjax paged" + (f" ppb={npb}" if npb else ""), name, per_page,
+                    lambda: jax.jit(functools.partial(kernel, k_format=kf, v_format=vf,
+                                                      pages_per_block=npb or None)),
+                    q, q_pos, k, v, pos, tables, counts)
+        try:
+            ours = jax.jit(functools.partial(kernel, k_format=kf, v_format=vf))(
+                q, q_pos, k, v, pos, tables, counts)[:, 0]  # [B, H, D] f32
+        except Exception:  # noqa: BLE001 - its failure is already a row above
+            ours = None
+        diff = lambda other: (None if ours is None else
+                              round(float(jnp.abs(other.astype(jnp.float32) - ours).max()), 4))
         if name == "bf16" and backend == "gpu":
             from jax.experimental.pallas.ops.gpu.paged_attention import (
                 paged_attention as jax_paged)
             kj, vj = (x.reshape(kvh, plane, s, d) for x in (k, v))
             lengths = jnp.full((batch,), context, jnp.int32)
-            run = jax.jit(functools.partial(jax_paged, k_splits=splits, interpret=interpret))
             qj = (q[:, 0] * d ** -0.5).astype(q.dtype)  # its kernel applies no softmax scale
-            record("jax.experimental gpu paged_attention", name,
-                   time_it(run, qj, kj, vj, tables, lengths), per_page_bytes((k, v)),
-                   diff(run(qj, kj, vj, tables, lengths)))
+            measure("jax.experimental gpu paged_attention", name, per_page_bytes((k, v)),
+                    lambda: jax.jit(functools.partial(jax_paged, k_splits=splits,
+                                                      interpret=interpret)),
+                    qj, kj, vj, tables, lengths, compare=diff)
         if name == "bf16" and backend == "gpu":  # the Mosaic GPU kernel (TMA, wgmma) beside it
             from kernels_pallas import paged_attention_mgpu as mgpu
             if interpret:
                 mgpu.interpret_transposed_wgmma()
-            run = jax.jit(functools.partial(
-                mgpu.paged_attention_mgpu, k_format=kf, v_format=vf, head_stride=plane,
-                pages_per_split=args.pages_per_split, pages_per_step=args.mosaic_pages_per_step,
-                interpret=mgpu.INTERPRET if interpret else False))
-            record("kvjax mosaic", name, time_it(run, q, q_pos, k, v, pos, tables, counts),
-                   per_page_bytes((k, v)) + pos.shape[-1] * 4,
-                   diff(run(q, q_pos, k, v, pos, tables, counts)[:, 0]))
+            measure("kvjax mosaic", name, per_page,
+                    lambda: jax.jit(functools.partial(
+                        mgpu.paged_attention_mgpu, k_format=kf, v_format=vf, head_stride=plane,
+                        pages_per_split=args.pages_per_split,
+                        pages_per_step=args.mosaic_pages_per_step,
+                        interpret=mgpu.INTERPRET if interpret else False)),
+                    q, q_pos, k, v, pos, tables, counts, compare=lambda out: diff(out[:, 0]))
         if name == "bf16" and batch == min(args.batches):
             import kvjax
             from kvjax.cache import TokenCache
@@ -205,9 +222,9 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
                                pos=jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32),
                                                     (batch, kvh, context)),
                                length=jnp.int32(context))
-            run = jax.jit(lambda q, p, c: kvjax.attend(q, p, c, impl="xla"))
-            record("kvjax xla (contiguous)", name, time_it(run, q, q_pos, cache),
-                   s * d * 2 * 2 + s * 4, diff(run(q, q_pos, cache)[:, 0]))
+            measure("kvjax xla (contiguous)", name, s * d * 2 * 2 + s * 4,
+                    lambda: jax.jit(lambda q, p, c: kvjax.attend(q, p, c, impl="xla")),
+                    q, q_pos, cache, compare=lambda out: diff(out[:, 0]))
             del cache
         del k, v
     return rows
@@ -220,7 +237,7 @@ def plot(rows, path, copy_bw):
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig, axes = plt.subplots(1, len(shapes), figsize=(7 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        sel = [r for r in rows if r["shape"] == shape]
+        sel = [r for r in rows if r["shape"] == shape and r["ms"]]
         for key in dict.fromkeys((r["method"], r["format"]) for r in sel):
             for batch in sorted({r["batch"] for r in sel}):
                 pts = sorted((r["context"], r["ms"]) for r in sel
@@ -287,8 +304,10 @@ def main(argv=None):
     print("| shape | method | format | batch | context | ms | GB/s | of copy |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        timing = (f"{r['ms']:.3f} | {r['gbs']} | {r['of_copy']:.2f}" if r["ms"] else
+                  f"failed: {r['error'][:80]} | | ")
         print(f"| {r['shape']} | {r['method']} | {r['format']} | {r['batch']} | {r['context']} "
-              f"| {r['ms']:.3f} | {r['gbs']} | {r['of_copy']:.2f} |")
+              f"| {timing} |")
     if not_run:
         print(f"not run (budget {args.budget_s:.0f} s spent): {not_run}")
     if args.out:
