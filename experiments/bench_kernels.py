@@ -159,17 +159,24 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
                          max_diff_vs_kvjax=diff, error=error))
         print(rows[-1], flush=True)
 
-    def measure(method, fmt_name, per_page, make_run, *call_args, compare=None):
+    def measure(method, fmt_name, per_page, make_run, *call_args, compare=None, fallbacks=()):
         """Time one method; a failure (lowering, compile, launch) is a row with its error, so
-        one method that fails on this device does not lose the cells after it."""
-        try:
-            run = make_run()
-            ms = time_it(run, *call_args)
-            diff = compare(run(*call_args)) if compare else None
-        except Exception as e:  # noqa: BLE001 - reported in the row, the run goes on
-            record(method, fmt_name, None, per_page, error=f"{type(e).__name__}: {e}"[:300])
+        one method that fails on this device does not lose the cells after it. `fallbacks`:
+        (label, make_run) tried in order after a failure, e.g. smaller blocks where the first
+        exceeds shared memory; the row names the one that ran."""
+        errors = []
+        for label, make in (("", make_run), *fallbacks):
+            try:
+                run = make()
+                ms = time_it(run, *call_args)
+                diff = compare(run(*call_args)) if compare else None
+            except Exception as e:  # noqa: BLE001 - reported in the row, the run goes on
+                errors.append(f"{label or 'default'}: {type(e).__name__}: {e}"[:300])
+                continue
+            record(method + (f" {label}" if label else ""), fmt_name, ms, per_page, diff,
+                   error="; ".join(errors) or None)
             return
-        record(method, fmt_name, ms, per_page, diff)
+        record(method, fmt_name, None, per_page, error="; ".join(errors))
 
     splits = max(1, context // s // args.pages_per_split)
     kernel = functools.partial(paged_attention, backend=backend, interpret=interpret,
@@ -198,21 +205,23 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
             kj, vj = (x.reshape(kvh, plane, s, d) for x in (k, v))
             lengths = jnp.full((batch,), context, jnp.int32)
             qj = (q[:, 0] * d ** -0.5).astype(q.dtype)  # its kernel applies no softmax scale
+            jax_run = lambda ppcb: lambda: jax.jit(functools.partial(
+                jax_paged, k_splits=splits, pages_per_compute_block=ppcb, interpret=interpret))
             measure("jax.experimental gpu paged_attention", name, per_page_bytes((k, v)),
-                    lambda: jax.jit(functools.partial(jax_paged, k_splits=splits,
-                                                      interpret=interpret)),
-                    qj, kj, vj, tables, lengths, compare=diff)
+                    jax_run(8), qj, kj, vj, tables, lengths, compare=diff,
+                    fallbacks=[(f"ppcb={n}", jax_run(n)) for n in (4, 2, 1)])
         if name == "bf16" and backend == "gpu":  # the Mosaic GPU kernel (TMA, wgmma) beside it
             from kernels_pallas import paged_attention_mgpu as mgpu
             if interpret:
                 mgpu.interpret_transposed_wgmma()
-            measure("kvjax mosaic", name, per_page,
-                    lambda: jax.jit(functools.partial(
-                        mgpu.paged_attention_mgpu, k_format=kf, v_format=vf, head_stride=plane,
-                        pages_per_split=args.pages_per_split,
-                        pages_per_step=args.mosaic_pages_per_step,
-                        interpret=mgpu.INTERPRET if interpret else False)),
-                    q, q_pos, k, v, pos, tables, counts, compare=lambda out: diff(out[:, 0]))
+            mosaic_run = lambda step: lambda: jax.jit(functools.partial(
+                mgpu.paged_attention_mgpu, k_format=kf, v_format=vf, head_stride=plane,
+                pages_per_split=args.pages_per_split, pages_per_step=step,
+                interpret=mgpu.INTERPRET if interpret else False))
+            steps = range(args.mosaic_pages_per_step - 1, 0, -1)
+            measure("kvjax mosaic", name, per_page, mosaic_run(args.mosaic_pages_per_step),
+                    q, q_pos, k, v, pos, tables, counts, compare=lambda out: diff(out[:, 0]),
+                    fallbacks=[(f"pages_per_step={n}", mosaic_run(n)) for n in steps])
         if name == "bf16" and batch == min(args.batches):
             import kvjax
             from kvjax.cache import TokenCache

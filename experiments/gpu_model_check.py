@@ -89,7 +89,7 @@ def run(args) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[700, 512, 300, 1000])
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if pallas_backend() is None:

@@ -47,6 +47,11 @@ from kvjax.stores import PackedChannels, PackedTokens, is_dense
 
 MAX_PAGE = 256
 MIN_PAGE = 8
+# Query rows (query tokens x query heads per KV head) one kernel call holds on chip. Measured
+# on an H200 (jax 0.11.2): a 256-token prefill chunk of SmolLM2 (768 rows) asked Triton for
+# 834 KiB of shared memory (232 KiB there); on a v5e a 508-token chunk (1524 rows) ran out of
+# VMEM. Longer query blocks are split along T into calls of at most this many rows.
+MAX_QUERY_ROWS = {"gpu": 64, "tpu": 256}
 
 
 def pallas_backend() -> str | None:
@@ -234,17 +239,34 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
     return jax.lax.cond(fits, lambda: call(False), lambda: call(True))
 
 
+def query_tokens_per_call(group: int, backend: str) -> int:
+    """Query tokens one kernel call takes when each has `group` query heads per KV head."""
+    if backend not in MAX_QUERY_ROWS:
+        raise ValueError(f"attend_pallas: backend must be one of {tuple(MAX_QUERY_ROWS)}, got "
+                         f"{backend!r}")
+    return max(1, MAX_QUERY_ROWS[backend] // group)
+
+
 def attend_pallas(q: jax.Array, q_pos: jax.Array, layer: Any, *, window: int | None = None,
                   softcap: float | None = None, backend: str | None = None, interpret=False,
                   pages_per_split: int = 8) -> jax.Array:
     """Attention over a layer with the Pallas kernel; the result `attend` gives, [B, T, H, D] f32.
 
     `backend` defaults to the device's (`pallas_backend`); on CPU pass
-    `backend="tpu"` or `"gpu"` with `interpret=True` (tests do).
+    `backend="tpu"` or `"gpu"` with `interpret=True` (tests do). A block of
+    more query rows than `MAX_QUERY_ROWS` (a prefill chunk) is attended in
+    calls over consecutive query tokens, one kernel launch each.
     """
     backend = backend or pallas_backend()
     if backend is None:
         raise ValueError("attend_pallas: no TPU or GPU; pass backend= with interpret=True")
+    tokens = query_tokens_per_call(q.shape[2] // layer.kv_heads, backend)
+    if q.shape[1] > tokens:  # a prefill chunk: calls over query blocks (queries are independent)
+        return jnp.concatenate([
+            attend_pallas(q[:, i:i + tokens], q_pos[:, i:i + tokens], layer, window=window,
+                          softcap=softcap, backend=backend, interpret=interpret,
+                          pages_per_split=pages_per_split)
+            for i in range(0, q.shape[1], tokens)], axis=1)
     partial = attend_partial(q, q_pos, layer, window=window, softcap=softcap, backend=backend,
                              interpret=interpret, pages_per_split=pages_per_split)
     return finish(partial, q.shape)

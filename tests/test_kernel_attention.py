@@ -271,3 +271,29 @@ def test_shared_table_paged_layer_equals_the_per_head_pool(bits):
                                pages_per_split=1)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_long_query_blocks_are_split_into_calls_within_the_row_limit(backend, monkeypatch):
+    """A prefill chunk of 50 query tokens x 3 query heads per KV head (150 rows) is attended in
+    kernel calls of at most MAX_QUERY_ROWS rows (a 256-token chunk asked an H200 for 834 KiB of
+    shared memory in one call), over consecutive tokens, causally: equal to the reference."""
+    monkeypatch.setitem(ka.MAX_QUERY_ROWS, backend, 64)  # 21 tokens a call: 3 calls
+    layer, _, _ = filled(5, 60, capacity=64)
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.normal(size=(2, 50, 6, 64)), jnp.float32)
+    q_pos = jnp.broadcast_to(jnp.arange(10, 60, dtype=jnp.int32), (2, 50))
+    rows, kernel = [], ka.paged_attention_partial
+
+    def counted(q, *args, **kwargs):
+        rows.append(q.shape[1] * q.shape[2] // 2)  # query rows per KV head in this call
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(ka, "paged_attention_partial", counted)
+    backend, interpret = mode(backend)
+    got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret)
+    assert rows == [63, 63, 24]
+    want = kvjax.attend(q, q_pos, layer, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ka.query_tokens_per_call(3, "cuda")
