@@ -44,7 +44,7 @@ Backends:
   and v6e (deviceless); no TPU has run it.
 - `"gpu"`: Pallas on Triton (a justified fallback, docs/DECISIONS.md): one
   program per (sequence, KV head, split) loops over its pages in steps of
-  `pages_per_block` pages (default 128 slots), each step one `[L, D]` tile
+  `pages_per_block` pages (default 64 slots), each step one `[L, D]` tile
   gathered through the block table (L = pages x S, pages side by side);
   bf16 queries make both dots bf16 x bf16 -> f32 (tensor cores); query rows
   are padded to 16 (`tl.dot`'s minimum) and no further. Head dim, page size
@@ -85,7 +85,7 @@ NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
 BACKENDS = ("tpu", "gpu")
 GPU_MIN_ROWS = 16  # tl.dot needs at least 16 rows
 BLOCK_TOKENS = 512  # TPU: slots copied per grid step by default
-GPU_BLOCK_TOKENS = 128  # GPU: slots gathered per loop step by default (jax's: 8 pages of 16)
+GPU_BLOCK_TOKENS = 64  # GPU: slots gathered per loop step by default (measured on an H200: DECISIONS.md)
 
 
 class Partial(NamedTuple):
@@ -406,7 +406,8 @@ def gpu_launch(rows: int, head_dim: int, cols: int, quantized: bool) -> tuple[in
     Four warps for small tiles; eight once a step's [cols, D] tile reaches 128 x 128 (or 64 x
     128 of decoded quantized pages, whose f32 decode lives in registers), as jax's own GPU paged
     attention uses. Two stages: the loop's gathers of step i + 1 overlap step i's math.
-    A heuristic to tune on the GPU (experiments/bench_kernels.py), not measured here.
+    A heuristic; on an H200 it gave bf16 pages 0.97-1.04 of copy bandwidth at 64 slots a
+    step (docs/BENCHMARKS.md); not tuned for the quantized formats.
     """
     big = cols * head_dim >= (64 if quantized else 128) * 128 or rows >= 64
     return (8 if big else 4), 2
@@ -713,7 +714,7 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       pages_per_split: pages per flash-decoding split (static; TPU: rounded up
         to a multiple of pages_per_block).
       pages_per_block: TPU: pages per grid step (default: >= 512 slots); GPU:
-        pages per loop step, a power of two (default: 128 slots).
+        pages per loop step, a power of two (default: 64 slots).
       head_stride: with shared [B, NP] tables (static): KV head h of row b
         reads page `block_tables[b, i] + h * head_stride`.
       row_pages: (static) the pools are *row pools*, a cache's own rows: pos

@@ -87,7 +87,7 @@ def _pool(group=3, t=1, page_size=16, lengths=(70, 128, 5)):
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_triton_dots_take_bf16_operands(name):
     """bf16 queries: both tl.dot of every format take bf16 x bf16 -> f32 (tensor cores), over
-    L = 8 pages x 16 slots = 128 columns a step, on GQA-3 rows padded to 16 (tl.dot's minimum)."""
+    L = 4 pages x 16 slots = 64 columns a step, on GQA-3 rows padded to 16 (tl.dot's minimum)."""
     kf, vf, encode = FORMATS[name]
     q, q_pos, k, v, pos, tables, counts = _pool()
     kp, vp = encode(k, v)
@@ -101,7 +101,7 @@ def test_triton_dots_take_bf16_operands(name):
         assert (a, b, acc) == ("bf16", "bf16", "f32"), (a, b, acc)
         assert int(m) == 16  # 3 query rows -> 16, not more
     shapes = sorted((int(d[0]), int(d[1]), int(d[4])) for d in dots)
-    assert shapes == [(16, 64, 128), (16, 128, 64)]  # q.k over 128 slots, p.v back to D
+    assert shapes == [(16, 64, 64), (16, 64, 64)]  # q.k over 64 slots, p.v back to D = 64
     assert launch["num_warps"] in (4, 8) and launch["num_stages"] == 2
 
 
@@ -110,7 +110,7 @@ LOAD = re.compile(r"tt\.load .*: tensor<(\d+)x(\d+)x!tt\.ptr<i32>>")
 
 @pytest.mark.parametrize("name", ["int4-tokens", "int8-tokens"])
 def test_each_page_word_is_loaded_once_per_step(name):
-    """The loop's i32 loads of a step of 128 slots: the block table entries and positions (one
+    """The loop's i32 loads of a step of 64 slots: the block table entries and positions (one
     row each), then for keys and values the format's code word rows and parameter word rows,
     each row once: the step reads exactly its pages' bytes, no duplicated gathers."""
     kf, vf, encode = FORMATS[name]
@@ -118,7 +118,7 @@ def test_each_page_word_is_loaded_once_per_step(name):
     kp, vp = encode(k, v)
     fn = functools.partial(paged_attention, k_format=kf, v_format=vf, backend="gpu")
     (text, _), = triton_modules(fn, q.astype(jnp.bfloat16), q_pos, kp, vp, pos, tables, counts)
-    rows = sorted(int(r) for r, cols in LOAD.findall(text) if cols == "128")
+    rows = sorted(int(r) for r, cols in LOAD.findall(text) if cols == "64")
     words, params = 64 * kf.bits // 32, kf.param_words(64)
     assert rows == sorted([1, 1, words, words, params, params]), rows
     assert sum(rows) == 2 + 2 * kf.rows(64)  # = table + positions + every row of both pages
@@ -176,7 +176,8 @@ def test_gpu_shapes_the_backend_cannot_take_raise():
 
 
 def test_gpu_block_sizes():
-    assert gpu_block_sizes(512, 64, 8, None) == (2, 8, 64)  # 128 slots a step
+    assert gpu_block_sizes(512, 64, 8, None) == (1, 8, 64)  # 64 slots a step
+    assert gpu_block_sizes(512, 16, 8, None) == (4, 8, 64)  # 4 pages of 16
     assert gpu_block_sizes(3, 16, 8, None) == (4, 4, 1)  # capped at the table's next pow2
     assert gpu_block_sizes(1, 8, 1, None) == (2, 2, 1)  # >= 16 slots for tl.dot
     assert gpu_block_sizes(100, 16, 5, 4) == (4, 8, 13)  # splits a multiple of the step
