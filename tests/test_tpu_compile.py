@@ -12,9 +12,10 @@ The variants are a covering set, not the full product: every page format
 16-bit and f32 parameters, KIVI 4/2-bit keys with 4/2-bit values, narrow and
 wide table windows), per-head and shared block tables, per-token key scales
 applied to the scores, head dims 64 and 128, page sizes 16 to 256, decode and
-prefill chunks, flash-decoding splits, window and soft-cap, GQA groups 1 to
-8, f32 and bf16 MXU operands; and the whole SmolLM2-shaped decode step with
-`impl="pallas"` over a KIVI chain cache.
+prefill chunks up to the 256 query rows `attend_pallas` gives one call,
+flash-decoding splits, window and soft-cap, GQA groups 1 to 8, f32 and bf16
+MXU operands; and the whole SmolLM2-shaped decode step with `impl="pallas"`
+over a KIVI chain cache.
 
 Needs the `tpu-compile` extra (`pip install -e '.[tpu-compile]'`); skipped
 only when libtpu cannot be imported.
@@ -34,6 +35,7 @@ import pytest
 from kernels_pallas import page_formats as pf
 from kernels_pallas import tpu_compile as tc
 from kernels_pallas.paged_attention import paged_attention
+from kvjax.kernel_attention import MAX_QUERY_ROWS
 
 if not tc.libtpu_available():
     pytest.skip("libtpu is not importable: install the extra, pip install -e '.[tpu-compile]'",
@@ -124,6 +126,11 @@ VARIANTS = [
     Variant("int4-sym g=D bf16-params keys (scales on scores) d128 p128 prefill8 gqa4 f32-q",
             PT(4, 128, True, "bfloat16"), PT(4, 128, True, "bfloat16"), 128, 128, 8, 4,
             q_dtype=F32),
+    # the largest query block attend_pallas gives one TPU call (MAX_QUERY_ROWS["tpu"] rows)
+    Variant("kivi4 keys int4 values d128 p256 prefill32 gqa8 (256 rows)", PC(4, 2), PT(4, 32),
+            128, 256, 32, 8, kv_heads=1),
+    Variant("dense-f32 d128 p256 prefill256 mha (256 rows)", DENSE, DENSE, 128, 256, 256, 1,
+            kv_heads=1, q_dtype=F32, page_dtype=F32),
 ]
 
 
@@ -182,6 +189,7 @@ def test_variants_cover_every_format_and_path():
     assert {16, 32, 64, 128, 256} <= {v.page_size for v in VARIANTS}
     assert {1, 2, 3, 4, 6, 8} <= {v.gqa for v in VARIANTS}
     assert any(v.t == 1 for v in VARIANTS) and any(v.t > 1 for v in VARIANTS)
+    assert max(v.t * v.gqa for v in VARIANTS) == MAX_QUERY_ROWS["tpu"]  # attend_pallas' largest
     assert any(v.pages_per_split < v.table for v in VARIANTS)
     assert any(v.pages_per_block and v.pages_per_block < v.pages_per_split for v in VARIANTS)
     assert any(v.window for v in VARIANTS) and any(v.softcap for v in VARIANTS)
