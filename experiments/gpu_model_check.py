@@ -8,17 +8,20 @@ differs), the number of Pallas kernel calls in the compiled decode step (0
 would mean the "pallas" run silently took the XLA path), and the warm
 wall-clock seconds of one whole `generate` call of each.
 
-Random weights give near-flat logits, so a bf16-operand kernel (the GPU path)
-can flip a near-tie where the real model would not: read `first_difference`
-together with `logit_gap`, the median top-1 minus top-2 logit of the XLA run's
-first step.
+Random weights give near-flat logits, so a kernel that sums in another order
+can flip a near-tie where the real model would not: a late `first_difference`
+in one row is rounding, a difference at step 0 in every row is a bug.
+Most of a first run is compilation (on an H200, 30 layers x 2 impls x 3
+methods did not finish in 130 s); `--layers` shortens it.
 
     python experiments/gpu_model_check.py --out $OUT/model_check.json   # on the GPU
+    python experiments/gpu_model_check.py --layers 4 --methods full     # quick
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -51,13 +54,13 @@ def kernel_calls(model, cache, batch: int) -> int:
 
 
 def run(args) -> dict:
-    cfg = LlamaConfig.smollm2_135m()
+    cfg = dataclasses.replace(LlamaConfig.smollm2_135m(), num_layers=args.layers)
     model = Llama(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in args.prompt_lengths]
     report = dict(device=str(jax.devices()[0]), backend=pallas_backend(), rows=[],
                   prompt_lengths=args.prompt_lengths, new_tokens=args.new_tokens)
-    for method in METHODS:
+    for method in args.methods:
         row = dict(method=method)
         try:
             outs, seconds = {}, {}
@@ -90,8 +93,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[700, 512, 300, 1000])
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2: 30)")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.layers < 1:
+        parser.error(f"--layers must be >= 1, got {args.layers}")
+    for method in args.methods:  # a bad spec fails here, before any compile
+        try:
+            kvjax.parse_method(method)
+        except ValueError as e:
+            parser.error(f"--methods: {e}")
     if pallas_backend() is None:
         raise SystemExit("gpu_model_check: no GPU or TPU here")
     report = run(args)

@@ -26,3 +26,21 @@ def test_smoke_runs_every_format_and_jax_kernel(tmp_path):
     meta = json.loads((tmp_path / "smoke.json").read_text())["meta"]
     assert meta["interpret"] and meta["not_run"] == []
     assert (tmp_path / "smoke.csv").exists() and (tmp_path / "smoke.png").exists()
+
+
+def test_model_check_rows_on_cpu():
+    """experiments/gpu_model_check.py's report on CPU, where impl="pallas" takes the XLA path:
+    every token identical, no kernel call in the step, one row per method with its timings."""
+    import argparse
+
+    from experiments import gpu_model_check
+    args = argparse.Namespace(layers=1, methods=["full", "snapkv:ratio=0.5+kivi:bits=4"],
+                              prompt_lengths=[40, 9], new_tokens=3)
+    report = gpu_model_check.run(args)
+    assert [r["method"] for r in report["rows"]] == args.methods
+    for r in report["rows"]:
+        assert "error" not in r, r
+        assert r["identical_tokens"] == r["tokens"] == 2 * 3
+        assert r["first_difference"] == [None, None]
+        assert r["pallas_kernel_calls_in_step"] == 0  # CPU: no Pallas kernel
+        assert set(r["warm_generate_s"]) == {"xla", "pallas"}
