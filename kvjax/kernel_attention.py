@@ -49,8 +49,9 @@ MAX_PAGE = 256
 MIN_PAGE = 8
 # Query rows (query tokens x query heads per KV head) one kernel call holds on chip. Measured
 # on an H200 (jax 0.11.2): a 256-token prefill chunk of SmolLM2 (768 rows) asked Triton for
-# 834 KiB of shared memory (232 KiB there); on a v5e a 508-token chunk (1524 rows) ran out of
-# VMEM. Longer query blocks are split along T into calls of at most this many rows.
+# 834 KiB of shared memory (232 KiB there); a 508-token chunk (1524 rows) failed to compile
+# for a v5e, out of VMEM (deviceless). Longer query blocks are split along T into calls of at
+# most this many rows.
 MAX_QUERY_ROWS = {"gpu": 64, "tpu": 256}
 
 
