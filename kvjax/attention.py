@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import cpu_kernel
 from kvjax.cache import EMPTY, Layer, ResidualCache, TokenCache, view
 from kvjax.kernel_attention import attend_pallas, pallas_backend, supports_pallas
 from kvjax.paging import PagedLayer, dense_view
@@ -314,7 +315,14 @@ def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int
             return m_new, l * correction + p.sum(axis=-1), acc
 
         n_blocks = (part.length + size - 1) // size
-        return jax.lax.fori_loop(0, n_blocks, step, carry)
+        loop = lambda c: jax.lax.fori_loop(0, n_blocks, step, c)
+        if not cpu_kernel.usable(part, rows):
+            return loop(carry)
+        mask = _row_mask(q_pos, part.pos, g, n, window)  # [N, GT, C]
+        kernel = lambda c: cpu_kernel.attend_part(qg, mask, part, c, scale=scale,
+                                                  softcap=softcap)
+        # picked when lowering: a TPU or GPU program (deviceless compile) keeps the loop
+        return jax.lax.platform_dependent(carry, cpu=kernel, default=loop)
 
     carry = (jnp.full((n, rows), NEG_INF), jnp.zeros((n, rows)), jnp.zeros((n, rows, d)))
     for part in parts:

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 import kvjax
+from kvjax import cpu_kernel
 import kvjax.methods
 from kvjax import exported
 from models.llama import FEW_ROWS, Llama, rope_frequencies
@@ -106,8 +107,9 @@ def export_decode_step(model: Llama, batch: int | None = None, capacity: int | N
     kvjax.check_cache(layout, model.config.cache_spec, layout[0].batch)
     tokens = jax.ShapeDtypeStruct((layout[0].batch, 1), jnp.int32)
     params = jax.eval_shape(lambda: params_dict(model))
-    return jax.export.export(jax.jit(step, donate_argnums=3), platforms=platforms)(
-        params, tokens, tokens, layout)
+    with cpu_kernel.disabled():  # an artifact holds no custom call of this process
+        return jax.export.export(jax.jit(step, donate_argnums=3), platforms=platforms)(
+            params, tokens, tokens, layout)
 
 
 # ----------------------------------------------------------------------------- artifacts
@@ -252,8 +254,9 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
         functions[str(capacity)], shapes[str(capacity)] = {}, {}
 
         def write(name, fn, args, donate):
-            exp = jax.export.export(jax.jit(fn, donate_argnums=donate), platforms=platforms)(
-                *args)
+            with cpu_kernel.disabled():  # an artifact holds no custom call of this process
+                exp = jax.export.export(jax.jit(fn, donate_argnums=donate),
+                                        platforms=platforms)(*args)
             (folder / f"{name}.jaxexport").write_bytes(exp.serialize())
             functions[str(capacity)][name] = f"functions/{capacity}/{name}.jaxexport"
             skip = len(params) if name != "compress" else 0  # the weights: in "weights"

@@ -1,0 +1,179 @@
+"""Decode attention on the CPU as a hand-written kernel (an XLA FFI custom call).
+
+XLA:CPU cannot fuse the decode of a packed cache block into the dot that reads
+it, so `attend_blockwise` on a 4-bit KIVI cache decoded every block to float32
+first and ran slower than over the full float32 cache (docs/DECISIONS.md). This
+module builds `cpu_kernels/decode_attention.cc` with the machine's C++ compiler
+on first use (cached per source, jax version and CPU under
+`$XDG_CACHE_HOME/kvjax`), registers it with XLA, and continues
+`attend_blockwise`'s running softmax over one cache part in one call: each
+slot's keys and values are decoded into an L1-resident buffer and used at once,
+on XLA's intra-op thread pool.
+
+It serves decode steps (at most `MATVEC_ROWS` query rows per cache row) lowered for
+the CPU (`lax.platform_dependent`: a TPU or GPU program keeps the loop) in a
+single-device process, for parts whose keys and values are each a dense
+float32/bf16 array, a `PackedTokens` or a `PackedChannels` store. Everything
+else, every multi-device run (a custom call would not be partitioned) and every
+`jax.export` (`disabled()`) uses the XLA loop. `KVJAX_CPU_KERNEL=0` switches it
+off; without a compiler it warns once and the XLA loop runs.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from kvjax import attend, init_cache, write
+    >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 1, 40, 8))  # [B, KVH, T, D]
+    >>> cache = write(init_cache(1, 1, 64, 8), k, v, jnp.arange(40)[None])
+    >>> q = jax.random.normal(jax.random.key(1), (1, 1, 2, 8))
+    >>> with disabled():
+    ...     plain = attend(q, jnp.array([[39]]), cache)
+    >>> bool(jnp.allclose(attend(q, jnp.array([[39]]), cache), plain, atol=1e-6))
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.stores import PackedChannels, PackedTokens
+
+SOURCE = Path(__file__).with_name("cpu_kernels") / "decode_attention.cc"
+TARGET = "kvjax_decode_attention"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+         "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
+CHUNK = 512
+"""Slots per work item: a row's slots are split into chunks so both cores share one row."""
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Trace with the XLA loop inside this block (exports, tests that compare the two)."""
+    before = getattr(_state, "off", False)
+    _state.off = True
+    try:
+        yield
+    finally:
+        _state.off = before
+
+
+def _cpu_id() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        return next((line for line in text.splitlines() if line.startswith("flags")), text[:4096])
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kvjax" / "cpu_kernels"
+
+
+def build(cxx: str | None = None) -> Path:
+    """Compile the kernel (once per source, jax version, compiler flags and CPU) -> the .so path."""
+    cxx = cxx or os.environ.get("CXX", "g++")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), " ".join(FLAGS).encode(),
+                                     cxx.encode(), _cpu_id().encode()])).hexdigest()[:16]
+    out = _cache_dir() / f"decode_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    try:
+        subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+                        str(partial)], check=True, capture_output=True, text=True)
+        os.replace(partial, out)  # atomic: concurrent builders (pytest -n 2) never see half a file
+    finally:
+        partial.unlink(missing_ok=True)
+    return out
+
+
+@functools.cache
+def _registered() -> bool:
+    """Build, load and register the kernel once per process; False (one warning) if it cannot."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(build()))
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", "") or err
+        warnings.warn(f"kvjax: the CPU decode-attention kernel could not be built ({detail}); "
+                      f"decode attention runs as XLA's loop", RuntimeWarning, stacklevel=3)
+        return False
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.KvjaxDecodeAttention),
+                                platform="cpu")
+    return True
+
+
+def _format(store) -> dict | None:
+    """The kernel's description of one key or value store, or None if it does not read it."""
+    if isinstance(store, jax.Array):
+        if store.dtype not in (jnp.float32, jnp.bfloat16):
+            return None
+        return dict(format=0, bits=0, group=0, symmetric=False,
+                    arrays=(store, None, None, None))
+    params_ok = lambda s: s.scale.dtype in (jnp.float16, jnp.bfloat16, jnp.float32)
+    if isinstance(store, PackedTokens) and params_ok(store):
+        return dict(format=1, bits=store.bits, group=store.group,
+                    symmetric=store.offset is None,
+                    arrays=(store.words, None, store.scale, store.offset))
+    if isinstance(store, PackedChannels) and params_ok(store):
+        return dict(format=2, bits=store.bits, group=store.group,
+                    symmetric=store.offset is None,
+                    arrays=(store.words, store.group_id, store.scale, store.offset))
+    return None
+
+
+def usable(part, n_q: int) -> bool:
+    """Whether a decode step's attention over `part` (a TokenCache) runs in the kernel."""
+    from kvjax.attention import MATVEC_ROWS
+    if getattr(_state, "off", False) or os.environ.get("KVJAX_CPU_KERNEL", "1") == "0":
+        return False
+    if n_q > MATVEC_ROWS or jax.device_count("cpu") != 1 or jax.device_count() != 1:
+        return False
+    if any(jax.export.is_symbolic_dim(d) for d in part.pos.shape):
+        return False
+    if _format(part.k) is None or _format(part.v) is None:
+        return False
+    return _registered()
+
+
+def attend_part(qg: jax.Array, mask: jax.Array, part, carry, *, scale: float,
+                softcap: float | None):
+    """Continue the running softmax `carry` = (m [R, Q], l [R, Q], acc [R, Q, D]) over `part`.
+
+    `qg` [R, Q, D] (grouped queries), `mask` [R, Q, C] (visible slots); the same
+    result as `attend_blockwise`'s loop over the part, within float32 rounding.
+    """
+    k, v = _format(part.k), _format(part.v)
+    empty = jnp.zeros((0,), jnp.float32)
+    arrays = [empty if a is None else a for a in k["arrays"] + v["arrays"]]
+    m, l, acc = carry
+    call = jax.ffi.ffi_call(
+        TARGET, (jax.ShapeDtypeStruct(m.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(l.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(acc.shape, jnp.float32)))
+    return call(qg.astype(jnp.float32), mask, m, l, acc, jnp.asarray(part.length, jnp.int32),
+                *arrays,
+                k_format=np.int64(k["format"]), k_bits=np.int64(k["bits"]),
+                k_group=np.int64(k["group"]), k_symmetric=k["symmetric"],
+                v_format=np.int64(v["format"]), v_bits=np.int64(v["bits"]),
+                v_group=np.int64(v["group"]), v_symmetric=v["symmetric"],
+                scale=np.float32(scale), softcap=np.float32(softcap or 0.0),
+                round_p=isinstance(part.v, jax.Array) and part.v.dtype == jnp.bfloat16,
+                chunk=np.int64(CHUNK))

@@ -1,0 +1,408 @@
+// Decode attention over one cache part on the CPU: an XLA FFI handler (kvjax/cpu_kernel.py).
+//
+// One call continues the running softmax (m, l, acc) of `kvjax.attention.attend_blockwise`
+// over the slots [0, length) of a part whose keys and values are each a dense float32 or
+// bfloat16 array, or a bit-packed store (PackedTokens: per token, groups of channels;
+// PackedChannels: per channel, a table row per group of tokens, KIVI's keys). Each slot is
+// decoded into a D-float buffer that stays in L1 and is used at once: no float32 copy of a
+// compressed cache is ever written. Work items are (row, chunk of slots), run on XLA's
+// intra-op thread pool and the calling thread; each item keeps its own softmax state, merged
+// per row at the end in the order of the chunks (the result does not depend on threading).
+//
+// Shapes: q [R, Q, D] f32; mask [R, Q, C] pred; m, l [R, Q] f32; acc [R, Q, D] f32;
+// length [] s32. Per tensor (k, v): data [R, C, D] (dense) or [R, C, W] u32 words, ids
+// [R, C] s16 (PackedChannels) or empty, scale/offset [R, C, D/G] (PackedTokens) or
+// [R, NG, D] (PackedChannels) in f16/bf16/f32, or empty.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kNegInf = -1e30f;  // kvjax.attention.NEG_INF
+
+enum Format : int64_t { kDense = 0, kPackedTokens = 1, kPackedChannels = 2 };
+
+inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+#ifdef __F16C__
+#include <immintrin.h>
+inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+inline float f16_to_f32(uint16_t h) {  // IEEE half, with subnormals, inf and nan
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: renormalize
+      int e = -1;
+      do { ++e; man <<= 1; } while (!(man & 0x400u));
+      bits = sign | ((127 - 15 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+#endif
+
+inline float round_to_bf16(float x) {  // round to nearest even, as XLA's f32 -> bf16 convert
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7f800000u) != 0x7f800000u) bits += 0x7fffu + ((bits >> 16) & 1u);
+  bits &= 0xffff0000u;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
+
+// Parameters (scale/offset) as float32, whatever their stored dtype.
+struct Params {
+  const void* data = nullptr;
+  ffi::DataType type = ffi::DataType::F32;
+  float at(int64_t i) const {
+    switch (type) {
+      case ffi::DataType::F16: return f16_to_f32(static_cast<const uint16_t*>(data)[i]);
+      case ffi::DataType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(data)[i]);
+      default: return static_cast<const float*>(data)[i];
+    }
+  }
+};
+
+// Codes of `kBits` bits in strided planes (kvjax.quant.pack): channel p * words + i is bits
+// [p * kBits, (p + 1) * kBits) of word i. Written as float32 to out[0, words * 32 / kBits).
+template <int kBits>
+inline void unpack(const uint32_t* __restrict w, float* __restrict out, int64_t words) {
+  constexpr int kPlanes = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1u;
+  for (int p = 0; p < kPlanes; ++p) {
+    float* o = out + p * words;
+#pragma omp simd
+    for (int64_t i = 0; i < words; ++i) o[i] = static_cast<float>((w[i] >> (p * kBits)) & kMask);
+  }
+}
+
+// One tensor (keys or values) of a part, decoded a slot at a time.
+struct Tensor {
+  Format format;
+  ffi::DataType type;  // dense: F32 or BF16
+  const void* data;
+  const int16_t* ids;  // PackedChannels: table row of each slot
+  Params scale, offset;
+  bool symmetric;
+  int64_t bits, group, rows, slots, dim, table_rows;
+
+  // Slot s of row r, decoded to out[0, dim). `table` keeps the last PackedChannels table row
+  // converted to float32 ([2, dim]: scale, offset; `table_key` its index), so a row is
+  // converted once per group of slots, not once per slot.
+  void decode(int64_t r, int64_t s, float* __restrict out, float* __restrict table,
+              int64_t& table_key) const {
+    const int64_t slot = r * slots + s;
+    if (format == kDense) {
+      if (type == ffi::DataType::F32) {
+        std::memcpy(out, static_cast<const float*>(data) + slot * dim, dim * sizeof(float));
+      } else {
+        const uint16_t* x = static_cast<const uint16_t*>(data) + slot * dim;
+        for (int64_t c = 0; c < dim; ++c) out[c] = bf16_to_f32(x[c]);
+      }
+      return;
+    }
+    const int64_t words = dim * bits / 32;
+    const uint32_t* w = static_cast<const uint32_t*>(data) + slot * words;
+    switch (bits) {  // a predictable branch; each case unrolls its planes
+      case 2: unpack<2>(w, out, words); break;
+      case 4: unpack<4>(w, out, words); break;
+      default: unpack<8>(w, out, words); break;
+    }
+    const float half = static_cast<float>(1 << (bits - 1));
+    if (format == kPackedTokens) {  // one scale/offset per group of `group` channels
+      const int64_t n_groups = dim / group, base = slot * n_groups;
+      for (int64_t g = 0; g < n_groups; ++g) {
+        const float sc = scale.at(base + g);
+        const float off = symmetric ? -half * sc : offset.at(base + g);
+        for (int64_t c = g * group; c < (g + 1) * group; ++c) out[c] = out[c] * sc + off;
+      }
+    } else {  // PackedChannels: the slot's table row, one scale/offset per channel
+      const int64_t row = std::clamp<int64_t>(ids[slot], 0, table_rows - 1);
+      const int64_t key = r * table_rows + row;
+      float* sc = table;
+      float* off = table + dim;
+      if (key != table_key) {
+        for (int64_t c = 0; c < dim; ++c) sc[c] = scale.at(key * dim + c);
+        for (int64_t c = 0; c < dim; ++c)
+          off[c] = symmetric ? -half * sc[c] : offset.at(key * dim + c);
+        table_key = key;
+      }
+#pragma omp simd
+      for (int64_t c = 0; c < dim; ++c) out[c] = out[c] * sc[c] + off[c];
+    }
+  }
+};
+
+Tensor make_tensor(int64_t format, ffi::AnyBuffer data, ffi::AnyBuffer ids, ffi::AnyBuffer scale,
+                   ffi::AnyBuffer offset, int64_t bits, int64_t group, bool symmetric,
+                   int64_t dim) {
+  auto dims = data.dimensions();
+  Tensor t{};
+  t.format = static_cast<Format>(format);
+  t.type = data.element_type();
+  t.data = data.untyped_data();
+  t.ids = format == kPackedChannels ? static_cast<const int16_t*>(ids.untyped_data()) : nullptr;
+  t.scale = Params{scale.untyped_data(), scale.element_type()};
+  t.offset = Params{offset.untyped_data(), offset.element_type()};
+  t.symmetric = symmetric;
+  t.bits = bits;
+  t.group = group;
+  t.rows = dims[0];
+  t.slots = dims[1];
+  t.dim = dim;
+  t.table_rows = format == kPackedChannels ? scale.dimensions()[1] : 0;
+  return t;
+}
+
+struct Problem {
+  Tensor k, v;
+  const float* q;      // [R, Q, D]
+  const bool* mask;    // [R, Q, C]
+  int64_t rows, n_q, dim, slots, length, chunk, chunks;
+  float scale, softcap;
+  bool round_p;        // values are bf16: weights rounded to bf16 as XLA's dot does
+  std::vector<float> m, l, acc;  // per item: [Q], [Q], [Q, D]
+};
+
+// The softmax state of one (row, chunk) item over its slots, from scratch. `kQ` query rows
+// and `kD` channels are compile-time constants for the common shapes (0: read from P), so
+// the accumulators stay in registers.
+template <int64_t kQ, int64_t kD>
+void run_item(Problem& P, int64_t item) {
+  const int64_t Q = kQ ? kQ : P.n_q, D = kD ? kD : P.dim;
+  const int64_t r = item / P.chunks, j = item % P.chunks;
+  const int64_t lo = j * P.chunk, hi = std::min(P.length, lo + P.chunk);
+  float* m = &P.m[item * Q];
+  float* l = &P.l[item * Q];
+  float* out = &P.acc[item * Q * D];
+  std::fill(m, m + Q, kNegInf);
+  std::fill(l, l + Q, 0.0f);
+  std::fill(out, out + Q * D, 0.0f);
+  if (lo >= hi) return;
+  const int64_t n = hi - lo;
+  std::vector<float> scores(Q * n), buf(D), acc(Q * D, 0.0f), k_table(2 * D), v_table(2 * D);
+  int64_t k_key = -1, v_key = -1;
+  const float* q = P.q + r * Q * D;
+  const bool* mask = P.mask + r * Q * P.slots + lo;  // [Q, C] of this row, from slot lo
+  for (int64_t s = 0; s < n; ++s) {  // pass 1: scores, keys read once
+    P.k.decode(r, lo + s, buf.data(), k_table.data(), k_key);
+    for (int64_t i = 0; i < Q; ++i) {
+      const float* qi = q + i * D;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t c = 0; c < D; ++c) dot += qi[c] * buf[c];
+      scores[i * n + s] = dot * P.scale;
+    }
+  }
+  for (int64_t i = 0; i < Q; ++i) {  // scores -> weights exp(s - m) where visible, in place
+    float* si = &scores[i * n];
+    const bool* vis = mask + i * P.slots;
+    float mi = kNegInf;
+    for (int64_t s = 0; s < n; ++s) {
+      float x = si[s];
+      if (P.softcap > 0.0f) x = P.softcap * std::tanh(x / P.softcap);
+      si[s] = vis[s] ? x : kNegInf;
+      mi = std::max(mi, si[s]);
+    }
+    float sum = 0.0f;
+    for (int64_t s = 0; s < n; ++s) {
+      const float p = vis[s] ? std::exp(si[s] - mi) : 0.0f;
+      sum += p;
+      si[s] = P.round_p ? round_to_bf16(p) : p;
+    }
+    m[i] = mi;
+    l[i] = sum;
+  }
+  for (int64_t s = 0; s < n; ++s) {  // pass 2: values read once
+    P.v.decode(r, lo + s, buf.data(), v_table.data(), v_key);
+    for (int64_t i = 0; i < Q; ++i) {
+      const float p = scores[i * n + s];
+      float* a = &acc[i * D];
+#pragma omp simd
+      for (int64_t c = 0; c < D; ++c) a[c] += p * buf[c];
+    }
+  }
+  std::copy(acc.begin(), acc.end(), out);
+}
+
+using Item = void (*)(Problem&, int64_t);
+
+template <int64_t kD>
+Item item_for_rows(int64_t n_q) {
+  switch (n_q) {
+    case 1: return run_item<1, kD>;
+    case 2: return run_item<2, kD>;
+    case 3: return run_item<3, kD>;
+    case 4: return run_item<4, kD>;
+    case 6: return run_item<6, kD>;
+    case 8: return run_item<8, kD>;
+    default: return run_item<0, kD>;
+  }
+}
+
+Item item_for(int64_t n_q, int64_t dim) {
+  switch (dim) {
+    case 64: return item_for_rows<64>(n_q);
+    case 128: return item_for_rows<128>(n_q);
+    default: return item_for_rows<0>(n_q);
+  }
+}
+
+// Runs items [0, n) on the pool and the calling thread; returns when all are done.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& body) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    int64_t done = 0;
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, n, &body]() {
+    int64_t finished = 0;
+    for (int64_t i; (i = shared->next.fetch_add(1)) < n; ++finished) body(i);
+    if (finished) {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->done += finished;
+      shared->cv.notify_all();
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t t = 0; t < helpers; ++t) {
+    // A helper that starts after every item is taken returns at once without touching `body`.
+    pool.Schedule([shared, n, work]() mutable {
+      if (shared->next.load() < n) work();
+    });
+  }
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done == n; });
+}
+
+ffi::Error DecodeAttention(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::PRED> mask,
+    ffi::Buffer<ffi::F32> m_in, ffi::Buffer<ffi::F32> l_in, ffi::Buffer<ffi::F32> acc_in,
+    ffi::Buffer<ffi::S32> length, ffi::AnyBuffer k_data, ffi::AnyBuffer k_ids,
+    ffi::AnyBuffer k_scale, ffi::AnyBuffer k_offset, ffi::AnyBuffer v_data,
+    ffi::AnyBuffer v_ids, ffi::AnyBuffer v_scale, ffi::AnyBuffer v_offset,
+    ffi::ResultBuffer<ffi::F32> m_out, ffi::ResultBuffer<ffi::F32> l_out,
+    ffi::ResultBuffer<ffi::F32> acc_out, int64_t k_format, int64_t k_bits, int64_t k_group,
+    bool k_symmetric, int64_t v_format, int64_t v_bits, int64_t v_group, bool v_symmetric,
+    float scale, float softcap, bool round_p, int64_t chunk) {
+  auto qd = q.dimensions();
+  if (qd.size() != 3) return ffi::Error::InvalidArgument("q must be [R, Q, D]");
+  Problem P;
+  P.rows = qd[0];
+  P.n_q = qd[1];
+  P.dim = qd[2];
+  P.slots = mask.dimensions()[2];
+  P.k = make_tensor(k_format, k_data, k_ids, k_scale, k_offset, k_bits, k_group, k_symmetric,
+                    P.dim);
+  P.v = make_tensor(v_format, v_data, v_ids, v_scale, v_offset, v_bits, v_group, v_symmetric,
+                    P.dim);
+  if (P.k.slots != P.slots || P.v.slots != P.slots || P.k.rows != P.rows || P.v.rows != P.rows)
+    return ffi::Error::InvalidArgument("keys, values, mask and queries disagree on [R, C]");
+  P.q = q.typed_data();
+  P.mask = mask.typed_data();
+  P.length = std::clamp<int64_t>(length.typed_data()[0], 0, P.slots);
+  P.scale = scale;
+  P.softcap = softcap;
+  P.round_p = round_p;
+  P.chunk = std::max<int64_t>(1, chunk);
+  P.chunks = std::max<int64_t>(1, (P.length + P.chunk - 1) / P.chunk);
+  const int64_t Q = P.n_q, D = P.dim, items = P.rows * P.chunks;
+  P.m.resize(items * Q);
+  P.l.resize(items * Q);
+  P.acc.resize(items * Q * D);
+  const Item run = item_for(Q, D);
+  parallel_for(pool, items, [&P, run](int64_t item) { run(P, item); });
+
+  // Merge: the incoming state, then each chunk in order (as the blockwise loop does).
+  const float* mi = m_in.typed_data();
+  const float* li = l_in.typed_data();
+  const float* ai = acc_in.typed_data();
+  float* mo = m_out->typed_data();
+  float* lo = l_out->typed_data();
+  float* ao = acc_out->typed_data();
+  for (int64_t r = 0; r < P.rows; ++r) {
+    for (int64_t i = 0; i < Q; ++i) {
+      const int64_t ri = r * Q + i;
+      float m = mi[ri];
+      for (int64_t j = 0; j < P.chunks; ++j) m = std::max(m, P.m[(r * P.chunks + j) * Q + i]);
+      const float c_in = std::exp(mi[ri] - m);
+      float l = li[ri] * c_in;
+      float* a = ao + ri * D;
+      for (int64_t c = 0; c < D; ++c) a[c] = ai[ri * D + c] * c_in;
+      for (int64_t j = 0; j < P.chunks; ++j) {
+        const int64_t item = r * P.chunks + j;
+        const float cj = std::exp(P.m[item * Q + i] - m);
+        l += P.l[item * Q + i] * cj;
+        const float* aj = &P.acc[(item * Q + i) * D];
+        for (int64_t c = 0; c < D; ++c) a[c] += aj[c] * cj;
+      }
+      mo[ri] = m;
+      lo[ri] = l;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KvjaxDecodeAttention, DecodeAttention,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()   // q
+        .Arg<ffi::Buffer<ffi::PRED>>()  // mask
+        .Arg<ffi::Buffer<ffi::F32>>()   // m
+        .Arg<ffi::Buffer<ffi::F32>>()   // l
+        .Arg<ffi::Buffer<ffi::F32>>()   // acc
+        .Arg<ffi::Buffer<ffi::S32>>()   // length
+        .Arg<ffi::AnyBuffer>()          // k data
+        .Arg<ffi::AnyBuffer>()          // k ids
+        .Arg<ffi::AnyBuffer>()          // k scale
+        .Arg<ffi::AnyBuffer>()          // k offset
+        .Arg<ffi::AnyBuffer>()          // v data
+        .Arg<ffi::AnyBuffer>()          // v ids
+        .Arg<ffi::AnyBuffer>()          // v scale
+        .Arg<ffi::AnyBuffer>()          // v offset
+        .Ret<ffi::Buffer<ffi::F32>>()   // m
+        .Ret<ffi::Buffer<ffi::F32>>()   // l
+        .Ret<ffi::Buffer<ffi::F32>>()   // acc
+        .Attr<int64_t>("k_format")
+        .Attr<int64_t>("k_bits")
+        .Attr<int64_t>("k_group")
+        .Attr<bool>("k_symmetric")
+        .Attr<int64_t>("v_format")
+        .Attr<int64_t>("v_bits")
+        .Attr<int64_t>("v_group")
+        .Attr<bool>("v_symmetric")
+        .Attr<float>("scale")
+        .Attr<float>("softcap")
+        .Attr<bool>("round_p")
+        .Attr<int64_t>("chunk"));

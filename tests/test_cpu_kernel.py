@@ -1,0 +1,106 @@
+"""The CPU decode-attention kernel (kvjax/cpu_kernel.py) against the XLA loop it replaces.
+
+Each case traces `kvjax.attend` twice: as shipped (the kernel on this CPU) and under
+`cpu_kernel.disabled()` (the blockwise XLA loop), on the same layer and queries. Both
+decode the same codes to the same floats and sum in another order, so outputs agree to
+float32 rounding of a D-term dot and a softmax over the slots (`TOL`).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import cpu_kernel
+from kvjax.attention import MATVEC_ROWS
+
+from experiments.bench_attention import make_layer
+
+TOL = 3e-6
+
+
+def _both(layer, q, q_pos, kernel=True, **kw):
+    fn = lambda q, q_pos, layer: kvjax.attend(q, q_pos, layer, **kw)
+    lowered = jax.jit(fn).lower(q, q_pos, layer)
+    assert (cpu_kernel.TARGET in lowered.as_text()) == kernel, "kernel use"
+    with cpu_kernel.disabled():
+        plain = jax.jit(lambda q, q_pos, layer: fn(q, q_pos, layer))
+        assert cpu_kernel.TARGET not in plain.lower(q, q_pos, layer).as_text()
+        want = plain(q, q_pos, layer)
+    return np.asarray(lowered.compile()(q, q_pos, layer)), np.asarray(want)
+
+
+def _queries(b, t, h, d, ctx, seed=1):
+    q = jax.random.normal(jax.random.key(seed), (b, t, h, d))
+    return q, jnp.broadcast_to(ctx + jnp.arange(t)[None], (b, t)).astype(jnp.int32)
+
+
+def test_the_kernel_builds_here():
+    """CI has a C++ compiler: the kernel must build and register, not fall back silently."""
+    assert cpu_kernel._registered()
+    assert cpu_kernel.build().exists()
+
+
+METHODS = ["full", "quantize:bits=4", "quantize:bits=8", "quantize:bits=2,symmetric=true",
+           "kivi:bits=4", "kivi:bits=2,group=16,residual=16",
+           "random:ratio=0.5+kivi:bits=4,group=16,residual=16",
+           "kivi:bits=4,group=16,residual=16+random:ratio=0.5",  # compacted codes: table gathers
+           "random:ratio=0.5,headwise=true",  # pooled rows: one row serves every head
+           "quantize:bits=4,axis=channel,group=16"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("t", [1, 2])  # 3 and 6 query rows per cache row
+def test_kernel_equals_the_xla_loop(method, t):
+    b, kvh, h, d, ctx = 2, 2, 6, 32, 1300  # 1300 slots: three chunks of CHUNK = 512
+    layer = make_layer(method, b, ctx, 16, 0, kv_heads=kvh, head_dim=d)
+    pooled_rows = h * t if "headwise" in method else 0  # a pooled row serves all heads
+    got, want = _both(layer, *_queries(b, t, h, d, ctx), kernel=pooled_rows <= MATVEC_ROWS)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d, h", [(64, 9), (128, 4), (48, 5)])  # fixed-size and generic paths
+def test_kernel_dtypes_and_head_shapes(dtype, d, h):
+    b, ctx = 1, 700
+    kvh = 1 if h == 5 else (3 if h == 9 else 2)
+    layer = make_layer("full", b, ctx, 16, 0, kv_heads=kvh, head_dim=d, dtype=dtype)
+    got, want = _both(layer, *_queries(b, 1, h, d, ctx))
+    tol = TOL if dtype == jnp.float32 else 1e-2  # bf16: weights rounded to bf16 (8 bits)
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_kernel_window_softcap_and_padding_queries():
+    b, kvh, h, d, ctx = 2, 2, 4, 32, 900
+    layer = make_layer("kivi:bits=4", b, ctx, 16, 0, kv_heads=kvh, head_dim=d)
+    q, q_pos = _queries(b, 2, h, d, ctx)
+    q_pos = q_pos.at[1, 1].set(-1)  # a padding query sees nothing: zeros
+    got, want = _both(layer, q * 4, q_pos, window=300, softcap=5.0)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+    assert not np.any(got[1, 1])
+
+
+def test_kernel_on_an_empty_cache_returns_zeros():
+    cache = kvjax.init_cache(1, 2, 64, 16)
+    got, want = _both(cache, *_queries(1, 1, 4, 16, 0))
+    assert not np.any(got) and not np.any(want)
+
+
+def test_prefill_chunks_and_opt_out_keep_the_xla_loop(monkeypatch):
+    layer = make_layer("full", 1, 300, 16, 0, kv_heads=2, head_dim=16)
+    q, q_pos = _queries(1, 8, 4, 16, 300)  # 16 query rows per cache row > MATVEC_ROWS
+    text = jax.jit(lambda q: kvjax.attend(q, q_pos, layer)).lower(q).as_text()
+    assert cpu_kernel.TARGET not in text
+    monkeypatch.setenv("KVJAX_CPU_KERNEL", "0")
+    q1, p1 = _queries(1, 1, 4, 16, 300)
+    assert cpu_kernel.TARGET not in jax.jit(
+        lambda q: kvjax.attend(q, p1, layer)).lower(q1).as_text()
+
+
+def test_a_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with pytest.raises(OSError, match="no-such-compiler"):
+        cpu_kernel.build(cxx=os.path.join(str(tmp_path), "no-such-compiler"))
