@@ -74,10 +74,45 @@ inline float round_to_bf16(float x) {  // round to nearest even, as XLA's f32 ->
   return x;
 }
 
+// exp(x) for x <= 0 (a score minus the running max) in a form the compiler vectorizes:
+// 2^n e^r with |r| <= ln2/2 and Cephes' degree-5 polynomial for e^r (relative error about
+// 2e-7, a float32 ulp or two). x is clamped at -87 (e^-87 is a normal float), so the masked
+// scores (-1e30) give a tiny weight that the mask then zeroes.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
 // Parameters (scale/offset) as float32, whatever their stored dtype.
 struct Params {
   const void* data = nullptr;
   ffi::DataType type = ffi::DataType::F32;
+  // Elements [start, start + n) to out, one dtype branch for the run.
+  void load(int64_t start, int64_t n, float* __restrict out) const {
+    const uint16_t* h = static_cast<const uint16_t*>(data) + start;
+    switch (type) {
+      case ffi::DataType::F16:
+        for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(h[i]);
+        break;
+      case ffi::DataType::BF16:
+        for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(h[i]);
+        break;
+      default:
+        std::memcpy(out, static_cast<const float*>(data) + start, n * sizeof(float));
+    }
+  }
   float at(int64_t i) const {
     switch (type) {
       case ffi::DataType::F16: return f16_to_f32(static_cast<const uint16_t*>(data)[i]);
@@ -146,9 +181,12 @@ struct Tensor {
       float* sc = table;
       float* off = table + dim;
       if (key != table_key) {
-        for (int64_t c = 0; c < dim; ++c) sc[c] = scale.at(key * dim + c);
-        for (int64_t c = 0; c < dim; ++c)
-          off[c] = symmetric ? -half * sc[c] : offset.at(key * dim + c);
+        scale.load(key * dim, dim, sc);
+        if (symmetric) {
+          for (int64_t c = 0; c < dim; ++c) off[c] = -half * sc[c];
+        } else {
+          offset.load(key * dim, dim, off);
+        }
         table_key = key;
       }
 #pragma omp simd
@@ -188,9 +226,151 @@ struct Problem {
   std::vector<float> m, l, acc;  // per item: [Q], [Q], [Q, D]
 };
 
+constexpr int64_t kTile = 16;  // slots scored together, one per vector lane
+
+// Per-thread buffers of one work item.
+struct Scratch {
+  std::vector<float> buf;          // [D] one decoded slot
+  std::vector<float> k_table;      // [2, D] the last key table row (scale, offset)
+  std::vector<float> v_table;      // [2, D] the same for values
+  std::vector<float> q_scaled;     // [Q, D] queries times the key table row's scales
+  std::vector<float> q_offset;     // [Q] queries . the key table row's offsets
+  std::vector<uint32_t> words_t;   // [W, kTile] a tile's packed key words, slot-minor
+  int64_t k_key = -1, v_key = -1, q_key = -1;
+};
+
+// Scores (before `scale`) of queries q [Q, D] with the keys of slots [s0, s0 + kTile) of row r,
+// all in table row `key` of a PackedChannels store: the table is folded into the queries
+// (q . (code * sc + off) = (q * sc) . code + q . off), so each code is widened once and
+// multiplied into kTile lanes. out [Q, kTile].
+template <int kBits, int64_t kQ, int64_t kD>
+void channel_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t s0,
+                         int64_t key, const float* q, Scratch& w, float* out, int64_t stride) {
+  const float half = static_cast<float>(1 << (kBits - 1));
+  if (key != w.q_key) {
+    float* sc = w.k_table.data();
+    float* off = sc + D;
+    k.scale.load(key * D, D, sc);
+    if (k.symmetric) {
+      for (int64_t c = 0; c < D; ++c) off[c] = -half * sc[c];
+    } else {
+      k.offset.load(key * D, D, off);
+    }
+    w.k_key = -1;  // k_table now holds this row for the scores, not for `decode`
+    for (int64_t i = 0; i < Q; ++i) {
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t c = 0; c < D; ++c) {
+        w.q_scaled[i * D + c] = q[i * D + c] * sc[c];
+        dot += q[i * D + c] * off[c];
+      }
+      w.q_offset[i] = dot;
+    }
+    w.q_key = key;
+  }
+  constexpr int kPlanes = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1u;
+  const int64_t words = D / kPlanes;
+  const uint32_t* src = static_cast<const uint32_t*>(k.data) + (r * k.slots + s0) * words;
+  uint32_t* wt = w.words_t.data();
+  for (int64_t t = 0; t < kTile; ++t)
+    for (int64_t i = 0; i < words; ++i) wt[i * kTile + t] = src[t * words + i];
+  float acc[kQ ? kQ : 8][kTile];
+  for (int64_t i = 0; i < Q; ++i)
+    for (int64_t t = 0; t < kTile; ++t) acc[i][t] = w.q_offset[i];
+  for (int64_t i = 0; i < words; ++i) {
+    for (int p = 0; p < kPlanes; ++p) {
+      float code[kTile];
+#pragma omp simd
+      for (int64_t t = 0; t < kTile; ++t)
+        code[t] = static_cast<float>((wt[i * kTile + t] >> (p * kBits)) & kMask);
+      const int64_t c = p * words + i;
+      for (int64_t j = 0; j < Q; ++j) {
+        const float qc = w.q_scaled[j * D + c];
+#pragma omp simd
+        for (int64_t t = 0; t < kTile; ++t) acc[j][t] += qc * code[t];
+      }
+    }
+  }
+  for (int64_t i = 0; i < Q; ++i)
+    for (int64_t t = 0; t < kTile; ++t) out[i * stride + t] = acc[i][t];
+}
+
+// The table row shared by slots [s0, s0 + kTile) of row r, or -1 if they differ.
+inline int64_t shared_table_row(const Tensor& k, int64_t r, int64_t s0) {
+  const int16_t* ids = k.ids + r * k.slots + s0;
+  for (int64_t t = 1; t < kTile; ++t)
+    if (ids[t] != ids[0]) return -1;
+  return r * k.table_rows + std::clamp<int64_t>(ids[0], 0, k.table_rows - 1);
+}
+
+// Scores (before `scale`) of slots [s0, s0 + n) of row r: out [Q, n], rows `stride` apart.
+template <int64_t kQ, int64_t kD>
+void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float* q, Scratch& w,
+                 float* out, int64_t stride) {
+  const int64_t Q = kQ ? kQ : P.n_q, D = kD ? kD : P.dim;
+  const Tensor& k = P.k;
+  if (k.format == kPackedChannels && n == kTile && Q <= 8) {
+    const int64_t key = shared_table_row(k, r, s0);
+    if (key >= 0) {
+      switch (k.bits) {
+        case 2: return channel_tile_scores<2, kQ, kD>(k, Q, D, r, s0, key, q, w, out, stride);
+        case 4: return channel_tile_scores<4, kQ, kD>(k, Q, D, r, s0, key, q, w, out, stride);
+        default: return channel_tile_scores<8, kQ, kD>(k, Q, D, r, s0, key, q, w, out, stride);
+      }
+    }
+  }
+  float* buf = w.buf.data();
+  for (int64_t t = 0; t < n; ++t) {
+    k.decode(r, s0 + t, buf, w.k_table.data(), w.k_key);
+    for (int64_t i = 0; i < Q; ++i) {
+      const float* qi = q + i * D;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t c = 0; c < D; ++c) dot += qi[c] * buf[c];
+      out[i * stride + t] = dot;
+    }
+  }
+}
+
+// acc [Q, D] += weights p [Q] (`p_stride` apart) times the values of slot s of row r. A
+// per-token store scales its codes by the group's scale in place and adds weight x offset to
+// off_acc [Q, D / group] (summed once per group, not once per channel).
+template <int64_t kQ, int64_t kD>
+void add_values(const Problem& P, int64_t r, int64_t s, const float* p, int64_t p_stride,
+                Scratch& w, float* acc, float* off_acc) {
+  const int64_t Q = kQ ? kQ : P.n_q, D = kD ? kD : P.dim;
+  const Tensor& v = P.v;
+  float* buf = w.buf.data();
+  if (v.format != kPackedTokens) {
+    v.decode(r, s, buf, w.v_table.data(), w.v_key);
+  } else {
+    const int64_t slot = r * v.slots + s, words = D * v.bits / 32;
+    const uint32_t* src = static_cast<const uint32_t*>(v.data) + slot * words;
+    switch (v.bits) {
+      case 2: unpack<2>(src, buf, words); break;
+      case 4: unpack<4>(src, buf, words); break;
+      default: unpack<8>(src, buf, words); break;
+    }
+    const int64_t G = v.group, n_groups = D / G;
+    const float half = static_cast<float>(1 << (v.bits - 1));
+    for (int64_t g = 0; g < n_groups; ++g) {
+      const float sc = v.scale.at(slot * n_groups + g);
+      const float off = v.symmetric ? -half * sc : v.offset.at(slot * n_groups + g);
+      for (int64_t c = g * G; c < (g + 1) * G; ++c) buf[c] *= sc;
+      for (int64_t i = 0; i < Q; ++i) off_acc[i * n_groups + g] += p[i * p_stride] * off;
+    }
+  }
+  for (int64_t i = 0; i < Q; ++i) {
+    const float pi = p[i * p_stride];
+    float* a = acc + i * D;
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) a[c] += pi * buf[c];
+  }
+}
+
 // The softmax state of one (row, chunk) item over its slots, from scratch. `kQ` query rows
-// and `kD` channels are compile-time constants for the common shapes (0: read from P), so
-// the accumulators stay in registers.
+// and `kD` channels are compile-time constants for the common shapes (0: read from P).
 template <int64_t kQ, int64_t kD>
 void run_item(Problem& P, int64_t item) {
   const int64_t Q = kQ ? kQ : P.n_q, D = kD ? kD : P.dim;
@@ -203,50 +383,51 @@ void run_item(Problem& P, int64_t item) {
   std::fill(l, l + Q, 0.0f);
   std::fill(out, out + Q * D, 0.0f);
   if (lo >= hi) return;
-  const int64_t n = hi - lo;
-  std::vector<float> scores(Q * n), buf(D), acc(Q * D, 0.0f), k_table(2 * D), v_table(2 * D);
-  int64_t k_key = -1, v_key = -1;
+  const int64_t n = hi - lo, tiles = (n + kTile - 1) / kTile;
+  Scratch w;
+  w.buf.resize(D);
+  w.k_table.resize(2 * D);
+  w.v_table.resize(2 * D);
+  w.q_scaled.resize(Q * D);
+  w.q_offset.resize(Q);
+  w.words_t.resize(D * kTile);
+  std::vector<float> scores(Q * tiles * kTile);  // [Q, tiles * kTile]
+  const int64_t stride = tiles * kTile;
   const float* q = P.q + r * Q * D;
+  for (int64_t t0 = 0; t0 < n; t0 += kTile)  // pass 1: scores, keys read once
+    tile_scores<kQ, kD>(P, r, lo + t0, std::min(kTile, n - t0), q, w, &scores[t0], stride);
   const bool* mask = P.mask + r * Q * P.slots + lo;  // [Q, C] of this row, from slot lo
-  for (int64_t s = 0; s < n; ++s) {  // pass 1: scores, keys read once
-    P.k.decode(r, lo + s, buf.data(), k_table.data(), k_key);
-    for (int64_t i = 0; i < Q; ++i) {
-      const float* qi = q + i * D;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t c = 0; c < D; ++c) dot += qi[c] * buf[c];
-      scores[i * n + s] = dot * P.scale;
-    }
-  }
   for (int64_t i = 0; i < Q; ++i) {  // scores -> weights exp(s - m) where visible, in place
-    float* si = &scores[i * n];
-    const bool* vis = mask + i * P.slots;
+    float* si = &scores[i * stride];
+    const uint8_t* vis = reinterpret_cast<const uint8_t*>(mask + i * P.slots);  // 0 or 1
+#pragma omp simd
+    for (int64_t s = 0; s < n; ++s) si[s] *= P.scale;
+    if (P.softcap > 0.0f)
+      for (int64_t s = 0; s < n; ++s) si[s] = P.softcap * std::tanh(si[s] / P.softcap);
     float mi = kNegInf;
+#pragma omp simd reduction(max : mi)
     for (int64_t s = 0; s < n; ++s) {
-      float x = si[s];
-      if (P.softcap > 0.0f) x = P.softcap * std::tanh(x / P.softcap);
-      si[s] = vis[s] ? x : kNegInf;
+      si[s] = vis[s] != 0 ? si[s] : kNegInf;
       mi = std::max(mi, si[s]);
     }
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t s = 0; s < n; ++s) {
-      const float p = vis[s] ? std::exp(si[s] - mi) : 0.0f;
-      sum += p;
-      si[s] = P.round_p ? round_to_bf16(p) : p;
+      si[s] = exp_nonpositive(si[s] - mi) * static_cast<float>(vis[s]);
+      sum += si[s];
     }
+    if (P.round_p)
+      for (int64_t s = 0; s < n; ++s) si[s] = round_to_bf16(si[s]);
     m[i] = mi;
     l[i] = sum;
   }
-  for (int64_t s = 0; s < n; ++s) {  // pass 2: values read once
-    P.v.decode(r, lo + s, buf.data(), v_table.data(), v_key);
-    for (int64_t i = 0; i < Q; ++i) {
-      const float p = scores[i * n + s];
-      float* a = &acc[i * D];
-#pragma omp simd
-      for (int64_t c = 0; c < D; ++c) a[c] += p * buf[c];
-    }
-  }
-  std::copy(acc.begin(), acc.end(), out);
+  const int64_t n_groups = P.v.format == kPackedTokens ? D / P.v.group : 0;
+  std::vector<float> acc(Q * D, 0.0f), off_acc(Q * n_groups, 0.0f);
+  for (int64_t s = 0; s < n; ++s)  // pass 2: values read once
+    add_values<kQ, kD>(P, r, lo + s, &scores[s], stride, w, acc.data(), off_acc.data());
+  for (int64_t i = 0; i < Q; ++i)
+    for (int64_t c = 0; c < D; ++c)
+      out[i * D + c] = acc[i * D + c] + (n_groups ? off_acc[i * n_groups + c / P.v.group] : 0.0f);
 }
 
 using Item = void (*)(Problem&, int64_t);
