@@ -11,8 +11,9 @@ slot's keys and values are decoded into an L1-resident buffer and used at once,
 on XLA's intra-op thread pool.
 
 It serves decode steps (at most `MATVEC_ROWS` query rows per cache row) lowered for
-the CPU (`lax.platform_dependent`: a TPU or GPU program keeps the loop) in a
-single-device process, for parts whose keys and values are each a dense
+the CPU (`lax.platform_dependent`: a TPU or GPU program lowered on a CPU host, as in a
+deviceless compile, keeps the loop) in a process whose only device is a CPU (a GPU or
+TPU host never builds it), for parts whose keys and values are each a dense
 float32/bf16 array, a `PackedTokens` or a `PackedChannels` store. Everything
 else, every multi-device run (a custom call would not be partitioned) and every
 `jax.export` (`disabled()`) uses the XLA loop. `KVJAX_CPU_KERNEL=0` switches it
@@ -144,7 +145,7 @@ def usable(part, n_q: int) -> bool:
     from kvjax.attention import MATVEC_ROWS
     if getattr(_state, "off", False) or os.environ.get("KVJAX_CPU_KERNEL", "1") == "0":
         return False
-    if n_q > MATVEC_ROWS or jax.device_count("cpu") != 1 or jax.device_count() != 1:
+    if n_q > MATVEC_ROWS or jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
     if any(jax.export.is_symbolic_dim(d) for d in part.pos.shape):
         return False

@@ -104,3 +104,10 @@ def test_a_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with pytest.raises(OSError, match="no-such-compiler"):
         cpu_kernel.build(cxx=os.path.join(str(tmp_path), "no-such-compiler"))
+
+
+def test_benchmark_rows_compare_kernel_and_loop():
+    from experiments.bench_cpu_kernel import measure
+    row = measure("kivi:bits=4", 1, 200, 1, n_layers=2)
+    assert row["max_abs_diff"] < 1e-5 and row["kernel_ms"] > 0 and row["xla_loop_ms"] > 0
+    assert row["cache_mb"] > 0 and row["layers"] == 2
