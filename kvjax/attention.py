@@ -316,11 +316,11 @@ def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int
 
         n_blocks = (part.length + size - 1) // size
         loop = lambda c: jax.lax.fori_loop(0, n_blocks, step, c)
-        if not cpu_kernel.usable(part, rows):
+        if rows > MATVEC_ROWS or not cpu_kernel.usable(part):  # prefill chunks keep the loop
             return loop(carry)
         mask = _row_mask(q_pos, part.pos, g, n, window)  # [N, GT, C]
         kernel = lambda c: cpu_kernel.attend_part(qg, mask, part, c, scale=scale,
-                                                  softcap=softcap)
+                                                  softcap=softcap, exact_dtype=not as_f32)
         # picked when lowering: a TPU or GPU program (deviceless compile) keeps the loop
         return jax.lax.platform_dependent(carry, cpu=kernel, default=loop)
 

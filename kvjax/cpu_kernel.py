@@ -140,12 +140,15 @@ def _format(store) -> dict | None:
     return None
 
 
-def usable(part, n_q: int) -> bool:
-    """Whether a decode step's attention over `part` (a TokenCache) runs in the kernel."""
-    from kvjax.attention import MATVEC_ROWS
+def usable(part) -> bool:
+    """Whether a decode step's attention over `part` (a TokenCache) can run in the kernel.
+
+    The caller decides what a decode step is (`attend_blockwise`: at most
+    `MATVEC_ROWS` query rows per kv head).
+    """
     if getattr(_state, "off", False) or os.environ.get("KVJAX_CPU_KERNEL", "1") == "0":
         return False
-    if n_q > MATVEC_ROWS or jax.default_backend() != "cpu" or jax.device_count() != 1:
+    if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
     if any(jax.export.is_symbolic_dim(d) for d in part.pos.shape):
         return False
@@ -155,11 +158,14 @@ def usable(part, n_q: int) -> bool:
 
 
 def attend_part(qg: jax.Array, mask: jax.Array, part, carry, *, scale: float,
-                softcap: float | None):
+                softcap: float | None, exact_dtype: bool = True):
     """Continue the running softmax `carry` = (m [R, Q], l [R, Q], acc [R, Q, D]) over `part`.
 
     `qg` [R, Q, D] (grouped queries), `mask` [R, Q, C] (visible slots); the same
     result as `attend_blockwise`'s loop over the part, within float32 rounding.
+    `exact_dtype`: dense bf16 values are weighted in bf16 (weights rounded to
+    bf16, as the loop's bf16 dot); False reads them as float32 (a residual
+    layer's exact part).
     """
     k, v = _format(part.k), _format(part.v)
     empty = jnp.zeros((0,), jnp.float32)
@@ -176,5 +182,6 @@ def attend_part(qg: jax.Array, mask: jax.Array, part, carry, *, scale: float,
                 v_format=np.int64(v["format"]), v_bits=np.int64(v["bits"]),
                 v_group=np.int64(v["group"]), v_symmetric=v["symmetric"],
                 scale=np.float32(scale), softcap=np.float32(softcap or 0.0),
-                round_p=isinstance(part.v, jax.Array) and part.v.dtype == jnp.bfloat16,
+                round_p=exact_dtype and isinstance(part.v, jax.Array)
+                and part.v.dtype == jnp.bfloat16,
                 chunk=np.int64(CHUNK))
