@@ -333,9 +333,78 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
   }
 }
 
-// acc [Q, D] += weights p [Q] (`p_stride` apart) times the values of slot s of row r. A
-// per-token store scales its codes by the group's scale in place and adds weight x offset to
-// off_acc [Q, D / group] (summed once per group, not once per channel).
+constexpr int kValueTile = 4;  // slots whose per-token codes are added together
+constexpr int64_t kMaxPlane = 64;  // channels per bit plane of the fused per-token path
+
+// acc [Q, D] += weights p [Q, kN] (rows `p_stride` apart) times the per-token codes of slots
+// [s, s + kN) of row r, when each bit plane (W = D * kBits / 32 <= kMaxPlane channels) lies in
+// one group: a plane's codes of the kN slots are widened once, weighted by p x the group's
+// scale and summed before one update of acc (kN slots per read-modify-write of acc);
+// weight x offset goes to off_acc [Q, D / group] (once per group, not per channel).
+template <int kBits, int64_t kQ, int64_t kD, int kN>
+void add_token_values(const Problem& P, int64_t r, int64_t s, const float* p, int64_t p_stride,
+                      float* acc, float* off_acc) {
+  const int64_t Q = kQ ? kQ : P.n_q, D = kD ? kD : P.dim;
+  const Tensor& v = P.v;
+  constexpr int kPlanes = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1u;
+  const int64_t W = D / kPlanes, G = v.group, n_groups = D / G, first = r * v.slots + s;
+  const uint32_t* src = static_cast<const uint32_t*>(v.data) + first * W;  // [kN, W]
+  // symmetric codes are centred when widened (code - 2^(bits-1), exact), so no offset sum
+  // cancels against the codes' sum
+  const float centre = v.symmetric ? static_cast<float>(1 << (kBits - 1)) : 0.0f;
+  if (!v.symmetric) {
+    for (int j = 0; j < kN; ++j) {
+      for (int64_t g = 0; g < n_groups; ++g) {
+        const float off = v.offset.at((first + j) * n_groups + g);
+        for (int64_t i = 0; i < Q; ++i) off_acc[i * n_groups + g] += p[i * p_stride + j] * off;
+      }
+    }
+  }
+  float codes[kN * kMaxPlane];  // [kN, W] one plane of the kN slots
+  for (int plane = 0; plane < kPlanes; ++plane) {
+    float sc[kN];
+    for (int j = 0; j < kN; ++j) sc[j] = v.scale.at((first + j) * n_groups + plane * W / G);
+    for (int j = 0; j < kN; ++j) {
+      const uint32_t* __restrict w = src + j * W;
+#pragma omp simd
+      for (int64_t c = 0; c < W; ++c)
+        codes[j * kMaxPlane + c] = static_cast<float>((w[c] >> (plane * kBits)) & kMask) - centre;
+    }
+    for (int64_t i = 0; i < Q; ++i) {
+      float wi[kN];
+      for (int j = 0; j < kN; ++j) wi[j] = p[i * p_stride + j] * sc[j];
+      float* __restrict a = acc + i * D + plane * W;
+#pragma omp simd
+      for (int64_t c = 0; c < W; ++c) {
+        float t = 0.0f;
+        for (int j = 0; j < kN; ++j) t += wi[j] * codes[j * kMaxPlane + c];
+        a[c] += t;
+      }
+    }
+  }
+}
+
+// Values of slots [s, s + n) of row r through the fused per-token path, kValueTile at a time.
+template <int kBits, int64_t kQ, int64_t kD>
+void add_token_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const float* p,
+                          int64_t p_stride, float* acc, float* off_acc) {
+  int64_t t = 0;
+  for (; t + kValueTile <= n; t += kValueTile)
+    add_token_values<kBits, kQ, kD, kValueTile>(P, r, s + t, p + t, p_stride, acc, off_acc);
+  for (; t < n; ++t)
+    add_token_values<kBits, kQ, kD, 1>(P, r, s + t, p + t, p_stride, acc, off_acc);
+}
+
+// Whether values take the fused per-token path: each bit plane inside one group.
+inline bool fused_token_values(const Tensor& v, int64_t dim) {
+  const int64_t plane = dim * v.bits / 32;
+  return v.format == kPackedTokens && plane <= kMaxPlane && v.group % plane == 0;
+}
+
+// acc [Q, D] += weights p [Q] (`p_stride` apart) times the values of slot s of row r, decoded
+// into the scratch buffer (a per-token store scales its codes in place and adds weight x offset
+// to off_acc [Q, D / group]).
 template <int64_t kQ, int64_t kD>
 void add_values(const Problem& P, int64_t r, int64_t s, const float* p, int64_t p_stride,
                 Scratch& w, float* acc, float* off_acc) {
@@ -423,8 +492,19 @@ void run_item(Problem& P, int64_t item) {
   }
   const int64_t n_groups = P.v.format == kPackedTokens ? D / P.v.group : 0;
   std::vector<float> acc(Q * D, 0.0f), off_acc(Q * n_groups, 0.0f);
-  for (int64_t s = 0; s < n; ++s)  // pass 2: values read once
-    add_values<kQ, kD>(P, r, lo + s, &scores[s], stride, w, acc.data(), off_acc.data());
+  if (fused_token_values(P.v, D)) {  // pass 2: values read once
+    switch (P.v.bits) {
+      case 2: add_token_values_run<2, kQ, kD>(P, r, lo, n, scores.data(), stride, acc.data(),
+                                              off_acc.data()); break;
+      case 4: add_token_values_run<4, kQ, kD>(P, r, lo, n, scores.data(), stride, acc.data(),
+                                              off_acc.data()); break;
+      default: add_token_values_run<8, kQ, kD>(P, r, lo, n, scores.data(), stride, acc.data(),
+                                               off_acc.data()); break;
+    }
+  } else {
+    for (int64_t s = 0; s < n; ++s)
+      add_values<kQ, kD>(P, r, lo + s, &scores[s], stride, w, acc.data(), off_acc.data());
+  }
   for (int64_t i = 0; i < Q; ++i)
     for (int64_t c = 0; c < D; ++c)
       out[i * D + c] = acc[i * D + c] + (n_groups ? off_acc[i * n_groups + c / P.v.group] : 0.0f);
