@@ -45,6 +45,7 @@ def test_the_kernel_builds_here():
 
 
 METHODS = ["full", "quantize:bits=4", "quantize:bits=8", "quantize:bits=2,symmetric=true",
+           "quantize:bits=8,group=4",  # a bit plane (8 channels) spans two groups: no fused path
            "kivi:bits=4", "kivi:bits=2,group=16,residual=16",
            "random:ratio=0.5+kivi:bits=4,group=16,residual=16",
            "kivi:bits=4,group=16,residual=16+random:ratio=0.5",  # compacted codes: table gathers
@@ -55,7 +56,7 @@ METHODS = ["full", "quantize:bits=4", "quantize:bits=8", "quantize:bits=2,symmet
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("t", [1, 2])  # 3 and 6 query rows per cache row
 def test_kernel_equals_the_xla_loop(method, t):
-    b, kvh, h, d, ctx = 2, 2, 6, 32, 1300  # 1300 slots: three chunks of CHUNK = 512
+    b, kvh, h, d, ctx = 2, 2, 6, 32, 1299  # three chunks of CHUNK = 512, the last not 4-aligned
     layer = make_layer(method, b, ctx, 16, 0, kv_heads=kvh, head_dim=d)
     pooled_rows = h * t if "headwise" in method else 0  # a pooled row serves all heads
     got, want = _both(layer, *_queries(b, t, h, d, ctx), kernel=pooled_rows <= MATVEC_ROWS)
@@ -71,6 +72,16 @@ def test_kernel_dtypes_and_head_shapes(dtype, d, h):
     got, want = _both(layer, *_queries(b, 1, h, d, ctx))
     tol = TOL if dtype == jnp.float32 else 1e-2  # bf16: weights rounded to bf16 (8 bits)
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("method", ["quantize:bits=4", "quantize:bits=8,symmetric=true",
+                                    "kivi:bits=4", "kivi:bits=2"])
+@pytest.mark.parametrize("d", [64, 128])  # the compiled head dims (the tests above use 32)
+def test_packed_formats_at_model_head_dims(method, d):
+    b, kvh, h, ctx = 2, 3, 9, 703
+    layer = make_layer(method, b, ctx, 16, 0, kv_heads=kvh, head_dim=d)
+    got, want = _both(layer, *_queries(b, 1, h, d, ctx))
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
 
 def test_kernel_window_softcap_and_padding_queries():

@@ -304,6 +304,65 @@ inline int64_t shared_table_row(const Tensor& k, int64_t r, int64_t s0) {
   return r * k.table_rows + std::clamp<int64_t>(ids[0], 0, k.table_rows - 1);
 }
 
+constexpr int64_t kMaxPlane = 64;  // channels per bit plane of the fused per-token paths
+
+// Whether a per-token store's bit planes (D * bits / 32 channels each) each lie in one group,
+// so the fused per-token paths (one scale per plane) read it.
+inline bool planes_in_groups(const Tensor& t, int64_t dim) {
+  const int64_t plane = dim * t.bits / 32;
+  return t.format == kPackedTokens && plane <= kMaxPlane && t.group % plane == 0;
+}
+
+// Scores (before `scale`) of queries q [Q <= 8, D] with the per-token keys of slots
+// [s0, s0 + n), n <= kTile, of row r: out [Q, n], rows `stride` apart. One slot per vector
+// lane: each code is widened once and multiplied into the Q queries' lanes; per group g the
+// lanes' sums are scaled by each slot's scale and its offset enters as offset x (sum of the
+// query over g) (`q_sums` [Q, D / group]).
+template <int kBits, int64_t kQ, int64_t kD>
+void token_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t s0, int64_t n,
+                       const float* q, const float* q_sums, Scratch& w, float* out,
+                       int64_t stride) {
+  constexpr int kPlanes = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1u;
+  const int64_t words = D / kPlanes, n_groups = D / k.group, planes_per_group = k.group / words;
+  const float half = static_cast<float>(1 << (kBits - 1));
+  const int64_t first = r * k.slots + s0;
+  const uint32_t* src = static_cast<const uint32_t*>(k.data) + first * words;
+  uint32_t* wt = w.words_t.data();  // [words, kTile] slot-minor; lanes past n read code 0
+  for (int64_t t = 0; t < kTile; ++t)
+    for (int64_t i = 0; i < words; ++i) wt[i * kTile + t] = t < n ? src[t * words + i] : 0u;
+  float acc[kQ ? kQ : 8][kTile] = {};
+  for (int64_t g = 0; g < n_groups; ++g) {
+    float part[kQ ? kQ : 8][kTile] = {};  // q . code over the group's channels
+    for (int64_t p = g * planes_per_group; p < (g + 1) * planes_per_group; ++p) {
+      for (int64_t i = 0; i < words; ++i) {
+        float code[kTile];
+#pragma omp simd
+        for (int64_t t = 0; t < kTile; ++t)
+          code[t] = static_cast<float>((wt[i * kTile + t] >> (p * kBits)) & kMask);
+        for (int64_t j = 0; j < Q; ++j) {
+          const float qc = q[j * D + p * words + i];
+#pragma omp simd
+          for (int64_t t = 0; t < kTile; ++t) part[j][t] += qc * code[t];
+        }
+      }
+    }
+    float sc[kTile], off[kTile];
+    for (int64_t t = 0; t < kTile; ++t) {
+      sc[t] = t < n ? k.scale.at((first + t) * n_groups + g) : 0.0f;
+      off[t] = k.symmetric ? -half * sc[t] : (t < n ? k.offset.at((first + t) * n_groups + g)
+                                                     : 0.0f);
+    }
+    for (int64_t j = 0; j < Q; ++j) {
+      const float qs = q_sums[j * n_groups + g];
+#pragma omp simd
+      for (int64_t t = 0; t < kTile; ++t) acc[j][t] += sc[t] * part[j][t] + off[t] * qs;
+    }
+  }
+  for (int64_t j = 0; j < Q; ++j)
+    for (int64_t t = 0; t < n; ++t) out[j * stride + t] = acc[j][t];
+}
+
 // Scores (before `scale`) of slots [s0, s0 + n) of row r: out [Q, n], rows `stride` apart.
 template <int64_t kQ, int64_t kD>
 void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float* q, Scratch& w,
@@ -334,7 +393,6 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
 }
 
 constexpr int kValueTile = 4;  // slots whose per-token codes are added together
-constexpr int64_t kMaxPlane = 64;  // channels per bit plane of the fused per-token path
 
 // acc [Q, D] += weights p [Q, kN] (rows `p_stride` apart) times the per-token codes of slots
 // [s, s + kN) of row r, when each bit plane (W = D * kBits / 32 <= kMaxPlane channels) lies in
@@ -394,12 +452,6 @@ void add_token_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, con
     add_token_values<kBits, kQ, kD, kValueTile>(P, r, s + t, p + t, p_stride, acc, off_acc);
   for (; t < n; ++t)
     add_token_values<kBits, kQ, kD, 1>(P, r, s + t, p + t, p_stride, acc, off_acc);
-}
-
-// Whether values take the fused per-token path: each bit plane inside one group.
-inline bool fused_token_values(const Tensor& v, int64_t dim) {
-  const int64_t plane = dim * v.bits / 32;
-  return v.format == kPackedTokens && plane <= kMaxPlane && v.group % plane == 0;
 }
 
 // acc [Q, D] += weights p [Q] (`p_stride` apart) times the values of slot s of row r, decoded
@@ -463,8 +515,20 @@ void run_item(Problem& P, int64_t item) {
   std::vector<float> scores(Q * tiles * kTile);  // [Q, tiles * kTile]
   const int64_t stride = tiles * kTile;
   const float* q = P.q + r * Q * D;
-  for (int64_t t0 = 0; t0 < n; t0 += kTile)  // pass 1: scores, keys read once
-    tile_scores<kQ, kD>(P, r, lo + t0, std::min(kTile, n - t0), q, w, &scores[t0], stride);
+  if (planes_in_groups(P.k, D) && Q <= 8) {  // pass 1: scores, keys read once
+    const int64_t n_groups = D / P.k.group;
+    std::vector<float> q_sums(Q * n_groups, 0.0f);  // [Q, D / group]
+    for (int64_t i = 0; i < Q; ++i)
+      for (int64_t c = 0; c < D; ++c) q_sums[i * n_groups + c / P.k.group] += q[i * D + c];
+    auto tile = P.k.bits == 2 ? token_tile_scores<2, kQ, kD>
+                : P.k.bits == 4 ? token_tile_scores<4, kQ, kD> : token_tile_scores<8, kQ, kD>;
+    for (int64_t t0 = 0; t0 < n; t0 += kTile)
+      tile(P.k, Q, D, r, lo + t0, std::min(kTile, n - t0), q, q_sums.data(), w, &scores[t0],
+           stride);
+  } else {
+    for (int64_t t0 = 0; t0 < n; t0 += kTile)
+      tile_scores<kQ, kD>(P, r, lo + t0, std::min(kTile, n - t0), q, w, &scores[t0], stride);
+  }
   const bool* mask = P.mask + r * Q * P.slots + lo;  // [Q, C] of this row, from slot lo
   for (int64_t i = 0; i < Q; ++i) {  // scores -> weights exp(s - m) where visible, in place
     float* si = &scores[i * stride];
@@ -492,7 +556,7 @@ void run_item(Problem& P, int64_t item) {
   }
   const int64_t n_groups = P.v.format == kPackedTokens ? D / P.v.group : 0;
   std::vector<float> acc(Q * D, 0.0f), off_acc(Q * n_groups, 0.0f);
-  if (fused_token_values(P.v, D)) {  // pass 2: values read once
+  if (planes_in_groups(P.v, D)) {  // pass 2: values read once
     switch (P.v.bits) {
       case 2: add_token_values_run<2, kQ, kD>(P, r, lo, n, scores.data(), stride, acc.data(),
                                               off_acc.data()); break;
