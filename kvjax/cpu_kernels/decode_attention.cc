@@ -239,6 +239,15 @@ struct Scratch {
   int64_t k_key = -1, v_key = -1, q_key = -1;
 };
 
+// The packed words of n <= kTile slots (src [n, words]) transposed to out [words, kTile], one
+// slot per lane; lanes past n hold 0 (code 0). Returns out.
+inline const uint32_t* words_slot_minor(const uint32_t* src, int64_t words, int64_t n,
+                                        uint32_t* out) {
+  for (int64_t t = 0; t < kTile; ++t)
+    for (int64_t i = 0; i < words; ++i) out[i * kTile + t] = t < n ? src[t * words + i] : 0u;
+  return out;
+}
+
 // Scores (before `scale`) of queries q [Q, D] with the keys of slots [s0, s0 + kTile) of row r,
 // all in table row `key` of a PackedChannels store: the table is folded into the queries
 // (q . (code * sc + off) = (q * sc) . code + q . off), so each code is widened once and
@@ -272,9 +281,7 @@ void channel_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64
   constexpr uint32_t kMask = (1u << kBits) - 1u;
   const int64_t words = D / kPlanes;
   const uint32_t* src = static_cast<const uint32_t*>(k.data) + (r * k.slots + s0) * words;
-  uint32_t* wt = w.words_t.data();
-  for (int64_t t = 0; t < kTile; ++t)
-    for (int64_t i = 0; i < words; ++i) wt[i * kTile + t] = src[t * words + i];
+  const uint32_t* wt = words_slot_minor(src, words, kTile, w.words_t.data());
   float acc[kQ ? kQ : 8][kTile];
   for (int64_t i = 0; i < Q; ++i)
     for (int64_t t = 0; t < kTile; ++t) acc[i][t] = w.q_offset[i];
@@ -328,9 +335,7 @@ void token_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t
   const float half = static_cast<float>(1 << (kBits - 1));
   const int64_t first = r * k.slots + s0;
   const uint32_t* src = static_cast<const uint32_t*>(k.data) + first * words;
-  uint32_t* wt = w.words_t.data();  // [words, kTile] slot-minor; lanes past n read code 0
-  for (int64_t t = 0; t < kTile; ++t)
-    for (int64_t i = 0; i < words; ++i) wt[i * kTile + t] = t < n ? src[t * words + i] : 0u;
+  const uint32_t* wt = words_slot_minor(src, words, n, w.words_t.data());
   float acc[kQ ? kQ : 8][kTile] = {};
   for (int64_t g = 0; g < n_groups; ++g) {
     float part[kQ ? kQ : 8][kTile] = {};  // q . code over the group's channels
@@ -557,14 +562,9 @@ void run_item(Problem& P, int64_t item) {
   const int64_t n_groups = P.v.format == kPackedTokens ? D / P.v.group : 0;
   std::vector<float> acc(Q * D, 0.0f), off_acc(Q * n_groups, 0.0f);
   if (planes_in_groups(P.v, D)) {  // pass 2: values read once
-    switch (P.v.bits) {
-      case 2: add_token_values_run<2, kQ, kD>(P, r, lo, n, scores.data(), stride, acc.data(),
-                                              off_acc.data()); break;
-      case 4: add_token_values_run<4, kQ, kD>(P, r, lo, n, scores.data(), stride, acc.data(),
-                                              off_acc.data()); break;
-      default: add_token_values_run<8, kQ, kD>(P, r, lo, n, scores.data(), stride, acc.data(),
-                                               off_acc.data()); break;
-    }
+    auto run = P.v.bits == 2 ? add_token_values_run<2, kQ, kD>
+               : P.v.bits == 4 ? add_token_values_run<4, kQ, kD> : add_token_values_run<8, kQ, kD>;
+    run(P, r, lo, n, scores.data(), stride, acc.data(), off_acc.data());
   } else {
     for (int64_t s = 0; s < n; ++s)
       add_values<kQ, kD>(P, r, lo + s, &scores[s], stride, w, acc.data(), off_acc.data());
