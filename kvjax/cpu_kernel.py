@@ -54,7 +54,7 @@ from kvjax.stores import PackedChannels, PackedTokens
 SOURCE = Path(__file__).with_name("cpu_kernels") / "decode_attention.cc"
 TARGET = "kvjax_decode_attention"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
+         "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-DPFDIST=" + os.environ.get("PFDIST", "16"))
 CHUNK = 512
 """Slots per work item: a row's slots are split into chunks so both cores share one row."""
 

@@ -145,6 +145,13 @@ struct Tensor {
   bool symmetric;
   int64_t bits, group, rows, slots, dim, table_rows;
 
+  // Slots [s, ...) of row r as float32 rows [*, dim] read in place, or nullptr unless dense
+  // float32.
+  const float* dense_f32(int64_t r, int64_t s) const {
+    if (format != kDense || type != ffi::DataType::F32) return nullptr;
+    return static_cast<const float*>(data) + (r * slots + s) * dim;
+  }
+
   // Slot s of row r, decoded to out[0, dim). `table` keeps the last PackedChannels table row
   // converted to float32 ([2, dim]: scale, offset; `table_key` its index), so a row is
   // converted once per group of slots, not once per slot.
@@ -226,6 +233,7 @@ struct Problem {
   std::vector<float> m, l, acc;  // per item: [Q], [Q], [Q, D]
 };
 
+constexpr int64_t PF = PFDIST;
 constexpr int64_t kTile = 16;  // slots scored together, one per vector lane
 
 // Per-thread buffers of one work item.
@@ -384,6 +392,20 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
       }
     }
   }
+  if (const float* rows = k.dense_f32(r, s0)) {  // read in place, no copy
+    for (int64_t t = 0; t < n; ++t) {
+      const float* kt = rows + t * D;
+      for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(kt + PF * D + c);
+      for (int64_t i = 0; i < Q; ++i) {
+        const float* qi = q + i * D;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t c = 0; c < D; ++c) dot += qi[c] * kt[c];
+        out[i * stride + t] = dot;
+      }
+    }
+    return;
+  }
   float* buf = w.buf.data();
   for (int64_t t = 0; t < n; ++t) {
     k.decode(r, s0 + t, buf, w.k_table.data(), w.k_key);
@@ -399,19 +421,52 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
 
 constexpr int kValueTile = 4;  // slots whose per-token codes are added together
 
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+
+// A slot's packed words (kvjax.quant.pack: channel p * W + i is bits [p * kBits, (p + 1) *
+// kBits) of word i, W = kD * kBits / 32) laid out for 16-channel blocks: for W < 16 lane l
+// holds word l % W (the same for every block), for W >= 16 nothing is needed up front.
+template <int64_t W>
+inline u32x16 repeated_words(const uint32_t* w) {
+  if constexpr (W == 8) {
+    u32x8 h;
+    std::memcpy(&h, w, sizeof h);
+    return __builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+  } else if constexpr (W == 4) {
+    u32x4 h;
+    std::memcpy(&h, w, sizeof h);
+    return __builtin_shufflevector(h, h, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+  } else {
+    return u32x16{};
+  }
+}
+
+// The codes of channels [c0, c0 + 16) (c0 a multiple of 16) of the slot whose words are w
+// (`rep` = repeated_words<W>(w)), as float32 in one vector.
+template <int kBits, int64_t W>
+inline f32x16 block_codes(const uint32_t* w, u32x16 rep, int64_t c0) {
+  static_assert(W % 16 == 0 || 16 % W == 0, "a block's words are contiguous or repeated");
+  const u32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  u32x16 words = rep;
+  if constexpr (W >= 16) std::memcpy(&words, w + c0 % W, sizeof words);
+  const u32x16 shift = (static_cast<uint32_t>(c0) + lane) / static_cast<uint32_t>(W) * kBits;
+  return __builtin_convertvector((words >> shift) & ((1u << kBits) - 1u), f32x16);
+}
+
 // acc [Q, D] += weights p [Q, kN] (rows `p_stride` apart) times the per-token codes of slots
-// [s, s + kN) of row r, when each bit plane (W = D * kBits / 32 <= kMaxPlane channels) lies in
-// one group: a plane's codes of the kN slots are widened once, weighted by p x the group's
-// scale and summed before one update of acc (kN slots per read-modify-write of acc);
-// weight x offset goes to off_acc [Q, D / group] (once per group, not per channel).
+// [s, s + kN) of row r, each 16-channel block in one scale group: per block the kN slots' codes are
+// widened in one vector each, weighted by p x the group's scale and summed before one update
+// of acc; weight x offset goes to off_acc [Q, D / group] (once per group, not per channel).
 template <int kBits, int64_t kQ, int64_t kD, int kN>
 void add_token_values(const Problem& P, int64_t r, int64_t s, const float* p, int64_t p_stride,
                       float* acc, float* off_acc) {
-  const int64_t Q = kQ ? kQ : P.n_q, D = kD ? kD : P.dim;
+  constexpr int64_t W = kD * kBits / 32;
+  const int64_t Q = kQ ? kQ : P.n_q;
   const Tensor& v = P.v;
-  constexpr int kPlanes = 32 / kBits;
-  constexpr uint32_t kMask = (1u << kBits) - 1u;
-  const int64_t W = D / kPlanes, G = v.group, n_groups = D / G, first = r * v.slots + s;
+  const int64_t G = v.group, n_groups = kD / G, first = r * v.slots + s;
   const uint32_t* src = static_cast<const uint32_t*>(v.data) + first * W;  // [kN, W]
   // symmetric codes are centred when widened (code - 2^(bits-1), exact), so no offset sum
   // cancels against the codes' sum
@@ -424,31 +479,48 @@ void add_token_values(const Problem& P, int64_t r, int64_t s, const float* p, in
       }
     }
   }
-  float codes[kN * kMaxPlane];  // [kN, W] one plane of the kN slots
-  for (int plane = 0; plane < kPlanes; ++plane) {
-    float sc[kN];
-    for (int j = 0; j < kN; ++j) sc[j] = v.scale.at((first + j) * n_groups + plane * W / G);
+  u32x16 rep[kN];
+  for (int j = 0; j < kN; ++j) rep[j] = repeated_words<W>(src + j * W);
+  for (int64_t g = 0; g < n_groups; ++g) {
+    float wsc[kQ ? kQ : 8][kN];  // weight x the slot's scale of group g
     for (int j = 0; j < kN; ++j) {
-      const uint32_t* __restrict w = src + j * W;
-#pragma omp simd
-      for (int64_t c = 0; c < W; ++c)
-        codes[j * kMaxPlane + c] = static_cast<float>((w[c] >> (plane * kBits)) & kMask) - centre;
+      const float sc = v.scale.at((first + j) * n_groups + g);
+      for (int64_t i = 0; i < Q; ++i) wsc[i][j] = p[i * p_stride + j] * sc;
     }
-    for (int64_t i = 0; i < Q; ++i) {
-      float wi[kN];
-      for (int j = 0; j < kN; ++j) wi[j] = p[i * p_stride + j] * sc[j];
-      float* __restrict a = acc + i * D + plane * W;
-#pragma omp simd
-      for (int64_t c = 0; c < W; ++c) {
-        float t = 0.0f;
-        for (int j = 0; j < kN; ++j) t += wi[j] * codes[j * kMaxPlane + c];
-        a[c] += t;
+    for (int64_t c0 = g * G; c0 < (g + 1) * G; c0 += 16) {
+      f32x16 codes[kN];
+      for (int j = 0; j < kN; ++j)
+        codes[j] = block_codes<kBits, W>(src + j * W, rep[j], c0) - centre;
+      for (int64_t i = 0; i < Q; ++i) {
+        f32x16 a;
+        std::memcpy(&a, acc + i * kD + c0, sizeof a);
+        for (int j = 0; j < kN; ++j) a += wsc[i][j] * codes[j];
+        std::memcpy(acc + i * kD + c0, &a, sizeof a);
       }
     }
   }
 }
 
-// Values of slots [s, s + n) of row r through the fused per-token path, kValueTile at a time.
+// acc [Q, D] += weights p [Q, kN] (rows `p_stride` apart) times the dense float32 values
+// v [kN, D], summed over the kN slots before one update of acc.
+template <int64_t kQ, int64_t kD, int kN>
+void add_dense_values(const Problem& P, const float* v, const float* p, int64_t p_stride,
+                      float* acc) {
+  const int64_t Q = kQ ? kQ : P.n_q, D = kD ? kD : P.dim;
+  for (int64_t i = 0; i < Q; ++i) {
+    float wi[kN];
+    for (int j = 0; j < kN; ++j) wi[j] = p[i * p_stride + j];
+    float* __restrict a = acc + i * D;
+#pragma omp simd
+    for (int64_t c = 0; c < D; ++c) {
+      float t = 0.0f;
+      for (int j = 0; j < kN; ++j) t += wi[j] * v[j * D + c];
+      a[c] += t;
+    }
+  }
+}
+
+// Per-token values of slots [s, s + n) of row r, kValueTile at a time.
 template <int kBits, int64_t kQ, int64_t kD>
 void add_token_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const float* p,
                           int64_t p_stride, float* acc, float* off_acc) {
@@ -493,6 +565,33 @@ void add_values(const Problem& P, int64_t r, int64_t s, const float* p, int64_t 
 #pragma omp simd
     for (int64_t c = 0; c < D; ++c) a[c] += pi * buf[c];
   }
+}
+
+// acc [Q, D] += weights p [Q, n] (rows `p_stride` apart) times the values of slots [s, s + n)
+// of row r, each slot read once: dense float32 in place and per-token codes widened in
+// registers (kValueTile slots per update of acc), anything else decoded slot by slot.
+template <int64_t kQ, int64_t kD>
+void add_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const float* p,
+                    int64_t p_stride, Scratch& w, float* acc, float* off_acc) {
+  const int64_t Q = kQ ? kQ : P.n_q, D = kD ? kD : P.dim;
+  if (const float* v = P.v.dense_f32(r, s)) {
+    int64_t t = 0;
+    for (; t + kValueTile <= n; t += kValueTile) {
+      for (int64_t c = 0; c < kValueTile * D; c += 16) __builtin_prefetch(v + (t + PF) * D + c);
+      add_dense_values<kQ, kD, kValueTile>(P, v + t * D, p + t, p_stride, acc);
+    }
+    for (; t < n; ++t) add_dense_values<kQ, kD, 1>(P, v + t * D, p + t, p_stride, acc);
+    return;
+  }
+  if constexpr (kD != 0 && kD % 16 == 0) {
+    if (P.v.format == kPackedTokens && P.v.group % 16 == 0 && Q <= 8) {
+      auto run = P.v.bits == 2 ? add_token_values_run<2, kQ, kD>
+                 : P.v.bits == 4 ? add_token_values_run<4, kQ, kD>
+                                 : add_token_values_run<8, kQ, kD>;
+      return run(P, r, s, n, p, p_stride, acc, off_acc);
+    }
+  }
+  for (int64_t t = 0; t < n; ++t) add_values<kQ, kD>(P, r, s + t, p + t, p_stride, w, acc, off_acc);
 }
 
 // The softmax state of one (row, chunk) item over its slots, from scratch. `kQ` query rows
@@ -561,14 +660,7 @@ void run_item(Problem& P, int64_t item) {
   }
   const int64_t n_groups = P.v.format == kPackedTokens ? D / P.v.group : 0;
   std::vector<float> acc(Q * D, 0.0f), off_acc(Q * n_groups, 0.0f);
-  if (planes_in_groups(P.v, D)) {  // pass 2: values read once
-    auto run = P.v.bits == 2 ? add_token_values_run<2, kQ, kD>
-               : P.v.bits == 4 ? add_token_values_run<4, kQ, kD> : add_token_values_run<8, kQ, kD>;
-    run(P, r, lo, n, scores.data(), stride, acc.data(), off_acc.data());
-  } else {
-    for (int64_t s = 0; s < n; ++s)
-      add_values<kQ, kD>(P, r, lo + s, &scores[s], stride, w, acc.data(), off_acc.data());
-  }
+  add_values_run<kQ, kD>(P, r, lo, n, scores.data(), stride, w, acc.data(), off_acc.data());
   for (int64_t i = 0; i < Q; ++i)
     for (int64_t c = 0; c < D; ++c)
       out[i * D + c] = acc[i * D + c] + (n_groups ? off_acc[i * n_groups + c / P.v.group] : 0.0f);
