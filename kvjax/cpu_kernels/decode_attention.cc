@@ -104,9 +104,11 @@ struct Params {
     const uint16_t* h = static_cast<const uint16_t*>(data) + start;
     switch (type) {
       case ffi::DataType::F16:
+#pragma omp simd
         for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(h[i]);
         break;
       case ffi::DataType::BF16:
+#pragma omp simd
         for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(h[i]);
         break;
       default:
@@ -135,6 +137,8 @@ inline void unpack(const uint32_t* __restrict w, float* __restrict out, int64_t 
   }
 }
 
+constexpr int64_t kPrefetchAhead = 4096;  // bytes (2-8 KiB measured alike, within noise)
+
 // One tensor (keys or values) of a part, decoded a slot at a time.
 struct Tensor {
   Format format;
@@ -144,6 +148,20 @@ struct Tensor {
   Params scale, offset;
   bool symmetric;
   int64_t bits, group, rows, slots, dim, table_rows;
+
+  int64_t slot_bytes() const {
+    if (format != kDense) return dim * bits / 8;
+    return dim * (type == ffi::DataType::F32 ? 4 : 2);
+  }
+
+  // Asks the cache for slots [s, s + n) of row r's codes kPrefetchAhead bytes before they are
+  // read: a work item streams its slots in order, and the hardware prefetcher alone left the
+  // loads waiting on memory (a prefetch never faults, so the end of the buffer needs no check).
+  void prefetch(int64_t r, int64_t s, int64_t n) const {
+    const int64_t b = slot_bytes();
+    const char* from = static_cast<const char*>(data) + (r * slots + s) * b + kPrefetchAhead;
+    for (int64_t o = 0; o < n * b; o += 64) __builtin_prefetch(from + o);
+  }
 
   // Slots [s, ...) of row r as float32 rows [*, dim] read in place, or nullptr unless dense
   // float32.
@@ -233,7 +251,6 @@ struct Problem {
   std::vector<float> m, l, acc;  // per item: [Q], [Q], [Q, D]
 };
 
-constexpr int64_t PF = PFDIST;
 constexpr int64_t kTile = 16;  // slots scored together, one per vector lane
 
 // Per-thread buffers of one work item.
@@ -395,7 +412,6 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
   if (const float* rows = k.dense_f32(r, s0)) {  // read in place, no copy
     for (int64_t t = 0; t < n; ++t) {
       const float* kt = rows + t * D;
-      for (int64_t c = 0; c < D; c += 16) __builtin_prefetch(kt + PF * D + c);
       for (int64_t i = 0; i < Q; ++i) {
         const float* qi = q + i * D;
         float dot = 0.0f;
@@ -525,8 +541,10 @@ template <int kBits, int64_t kQ, int64_t kD>
 void add_token_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const float* p,
                           int64_t p_stride, float* acc, float* off_acc) {
   int64_t t = 0;
-  for (; t + kValueTile <= n; t += kValueTile)
+  for (; t + kValueTile <= n; t += kValueTile) {
+    P.v.prefetch(r, s + t, kValueTile);
     add_token_values<kBits, kQ, kD, kValueTile>(P, r, s + t, p + t, p_stride, acc, off_acc);
+  }
   for (; t < n; ++t)
     add_token_values<kBits, kQ, kD, 1>(P, r, s + t, p + t, p_stride, acc, off_acc);
 }
@@ -577,7 +595,7 @@ void add_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const flo
   if (const float* v = P.v.dense_f32(r, s)) {
     int64_t t = 0;
     for (; t + kValueTile <= n; t += kValueTile) {
-      for (int64_t c = 0; c < kValueTile * D; c += 16) __builtin_prefetch(v + (t + PF) * D + c);
+      P.v.prefetch(r, s + t, kValueTile);
       add_dense_values<kQ, kD, kValueTile>(P, v + t * D, p + t, p_stride, acc);
     }
     for (; t < n; ++t) add_dense_values<kQ, kD, 1>(P, v + t * D, p + t, p_stride, acc);
@@ -591,7 +609,10 @@ void add_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const flo
       return run(P, r, s, n, p, p_stride, acc, off_acc);
     }
   }
-  for (int64_t t = 0; t < n; ++t) add_values<kQ, kD>(P, r, s + t, p + t, p_stride, w, acc, off_acc);
+  for (int64_t t = 0; t < n; ++t) {
+    P.v.prefetch(r, s + t, 1);
+    add_values<kQ, kD>(P, r, s + t, p + t, p_stride, w, acc, off_acc);
+  }
 }
 
 // The softmax state of one (row, chunk) item over its slots, from scratch. `kQ` query rows
@@ -626,27 +647,30 @@ void run_item(Problem& P, int64_t item) {
       for (int64_t c = 0; c < D; ++c) q_sums[i * n_groups + c / P.k.group] += q[i * D + c];
     auto tile = P.k.bits == 2 ? token_tile_scores<2, kQ, kD>
                 : P.k.bits == 4 ? token_tile_scores<4, kQ, kD> : token_tile_scores<8, kQ, kD>;
-    for (int64_t t0 = 0; t0 < n; t0 += kTile)
+    for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      P.k.prefetch(r, lo + t0, std::min(kTile, n - t0));
       tile(P.k, Q, D, r, lo + t0, std::min(kTile, n - t0), q, q_sums.data(), w, &scores[t0],
            stride);
+    }
   } else {
-    for (int64_t t0 = 0; t0 < n; t0 += kTile)
+    for (int64_t t0 = 0; t0 < n; t0 += kTile) {
+      P.k.prefetch(r, lo + t0, std::min(kTile, n - t0));
       tile_scores<kQ, kD>(P, r, lo + t0, std::min(kTile, n - t0), q, w, &scores[t0], stride);
+    }
   }
   const bool* mask = P.mask + r * Q * P.slots + lo;  // [Q, C] of this row, from slot lo
   for (int64_t i = 0; i < Q; ++i) {  // scores -> weights exp(s - m) where visible, in place
-    float* si = &scores[i * stride];
-    const uint8_t* vis = reinterpret_cast<const uint8_t*>(mask + i * P.slots);  // 0 or 1
+    float* __restrict si = &scores[i * stride];
+    const uint8_t* __restrict vis = reinterpret_cast<const uint8_t*>(mask + i * P.slots);  // 0 or 1
 #pragma omp simd
     for (int64_t s = 0; s < n; ++s) si[s] *= P.scale;
     if (P.softcap > 0.0f)
       for (int64_t s = 0; s < n; ++s) si[s] = P.softcap * std::tanh(si[s] / P.softcap);
+#pragma omp simd
+    for (int64_t s = 0; s < n; ++s) si[s] = vis[s] != 0 ? si[s] : kNegInf;
     float mi = kNegInf;
 #pragma omp simd reduction(max : mi)
-    for (int64_t s = 0; s < n; ++s) {
-      si[s] = vis[s] != 0 ? si[s] : kNegInf;
-      mi = std::max(mi, si[s]);
-    }
+    for (int64_t s = 0; s < n; ++s) mi = mi > si[s] ? mi : si[s];
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t s = 0; s < n; ++s) {
