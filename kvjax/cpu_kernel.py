@@ -53,6 +53,9 @@ from kvjax.stores import PackedChannels, PackedTokens
 
 SOURCE = Path(__file__).with_name("cpu_kernels") / "decode_attention.cc"
 TARGET = "kvjax_decode_attention"
+MATMUL_TARGET = "kvjax_few_rows_matmul"
+MATMUL_ROWS = (2, 8)
+"""Rows `matmul` hands to the kernel: a batched decode step (one row: XLA's dot is as fast)."""
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-DPFDIST=" + os.environ.get("PFDIST", "16"))
 CHUNK = 512
@@ -117,6 +120,8 @@ def _registered() -> bool:
                       f"decode attention runs as XLA's loop", RuntimeWarning, stacklevel=3)
         return False
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.KvjaxDecodeAttention),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.KvjaxFewRowsMatmul),
                                 platform="cpu")
     return True
 
@@ -185,3 +190,38 @@ def attend_part(qg: jax.Array, mask: jax.Array, part, carry, *, scale: float,
                 round_p=exact_dtype and isinstance(part.v, jax.Array)
                 and part.v.dtype == jnp.bfloat16,
                 chunk=np.int64(CHUNK))
+
+
+def _runs_here() -> bool:
+    """Whether a program traced now may call the kernels (see the module docstring)."""
+    if getattr(_state, "off", False) or os.environ.get("KVJAX_CPU_KERNEL", "1") == "0":
+        return False
+    return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
+def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., K] @ w [K, N] in w's dtype (float32 or bf16), accumulated and returned in float32.
+
+    A batched decode step's few rows (`MATMUL_ROWS`, concrete shapes) on the CPU run in the
+    kernel, which streams w once (XLA:CPU's GEMM call for 2-8 rows cost about twice its one-row
+    dot, docs/DECISIONS.md); everything else is `jnp.dot`. Equal to the dot within float32
+    rounding (the sums are ordered differently).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x, w = jax.random.normal(jax.random.key(0), (3, 64)), jnp.ones((64, 32))
+        >>> bool(jnp.allclose(matmul(x, w), x @ w, atol=1e-5))
+        True
+    """
+    dot = lambda x, w: jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    lead = x.shape[:-1]
+    concrete = all(isinstance(n, int) for n in lead)
+    rows = int(np.prod(lead)) if concrete else 0
+    if (not MATMUL_ROWS[0] <= rows <= MATMUL_ROWS[1] or w.ndim != 2 or w.shape[1] % 16
+            or w.dtype not in (jnp.float32, jnp.bfloat16) or not _runs_here() or not _registered()):
+        return dot(x, w)
+    x_rows = x.reshape(rows, x.shape[-1]).astype(w.dtype).astype(jnp.float32)  # as the dot sees it
+    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))
+    kernel = lambda x_rows, w: call(x_rows, w).reshape(*lead, w.shape[1])
+    # picked when lowering: a TPU or GPU program (deviceless compile) keeps the dot
+    return jax.lax.platform_dependent(x_rows, w, cpu=kernel, default=lambda x_rows, w: dot(x, w))

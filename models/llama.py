@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 
 import kvjax
+from kvjax import cpu_kernel
 from kvjax.cache import Cache, CacheSpec, TokenCache
 from kvjax.stats import NO_STATS, LayerStats, StatsSpec, accumulate_mass, init_stats, observe
 
@@ -154,8 +155,11 @@ FEW_ROWS = 32  # most rows for which `Llama.logits` multiply-reduces instead of 
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., In] @ w [In, Out] in w's dtype, accumulated and returned in float32."""
-    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    """x [..., In] @ w [In, Out] in w's dtype, accumulated and returned in float32.
+
+    A batched decode step on the CPU runs in kvjax's few-row kernel (`kvjax.cpu_kernel.matmul`).
+    """
+    return cpu_kernel.matmul(x, w)
 
 
 class Dense(nnx.Module):

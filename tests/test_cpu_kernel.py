@@ -122,3 +122,50 @@ def test_benchmark_rows_compare_kernel_and_loop():
     row = measure("kivi:bits=4", 1, 200, 1, n_layers=2)
     assert row["max_abs_diff"] < 1e-5 and row["kernel_ms"] > 0 and row["xla_loop_ms"] > 0
     assert row["cache_mb"] > 0 and row["layers"] == 2
+
+
+# ---- the few-row matmul (cpu_kernel.matmul) against jnp.dot ----
+
+def _matmul_both(x, w):
+    lowered = jax.jit(cpu_kernel.matmul).lower(x, w)
+    dot = jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return lowered, np.asarray(lowered.compile()(x, w)), np.asarray(dot)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("lead,k,n", [((2,), 576, 1536), ((8, 1), 1536, 576), ((5,), 37, 48),
+                                      ((3, 2), 19, 16), ((8,), 4, 192)])
+def test_matmul_equals_the_dot(dtype, lead, k, n):
+    """2-8 rows in the kernel: every shape class (row counts 2-8, K not a multiple of the
+    4-row unroll or the 16-row tile, N with a lone 16-column tile) equals the dot to float32
+    rounding of a K-term sum (|x| |w| summed, times a few ulps)."""
+    x = jax.random.normal(jax.random.key(0), (*lead, k))
+    w = jax.random.normal(jax.random.key(1), (k, n)).astype(dtype)
+    lowered, got, want = _matmul_both(x, w)
+    assert cpu_kernel.MATMUL_TARGET in lowered.as_text()
+    assert got.shape == (*lead, n)
+    bound = np.asarray(jnp.abs(x.astype(dtype).astype(jnp.float32)) @ jnp.abs(w.astype(jnp.float32)))
+    np.testing.assert_array_less(np.abs(got - want), 4 * np.finfo(np.float32).eps * bound + 1e-30)
+
+
+@pytest.mark.parametrize("shape,n,dtype", [((1, 64), 32, jnp.float32), ((9, 64), 32, jnp.float32),
+                                           ((4, 64), 40, jnp.float32), ((4, 64), 32, jnp.float16)])
+def test_matmul_outside_the_kernel_is_the_dot(shape, n, dtype):
+    """One row, more than 8 rows, N not a multiple of 16 and float16 weights keep jnp.dot."""
+    x = jax.random.normal(jax.random.key(0), shape)
+    w = jax.random.normal(jax.random.key(1), (shape[-1], n)).astype(dtype)
+    lowered, got, want = _matmul_both(x, w)
+    assert cpu_kernel.MATMUL_TARGET not in lowered.as_text()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_matmul_opt_out_keeps_the_dot(monkeypatch):
+    """`disabled()` (what models/export.py traces under) and KVJAX_CPU_KERNEL=0 keep the dot."""
+    x, w = jnp.ones((4, 64)), jnp.ones((64, 32))
+    assert cpu_kernel.MATMUL_TARGET in jax.jit(lambda x, w: cpu_kernel.matmul(x, w)).lower(x, w).as_text()
+    with cpu_kernel.disabled():
+        text = jax.jit(lambda x, w: cpu_kernel.matmul(x, w)).lower(x, w).as_text()
+    assert cpu_kernel.MATMUL_TARGET not in text
+    monkeypatch.setenv("KVJAX_CPU_KERNEL", "0")
+    text = jax.jit(lambda x, w: cpu_kernel.matmul(x, w)).lower(x, w).as_text()
+    assert cpu_kernel.MATMUL_TARGET not in text

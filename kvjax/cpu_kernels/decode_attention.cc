@@ -812,6 +812,126 @@ ffi::Error DecodeAttention(
   return ffi::Error::Success();
 }
 
+
+// ---- Few-row matmul: y [R, N] = x [R, K] @ w [K, N] for a decode step's weights ----
+//
+// XLA:CPU runs a dot of 2-8 rows through a GEMM library call that costs about twice the
+// one-row dot although both read the same weights (docs/DECISIONS.md). Here w is split into
+// blocks of contiguous rows, one work item each, streamed once (4 rows per update of the item's
+// [R, N] partial sums, which stay in L1/L2) with the rows kMatmulAheadRows ahead prefetched; the
+// partial sums are added in block order, so the result does not depend on the threads.
+
+constexpr int64_t kMatmulMaxRows = 8;
+constexpr int64_t kMatmulTileRows = 16;  // rows of w per pass over the columns
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+// Columns [c, c + 16) of row k of w as float32 (bf16 widened exactly).
+template <bool kBf16>
+inline f32x16 weight_vector(const void* w, int64_t N, int64_t k, int64_t c) {
+  f32x16 out;
+  if constexpr (kBf16) {
+    u16x16 h;
+    std::memcpy(&h, static_cast<const uint16_t*>(w) + k * N + c, sizeof h);
+    const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
+    std::memcpy(&out, &bits, sizeof out);
+  } else {
+    std::memcpy(&out, static_cast<const float*>(w) + k * N + c, sizeof out);
+  }
+  return out;
+}
+
+// part [R, N] += x[:, k0:k1] @ w[k0:k1, c:c + 16 * kV] for R = kR rows: the kR x kV sums stay
+// in registers while the rows of w stream past; the same columns of the next kMatmulTileRows
+// rows are prefetched.
+template <int kR, int kV, bool kBf16>
+inline void matmul_tile(const float* x, const void* w, int64_t K, int64_t N, int64_t k0,
+                        int64_t k1, int64_t c, float* part) {
+  const char* bytes = static_cast<const char*>(w);
+  const int64_t elem = kBf16 ? 2 : 4;
+  f32x16 acc[kR][kV];
+  for (int r = 0; r < kR; ++r)
+    for (int v = 0; v < kV; ++v) std::memcpy(&acc[r][v], part + r * N + c + 16 * v, 64);
+  for (int64_t k = k0; k < k1; ++k) {
+    for (int v = 0; v < kV; ++v)
+      __builtin_prefetch(bytes + ((k + kMatmulTileRows) * N + c + 16 * v) * elem);
+    f32x16 wk[kV];
+    for (int v = 0; v < kV; ++v) wk[v] = weight_vector<kBf16>(w, N, k, c + 16 * v);
+    for (int r = 0; r < kR; ++r) {
+      const float xr = x[r * K + k];
+      for (int v = 0; v < kV; ++v) acc[r][v] += xr * wk[v];
+    }
+  }
+  for (int r = 0; r < kR; ++r)
+    for (int v = 0; v < kV; ++v) std::memcpy(part + r * N + c + 16 * v, &acc[r][v], 64);
+}
+
+// part [R, N] = x[:, k0:k1] @ w[k0:k1] for R = kR rows (N a multiple of 16), kMatmulTileRows
+// rows of w at a time, each walked in 32-column tiles.
+template <int kR, bool kBf16>
+void matmul_rows(const float* x, const void* w, int64_t K, int64_t N, int64_t k0, int64_t k1,
+                 float* part) {
+  std::fill(part, part + kR * N, 0.0f);
+  for (int64_t kt = k0; kt < k1; kt += kMatmulTileRows) {
+    const int64_t kn = std::min(k1, kt + kMatmulTileRows);
+    int64_t c = 0;
+    for (; c + 32 <= N; c += 32) matmul_tile<kR, 2, kBf16>(x, w, K, N, kt, kn, c, part);
+    if (c < N) matmul_tile<kR, 1, kBf16>(x, w, K, N, kt, kn, c, part);
+  }
+}
+
+using Rows = void (*)(const float*, const void*, int64_t, int64_t, int64_t, int64_t, float*);
+
+template <bool kBf16>
+Rows rows_for(int64_t rows) {
+  switch (rows) {
+    case 1: return matmul_rows<1, kBf16>;
+    case 2: return matmul_rows<2, kBf16>;
+    case 3: return matmul_rows<3, kBf16>;
+    case 4: return matmul_rows<4, kBf16>;
+    case 5: return matmul_rows<5, kBf16>;
+    case 6: return matmul_rows<6, kBf16>;
+    case 7: return matmul_rows<7, kBf16>;
+    default: return matmul_rows<8, kBf16>;
+  }
+}
+
+ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                         ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("few-rows matmul: x must be [R, K] and w [K, N]");
+  const int64_t R = xd[0], K = xd[1], N = wd[1];
+  if (R < 1 || R > kMatmulMaxRows || N % 16 != 0)
+    return ffi::Error::InvalidArgument("few-rows matmul: needs 1 <= R <= 8 and N % 16 == 0");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!bf16 && w.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("few-rows matmul: w must be float32 or bfloat16");
+  // blocks of rows: 2 per thread (some balance if a core is busy), each at least 16 rows
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(2 * (pool.num_threads() + 1),
+                                                                K / 16));
+  const int64_t block_rows = (K + blocks - 1) / blocks;
+  thread_local std::vector<float> parts;  // reused: a fresh allocation per call page-faults
+  parts.resize(blocks * R * N);
+  float* partial = parts.data();  // (a lambda would read another thread's thread_local)
+  const Rows rows = bf16 ? rows_for<true>(R) : rows_for<false>(R);
+  const float* xp = x.typed_data();
+  const void* wp = w.untyped_data();
+  parallel_for(pool, blocks, [&](int64_t b) {
+    const int64_t k0 = std::min(K, b * block_rows), k1 = std::min(K, k0 + block_rows);
+    rows(xp, wp, K, N, k0, k1, partial + b * R * N);
+  });
+  float* yp = y->typed_data();
+  std::copy(partial, partial + R * N, yp);
+  for (int64_t b = 1; b < blocks; ++b) {
+    const float* pb = partial + b * R * N;
+#pragma omp simd
+    for (int64_t i = 0; i < R * N; ++i) yp[i] += pb[i];
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -847,3 +967,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("softcap")
         .Attr<bool>("round_p")
         .Attr<int64_t>("chunk"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KvjaxFewRowsMatmul, FewRowsMatmul,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()   // x [R, K]
+        .Arg<ffi::AnyBuffer>()          // w [K, N] f32 or bf16
+        .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
