@@ -1,4 +1,4 @@
-"""Decode attention on the CPU as a hand-written kernel (an XLA FFI custom call).
+"""A decode step's attention and batched matmuls on the CPU as hand-written kernels (XLA FFI).
 
 XLA:CPU cannot fuse the decode of a packed cache block into the dot that reads
 it, so `attend_blockwise` on a 4-bit KIVI cache decoded every block to float32
@@ -18,6 +18,10 @@ float32/bf16 array, a `PackedTokens` or a `PackedChannels` store. Everything
 else, every multi-device run (a custom call would not be partitioned) and every
 `jax.export` (`disabled()`) uses the XLA loop. `KVJAX_CPU_KERNEL=0` switches it
 off; without a compiler it warns once and the XLA loop runs.
+
+The same library holds `matmul`, the weights' product for a batched decode step (2-8 rows):
+XLA:CPU's GEMM call for a few rows cost about twice its one-row dot; the kernel streams each
+weight once (same conditions: CPU, one device, not under `disabled()`).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -151,9 +155,7 @@ def usable(part) -> bool:
     The caller decides what a decode step is (`attend_blockwise`: at most
     `MATVEC_ROWS` query rows per kv head).
     """
-    if getattr(_state, "off", False) or os.environ.get("KVJAX_CPU_KERNEL", "1") == "0":
-        return False
-    if jax.default_backend() != "cpu" or jax.device_count() != 1:
+    if not _runs_here():
         return False
     if any(jax.export.is_symbolic_dim(d) for d in part.pos.shape):
         return False

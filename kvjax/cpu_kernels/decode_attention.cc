@@ -1,4 +1,5 @@
 // Decode attention over one cache part on the CPU: an XLA FFI handler (kvjax/cpu_kernel.py).
+// (The file's second handler, KvjaxFewRowsMatmul, is the decode step's 2-8-row weight product.)
 //
 // One call continues the running softmax (m, l, acc) of `kvjax.attention.attend_blockwise`
 // over the slots [0, length) of a part whose keys and values are each a dense float32 or
