@@ -3,7 +3,8 @@
 Each case traces `kvjax.attend` twice: as shipped (the kernel on this CPU) and under
 `cpu_kernel.disabled()` (the blockwise XLA loop), on the same layer and queries. Both
 decode the same codes to the same floats and sum in another order, so outputs agree to
-float32 rounding of a D-term dot and a softmax over the slots (`TOL`).
+float32 rounding of a D-term dot and a softmax over the slots (`TOL`). The few-row matmul
+(`cpu_kernel.matmul`, last section) is compared with `jnp.dot`.
 """
 
 import os
