@@ -269,6 +269,12 @@ struct Scratch {
 // slot per lane; lanes past n hold 0 (code 0). Returns out.
 inline const uint32_t* words_slot_minor(const uint32_t* src, int64_t words, int64_t n,
                                         uint32_t* out) {
+  if (n == kTile) {  // one 16-lane gather per word
+    for (int64_t i = 0; i < words; ++i)
+#pragma omp simd
+      for (int64_t t = 0; t < kTile; ++t) out[i * kTile + t] = src[t * words + i];
+    return out;
+  }
   for (int64_t t = 0; t < kTile; ++t)
     for (int64_t i = 0; i < words; ++i) out[i * kTile + t] = t < n ? src[t * words + i] : 0u;
   return out;
