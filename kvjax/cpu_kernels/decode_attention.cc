@@ -829,6 +829,7 @@ ffi::Error DecodeAttention(
 // partial sums are added in block order, so the result does not depend on the threads.
 
 constexpr int64_t kMatmulMaxRows = 8;
+constexpr int64_t kMatmulParallelBytes = 256 << 10;  // smaller weights run on one thread
 constexpr int64_t kMatmulTileRows = 16;  // rows of w per pass over the columns
 
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -915,9 +916,11 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
   if (!bf16 && w.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("few-rows matmul: w must be float32 or bfloat16");
-  // blocks of rows: 2 per thread (some balance if a core is busy), each at least 16 rows
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(2 * (pool.num_threads() + 1),
-                                                                K / 16));
+  // blocks of rows: 2 per thread (some balance if a core is busy), each at least 16 rows; a
+  // small w is one block on the calling thread (waking helpers would cost more than it saves)
+  const int64_t w_bytes = K * N * (bf16 ? 2 : 4);
+  const int64_t blocks = w_bytes < kMatmulParallelBytes ? 1
+      : std::max<int64_t>(1, std::min<int64_t>(2 * (pool.num_threads() + 1), K / 16));
   const int64_t block_rows = (K + blocks - 1) / blocks;
   thread_local std::vector<float> parts;  // reused: a fresh allocation per call page-faults
   parts.resize(blocks * R * N);
