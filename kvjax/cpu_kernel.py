@@ -61,7 +61,7 @@ MATMUL_TARGET = "kvjax_few_rows_matmul"
 MATMUL_ROWS = (2, 8)
 """Rows `matmul` hands to the kernel: a batched decode step (one row: XLA's dot is as fast)."""
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
-         "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC", "-DPFDIST=" + os.environ.get("PFDIST", "16"))
+         "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
 CHUNK = 512
 """Slots per work item: a row's slots are split into chunks so both cores share one row."""
 

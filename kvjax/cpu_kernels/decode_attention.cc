@@ -416,27 +416,16 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
       }
     }
   }
-  if (const float* rows = k.dense_f32(r, s0)) {  // read in place, no copy
-    for (int64_t t = 0; t < n; ++t) {
-      const float* kt = rows + t * D;
-      for (int64_t i = 0; i < Q; ++i) {
-        const float* qi = q + i * D;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t c = 0; c < D; ++c) dot += qi[c] * kt[c];
-        out[i * stride + t] = dot;
-      }
-    }
-    return;
-  }
+  const float* dense = k.dense_f32(r, s0);  // dense float32 is read in place, no copy
   float* buf = w.buf.data();
   for (int64_t t = 0; t < n; ++t) {
-    k.decode(r, s0 + t, buf, w.k_table.data(), w.k_key);
+    const float* kt = dense ? dense + t * D : buf;
+    if (!dense) k.decode(r, s0 + t, buf, w.k_table.data(), w.k_key);
     for (int64_t i = 0; i < Q; ++i) {
       const float* qi = q + i * D;
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t c = 0; c < D; ++c) dot += qi[c] * buf[c];
+      for (int64_t c = 0; c < D; ++c) dot += qi[c] * kt[c];
       out[i * stride + t] = dot;
     }
   }
@@ -824,9 +813,9 @@ ffi::Error DecodeAttention(
 //
 // XLA:CPU runs a dot of 2-8 rows through a GEMM library call that costs about twice the
 // one-row dot although both read the same weights (docs/DECISIONS.md). Here w is split into
-// blocks of contiguous rows, one work item each, streamed once (4 rows per update of the item's
-// [R, N] partial sums, which stay in L1/L2) with the rows kMatmulAheadRows ahead prefetched; the
-// partial sums are added in block order, so the result does not depend on the threads.
+// blocks of contiguous rows, one work item each, streamed once (kMatmulTileRows rows at a time
+// in 32-column tiles whose R x 32 sums stay in registers); the blocks' partial sums are added
+// in block order, so the result does not depend on the threads.
 
 constexpr int64_t kMatmulMaxRows = 8;
 constexpr int64_t kMatmulParallelBytes = 256 << 10;  // smaller weights run on one thread
