@@ -104,10 +104,16 @@ struct Params {
   void load(int64_t start, int64_t n, float* __restrict out) const {
     const uint16_t* h = static_cast<const uint16_t*>(data) + start;
     switch (type) {
-      case ffi::DataType::F16:
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(h[i]);
+      case ffi::DataType::F16: {
+        int64_t i = 0;
+#ifdef __F16C__
+        for (; i + 8 <= n; i += 8)  // 8 halves per conversion (the scalar one showed in profiles)
+          _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                        reinterpret_cast<const __m128i*>(h + i))));
+#endif
+        for (; i < n; ++i) out[i] = f16_to_f32(h[i]);
         break;
+      }
       case ffi::DataType::BF16:
 #pragma omp simd
         for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(h[i]);
@@ -136,6 +142,17 @@ inline void unpack(const uint32_t* __restrict w, float* __restrict out, int64_t 
 #pragma omp simd
     for (int64_t i = 0; i < words; ++i) o[i] = static_cast<float>((w[i] >> (p * kBits)) & kMask);
   }
+}
+
+// A per-thread buffer of at least n floats, one per use, kept across work items (a fresh vector
+// per item showed in profiles as malloc + memset); its contents are whatever the last use left.
+enum class Use { kScores, kRawParams, kKeyScales, kKeyOffsets, kValueScales, kValueOffsets,
+                 kWeights };
+template <Use kUse>
+float* reused(int64_t n) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
 }
 
 constexpr int64_t kPrefetchAhead = 4096;  // bytes (2-8 KiB measured alike, within noise)
@@ -169,6 +186,25 @@ struct Tensor {
   const float* dense_f32(int64_t r, int64_t s) const {
     if (format != kDense || type != ffi::DataType::F32) return nullptr;
     return static_cast<const float*>(data) + (r * slots + s) * dim;
+  }
+
+  // Per-token scales and offsets of slots [s, s + n) of row r as float32, group-major:
+  // sc[g * n + t], off[g * n + t] (a symmetric store's offset is -2^(bits-1) x scale). One
+  // vectorized conversion per item instead of a converted scalar per slot and group.
+  void token_params(int64_t r, int64_t s, int64_t n, float* __restrict sc,
+                    float* __restrict off) const {
+    const int64_t n_groups = dim / group, first = (r * slots + s) * n_groups;
+    float* raw = reused<Use::kRawParams>(n * n_groups);  // [n, n_groups] as stored
+    auto group_major = [&](const Params& from, float* __restrict to) {
+      from.load(first, n * n_groups, raw);
+      for (int64_t g = 0; g < n_groups; ++g)
+        for (int64_t t = 0; t < n; ++t) to[g * n + t] = raw[t * n_groups + g];
+    };
+    group_major(scale, sc);
+    if (!symmetric) return group_major(offset, off);
+    const float half = static_cast<float>(1 << (bits - 1));
+#pragma omp simd
+    for (int64_t i = 0; i < n * n_groups; ++i) off[i] = -half * sc[i];
   }
 
   // Slot s of row r, decoded to out[0, dim). `table` keeps the last PackedChannels table row
@@ -280,6 +316,28 @@ inline const uint32_t* words_slot_minor(const uint32_t* src, int64_t words, int6
   return out;
 }
 
+// Plane p of a packed word as float32 code x 2^(p * kBits): the bits masked in place, no shift.
+// Exact (at most 8 significant bits); the caller scales its other factor by 2^-(p * kBits)
+// (plane_scaled), which leaves every product unchanged, and saves a shift per code vector.
+template <int kBits>
+inline float plane_in_place(uint32_t word, int64_t p) {
+  return static_cast<float>(word & (((1u << kBits) - 1u) << (p * kBits)));
+}
+
+// x [Q, D] with channel c (in bit plane c / (D * kBits / 32)) times 2^-(plane * kBits), to pair
+// with plane_in_place: exact powers of two, so each product is the same float.
+template <int kBits>
+void plane_scaled(const float* x, int64_t Q, int64_t D, float* out) {
+  const int64_t words = D * kBits / 32;
+  for (int64_t i = 0; i < Q; ++i) {
+    for (int64_t p = 0; p < 32 / kBits; ++p) {
+      const float factor = 1.0f / static_cast<float>(1u << (p * kBits));  // <= 2^30: exact
+#pragma omp simd
+      for (int64_t c = p * words; c < (p + 1) * words; ++c) out[i * D + c] = x[i * D + c] * factor;
+    }
+  }
+}
+
 // Scores (before `scale`) of queries q [Q, D] with the keys of slots [s0, s0 + kTile) of row r,
 // all in table row `key` of a PackedChannels store: the table is folded into the queries
 // (q . (code * sc + off) = (q * sc) . code + q . off), so each code is widened once and
@@ -307,10 +365,10 @@ void channel_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64
       }
       w.q_offset[i] = dot;
     }
+    plane_scaled<kBits>(w.q_scaled.data(), Q, D, w.q_scaled.data());
     w.q_key = key;
   }
   constexpr int kPlanes = 32 / kBits;
-  constexpr uint32_t kMask = (1u << kBits) - 1u;
   const int64_t words = D / kPlanes;
   const uint32_t* src = static_cast<const uint32_t*>(k.data) + (r * k.slots + s0) * words;
   const uint32_t* wt = words_slot_minor(src, words, kTile, w.words_t.data());
@@ -321,8 +379,7 @@ void channel_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64
     for (int p = 0; p < kPlanes; ++p) {
       float code[kTile];
 #pragma omp simd
-      for (int64_t t = 0; t < kTile; ++t)
-        code[t] = static_cast<float>((wt[i * kTile + t] >> (p * kBits)) & kMask);
+      for (int64_t t = 0; t < kTile; ++t) code[t] = plane_in_place<kBits>(wt[i * kTile + t], p);
       const int64_t c = p * words + i;
       for (int64_t j = 0; j < Q; ++j) {
         const float qc = w.q_scaled[j * D + c];
@@ -354,19 +411,18 @@ inline bool planes_in_groups(const Tensor& t, int64_t dim) {
 
 // Scores (before `scale`) of queries q [Q <= 8, D] with the per-token keys of slots
 // [s0, s0 + n), n <= kTile, of row r: out [Q, n], rows `stride` apart. One slot per vector
-// lane: each code is widened once and multiplied into the Q queries' lanes; per group g the
-// lanes' sums are scaled by each slot's scale and its offset enters as offset x (sum of the
-// query over g) (`q_sums` [Q, D / group]).
+// lane: each code is widened once and multiplied into the Q queries' lanes (q_planes: the
+// queries plane_scaled); per group g the lanes' sums are scaled by each slot's scale and its
+// offset enters as offset x (sum of the query over g) (`q_sums` [Q, D / group]). sc, off: the
+// slots' scales and offsets (Tensor::token_params) from slot s0, groups `g_stride` apart.
 template <int kBits, int64_t kQ, int64_t kD>
 void token_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t s0, int64_t n,
-                       const float* q, const float* q_sums, Scratch& w, float* out,
+                       const float* q_planes, const float* q_sums, const float* sc,
+                       const float* off, int64_t g_stride, Scratch& w, float* out,
                        int64_t stride) {
   constexpr int kPlanes = 32 / kBits;
-  constexpr uint32_t kMask = (1u << kBits) - 1u;
   const int64_t words = D / kPlanes, n_groups = D / k.group, planes_per_group = k.group / words;
-  const float half = static_cast<float>(1 << (kBits - 1));
-  const int64_t first = r * k.slots + s0;
-  const uint32_t* src = static_cast<const uint32_t*>(k.data) + first * words;
+  const uint32_t* src = static_cast<const uint32_t*>(k.data) + (r * k.slots + s0) * words;
   const uint32_t* wt = words_slot_minor(src, words, n, w.words_t.data());
   float acc[kQ ? kQ : 8][kTile] = {};
   for (int64_t g = 0; g < n_groups; ++g) {
@@ -375,25 +431,20 @@ void token_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t
       for (int64_t i = 0; i < words; ++i) {
         float code[kTile];
 #pragma omp simd
-        for (int64_t t = 0; t < kTile; ++t)
-          code[t] = static_cast<float>((wt[i * kTile + t] >> (p * kBits)) & kMask);
+        for (int64_t t = 0; t < kTile; ++t) code[t] = plane_in_place<kBits>(wt[i * kTile + t], p);
         for (int64_t j = 0; j < Q; ++j) {
-          const float qc = q[j * D + p * words + i];
+          const float qc = q_planes[j * D + p * words + i];
 #pragma omp simd
           for (int64_t t = 0; t < kTile; ++t) part[j][t] += qc * code[t];
         }
       }
     }
-    float sc[kTile], off[kTile];
-    for (int64_t t = 0; t < kTile; ++t) {
-      sc[t] = t < n ? k.scale.at((first + t) * n_groups + g) : 0.0f;
-      off[t] = k.symmetric ? -half * sc[t] : (t < n ? k.offset.at((first + t) * n_groups + g)
-                                                     : 0.0f);
-    }
+    const float* sg = sc + g * g_stride;  // lanes past n read padding, never written out
+    const float* og = off + g * g_stride;
     for (int64_t j = 0; j < Q; ++j) {
       const float qs = q_sums[j * n_groups + g];
 #pragma omp simd
-      for (int64_t t = 0; t < kTile; ++t) acc[j][t] += sc[t] * part[j][t] + off[t] * qs;
+      for (int64_t t = 0; t < kTile; ++t) acc[j][t] += sg[t] * part[j][t] + og[t] * qs;
     }
   }
   for (int64_t j = 0; j < Q; ++j)
@@ -468,37 +519,25 @@ inline f32x16 block_codes(const uint32_t* w, u32x16 rep, int64_t c0) {
   return __builtin_convertvector((words >> shift) & ((1u << kBits) - 1u), f32x16);
 }
 
-// acc [Q, D] += weights p [Q, kN] (rows `p_stride` apart) times the per-token codes of slots
-// [s, s + kN) of row r, each 16-channel block in one scale group: per block the kN slots' codes are
-// widened in one vector each, weighted by p x the group's scale and summed before one update
-// of acc; weight x offset goes to off_acc [Q, D / group] (once per group, not per channel).
+// acc [Q, D] += the per-token codes of slots [s, s + kN) of row r weighted by wsc [G, Q, *]
+// (weight x the slot's scale of group g, from slot s; rows `w_stride` apart, groups Q rows
+// apart). Each 16-channel block lies in one scale group: the kN slots' codes are widened in one
+// vector each and summed before one update of acc. Offsets are the caller's (add_values_run).
 template <int kBits, int64_t kQ, int64_t kD, int kN>
-void add_token_values(const Problem& P, int64_t r, int64_t s, const float* p, int64_t p_stride,
-                      float* acc, float* off_acc) {
+void add_token_values(const Problem& P, int64_t r, int64_t s, const float* wsc, int64_t w_stride,
+                      float* acc) {
   constexpr int64_t W = kD * kBits / 32;
   const int64_t Q = kQ ? kQ : P.n_q;
   const Tensor& v = P.v;
-  const int64_t G = v.group, n_groups = kD / G, first = r * v.slots + s;
-  const uint32_t* src = static_cast<const uint32_t*>(v.data) + first * W;  // [kN, W]
+  const int64_t G = v.group, n_groups = kD / G;
+  const uint32_t* src = static_cast<const uint32_t*>(v.data) + (r * v.slots + s) * W;  // [kN, W]
   // symmetric codes are centred when widened (code - 2^(bits-1), exact), so no offset sum
   // cancels against the codes' sum
   const float centre = v.symmetric ? static_cast<float>(1 << (kBits - 1)) : 0.0f;
-  if (!v.symmetric) {
-    for (int j = 0; j < kN; ++j) {
-      for (int64_t g = 0; g < n_groups; ++g) {
-        const float off = v.offset.at((first + j) * n_groups + g);
-        for (int64_t i = 0; i < Q; ++i) off_acc[i * n_groups + g] += p[i * p_stride + j] * off;
-      }
-    }
-  }
   u32x16 rep[kN];
   for (int j = 0; j < kN; ++j) rep[j] = repeated_words<W>(src + j * W);
   for (int64_t g = 0; g < n_groups; ++g) {
-    float wsc[kQ ? kQ : 8][kN];  // weight x the slot's scale of group g
-    for (int j = 0; j < kN; ++j) {
-      const float sc = v.scale.at((first + j) * n_groups + g);
-      for (int64_t i = 0; i < Q; ++i) wsc[i][j] = p[i * p_stride + j] * sc;
-    }
+    const float* wg = wsc + g * Q * w_stride;
     for (int64_t c0 = g * G; c0 < (g + 1) * G; c0 += 16) {
       f32x16 codes[kN];
       for (int j = 0; j < kN; ++j)
@@ -506,7 +545,7 @@ void add_token_values(const Problem& P, int64_t r, int64_t s, const float* p, in
       for (int64_t i = 0; i < Q; ++i) {
         f32x16 a;
         std::memcpy(&a, acc + i * kD + c0, sizeof a);
-        for (int j = 0; j < kN; ++j) a += wsc[i][j] * codes[j];
+        for (int j = 0; j < kN; ++j) a += wg[i * w_stride + j] * codes[j];
         std::memcpy(acc + i * kD + c0, &a, sizeof a);
       }
     }
@@ -532,17 +571,39 @@ void add_dense_values(const Problem& P, const float* v, const float* p, int64_t 
   }
 }
 
-// Per-token values of slots [s, s + n) of row r, kValueTile at a time.
+// acc [Q, D] += weights p [Q, n] (rows `p_stride` apart) times the per-token values of slots
+// [s, s + n) of row r, kValueTile slots at a time; weight x offset goes to off_acc
+// [Q, D / group] (one dot per query and group). The slots' scales are folded into the weights
+// up front (wsc [G, Q, n]), so the slot loop reads no per-slot parameter.
 template <int kBits, int64_t kQ, int64_t kD>
 void add_token_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const float* p,
                           int64_t p_stride, float* acc, float* off_acc) {
+  const int64_t Q = kQ ? kQ : P.n_q, n_groups = kD / P.v.group;
+  float* sc = reused<Use::kValueScales>(n_groups * n);
+  float* off = reused<Use::kValueOffsets>(n_groups * n);
+  float* wsc = reused<Use::kWeights>(n_groups * Q * n);
+  P.v.token_params(r, s, n, sc, off);
+  for (int64_t g = 0; g < n_groups; ++g) {
+    for (int64_t i = 0; i < Q; ++i) {
+      const float* __restrict pi = p + i * p_stride;
+      float* __restrict wi = &wsc[(g * Q + i) * n];
+      const float* sg = &sc[g * n];
+      const float* og = &off[g * n];
+#pragma omp simd
+      for (int64_t t = 0; t < n; ++t) wi[t] = pi[t] * sg[t];
+      if (P.v.symmetric) continue;  // centred codes instead (add_token_values)
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t t = 0; t < n; ++t) dot += pi[t] * og[t];
+      off_acc[i * n_groups + g] += dot;
+    }
+  }
   int64_t t = 0;
   for (; t + kValueTile <= n; t += kValueTile) {
     P.v.prefetch(r, s + t, kValueTile);
-    add_token_values<kBits, kQ, kD, kValueTile>(P, r, s + t, p + t, p_stride, acc, off_acc);
+    add_token_values<kBits, kQ, kD, kValueTile>(P, r, s + t, &wsc[t], n, acc);
   }
-  for (; t < n; ++t)
-    add_token_values<kBits, kQ, kD, 1>(P, r, s + t, p + t, p_stride, acc, off_acc);
+  for (; t < n; ++t) add_token_values<kBits, kQ, kD, 1>(P, r, s + t, &wsc[t], n, acc);
 }
 
 // acc [Q, D] += weights p [Q] (`p_stride` apart) times the values of slot s of row r, decoded
@@ -633,7 +694,7 @@ void run_item(Problem& P, int64_t item) {
   w.q_scaled.resize(Q * D);
   w.q_offset.resize(Q);
   w.words_t.resize(D * kTile);
-  std::vector<float> scores(Q * tiles * kTile);  // [Q, tiles * kTile]
+  float* scores = reused<Use::kScores>(Q * tiles * kTile);  // [Q, tiles * kTile]
   const int64_t stride = tiles * kTile;
   const float* q = P.q + r * Q * D;
   if (planes_in_groups(P.k, D) && Q <= 8) {  // pass 1: scores, keys read once
@@ -641,12 +702,18 @@ void run_item(Problem& P, int64_t item) {
     std::vector<float> q_sums(Q * n_groups, 0.0f);  // [Q, D / group]
     for (int64_t i = 0; i < Q; ++i)
       for (int64_t c = 0; c < D; ++c) q_sums[i * n_groups + c / P.k.group] += q[i * D + c];
+    std::vector<float> q_planes(Q * D);
+    float* sc = reused<Use::kKeyScales>(n_groups * n + kTile);  // lanes past n: padding
+    float* off = reused<Use::kKeyOffsets>(n_groups * n + kTile);
+    P.k.token_params(r, lo, n, sc, off);
     auto tile = P.k.bits == 2 ? token_tile_scores<2, kQ, kD>
                 : P.k.bits == 4 ? token_tile_scores<4, kQ, kD> : token_tile_scores<8, kQ, kD>;
+    auto planes = P.k.bits == 2 ? plane_scaled<2> : P.k.bits == 4 ? plane_scaled<4> : plane_scaled<8>;
+    planes(q, Q, D, q_planes.data());
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
       P.k.prefetch(r, lo + t0, std::min(kTile, n - t0));
-      tile(P.k, Q, D, r, lo + t0, std::min(kTile, n - t0), q, q_sums.data(), w, &scores[t0],
-           stride);
+      tile(P.k, Q, D, r, lo + t0, std::min(kTile, n - t0), q_planes.data(), q_sums.data(),
+           &sc[t0], &off[t0], n, w, &scores[t0], stride);
     }
   } else {
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
@@ -680,10 +747,14 @@ void run_item(Problem& P, int64_t item) {
   }
   const int64_t n_groups = P.v.format == kPackedTokens ? D / P.v.group : 0;
   std::vector<float> acc(Q * D, 0.0f), off_acc(Q * n_groups, 0.0f);
-  add_values_run<kQ, kD>(P, r, lo, n, scores.data(), stride, w, acc.data(), off_acc.data());
+  add_values_run<kQ, kD>(P, r, lo, n, scores, stride, w, acc.data(), off_acc.data());
+  const int64_t G = n_groups ? P.v.group : D;  // channels per offset (none: one group of D)
   for (int64_t i = 0; i < Q; ++i)
-    for (int64_t c = 0; c < D; ++c)
-      out[i * D + c] = acc[i * D + c] + (n_groups ? off_acc[i * n_groups + c / P.v.group] : 0.0f);
+    for (int64_t g = 0; g * G < D; ++g) {
+      const float o = n_groups ? off_acc[i * n_groups + g] : 0.0f;
+#pragma omp simd
+      for (int64_t c = g * G; c < (g + 1) * G; ++c) out[i * D + c] = acc[i * D + c] + o;
+    }
 }
 
 using Item = void (*)(Problem&, int64_t);
