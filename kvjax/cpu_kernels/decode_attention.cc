@@ -26,6 +26,10 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace ffi = xla::ffi;
 
 namespace {
@@ -42,7 +46,6 @@ inline float bf16_to_f32(uint16_t h) {
 }
 
 #ifdef __F16C__
-#include <immintrin.h>
 inline float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 #else
 inline float f16_to_f32(uint16_t h) {  // IEEE half, with subnormals, inf and nan
@@ -157,6 +160,16 @@ float* reused(int64_t n) {
 
 constexpr int64_t kPrefetchAhead = 4096;  // bytes (2-8 KiB measured alike, within noise)
 
+// x [n, G] -> out [G, n] (kG: G when known at compile time).
+template <int64_t kG>
+inline void deinterleave(const float* __restrict x, int64_t n, float* __restrict out,
+                         int64_t G = kG) {
+  if constexpr (kG != 0) G = kG;
+  for (int64_t g = 0; g < G; ++g)
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) out[g * n + t] = x[t * G + g];
+}
+
 // One tensor (keys or values) of a part, decoded a slot at a time.
 struct Tensor {
   Format format;
@@ -197,8 +210,12 @@ struct Tensor {
     float* raw = reused<Use::kRawParams>(n * n_groups);  // [n, n_groups] as stored
     auto group_major = [&](const Params& from, float* __restrict to) {
       from.load(first, n * n_groups, raw);
-      for (int64_t g = 0; g < n_groups; ++g)
-        for (int64_t t = 0; t < n; ++t) to[g * n + t] = raw[t * n_groups + g];
+      switch (n_groups) {  // constant strides vectorize (the runtime one stayed scalar)
+        case 1: return std::memcpy(to, raw, n * sizeof(float)), void();
+        case 2: return deinterleave<2>(raw, n, to);
+        case 4: return deinterleave<4>(raw, n, to);
+        default: return deinterleave<0>(raw, n, to, n_groups);
+      }
     };
     group_major(scale, sc);
     if (!symmetric) return group_major(offset, off);
@@ -303,8 +320,52 @@ struct Scratch {
 
 // The packed words of n <= kTile slots (src [n, words]) transposed to out [words, kTile], one
 // slot per lane; lanes past n hold 0 (code 0). Returns out.
+#ifdef __AVX512F__
+// r[i] lane t <- r[t] lane i: 32-bit lanes of 16 vectors, four shuffle stages of 16 each.
+inline void transpose_16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved within 128-bit blocks
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // r[4i + c], block k: column 4k + c of rows 4i..4i+3
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int i = 0; i < 2; ++i) {  // 128-bit blocks of row groups (0, 1) and (2, 3) paired
+    for (int c = 0; c < 4; ++c) {
+      t[8 * i + c] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + c + 4], 0x88);
+      t[8 * i + c + 4] = _mm512_shuffle_i32x4(r[8 * i + c], r[8 * i + c + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {  // whole columns
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+#endif
+
 inline const uint32_t* words_slot_minor(const uint32_t* src, int64_t words, int64_t n,
                                         uint32_t* out) {
+#ifdef __AVX512F__
+  if (n == kTile && words % 8 == 0) {  // 16 x 16 (or 16 x 8, zero-extended) register transposes
+    for (int64_t i0 = 0; i0 < words; i0 += 16) {
+      const int64_t m = std::min<int64_t>(16, words - i0);
+      __m512i r[16];
+      for (int64_t t = 0; t < kTile; ++t) {
+        const uint32_t* row = src + t * words + i0;
+        r[t] = m == 16 ? _mm512_loadu_si512(row)
+                       : _mm512_zextsi256_si512(
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+      }
+      transpose_16x16(r);
+      for (int64_t i = 0; i < m; ++i) _mm512_storeu_si512(out + (i0 + i) * kTile, r[i]);
+    }
+    return out;
+  }
+#endif
   if (n == kTile) {  // one 16-lane gather per word
     for (int64_t i = 0; i < words; ++i)
 #pragma omp simd
