@@ -568,22 +568,30 @@ inline u32x16 repeated_words(const uint32_t* w) {
   }
 }
 
-// The codes of channels [c0, c0 + 16) (c0 a multiple of 16) of the slot whose words are w
-// (`rep` = repeated_words<W>(w)), as float32 in one vector.
+// Each lane's bit plane in the 16-channel block from channel c0 (c0 a multiple of 16) of a slot
+// of W words: channel c is in plane c / W.
 template <int kBits, int64_t W>
-inline f32x16 block_codes(const uint32_t* w, u32x16 rep, int64_t c0) {
-  static_assert(W % 16 == 0 || 16 % W == 0, "a block's words are contiguous or repeated");
+inline u32x16 block_shifts(int64_t c0) {
   const u32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  return (static_cast<uint32_t>(c0) + lane) / static_cast<uint32_t>(W) * kBits;
+}
+
+// The codes of channels [c0, c0 + 16) of the slot whose words are w (`rep` =
+// repeated_words<W>(w)), as float32 code x 2^shift (`shift` = block_shifts<kBits, W>(c0)) in
+// one vector: masked in place, as plane_in_place, so exact; the caller unscales its sums.
+template <int kBits, int64_t W>
+inline f32x16 block_codes(const uint32_t* w, u32x16 rep, int64_t c0, u32x16 shift) {
+  static_assert(W % 16 == 0 || 16 % W == 0, "a block's words are contiguous or repeated");
   u32x16 words = rep;
   if constexpr (W >= 16) std::memcpy(&words, w + c0 % W, sizeof words);
-  const u32x16 shift = (static_cast<uint32_t>(c0) + lane) / static_cast<uint32_t>(W) * kBits;
-  return __builtin_convertvector((words >> shift) & ((1u << kBits) - 1u), f32x16);
+  return __builtin_convertvector(words & (((1u << kBits) - 1u) << shift), f32x16);
 }
 
 // acc [Q, D] += the per-token codes of slots [s, s + kN) of row r weighted by wsc [G, Q, *]
 // (weight x the slot's scale of group g, from slot s; rows `w_stride` apart, groups Q rows
 // apart). Each 16-channel block lies in one scale group: the kN slots' codes are widened in one
-// vector each and summed before one update of acc. Offsets are the caller's (add_values_run).
+// vector each and summed before one update of acc, channel c scaled by 2^(plane(c) * kBits)
+// (block_codes; add_token_values_run unscales). Offsets are the caller's.
 template <int kBits, int64_t kQ, int64_t kD, int kN>
 void add_token_values(const Problem& P, int64_t r, int64_t s, const float* wsc, int64_t w_stride,
                       float* acc) {
@@ -594,15 +602,17 @@ void add_token_values(const Problem& P, int64_t r, int64_t s, const float* wsc, 
   const uint32_t* src = static_cast<const uint32_t*>(v.data) + (r * v.slots + s) * W;  // [kN, W]
   // symmetric codes are centred when widened (code - 2^(bits-1), exact), so no offset sum
   // cancels against the codes' sum
-  const float centre = v.symmetric ? static_cast<float>(1 << (kBits - 1)) : 0.0f;
+  const uint32_t centre = v.symmetric ? 1u << (kBits - 1) : 0u;
   u32x16 rep[kN];
   for (int j = 0; j < kN; ++j) rep[j] = repeated_words<W>(src + j * W);
   for (int64_t g = 0; g < n_groups; ++g) {
     const float* wg = wsc + g * Q * w_stride;
     for (int64_t c0 = g * G; c0 < (g + 1) * G; c0 += 16) {
+      const u32x16 shift = block_shifts<kBits, W>(c0);
+      const f32x16 centred = __builtin_convertvector(centre << shift, f32x16);
       f32x16 codes[kN];
       for (int j = 0; j < kN; ++j)
-        codes[j] = block_codes<kBits, W>(src + j * W, rep[j], c0) - centre;
+        codes[j] = block_codes<kBits, W>(src + j * W, rep[j], c0, shift) - centred;
       for (int64_t i = 0; i < Q; ++i) {
         f32x16 a;
         std::memcpy(&a, acc + i * kD + c0, sizeof a);
@@ -632,8 +642,8 @@ void add_dense_values(const Problem& P, const float* v, const float* p, int64_t 
   }
 }
 
-// acc [Q, D] += weights p [Q, n] (rows `p_stride` apart) times the per-token values of slots
-// [s, s + n) of row r, kValueTile slots at a time; weight x offset goes to off_acc
+// acc [Q, D] (zeros on entry) = weights p [Q, n] (rows `p_stride` apart) times the per-token
+// values of slots [s, s + n) of row r, kValueTile slots at a time; weight x offset goes to off_acc
 // [Q, D / group] (one dot per query and group). The slots' scales are folded into the weights
 // up front (wsc [G, Q, n]), so the slot loop reads no per-slot parameter.
 template <int kBits, int64_t kQ, int64_t kD>
@@ -665,6 +675,7 @@ void add_token_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, con
     add_token_values<kBits, kQ, kD, kValueTile>(P, r, s + t, &wsc[t], n, acc);
   }
   for (; t < n; ++t) add_token_values<kBits, kQ, kD, 1>(P, r, s + t, &wsc[t], n, acc);
+  plane_scaled<kBits>(acc, Q, kD, acc);  // the codes' 2^(plane * kBits), exactly undone
 }
 
 // acc [Q, D] += weights p [Q] (`p_stride` apart) times the values of slot s of row r, decoded
@@ -703,8 +714,8 @@ void add_values(const Problem& P, int64_t r, int64_t s, const float* p, int64_t 
   }
 }
 
-// acc [Q, D] += weights p [Q, n] (rows `p_stride` apart) times the values of slots [s, s + n)
-// of row r, each slot read once: dense float32 in place and per-token codes widened in
+// acc [Q, D] (zeros on entry) = weights p [Q, n] (rows `p_stride` apart) times the values of slots
+// [s, s + n) of row r, each slot read once: dense float32 in place and per-token codes widened in
 // registers (kValueTile slots per update of acc), anything else decoded slot by slot.
 template <int64_t kQ, int64_t kD>
 void add_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const float* p,
