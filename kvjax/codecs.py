@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import EMPTY, Cache, ResidualCache, TokenCache, _flush
+from kvjax.layout import map_layers
 from kvjax.stores import Latent, PackedChannels, PackedTokens, is_dense, is_encoded, put
 from kvjax.quant import FP8
 from kvjax.transforms import CacheTransform
@@ -136,9 +137,9 @@ def _encode_layer(layer: Any, codecs: tuple[Codec, Codec], residual: int, block:
 @functools.lru_cache(maxsize=None)
 def _codec_update(codecs: tuple[Codec, Codec], residual: int, block: int):
     def update(cache: Cache, state, stats=None):
-        bases = state if state else [(None, None)] * len(cache)
-        return tuple(_encode_layer(layer, codecs, residual, block, tuple(b))
-                     for layer, b in zip(cache, bases)), state
+        bases = tuple(tuple(b) for b in state) if state else ((None, None),) * len(cache)
+        encode = lambda layer, base: _encode_layer(layer, codecs, residual, block, base)
+        return map_layers(encode, cache, bases), state  # one compiled body per equal layers
     return update
 
 

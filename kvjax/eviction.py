@@ -79,7 +79,7 @@ import jax.numpy as jnp
 
 from kvjax.attention import attention_weights
 from kvjax.cache import EMPTY, Cache, TokenCache, view
-from kvjax.layout import compact, pool_heads
+from kvjax.layout import compact, map_layers, pool_heads
 from kvjax.selection import BudgetState, init_budget, keep_top_k, layer_budgets, rank, select
 from kvjax.stats import NO_STATS, LayerStats, StatsSpec, mean_rotation, query_mean_cov
 from kvjax.transforms import CacheTransform
@@ -235,19 +235,24 @@ class ScoredUpdate:
     def __call__(self, cache: Cache, state: BudgetState, stats=None):
         budgets = layer_budgets(state, cache, self.schedule, self.window, self.beta)  # [L, B]
         keys = jax.random.split(state.key, len(cache) + 1)
-        out = []
-        for i, layer in enumerate(cache):
+
+        def evict(layer, layer_stats, budget, key, i=None):
             if self.headwise:
                 layer = pool_heads(layer)
             seen = view(layer)  # dense slots of an encoded or residual layer
-            scores, protect = self.scorer(seen, None if stats is None else stats[i], budgets[i],
-                                          keys[i])
-            if self.debug:
+            scores, protect = self.scorer(seen, layer_stats, budget, key)
+            if i is not None:  # debug: the per-layer loop, so a failure names its layer
                 _check_scores(i, scores, seen.pos != EMPTY)
-            keep = select(scores, seen.pos != EMPTY, protect, budgets[i], self.headwise,
-                          self.alpha)
-            out.append(compact(layer, keep))
-        return tuple(out), state._replace(layer_budget=budgets, key=keys[-1])
+            keep = select(scores, seen.pos != EMPTY, protect, budget, self.headwise, self.alpha)
+            return compact(layer, keep)
+
+        per_layer = (cache, stats if stats is not None else (None,) * len(cache),
+                     tuple(budgets), tuple(keys[:-1]))
+        if self.debug:
+            out = tuple(evict(*args, i=i) for i, args in enumerate(zip(*per_layer)))
+        else:  # one compiled layer body per group of equal layers
+            out = map_layers(evict, *per_layer)
+        return out, state._replace(layer_budget=budgets, key=keys[-1])
 
 
 def scored_policy(name: str, scorer: Scorer, *, ratio: float | None, budget: int | None,

@@ -36,6 +36,49 @@ from kvjax.cache import EMPTY, Cache, Layer, ResidualCache, TokenCache, split_sl
 from kvjax.stores import fold_rows, resize_store, take
 
 
+def _signature(tree) -> tuple:
+    """What a traced program over `tree` depends on: structure, shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
+
+
+def map_layers(fn, *per_layer):
+    """`tuple(fn(*items) for items in zip(*per_layer))`, compiling `fn` once per group of equal
+    layers.
+
+    Under jit, the layers whose arguments have equal structure, shapes and dtypes run as one
+    `lax.map` (a loop in the compiled program), each step picking its layer's arguments with a
+    `lax.switch` -- so a 30-layer compression compiles one layer body, not 30, and never stacks
+    the whole cache (one layer is copied at a time). A group of one and eager calls run `fn`
+    directly. `fn` must not depend on the layer's index except through its arguments, and
+    its outputs must have equal shapes across a group (a compression's static capacity).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> xs = (jnp.ones(3), 2 * jnp.ones(3), jnp.ones(4))
+        >>> f = jax.jit(lambda xs: map_layers(lambda x, w: w * x.sum(), xs, (1.0, 2.0, 3.0)))
+        >>> [float(y) for y in f(xs)]     # layers 0 and 1: one loop; layer 2 alone
+        [3.0, 12.0, 12.0]
+    """
+    items = list(zip(*per_layer))
+    if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(items)):
+        return tuple(fn(*item) for item in items)
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(_signature(item), []).append(i)
+    out = [None] * len(items)
+    for members in groups.values():
+        if len(members) == 1:
+            out[members[0]] = fn(*items[members[0]])
+            continue
+        branches = [lambda i=i: items[i] for i in members]
+        stacked = jax.lax.map(lambda j: fn(*jax.lax.switch(j, branches)),
+                              jnp.arange(len(members)))
+        for n, i in enumerate(members):
+            out[i] = jax.tree.map(lambda x: x[n], stacked)
+    return tuple(out)
+
+
 def compact(cache: Layer, keep: jax.Array, capacity: int | None = None) -> Layer:
     """Move the kept slots of every row to the front, in slot order.
 
