@@ -52,3 +52,39 @@ def test_parse_method_returns_the_same_object_for_the_same_spec():
 def test_parse_method_rejects_bad_specs(spec, match):
     with pytest.raises(ValueError, match=match):
         parse_method(spec)
+
+
+def _filled_layers(capacities, tokens=24, seed=0):
+    """Layers of SmolLM2's head shape holding `tokens` random keys/values each."""
+    out = []
+    for i, cap in enumerate(capacities):
+        layer = kvjax.init_cache(batch=2, kv_heads=3, capacity=cap, head_dim=64)
+        k, v = jax.random.normal(jax.random.key(seed + i), (2, 2, 3, tokens, 64))
+        out.append(kvjax.write(layer, k, v, jnp.broadcast_to(jnp.arange(tokens), (2, tokens))))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("method", ["kivi:bits=4", "random:ratio=0.5+kivi:bits=2",
+                                    "random:ratio=0.5", "quantize:bits=8"])
+def test_compression_under_jit_equals_eager_and_compiles_one_body_per_equal_layers(method):
+    # layers 0, 1, 3 share shapes (one compiled loop), layer 2 is larger (its own body)
+    cache = _filled_layers([32, 32, 48, 32])
+    t = parse_method(method)
+    eager, _ = t.update(cache, t.init(cache), None)
+    compiled, _ = jax.jit(t.update)(cache, t.init(cache), None)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, compiled, eager)
+    # the compiled program's loops do not grow with the number of equal layers (a Python loop
+    # over layers inlines every loop of the policy once per layer, or has none)
+    loops = lambda n: jax.jit(t.update).lower(cache[:1] * n, t.init(cache[:1] * n),
+                                              None).compile().as_text().count(" while(")
+    assert loops(2) == loops(6) >= 1
+
+
+def test_map_layers_groups_by_shape_and_keeps_layer_order():
+    xs = (jnp.ones(3), jnp.ones(5), 2 * jnp.ones(3), 3 * jnp.ones(3))
+    ws = (1.0, 2.0, 3.0, 4.0)
+    f = jax.jit(lambda xs, ws: kvjax.layout.map_layers(lambda x, w: w * x, xs, ws))
+    out = f(xs, ws)
+    for x, w, y in zip(xs, ws, out):
+        np.testing.assert_array_equal(y, w * x)
+    assert f.lower(xs, ws).compile().as_text().count(" while(") == 1  # layers 0, 2, 3
