@@ -318,8 +318,6 @@ struct Scratch {
   int64_t k_key = -1, v_key = -1, q_key = -1;
 };
 
-// The packed words of n <= kTile slots (src [n, words]) transposed to out [words, kTile], one
-// slot per lane; lanes past n hold 0 (code 0). Returns out.
 #ifdef __AVX512F__
 // r[i] lane t <- r[t] lane i: 32-bit lanes of 16 vectors, four shuffle stages of 16 each.
 inline void transpose_16x16(__m512i r[16]) {
@@ -347,6 +345,8 @@ inline void transpose_16x16(__m512i r[16]) {
 }
 #endif
 
+// The packed words of n <= kTile slots (src [n, words]) transposed to out [words, kTile], one
+// slot per lane; lanes past n hold 0 (code 0). Returns out.
 inline const uint32_t* words_slot_minor(const uint32_t* src, int64_t words, int64_t n,
                                         uint32_t* out) {
 #ifdef __AVX512F__
@@ -385,14 +385,13 @@ inline float plane_in_place(uint32_t word, int64_t p) {
   return static_cast<float>(word & (((1u << kBits) - 1u) << (p * kBits)));
 }
 
-// x [Q, D] with channel c (in bit plane c / (D * kBits / 32)) times 2^-(plane * kBits), to pair
+// x [Q, D] with channel c (in bit plane c / (D * bits / 32)) times 2^-(plane * bits), to pair
 // with plane_in_place: exact powers of two, so each product is the same float.
-template <int kBits>
-void plane_scaled(const float* x, int64_t Q, int64_t D, float* out) {
-  const int64_t words = D * kBits / 32;
+inline void plane_scaled(const float* x, int64_t Q, int64_t D, int64_t bits, float* out) {
+  const int64_t words = D * bits / 32;
   for (int64_t i = 0; i < Q; ++i) {
-    for (int64_t p = 0; p < 32 / kBits; ++p) {
-      const float factor = 1.0f / static_cast<float>(1u << (p * kBits));  // <= 2^30: exact
+    for (int64_t p = 0; p < 32 / bits; ++p) {
+      const float factor = 1.0f / static_cast<float>(1u << (p * bits));  // <= 2^30: exact
 #pragma omp simd
       for (int64_t c = p * words; c < (p + 1) * words; ++c) out[i * D + c] = x[i * D + c] * factor;
     }
@@ -426,7 +425,7 @@ void channel_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64
       }
       w.q_offset[i] = dot;
     }
-    plane_scaled<kBits>(w.q_scaled.data(), Q, D, w.q_scaled.data());
+    plane_scaled(w.q_scaled.data(), Q, D, kBits, w.q_scaled.data());
     w.q_key = key;
   }
   constexpr int kPlanes = 32 / kBits;
@@ -675,7 +674,7 @@ void add_token_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, con
     add_token_values<kBits, kQ, kD, kValueTile>(P, r, s + t, &wsc[t], n, acc);
   }
   for (; t < n; ++t) add_token_values<kBits, kQ, kD, 1>(P, r, s + t, &wsc[t], n, acc);
-  plane_scaled<kBits>(acc, Q, kD, acc);  // the codes' 2^(plane * kBits), exactly undone
+  plane_scaled(acc, Q, kD, kBits, acc);  // the codes' 2^(plane * kBits), exactly undone
 }
 
 // acc [Q, D] += weights p [Q] (`p_stride` apart) times the values of slot s of row r, decoded
@@ -780,8 +779,7 @@ void run_item(Problem& P, int64_t item) {
     P.k.token_params(r, lo, n, sc, off);
     auto tile = P.k.bits == 2 ? token_tile_scores<2, kQ, kD>
                 : P.k.bits == 4 ? token_tile_scores<4, kQ, kD> : token_tile_scores<8, kQ, kD>;
-    auto planes = P.k.bits == 2 ? plane_scaled<2> : P.k.bits == 4 ? plane_scaled<4> : plane_scaled<8>;
-    planes(q, Q, D, q_planes.data());
+    plane_scaled(q, Q, D, P.k.bits, q_planes.data());
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
       P.k.prefetch(r, lo + t0, std::min(kTile, n - t0));
       tile(P.k, Q, D, r, lo + t0, std::min(kTile, n - t0), q_planes.data(), q_sums.data(),
