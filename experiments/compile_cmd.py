@@ -233,7 +233,7 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
     if "compress" in steps and transform is not kvjax.full():
         start = time.perf_counter()
         tstate = _replicated(jax.eval_shape(transform.init, dense), mesh)
-        compiled = sampler._compress.lower(placed.update, cache, tstate, stats).compile()
+        compiled = sampler._compress_stacked.lower(placed.update, cache, tstate, stats).compile()
         result["compress"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1))
     if "decode" in steps:
         start = time.perf_counter()

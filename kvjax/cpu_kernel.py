@@ -19,9 +19,10 @@ else, every multi-device run (a custom call would not be partitioned) and every
 `jax.export` (`disabled()`) uses the XLA loop. `KVJAX_CPU_KERNEL=0` switches it
 off; without a compiler it warns once and the XLA loop runs.
 
-The same library holds `matmul`, the weights' product for a batched decode step (2-8 rows):
-XLA:CPU's GEMM call for a few rows cost about twice its one-row dot; the kernel streams each
-weight once (same conditions: CPU, one device, not under `disabled()`).
+The same library holds `matmul`, the weights' product for a decode step (1-8 rows):
+XLA:CPU's GEMM call for a few rows cost about twice its one-row dot, and its one-row dot
+compiles to a loop per weight; the kernel streams each weight once (same conditions: CPU, one
+device, not under `disabled()`).
 
 Example:
     >>> import jax, jax.numpy as jnp
@@ -58,8 +59,9 @@ from kvjax.stores import PackedChannels, PackedTokens
 SOURCE = Path(__file__).with_name("cpu_kernels") / "decode_attention.cc"
 TARGET = "kvjax_decode_attention"
 MATMUL_TARGET = "kvjax_few_rows_matmul"
-MATMUL_ROWS = (2, 8)
-"""Rows `matmul` hands to the kernel: a batched decode step (one row: XLA's dot is as fast)."""
+MATMUL_ROWS = (1, 8)
+"""Rows `matmul` hands to the kernel: a decode step (one row: 8% faster than XLA's dot over
+the model's weights, and 454 fewer LLVM loops to compile; docs/DECISIONS.md)."""
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
 CHUNK = 512
@@ -204,7 +206,7 @@ def _runs_here() -> bool:
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., K] @ w [K, N] in w's dtype (float32 or bf16), accumulated and returned in float32.
 
-    A batched decode step's few rows (`MATMUL_ROWS`, concrete shapes) on the CPU run in the
+    A decode step's few rows (`MATMUL_ROWS`, concrete shapes) on the CPU run in the
     kernel, which streams w once (XLA:CPU's GEMM call for 2-8 rows cost about twice its one-row
     dot, docs/DECISIONS.md); everything else is `jnp.dot`. Equal to the dot within float32
     rounding (the sums are ordered differently).

@@ -404,19 +404,23 @@ def take(store: Any, order: jax.Array, kept: jax.Array) -> Any:
     return out.collect(kept) if isinstance(out, PackedChannels) else out
 
 
-def resize_store(store: Any, capacity: int, valid: jax.Array) -> Any:
-    """Cut or extend the slot axis (host side); `valid` [R, C] marks the slots in use.
+def table_rows(store: Any, capacity: int, valid: jax.Array) -> int | None:
+    """Rows a `PackedChannels` table keeps at `capacity` slots (host side; None for other
+    stores): the rows in use plus one per `group` free slots (and one for a partial group),
+    room for every later flush. With no free slot the table keeps only the rows in use."""
+    if not isinstance(store, PackedChannels):
+        return None
+    used = int(jnp.max(store.used_groups(valid).sum(1)))
+    free = max(capacity - int(jnp.max(valid.sum(1))), 0)
+    return used + (-(-free // store.group) + 1 if free else 0)  # +1: a partial group
 
-    A `PackedChannels` table is cut to the rows in use plus one per `group`
-    free slots (and one for a partial group): room for every later flush.
-    With no free slot the table keeps only the rows in use.
-    """
+
+def resize_store(store: Any, capacity: int, valid: jax.Array, rows: int | None = None) -> Any:
+    """Cut or extend the slot axis; `valid` [R, C] marks the slots in use, `rows` is a
+    `PackedChannels` table's `table_rows` (jit-able with `capacity` and `rows` static)."""
     if is_dense(store):
         return _resize_rows(store, capacity)
     if isinstance(store, PackedChannels):
-        used = int(jnp.max(store.used_groups(valid).sum(1)))
-        free = max(capacity - int(jnp.max(valid.sum(1))), 0)
-        rows = used + (-(-free // store.group) + 1 if free else 0)  # +1: a partial group
         store = store.collect(valid, rows)
     return store.map_slots(lambda x: _resize_rows(x, capacity))
 

@@ -190,9 +190,19 @@ def _decode(graphdef, state, logits, cache, tstate, stats, next_pos, key, max_ne
 
 
 @functools.partial(jax.jit, static_argnames=("update",), donate_argnames=("cache",))
+def _compress_stacked(update, cache: Cache, tstate,
+                      stats) -> tuple[kvjax.layout.StackedLayers, Any]:
+    """A transform update outside the decode loop (after prefill), compiled. The new cache
+    comes back stacked by group of equal layers: per-layer outputs would cost the program a
+    copy kernel per layer and leaf (DECISIONS "Compression compiles one layer body...")."""
+    cache, tstate = update(cache, tstate, stats)
+    return kvjax.layout.stack_layers(cache), tstate
+
+
 def _compress(update, cache: Cache, tstate, stats) -> tuple[Cache, Any]:
-    """A transform update outside the decode loop (after prefill), compiled."""
-    return update(cache, tstate, stats)
+    """`update(cache, tstate, stats)`, compiled (`cache` is donated)."""
+    stacked, tstate = _compress_stacked(update, cache, tstate, stats)
+    return kvjax.layout.unstack_layers(stacked), tstate
 
 
 class Prefilled(NamedTuple):

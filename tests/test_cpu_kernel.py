@@ -135,9 +135,10 @@ def _matmul_both(x, w):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("lead,k,n", [((2,), 576, 1536), ((8, 1), 1536, 576), ((5,), 37, 48),
-                                      ((3, 2), 19, 16), ((8,), 4, 192)])
+                                      ((3, 2), 19, 16), ((8,), 4, 192), ((1,), 576, 192),
+                                      ((1, 1), 1536, 576)])
 def test_matmul_equals_the_dot(dtype, lead, k, n):
-    """2-8 rows in the kernel: every shape class (row counts 2-8, K not a multiple of the
+    """1-8 rows in the kernel: every shape class (row counts 1-8, K not a multiple of the
     4-row unroll or the 16-row tile, N with a lone 16-column tile) equals the dot to float32
     rounding of a K-term sum (|x| |w| summed, times a few ulps)."""
     x = jax.random.normal(jax.random.key(0), (*lead, k))
@@ -149,10 +150,10 @@ def test_matmul_equals_the_dot(dtype, lead, k, n):
     np.testing.assert_array_less(np.abs(got - want), 4 * np.finfo(np.float32).eps * bound + 1e-30)
 
 
-@pytest.mark.parametrize("shape,n,dtype", [((1, 64), 32, jnp.float32), ((9, 64), 32, jnp.float32),
-                                           ((4, 64), 40, jnp.float32), ((4, 64), 32, jnp.float16)])
+@pytest.mark.parametrize("shape,n,dtype", [((9, 64), 32, jnp.float32), ((4, 64), 40, jnp.float32),
+                                           ((4, 64), 32, jnp.float16)])
 def test_matmul_outside_the_kernel_is_the_dot(shape, n, dtype):
-    """One row, more than 8 rows, N not a multiple of 16 and float16 weights keep jnp.dot."""
+    """More than 8 rows, N not a multiple of 16 and float16 weights keep jnp.dot."""
     x = jax.random.normal(jax.random.key(0), shape)
     w = jax.random.normal(jax.random.key(1), (shape[-1], n)).astype(dtype)
     lowered, got, want = _matmul_both(x, w)

@@ -88,7 +88,7 @@ IDENTITY = textwrap.dedent("""
         pre = sampler.prefill_batch(sharded, prompts, stats=placed.stats, room=6, chunk=8,
                                     place_cache=cache_placer(mesh))
         tstate = placed.init(pre.cache)
-        hlo_compress = sampler._compress.lower(placed.update, pre.cache, tstate,
+        hlo_compress = sampler._compress_stacked.lower(placed.update, pre.cache, tstate,
                                                pre.stats).compile().as_text()
         post = sampler.compress(pre, placed, room=6)
         graphdef, state = nnx.split(sharded)

@@ -80,6 +80,35 @@ def test_compression_under_jit_equals_eager_and_compiles_one_body_per_equal_laye
     assert loops(2) == loops(6) >= 1
 
 
+def _entry_instructions(hlo_text: str) -> int:
+    """Instructions of a compiled program's entry computation other than its parameters
+    (each output copy is one)."""
+    entry = hlo_text[hlo_text.index("\nENTRY"):]
+    entry = entry[:entry.index("\n}")]
+    return entry.count(" = ") - entry.count(" parameter(")
+
+
+@pytest.mark.parametrize("method", ["kivi:bits=4", "random:ratio=0.5", "quantize:bits=8",
+                                    "random:ratio=0.5+kivi:bits=2"])
+def test_sampler_compression_returns_layers_stacked_and_equals_eager(method):
+    """`_compress` (prefill's compression) equals the eager update element-wise; its compiled
+    program returns equal layers stacked, so no instruction per layer and output leaf remains
+    (slicing the outputs back into layers added 8-22 per layer here). What still grows: the
+    per-layer inputs an eviction picks (its key and budget: 2 per layer) and a chain's second
+    stage picking each layer from the first's slices (6 per layer)."""
+    from models import sampler
+    cache = _filled_layers([32, 32, 48, 32])
+    t = parse_method(method)
+    eager, _ = t.update(cache, t.init(cache), None)
+    compiled, _ = sampler._compress(t.update, jax.tree_util.tree_map(jnp.copy, cache),
+                                    t.init(cache), None)
+    assert len(compiled) == len(eager)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, compiled, eager)
+    size = lambda n: _entry_instructions(sampler._compress_stacked.lower(
+        t.update, cache[:1] * n, t.init(cache[:1] * n), None).compile().as_text())
+    assert size(6) - size(2) <= 4 * (6 if "+" in method else 2)
+
+
 def test_map_layers_groups_by_shape_and_keeps_layer_order():
     xs = (jnp.ones(3), jnp.ones(5), 2 * jnp.ones(3), 3 * jnp.ones(3))
     ws = (1.0, 2.0, 3.0, 4.0)

@@ -1,5 +1,5 @@
 // Decode attention over one cache part on the CPU: an XLA FFI handler (kvjax/cpu_kernel.py).
-// (The file's second handler, KvjaxFewRowsMatmul, is the decode step's 2-8-row weight product.)
+// (The file's second handler, KvjaxFewRowsMatmul, is the decode step's 1-8-row weight product.)
 //
 // One call continues the running softmax (m, l, acc) of `kvjax.attention.attend_blockwise`
 // over the slots [0, length) of a part whose keys and values are each a dense float32 or
@@ -953,7 +953,8 @@ ffi::Error DecodeAttention(
 // ---- Few-row matmul: y [R, N] = x [R, K] @ w [K, N] for a decode step's weights ----
 //
 // XLA:CPU runs a dot of 2-8 rows through a GEMM library call that costs about twice the
-// one-row dot although both read the same weights (docs/DECISIONS.md). Here w is split into
+// one-row dot although both read the same weights, and compiles each one-row dot to its own
+// loop (docs/DECISIONS.md). Here w is split into
 // blocks of contiguous rows, one work item each, streamed once (kMatmulTileRows rows at a time
 // in 32-column tiles whose R x 32 sums stay in registers); the blocks' partial sums are added
 // in block order, so the result does not depend on the threads.
