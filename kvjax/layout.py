@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -50,9 +51,11 @@ def map_layers(fn, *per_layer):
     Under jit, the layers whose arguments have equal structure, shapes and dtypes run as one
     `lax.map` (a loop in the compiled program), each step picking its layer's arguments with a
     `lax.switch` -- so a 30-layer compression compiles one layer body, not 30, and never stacks
-    the whole cache (one layer is copied at a time). A group of one and eager calls run `fn`
-    directly. `fn` must not depend on the layer's index except through its arguments, and
-    its outputs must have equal shapes across a group (a compression's static capacity).
+    the whole cache (one layer is copied at a time). An argument that is an earlier
+    `map_layers` result over the same group (a chain's second stage) is read from that loop's
+    stacked output instead. A group of one and eager calls run `fn` directly. `fn` must not
+    depend on the layer's index except through its arguments, and its outputs must have equal
+    shapes across a group (a compression's static capacity).
 
     Example:
         >>> import jax, jax.numpy as jnp
@@ -72,12 +75,51 @@ def map_layers(fn, *per_layer):
         if len(members) == 1:
             out[members[0]] = fn(*items[members[0]])
             continue
-        branches = [lambda i=i: items[i] for i in members]
-        stacked = jax.lax.map(lambda j: fn(*jax.lax.switch(j, branches)),
-                              jnp.arange(len(members)))
+        sources = [_stacked_source([items[i][a] for i in members]) for a in range(len(per_layer))]
+        picked = [a for a, src in enumerate(sources) if src is None]
+        branches = [lambda i=i: tuple(items[i][a] for a in picked) for i in members]
+
+        def step(j_and_stacked):
+            j, stacked_args = j_and_stacked
+            args = list(stacked_args)
+            for a, x in zip(picked, jax.lax.switch(j, branches)):
+                args[a] = x
+            return fn(*args)
+
+        stacked = jax.lax.map(step, (jnp.arange(len(members)), sources))
         for n, i in enumerate(members):
             out[i] = jax.tree.map(lambda x: x[n], stacked)
+            for leaf, whole in zip(jax.tree.leaves(out[i]), jax.tree.leaves(stacked)):
+                _remember_slice(leaf, whole, n)
     return tuple(out)
+
+
+_slices: dict[int, tuple] = {}
+"""Under jit: id of a `map_layers` output leaf -> (a weak reference to it, its group's stacked
+output leaf, its index there), while the leaf's tracer lives."""
+
+
+def _remember_slice(leaf, whole, n: int) -> None:
+    key = id(leaf)
+    _slices[key] = (weakref.ref(leaf, lambda _: _slices.pop(key, None)), whole, n)
+
+
+def _stacked_source(trees: list):
+    """The stacked tree whose slices 0, 1, ... `trees` are (one `map_layers` group's output in
+    order), or None."""
+    leaves = [jax.tree.leaves(t) for t in trees]
+    if not leaves[0]:
+        return None
+    whole = []
+    for position in range(len(leaves[0])):
+        seen = [_slices.get(id(layer[position])) for layer in leaves]
+        if any(s is None or s[0]() is not layer[position] or s[2] != n or s[1] is not seen[0][1]
+               for n, (s, layer) in enumerate(zip(seen, leaves))):
+            return None
+        if seen[0][1].shape[0] != len(trees):
+            return None
+        whole.append(seen[0][1])
+    return jax.tree.unflatten(jax.tree.structure(trees[0]), whole)
 
 
 @jax.tree_util.register_pytree_node_class
