@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import EMPTY, Cache, Layer, ResidualCache, TokenCache, split_slots
-from kvjax.stores import fold_rows, resize_store, table_rows, take
+from kvjax.stores import fold_rows, resize_store, table_rows, table_usage, take
 
 
 def _signature(tree) -> tuple:
@@ -269,9 +269,18 @@ def resize(cache: TokenCache, capacity: int) -> TokenCache:
     if capacity < int(cache.length):
         raise ValueError(f"resize: capacity {capacity} would drop written slots "
                          f"(the cursor is at {int(cache.length)})")
-    valid = _valid_rows(cache)
-    rows = tuple(table_rows(s, capacity, valid) for s in (cache.k, cache.v))
+    used_k, used_v, in_use = jax.device_get(_usage(cache))
+    rows = tuple(table_rows(s, capacity, used, int(in_use))
+                 for s, used in ((cache.k, used_k), (cache.v, used_v)))
     return _resize(cache, capacity, rows)
+
+
+@jax.jit
+def _usage(cache: TokenCache):
+    """What `resize` reads on the host: each store's `table_usage` and the most slots in use
+    in a row (one compiled program per layout instead of a dozen eager ops)."""
+    valid = _valid_rows(cache)
+    return table_usage(cache.k, valid), table_usage(cache.v, valid), jnp.max(valid.sum(1))
 
 
 def _valid_rows(cache: TokenCache) -> jax.Array:

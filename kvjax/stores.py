@@ -404,15 +404,21 @@ def take(store: Any, order: jax.Array, kept: jax.Array) -> Any:
     return out.collect(kept) if isinstance(out, PackedChannels) else out
 
 
-def table_rows(store: Any, capacity: int, valid: jax.Array) -> int | None:
+def table_usage(store: Any, valid: jax.Array) -> jax.Array | None:
+    """The most table rows any store row of a `PackedChannels` uses (`valid` [R, C] marks the
+    slots in use; jit-able), None for other stores. `table_rows` turns it into a row count."""
+    return jnp.max(store.used_groups(valid).sum(1)) if isinstance(store, PackedChannels) else None
+
+
+def table_rows(store: Any, capacity: int, used: int | None, in_use: int) -> int | None:
     """Rows a `PackedChannels` table keeps at `capacity` slots (host side; None for other
-    stores): the rows in use plus one per `group` free slots (and one for a partial group),
-    room for every later flush. With no free slot the table keeps only the rows in use."""
+    stores), from its `table_usage` and the most slots in use in a row: the rows in use plus
+    one per `group` free slots (and one for a partial group), room for every later flush.
+    With no free slot the table keeps only the rows in use."""
     if not isinstance(store, PackedChannels):
         return None
-    used = int(jnp.max(store.used_groups(valid).sum(1)))
-    free = max(capacity - int(jnp.max(valid.sum(1))), 0)
-    return used + (-(-free // store.group) + 1 if free else 0)  # +1: a partial group
+    free = max(capacity - in_use, 0)
+    return int(used) + (-(-free // store.group) + 1 if free else 0)  # +1: a partial group
 
 
 def resize_store(store: Any, capacity: int, valid: jax.Array, rows: int | None = None) -> Any:
