@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import math
 import weakref
 
 import jax
