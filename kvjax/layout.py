@@ -43,6 +43,14 @@ def _signature(tree) -> tuple:
     return treedef, tuple((jnp.shape(x), jnp.result_type(x)) for x in leaves)
 
 
+def _equal_groups(items) -> tuple[tuple[int, ...], ...]:
+    """The indices of `items` grouped by equal `_signature`, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(_signature(item), []).append(i)
+    return tuple(tuple(m) for m in groups.values())
+
+
 def map_layers(fn, *per_layer):
     """`tuple(fn(*items) for items in zip(*per_layer))`, compiling `fn` once per group of equal
     layers.
@@ -66,11 +74,8 @@ def map_layers(fn, *per_layer):
     items = list(zip(*per_layer))
     if not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(items)):
         return tuple(fn(*item) for item in items)
-    groups: dict[tuple, list[int]] = {}
-    for i, item in enumerate(items):
-        groups.setdefault(_signature(item), []).append(i)
     out = [None] * len(items)
-    for members in groups.values():
+    for members in _equal_groups(items):
         if len(members) == 1:
             out[members[0]] = fn(*items[members[0]])
             continue
@@ -148,10 +153,7 @@ def stack_layers(per_layer) -> StackedLayers:
 
     Inside jit, stacking the slices of a `map_layers` result folds back into that result (no
     copy, no per-layer kernel)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, item in enumerate(per_layer):
-        groups.setdefault(_signature(item), []).append(i)
-    members = tuple(tuple(m) for m in groups.values())
+    members = _equal_groups(per_layer)
     stack = lambda m: per_layer[m[0]] if len(m) == 1 else \
         jax.tree.map(lambda *xs: jnp.stack(xs), *[per_layer[i] for i in m])  # a group of one stays
     return StackedLayers(tuple(stack(m) for m in members), members)
