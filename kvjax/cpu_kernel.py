@@ -59,6 +59,7 @@ from kvjax.stores import PackedChannels, PackedTokens
 SOURCE = Path(__file__).with_name("cpu_kernels") / "decode_attention.cc"
 TARGET = "kvjax_decode_attention"
 MATMUL_TARGET = "kvjax_few_rows_matmul"
+MATMUL_T_TARGET = "kvjax_few_rows_matmul_t"
 MATMUL_ROWS = (1, 8)
 """Rows `matmul` hands to the kernel: a decode step (one row: 8% faster than XLA's dot over
 the model's weights, and 454 fewer LLVM loops to compile; docs/DECISIONS.md)."""
@@ -128,6 +129,8 @@ def _registered() -> bool:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.KvjaxDecodeAttention),
                                 platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.KvjaxFewRowsMatmul),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(MATMUL_T_TARGET, jax.ffi.pycapsule(library.KvjaxFewRowsMatmulT),
                                 platform="cpu")
     return True
 
@@ -218,14 +221,38 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
         True
     """
     dot = lambda x, w: jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
+    return _few_rows(MATMUL_TARGET, x, w, w.shape[-1], w.shape[-1], dot)
+
+
+def matmul_t(x: jax.Array, w: jax.Array, otherwise=None) -> jax.Array:
+    """x [..., K] @ w [N, K].T in w's dtype, in float32: `matmul` for a weight stored by rows of
+    its outputs (a tied embedding's logits), read in place -- no transpose of w.
+
+    `otherwise(x, w)` computes it where the kernel does not serve (default: the einsum).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x, w = jax.random.normal(jax.random.key(0), (2, 64)), jnp.ones((40, 64))
+        >>> bool(jnp.allclose(matmul_t(x, w), x @ w.T, atol=1e-5))
+        True
+    """
+    dot = otherwise or (lambda x, w: jnp.einsum("...k,nk->...n", x.astype(w.dtype), w,
+                                                  preferred_element_type=jnp.float32))
+    return _few_rows(MATMUL_T_TARGET, x, w, w.shape[0], w.shape[1], dot)
+
+
+def _few_rows(target: str, x: jax.Array, w: jax.Array, out_cols: int, lane_dim: int,
+              dot) -> jax.Array:
+    """`dot(x, w)` [..., out_cols], or the kernel `target` when it serves x's rows and w (see
+    `matmul`; `lane_dim`, the axis of w read 16 lanes at a time, must be a multiple of 16)."""
     lead = x.shape[:-1]
-    concrete = all(isinstance(n, int) for n in lead)
+    concrete = all(isinstance(d, int) for d in lead)
     rows = int(np.prod(lead)) if concrete else 0
-    if (not MATMUL_ROWS[0] <= rows <= MATMUL_ROWS[1] or w.ndim != 2 or w.shape[1] % 16
+    if (not MATMUL_ROWS[0] <= rows <= MATMUL_ROWS[1] or w.ndim != 2 or lane_dim % 16
             or w.dtype not in (jnp.float32, jnp.bfloat16) or not _runs_here() or not _registered()):
         return dot(x, w)
     x_rows = x.reshape(rows, x.shape[-1]).astype(w.dtype).astype(jnp.float32)  # as the dot sees it
-    call = jax.ffi.ffi_call(MATMUL_TARGET, jax.ShapeDtypeStruct((rows, w.shape[1]), jnp.float32))
-    kernel = lambda x_rows, w: call(x_rows, w).reshape(*lead, w.shape[1])
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, out_cols), jnp.float32))
+    kernel = lambda x_rows, w: call(x_rows, w).reshape(*lead, out_cols)
     # picked when lowering: a TPU or GPU program (deviceless compile) keeps the dot
     return jax.lax.platform_dependent(x_rows, w, cpu=kernel, default=lambda x_rows, w: dot(x, w))

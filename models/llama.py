@@ -312,23 +312,27 @@ class Llama(nnx.Module):
     def logits(self, h: jax.Array) -> jax.Array:
         """[..., hidden] float32 -> [..., vocab] float32.
 
-        Tied embeddings [V, D]: a few rows (a batched decode step) on XLA:CPU are a
-        multiply-reduce over the contiguous hidden axis, which XLA fuses into one loop
-        that reads the embedding once (~35% less CPU than its dot at 2-32 rows,
-        docs/DECISIONS.md); one row and long blocks keep the dot.
+        Tied embeddings [V, D]: a decode step's 1-8 rows on the CPU run in kvjax's few-row
+        kernel, reading the embedding in place (`kvjax.cpu_kernel.matmul_t`); elsewhere up to
+        `FEW_ROWS` rows on XLA:CPU are a multiply-reduce over the contiguous hidden axis,
+        which XLA fuses into one loop that reads the embedding once (~35% less CPU than its
+        dot at 2-32 rows, docs/DECISIONS.md); one row and long blocks keep the dot.
         """
         if self.lm_head is not None:
             return self.lm_head(h)
         emb = self.embed[...]
         concrete = all(isinstance(n, int) for n in h.shape[:-1])  # not a symbolic export batch
         rows = math.prod(h.shape[:-1]) if concrete else 0
-        if (2 <= rows <= FEW_ROWS and emb.dtype == jnp.float32
-                and jax.default_backend() == "cpu"):
-            rows_h = h.reshape(rows, -1).astype(jnp.float32)  # [N, D]
-            out = jnp.sum(emb[None] * rows_h[:, None, :], axis=-1)  # [N, V]; emb first: the
-            return out.reshape(*h.shape[:-1], emb.shape[0])  # other order ran 1.7x slower
-        return jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb,
-                          preferred_element_type=jnp.float32)
+
+        def without_kernel(h, emb):
+            if 2 <= rows <= FEW_ROWS and emb.dtype == jnp.float32 and jax.default_backend() == "cpu":
+                rows_h = h.reshape(rows, -1).astype(jnp.float32)  # [N, D]
+                out = jnp.sum(emb[None] * rows_h[:, None, :], axis=-1)  # [N, V]; emb first: the
+                return out.reshape(*h.shape[:-1], emb.shape[0])  # other order ran 1.7x slower
+            return jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb,
+                              preferred_element_type=jnp.float32)
+
+        return cpu_kernel.matmul_t(h, emb, otherwise=without_kernel)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Cache, *,
                  impl: str = "xla") -> tuple[jax.Array, Cache]:

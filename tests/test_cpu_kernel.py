@@ -150,6 +150,40 @@ def test_matmul_equals_the_dot(dtype, lead, k, n):
     np.testing.assert_array_less(np.abs(got - want), 4 * np.finfo(np.float32).eps * bound + 1e-30)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("lead,k,n", [((1,), 576, 49152), ((2,), 576, 1003), ((3, 1), 64, 37),
+                                      ((4,), 128, 9), ((5,), 16, 700), ((8, 1), 576, 4099),
+                                      ((1, 1), 32, 3)])
+def test_matmul_t_equals_the_dot(dtype, lead, k, n):
+    """x @ w.T with w [N, K] read in place (the tied-embedding logits): every rows class (the
+    4-, 2- and 1-row-of-w unrolls and their leftovers: N not a multiple of 4 or 2, N below one
+    unroll) and the embedding's real shape equal the dot to float32 rounding of a K-term sum."""
+    x = jax.random.normal(jax.random.key(0), (*lead, k))
+    w = jax.random.normal(jax.random.key(1), (n, k)).astype(dtype)
+    lowered = jax.jit(cpu_kernel.matmul_t).lower(x, w)
+    assert cpu_kernel.MATMUL_T_TARGET in lowered.as_text()
+    got = np.asarray(lowered.compile()(x, w))
+    xs = x.astype(dtype).astype(jnp.float32)
+    want = np.asarray(jnp.einsum("...k,nk->...n", xs, w.astype(jnp.float32), precision="highest"))
+    assert got.shape == (*lead, n)
+    bound = np.asarray(jnp.einsum("...k,nk->...n", jnp.abs(xs), jnp.abs(w.astype(jnp.float32)),
+                                  precision="highest"))
+    np.testing.assert_array_less(np.abs(got - want), 4 * np.finfo(np.float32).eps * bound + 1e-30)
+
+
+def test_matmul_t_outside_the_kernel_calls_otherwise():
+    """K not a multiple of 16, more than 8 rows and `disabled()` run `otherwise` (the einsum by
+    default), exactly."""
+    for x, w in ((jnp.ones((2, 40)), jnp.ones((24, 40))), (jnp.ones((9, 64)), jnp.ones((24, 64)))):
+        lowered = jax.jit(cpu_kernel.matmul_t).lower(x, w)
+        assert cpu_kernel.MATMUL_T_TARGET not in lowered.as_text()
+        np.testing.assert_array_equal(lowered.compile()(x, w), x @ w.T)
+    x, w = jnp.ones((2, 64)), jnp.ones((24, 64))
+    with cpu_kernel.disabled():
+        got = jax.jit(lambda x, w: cpu_kernel.matmul_t(x, w, otherwise=lambda x, w: -x @ w.T))(x, w)
+    np.testing.assert_array_equal(got, -x @ w.T)
+
+
 @pytest.mark.parametrize("shape,n,dtype", [((9, 64), 32, jnp.float32), ((4, 64), 40, jnp.float32),
                                            ((4, 64), 32, jnp.float16)])
 def test_matmul_outside_the_kernel_is_the_dot(shape, n, dtype):

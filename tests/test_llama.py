@@ -5,6 +5,7 @@ import pytest
 from flax import nnx
 
 import kvjax
+from kvjax import cpu_kernel
 from models.llama import Llama, LlamaConfig, RopeScaling, apply_rope, new_cache, rope_frequencies
 
 
@@ -135,10 +136,11 @@ def test_bfloat16_model_is_float32_on_bfloat16_rounded_operands(monkeypatch):
     assert np.abs(np.asarray(got) - np.asarray(exact)).max() > 100 * tol  # bf16 really differs
 
 
-@pytest.mark.parametrize("lead", [(1,), (2,), (8,), (2, 3), (33,)], ids=str)
+@pytest.mark.parametrize("lead", [(1,), (2,), (8,), (2, 3), (9,), (33,)], ids=str)
 def test_tied_logits_equal_the_embedding_dot_for_any_rows(lead):
-    """`Llama.logits` multiply-reduces a few rows (2..FEW_ROWS) on CPU and dots the rest;
-    both equal the plain einsum up to float32 summation order over the hidden axis."""
+    """`Llama.logits` runs 1-8 rows on CPU in kvjax's few-row kernel (`cpu_kernel.matmul_t`),
+    multiply-reduces 9..FEW_ROWS rows and dots the rest; each equals the plain einsum up to
+    float32 summation order over the hidden axis."""
     import models.llama as llama
     cfg = LlamaConfig.tiny(vocab_size=300, hidden_size=96)
     model = Llama(cfg, rngs=nnx.Rngs(0))
@@ -151,8 +153,11 @@ def test_tied_logits_equal_the_embedding_dot_for_any_rows(lead):
     bound = cfg.hidden_size * np.finfo(np.float32).eps * (np.abs(np.asarray(h, np.float64)) @ np.abs(emb).T)
     assert np.all(np.abs(got - want) <= bound)
     hlo = jax.jit(model.logits).lower(h).as_text()
-    few = 2 <= int(np.prod(lead)) <= llama.FEW_ROWS and jax.default_backend() == "cpu"
-    assert ("dot_general" in hlo) != few  # the path really taken
+    rows, on_cpu = int(np.prod(lead)), jax.default_backend() == "cpu"
+    kernel = on_cpu and rows <= cpu_kernel.MATMUL_ROWS[1]
+    few = on_cpu and 2 <= rows <= llama.FEW_ROWS and not kernel
+    assert (cpu_kernel.MATMUL_T_TARGET in hlo) == kernel  # the path really taken
+    assert ("dot_general" in hlo) == (not kernel and not few)
 
 
 def test_tied_logits_export_with_a_symbolic_batch():

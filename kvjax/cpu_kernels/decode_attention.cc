@@ -22,6 +22,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -35,6 +36,11 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr float kNegInf = -1e30f;  // kvjax.attention.NEG_INF
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
 enum Format : int64_t { kDense = 0, kPackedTokens = 1, kPackedChannels = 2 };
 
@@ -511,6 +517,53 @@ void token_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t
     for (int64_t t = 0; t < n; ++t) out[j * stride + t] = acc[j][t];
 }
 
+// One level of `lane_sums`: a and b each hold 16 / L sums as segments of L lanes; the result
+// holds a's then b's as segments of L / 2 lanes (each segment's halves added).
+template <int L>
+constexpr int fold_lane(int i) {
+  const int half = L / 2, n_in = 16 / L, g = i / half;
+  return (g % n_in) * L + i % half + (g < n_in ? 0 : 16);
+}
+
+template <int L, size_t... I>
+inline f32x16 fold(f32x16 a, f32x16 b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, fold_lane<L>(I)...) +
+         __builtin_shufflevector(a, b, (fold_lane<L>(I) + L / 2)...);
+}
+
+// Lane t <- the sum of v[t]'s lanes: 15 pairs of shuffles and adds for 16 sums.
+inline f32x16 lane_sums(f32x16 v[16]) {
+  constexpr auto lanes = std::make_index_sequence<16>();
+  for (int i = 0; i < 8; ++i) v[i] = fold<16>(v[2 * i], v[2 * i + 1], lanes);
+  for (int i = 0; i < 4; ++i) v[i] = fold<8>(v[2 * i], v[2 * i + 1], lanes);
+  for (int i = 0; i < 2; ++i) v[i] = fold<4>(v[2 * i], v[2 * i + 1], lanes);
+  return fold<2>(v[0], v[1], lanes);
+}
+
+// Scores of kTile dense float32 keys (`keys` [kTile, D], D % 16 == 0) with q [Q, D]: each
+// slot's products summed in a vector, then the 16 vectors' lanes summed together.
+template <int64_t kQ, int64_t kD>
+void dense_tile_scores(const float* keys, const float* q, int64_t Q, int64_t D, float* out,
+                       int64_t stride) {
+  if constexpr (kD != 0) D = kD;
+  if constexpr (kQ != 0) Q = kQ;
+  for (int64_t i = 0; i < Q; ++i) {
+    f32x16 part[kTile];
+    for (int64_t t = 0; t < kTile; ++t) {
+      f32x16 sum = {};
+      for (int64_t c = 0; c < D; c += 16) {
+        f32x16 qv, kv;
+        std::memcpy(&qv, q + i * D + c, 64);
+        std::memcpy(&kv, keys + t * D + c, 64);
+        sum += qv * kv;
+      }
+      part[t] = sum;
+    }
+    const f32x16 scores = lane_sums(part);
+    std::memcpy(out + i * stride, &scores, 64);
+  }
+}
+
 // Scores (before `scale`) of slots [s0, s0 + n) of row r: out [Q, n], rows `stride` apart.
 template <int64_t kQ, int64_t kD>
 void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float* q, Scratch& w,
@@ -528,6 +581,7 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
     }
   }
   const float* dense = k.dense_f32(r, s0);  // dense float32 is read in place, no copy
+  if (dense && n == kTile && D % 16 == 0) return dense_tile_scores<kQ, kD>(dense, q, Q, D, out, stride);
   float* buf = w.buf.data();
   for (int64_t t = 0; t < n; ++t) {
     const float* kt = dense ? dense + t * D : buf;
@@ -544,8 +598,6 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
 
 constexpr int kValueTile = 4;  // slots whose per-token codes are added together
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint32_t u32x4 __attribute__((vector_size(16)));
 
@@ -641,6 +693,42 @@ void add_dense_values(const Problem& P, const float* v, const float* p, int64_t 
   }
 }
 
+// The largest divisor of n that is at most most (at least 1).
+constexpr int largest_divisor(int n, int most) {
+  for (int d = most < n ? most : n; d > 1; --d)
+    if (n % d == 0) return d;
+  return 1;
+}
+
+// acc [kQ, kD] += weights p [kQ, n] (rows `p_stride` apart) times the dense float32 values v
+// [n, kD] of slots [s, s + n) of row r: the sums stay in registers (kQ x kBlock vectors, at
+// most 24) while the slots stream past, kBlock 16-channel vectors per pass over the slots.
+template <int64_t kQ, int64_t kD>
+void add_dense_values_run(const Tensor& values, int64_t r, int64_t s, const float* v, int64_t n,
+                          const float* p, int64_t p_stride, float* acc) {
+  constexpr int kVectors = kD / 16;
+  constexpr int kBlock = largest_divisor(kVectors, kQ < 24 ? static_cast<int>(24 / kQ) : 1);
+  for (int c0 = 0; c0 < kVectors; c0 += kBlock) {
+    f32x16 a[kQ][kBlock] = {};
+    for (int64_t t = 0; t < n; ++t) {
+      if (c0 == 0 && t % kTile == 0) values.prefetch(r, s + t, std::min(kTile, n - t));
+      f32x16 vt[kBlock];
+      for (int b = 0; b < kBlock; ++b) std::memcpy(&vt[b], v + t * kD + (c0 + b) * 16, 64);
+      for (int64_t i = 0; i < kQ; ++i) {
+        const float w = p[i * p_stride + t];
+        for (int b = 0; b < kBlock; ++b) a[i][b] += w * vt[b];
+      }
+    }
+    for (int64_t i = 0; i < kQ; ++i)
+      for (int b = 0; b < kBlock; ++b) {
+        f32x16 out;
+        std::memcpy(&out, acc + i * kD + (c0 + b) * 16, 64);
+        out += a[i][b];
+        std::memcpy(acc + i * kD + (c0 + b) * 16, &out, 64);
+      }
+  }
+}
+
 // acc [Q, D] (zeros on entry) = weights p [Q, n] (rows `p_stride` apart) times the per-token
 // values of slots [s, s + n) of row r, kValueTile slots at a time; weight x offset goes to off_acc
 // [Q, D / group] (one dot per query and group). The slots' scales are folded into the weights
@@ -721,6 +809,8 @@ void add_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const flo
                     int64_t p_stride, Scratch& w, float* acc, float* off_acc) {
   const int64_t Q = kQ ? kQ : P.n_q, D = kD ? kD : P.dim;
   if (const float* v = P.v.dense_f32(r, s)) {
+    if constexpr (kQ != 0 && kD != 0 && kD % 16 == 0)
+      return add_dense_values_run<kQ, kD>(P.v, r, s, v, n, p, p_stride, acc);
     int64_t t = 0;
     for (; t + kValueTile <= n; t += kValueTile) {
       P.v.prefetch(r, s + t, kValueTile);
@@ -850,7 +940,9 @@ Item item_for(int64_t n_q, int64_t dim) {
   }
 }
 
-// Runs items [0, n) on the pool and the calling thread; returns when all are done.
+// Runs items [0, n) on the calling thread and pool.num_threads() - 1 helpers (XLA sizes its
+// pool to the cores; one helper more would leave three threads on two cores, and a call
+// waits for its slowest thread: 20-25% slower products); returns when all are done.
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& body) {
   struct Shared {
@@ -869,7 +961,7 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& body) {
       shared->cv.notify_all();
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, n - 1);
   for (int64_t t = 0; t < helpers; ++t) {
     // A helper that starts after every item is taken returns at once without touching `body`.
     pool.Schedule([shared, n, work]() mutable {
@@ -1051,7 +1143,7 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
   // small w is one block on the calling thread (waking helpers would cost more than it saves)
   const int64_t w_bytes = K * N * (bf16 ? 2 : 4);
   const int64_t blocks = w_bytes < kMatmulParallelBytes ? 1
-      : std::max<int64_t>(1, std::min<int64_t>(2 * (pool.num_threads() + 1), K / 16));
+      : std::max<int64_t>(1, std::min<int64_t>(2 * pool.num_threads(), K / 16));
   const int64_t block_rows = (K + blocks - 1) / blocks;
   thread_local std::vector<float> parts;  // reused: a fresh allocation per call page-faults
   parts.resize(blocks * R * N);
@@ -1070,6 +1162,92 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Any
 #pragma omp simd
     for (int64_t i = 0; i < R * N; ++i) yp[i] += pb[i];
   }
+  return ffi::Error::Success();
+}
+
+// ---- y [R, N] = x [R, K] @ w [N, K]^T: a tied embedding's logits for a decode step ----
+//
+// Each output is the dot of a row of w (contiguous K values) with a row of x, so w is read
+// once, row after row, in blocks of rows (one work item each) that write their own outputs:
+// no partial sums to add. kE rows of w go together so kE x R sums are in flight.
+
+
+inline float lane_sum(f32x16 v) {
+  f32x8 lo, hi;
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  const f32x8 a = lo + hi;
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// y[:, n0:n1] for kR rows of x, kE rows of w at a time (the last n1 - n0 % kE one by one).
+template <int kR, int kE, bool kBf16>
+void matmul_t_rows(const float* x, const void* w, int64_t K, int64_t N, int64_t n0, int64_t n1,
+                   float* y) {
+  const char* bytes = static_cast<const char*>(w);
+  const int64_t elem = kBf16 ? 2 : 4;
+  int64_t n = n0;
+  for (; n + kE <= n1; n += kE) {
+    f32x16 acc[kE][kR] = {};
+    for (int64_t k = 0; k < K; k += 16) {
+      f32x16 wv[kE];
+      for (int e = 0; e < kE; ++e) {
+        __builtin_prefetch(bytes + ((n + e + 4 * kE) * K + k) * elem);
+        wv[e] = weight_vector<kBf16>(w, K, n + e, k);
+      }
+      for (int r = 0; r < kR; ++r) {
+        f32x16 xv;
+        std::memcpy(&xv, x + r * K + k, 64);
+        for (int e = 0; e < kE; ++e) acc[e][r] += wv[e] * xv;
+      }
+    }
+    for (int e = 0; e < kE; ++e)
+      for (int r = 0; r < kR; ++r) y[r * N + n + e] = lane_sum(acc[e][r]);
+  }
+  if constexpr (kE > 1) matmul_t_rows<kR, 1, kBf16>(x, w, K, N, n, n1, y);
+}
+
+using RowsT = void (*)(const float*, const void*, int64_t, int64_t, int64_t, int64_t, float*);
+
+template <bool kBf16>
+RowsT rows_t_for(int64_t rows) {  // kE x kR <= 8 sums in registers
+  switch (rows) {
+    case 1: return matmul_t_rows<1, 4, kBf16>;
+    case 2: return matmul_t_rows<2, 4, kBf16>;
+    case 3: return matmul_t_rows<3, 2, kBf16>;
+    case 4: return matmul_t_rows<4, 2, kBf16>;
+    case 5: return matmul_t_rows<5, 1, kBf16>;
+    case 6: return matmul_t_rows<6, 1, kBf16>;
+    case 7: return matmul_t_rows<7, 1, kBf16>;
+    default: return matmul_t_rows<8, 1, kBf16>;
+  }
+}
+
+ffi::Error FewRowsMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("few-rows matmul_t: x must be [R, K] and w [N, K]");
+  const int64_t R = xd[0], K = xd[1], N = wd[0];
+  if (R < 1 || R > kMatmulMaxRows || K % 16 != 0)
+    return ffi::Error::InvalidArgument("few-rows matmul_t: needs 1 <= R <= 8 and K % 16 == 0");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!bf16 && w.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("few-rows matmul_t: w must be float32 or bfloat16");
+  const int64_t w_bytes = N * K * (bf16 ? 2 : 4);
+  const int64_t blocks = w_bytes < kMatmulParallelBytes ? 1
+      : std::max<int64_t>(1, std::min<int64_t>(2 * pool.num_threads(), N / 16));
+  const int64_t block_rows = (N + blocks - 1) / blocks;
+  const RowsT rows = bf16 ? rows_t_for<true>(R) : rows_t_for<false>(R);
+  const float* xp = x.typed_data();
+  const void* wp = w.untyped_data();
+  float* yp = y->typed_data();
+  parallel_for(pool, blocks, [&](int64_t b) {
+    const int64_t n0 = std::min(N, b * block_rows), n1 = std::min(N, n0 + block_rows);
+    rows(xp, wp, K, N, n0, n1, yp);
+  });
   return ffi::Error::Success();
 }
 
@@ -1115,4 +1293,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::ThreadPool>()
         .Arg<ffi::Buffer<ffi::F32>>()   // x [R, K]
         .Arg<ffi::AnyBuffer>()          // w [K, N] f32 or bf16
+        .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KvjaxFewRowsMatmulT, FewRowsMatmulT,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()   // x [R, K]
+        .Arg<ffi::AnyBuffer>()          // w [N, K] f32 or bf16
         .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
