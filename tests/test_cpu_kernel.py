@@ -205,3 +205,17 @@ def test_matmul_opt_out_keeps_the_dot(monkeypatch):
     monkeypatch.setenv("KVJAX_CPU_KERNEL", "0")
     text = jax.jit(lambda x, w: cpu_kernel.matmul(x, w)).lower(x, w).as_text()
     assert cpu_kernel.MATMUL_TARGET not in text
+
+
+def test_kernel_ab_benchmark_runs_another_source_beside_the_shipped(tmp_path):
+    """`experiments.bench_kernel_ab`: a source without `matmul_t` (as before it existed) gets
+    XLA's logits in its program; both steps' logits agree to float32 rounding."""
+    from experiments.bench_kernel_ab import compare
+    from models.llama import LlamaConfig
+    source = cpu_kernel.SOURCE.read_text()
+    cut = source.index("XLA_FFI_DEFINE_HANDLER_SYMBOL(\n    KvjaxFewRowsMatmulT")
+    (tmp_path / "other.cc").write_text(source[:cut])
+    row = compare(tmp_path / "other.cc", LlamaConfig.tiny(), batch=2, context=64, repeats=1)
+    assert row["missing_in_other"] == ["MATMUL_T_TARGET"]
+    assert row["shipped_ms"] > 0 and row["other_ms"] > 0
+    assert 0 < row["max_abs_logits_diff"] < 1e-5

@@ -1,0 +1,146 @@
+"""A decode step with the shipped CPU kernels beside the same step built from another kernel
+source (a previous commit's, or a variant), calls alternating in one process.
+
+Machine load changes between runs by more than most kernel changes gain, so a before/after
+measured in two processes says little; here both programs run in turn, `--repeats` rounds.
+The other source is compiled with the same flags and registered under its own target names;
+a kernel it lacks (e.g. `matmul_t` before it existed) runs XLA's path in its program. The
+step is `experiments/bench_step_parts.py`'s: SmolLM2-135M shapes, random weights, a full
+float32 cache of `--context` slots, one token per row, logits included. Prints and writes
+(`--out`) the median and minimum ms of each and the largest logits difference.
+
+    git show 654706d:kvjax/cpu_kernels/decode_attention.cc > /tmp/old.cc
+    python -m experiments.bench_kernel_ab --other /tmp/old.cc --batch 1 --context 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import functools
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import kvjax
+from kvjax import cpu_kernel
+from models.llama import Llama, LlamaConfig
+
+TARGETS = {"TARGET": "KvjaxDecodeAttention", "MATMUL_TARGET": "KvjaxFewRowsMatmul",
+           "MATMUL_T_TARGET": "KvjaxFewRowsMatmulT"}
+
+
+def register_other(source: Path) -> dict[str, str | None]:
+    """Build `source` and register its kernels as `other_*` targets: {module constant: name or
+    None where the source lacks that kernel}."""
+    out = Path(tempfile.mkdtemp()) / "other.so"
+    subprocess.run(["g++", "-w", *cpu_kernel.FLAGS, f"-I{jax.ffi.include_dir()}", str(source),
+                    "-o", str(out)], check=True)
+    library = ctypes.cdll.LoadLibrary(str(out))
+    names = {}
+    for constant, symbol in TARGETS.items():
+        names[constant] = f"other_{symbol}" if hasattr(library, symbol) else None
+        if names[constant]:
+            jax.ffi.register_ffi_target(names[constant],
+                                        jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    return names
+
+
+@contextlib.contextmanager
+def other_kernels(names: dict[str, str | None]):
+    """Trace with the other source's targets; a `matmul_t` it lacks runs XLA's path."""
+    saved = {c: getattr(cpu_kernel, c) for c in names} | {"matmul_t": cpu_kernel.matmul_t}
+    for constant, name in names.items():
+        setattr(cpu_kernel, constant, name or saved[constant])
+    if names["MATMUL_T_TARGET"] is None:
+        def matmul_t(x, w, otherwise=None):
+            with cpu_kernel.disabled():
+                return saved["matmul_t"](x, w, otherwise)
+        cpu_kernel.matmul_t = matmul_t
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(cpu_kernel, name, value)
+
+
+def make_step(graphdef):
+    """A fresh jitted step (a fresh function: jit's trace cache must not share programs)."""
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(state, cache, tokens, positions):
+        model = nnx.merge(graphdef, state)
+        h, cache, _ = model.forward(tokens, positions, cache)
+        return model.logits(h[:, 0]), cache
+    return step
+
+
+def filled_cache(cfg, batch: int, context: int):
+    """Every layer holding `context - 8` random tokens (room for the steps)."""
+    length = context - 8
+    keys = jax.random.normal(jax.random.key(1), (batch, cfg.num_kv_heads, length, cfg.head_dim))
+    positions = jnp.broadcast_to(jnp.arange(length)[None], (batch, length))
+    empty = kvjax.init_model_cache(cfg.cache_spec, batch, context)
+    return tuple(kvjax.write(layer, keys, keys, positions) for layer in empty), length
+
+
+def compare(other: Path, cfg: LlamaConfig, batch: int, context: int, repeats: int) -> dict:
+    """Median / min ms of the step with the shipped kernels and with `other`'s, alternating."""
+    names = register_other(other)
+    graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))
+    cache, length = filled_cache(cfg, batch, context)
+    tokens = jnp.full((batch, 1), 5, jnp.int32)
+    positions = jnp.full((batch, 1), length, jnp.int32)
+    steps = {"shipped": make_step(graphdef), "other": make_step(graphdef)}
+    caches = {k: jax.tree.map(jnp.copy, cache) for k in steps}
+    logits = {}
+    for name, step in steps.items():  # trace and compile; the same inputs give both logits
+        with other_kernels(names) if name == "other" else contextlib.nullcontext():
+            logits[name], _ = step(state, jax.tree.map(jnp.copy, cache), tokens, positions)
+    gap = float(jnp.max(jnp.abs(logits["shipped"] - logits["other"])))
+    times = {k: [] for k in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            out, caches[name] = step(state, caches[name], tokens, positions)
+            jax.block_until_ready(out)
+            times[name].append(1e3 * (time.perf_counter() - start))
+    row = {"batch": batch, "context": context, "other": str(other),
+           "missing_in_other": [c for c, n in names.items() if n is None],
+           **{f"{k}_ms": statistics.median(v) for k, v in times.items()},
+           **{f"{k}_min_ms": min(v) for k, v in times.items()},
+           "shipped_x_other": statistics.median(times["shipped"]) / statistics.median(times["other"]),
+           "max_abs_logits_diff": gap}
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--other", type=Path, required=True, help="the other kernel source (.cc)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.batch < 1 or args.context < 16 or args.repeats < 1:
+        p.error(f"--batch >= 1, --context >= 16 and --repeats >= 1, got {args.batch}, "
+                f"{args.context}, {args.repeats}")
+    if not args.other.is_file():
+        p.error(f"--other {args.other}: no such file")
+    if not cpu_kernel._registered():
+        p.error("the shipped CPU kernels could not be built here (see the warning)")
+    row = compare(args.other, LlamaConfig.smollm2_135m(), args.batch, args.context, args.repeats)
+    print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}))
+    if args.out:
+        args.out.write_text(json.dumps(row, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
