@@ -4,7 +4,8 @@ source (a previous commit's, or a variant), calls alternating in one process.
 Machine load changes between runs by more than most kernel changes gain, so a before/after
 measured in two processes says little; here both programs run in turn, `--repeats` rounds.
 The other source is compiled with the same flags and registered under its own target names;
-a kernel it lacks (e.g. `matmul_t` before it existed) runs XLA's path in its program. The
+its program calls the few-row product once per weight, and a kernel it lacks (e.g. `matmul_t`
+before it existed) runs XLA's path there. The
 step is `experiments/bench_step_parts.py`'s: SmolLM2-135M shapes, random weights, a full
 float32 cache of `--context` slots, one token per row, logits included. Prints and writes
 (`--out`) the median and minimum ms of each and the largest logits difference.
@@ -56,10 +57,13 @@ def register_other(source: Path) -> dict[str, str | None]:
 
 @contextlib.contextmanager
 def other_kernels(names: dict[str, str | None]):
-    """Trace with the other source's targets; a `matmul_t` it lacks runs XLA's path."""
-    saved = {c: getattr(cpu_kernel, c) for c in names} | {"matmul_t": cpu_kernel.matmul_t}
+    """Trace with the other source's targets: one product per matmul call (sources before
+    `matmuls` took one weight per call), and a `matmul_t` it lacks runs XLA's path."""
+    saved = {c: getattr(cpu_kernel, c) for c in names} | {"matmul_t": cpu_kernel.matmul_t,
+                                                           "matmuls": cpu_kernel.matmuls}
     for constant, name in names.items():
         setattr(cpu_kernel, constant, name or saved[constant])
+    cpu_kernel.matmuls = lambda x, ws: tuple(saved["matmuls"](x, (w,))[0] for w in ws)
     if names["MATMUL_T_TARGET"] is None:
         def matmul_t(x, w, otherwise=None):
             with cpu_kernel.disabled():

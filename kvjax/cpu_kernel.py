@@ -220,8 +220,26 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
         >>> bool(jnp.allclose(matmul(x, w), x @ w, atol=1e-5))
         True
     """
+    return matmuls(x, (w,))[0]
+
+
+def matmuls(x: jax.Array, ws) -> tuple[jax.Array, ...]:
+    """`matmul(x, w)` for each w of `ws` (all [K, N_i] of one dtype) in one kernel call: a
+    layer's q, k and v products share one round of the thread pool.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x = jax.random.normal(jax.random.key(0), (1, 64))
+        >>> q, k = matmuls(x, (jnp.ones((64, 32)), jnp.ones((64, 16))))
+        >>> q.shape, k.shape, bool(jnp.allclose(k, x @ jnp.ones((64, 16)), atol=1e-5))
+        ((1, 32), (1, 16), True)
+    """
     dot = lambda x, w: jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    return _few_rows(MATMUL_TARGET, x, w, w.shape[-1], w.shape[-1], dot)
+    ws = tuple(ws)
+    same = all(w.ndim == 2 and w.dtype == ws[0].dtype for w in ws)
+    if not same:
+        return tuple(dot(x, w) for w in ws)
+    return _few_rows(MATMUL_TARGET, x, ws, [w.shape[1] for w in ws], dot)
 
 
 def matmul_t(x: jax.Array, w: jax.Array, otherwise=None) -> jax.Array:
@@ -238,21 +256,27 @@ def matmul_t(x: jax.Array, w: jax.Array, otherwise=None) -> jax.Array:
     """
     dot = otherwise or (lambda x, w: jnp.einsum("...k,nk->...n", x.astype(w.dtype), w,
                                                   preferred_element_type=jnp.float32))
-    return _few_rows(MATMUL_T_TARGET, x, w, w.shape[0], w.shape[1], dot)
+    if w.ndim != 2:
+        return dot(x, w)
+    return _few_rows(MATMUL_T_TARGET, x, (w,), [w.shape[0]], dot, lane_dim=1)[0]
 
 
-def _few_rows(target: str, x: jax.Array, w: jax.Array, out_cols: int, lane_dim: int,
-              dot) -> jax.Array:
-    """`dot(x, w)` [..., out_cols], or the kernel `target` when it serves x's rows and w (see
-    `matmul`; `lane_dim`, the axis of w read 16 lanes at a time, must be a multiple of 16)."""
+def _few_rows(target: str, x: jax.Array, ws: tuple, out_cols: list[int], dot,
+              lane_dim: int = 1) -> tuple[jax.Array, ...]:
+    """`dot(x, w)` [..., out_cols[i]] per w, or one call of kernel `target` when it serves x's
+    rows and every w (2-D float32 or bf16 of one dtype, `w.shape[lane_dim]` -- the axis read 16
+    lanes at a time -- a multiple of 16; see `matmul`)."""
     lead = x.shape[:-1]
     concrete = all(isinstance(d, int) for d in lead)
     rows = int(np.prod(lead)) if concrete else 0
-    if (not MATMUL_ROWS[0] <= rows <= MATMUL_ROWS[1] or w.ndim != 2 or lane_dim % 16
-            or w.dtype not in (jnp.float32, jnp.bfloat16) or not _runs_here() or not _registered()):
-        return dot(x, w)
-    x_rows = x.reshape(rows, x.shape[-1]).astype(w.dtype).astype(jnp.float32)  # as the dot sees it
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, out_cols), jnp.float32))
-    kernel = lambda x_rows, w: call(x_rows, w).reshape(*lead, out_cols)
+    if (not MATMUL_ROWS[0] <= rows <= MATMUL_ROWS[1]
+            or any(w.shape[lane_dim] % 16 for w in ws)
+            or ws[0].dtype not in (jnp.float32, jnp.bfloat16) or not _runs_here()
+            or not _registered()):
+        return tuple(dot(x, w) for w in ws)
+    x_rows = x.reshape(rows, x.shape[-1]).astype(ws[0].dtype).astype(jnp.float32)  # as the dot sees it
+    call = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in out_cols])
+    kernel = lambda x_rows, *ws: tuple(y.reshape(*lead, y.shape[-1]) for y in call(x_rows, *ws))
     # picked when lowering: a TPU or GPU program (deviceless compile) keeps the dot
-    return jax.lax.platform_dependent(x_rows, w, cpu=kernel, default=lambda x_rows, w: dot(x, w))
+    return jax.lax.platform_dependent(x_rows, *ws, cpu=kernel,
+                                      default=lambda x_rows, *ws: tuple(dot(x, w) for w in ws))

@@ -154,14 +154,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 FEW_ROWS = 32  # most rows for which `Llama.logits` multiply-reduces instead of a dot (XLA:CPU)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., In] @ w [In, Out] in w's dtype, accumulated and returned in float32.
-
-    A batched decode step on the CPU runs in kvjax's few-row kernel (`kvjax.cpu_kernel.matmul`).
-    """
-    return cpu_kernel.matmul(x, w)
-
-
 class Dense(nnx.Module):
     """y = x @ kernel (+ bias); kernel [in, out]."""
 
@@ -172,8 +164,15 @@ class Dense(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.kernel[...])
-        return y if self.bias is None else y + self.bias[...].astype(jnp.float32)
+        return dense_together(x, (self,))[0]
+
+
+def dense_together(x: jax.Array, layers: tuple[Dense, ...]) -> tuple[jax.Array, ...]:
+    """Each of `layers` applied to x, their products in one few-row kernel call on the CPU
+    (`kvjax.cpu_kernel.matmuls`: a layer's q, k and v share one round of the thread pool)."""
+    ys = cpu_kernel.matmuls(x, [layer.kernel[...] for layer in layers])
+    return tuple(y if layer.bias is None else y + layer.bias[...].astype(jnp.float32)
+                 for layer, y in zip(layers, ys))
 
 
 class RMSNorm(nnx.Module):
@@ -202,10 +201,11 @@ class Attention(nnx.Module):
         b, t, _ = x.shape  # x: [B, T, hidden] float32
         h, kvh, d = self.shape
         inv_freq = rope_frequencies(self.config)
-        q_pre = self.q_proj(x).reshape(b, t, h, d)
+        q_pre, k, v = dense_together(x, (self.q_proj, self.k_proj, self.v_proj))
+        q_pre = q_pre.reshape(b, t, h, d)
         q = apply_rope(q_pre, positions, inv_freq)
-        k = apply_rope(self.k_proj(x).reshape(b, t, kvh, d), positions, inv_freq)
-        v = self.v_proj(x).reshape(b, t, kvh, d)
+        k = apply_rope(k.reshape(b, t, kvh, d), positions, inv_freq)
+        v = v.reshape(b, t, kvh, d)
         cache = kvjax.write(cache, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)
         out = kvjax.attend(q, positions, cache, impl=impl)  # [B, T, H, D]
         cache = accumulate_mass(cache, q, positions)
@@ -221,7 +221,8 @@ class MLP(nnx.Module):
         self.down_proj = Dense(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = dense_together(x, (self.gate_proj, self.up_proj))
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):

@@ -151,6 +151,28 @@ def test_matmul_equals_the_dot(dtype, lead, k, n):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_matmuls_are_one_call_equal_to_each_dot(dtype, rows):
+    """A layer's q, k, v (one weight above and two below the one-thread size, one a lone
+    16-column tile) in one kernel call, each equal to its dot as `matmul` is; weights of two
+    dtypes fall back to one dot each."""
+    x = jax.random.normal(jax.random.key(0), (rows, 576))
+    ws = [jax.random.normal(jax.random.key(i + 1), (576, n)).astype(dtype)
+          for i, n in enumerate((576, 192, 16))]
+    lowered = jax.jit(cpu_kernel.matmuls).lower(x, ws)
+    assert lowered.as_text().count(cpu_kernel.MATMUL_TARGET) == 1
+    xs = np.asarray(x.astype(dtype).astype(jnp.float32))
+    for got, w in zip(lowered.compile()(x, ws), ws):
+        w32 = np.asarray(w.astype(jnp.float32))
+        bound = np.abs(xs) @ np.abs(w32)
+        want = xs.astype(np.float64) @ w32.astype(np.float64)
+        np.testing.assert_array_less(np.abs(got - want), 4 * np.finfo(np.float32).eps * bound + 1e-30)
+    mixed = [ws[0], ws[1].astype(jnp.float16)]
+    text = jax.jit(cpu_kernel.matmuls).lower(x, mixed).as_text()
+    assert cpu_kernel.MATMUL_TARGET not in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("lead,k,n", [((1,), 576, 49152), ((2,), 576, 1003), ((3, 1), 64, 37),
                                       ((4,), 128, 9), ((5,), 16, 700), ((8, 1), 576, 4099),
                                       ((1, 1), 32, 3)])

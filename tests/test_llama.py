@@ -110,11 +110,10 @@ def test_wrong_cache_raises_at_trace_time():
 
 def test_bfloat16_model_is_float32_on_bfloat16_rounded_operands(monkeypatch):
     """What bf16 weights compute, exactly: every matmul takes its operands rounded to bf16
-    (weights stored so, activations cast by `matmul`) and accumulates in float32, where a
+    (weights stored so, activations cast by `cpu_kernel.matmuls`) and accumulates in float32, where a
     product of two bf16 numbers (8-bit significands) is exact. So the bf16 model equals a
     float32 model on bf16-rounded weights whose matmuls round their inputs to bf16, up to
     float32 summation order (the same 1e-5 as the float32 tests above), not "a few percent"."""
-    import models.llama as llama
     cfg = LlamaConfig.tiny()
     m32 = Llama(cfg, rngs=nnx.Rngs(3))
     graphdef, state = nnx.split(Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -126,8 +125,8 @@ def test_bfloat16_model_is_float32_on_bfloat16_rounded_operands(monkeypatch):
     rounded = nnx.merge(graphdef, jax.tree_util.tree_map(
         lambda x: x.astype(jnp.bfloat16).astype(jnp.float32), state))
     bf16 = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
-    monkeypatch.setattr(llama, "matmul", lambda x, w: jnp.dot(
-        bf16(x), w, preferred_element_type=jnp.float32))
+    monkeypatch.setattr(cpu_kernel, "matmuls", lambda x, ws: tuple(jnp.dot(
+        bf16(x), w, preferred_element_type=jnp.float32) for w in ws))
     monkeypatch.setattr(Llama, "logits", lambda self, h: jnp.einsum(
         "...d,vd->...v", bf16(h), self.embed[...], preferred_element_type=jnp.float32))
     want = full_forward(rounded, tokens)

@@ -369,14 +369,15 @@ def test_bfloat16_build_is_float32_on_bfloat16_rounded_operands(monkeypatch):
     """The bf16 build computes a float32 model on bf16-rounded weights whose matmuls round
     their inputs to bf16 (products of bf16 numbers are exact in float32), to float32
     rounding: the exact statement behind "tracks float32" above (see tests/test_llama.py)."""
-    import models.llama as llama
+    from kvjax import cpu_kernel
     cfg, params = load_hf_dir(GOLDEN / "llama3_untied")
-    assert not cfg.tie_embeddings  # logits go through lm_head, a Dense: `matmul` covers them
+    assert not cfg.tie_embeddings  # logits go through lm_head, a Dense: `matmuls` covers them
     got = golden_forward(build_model(cfg, params, jnp.bfloat16), "llama3_untied")
     rounded = {k: np.asarray(jnp.asarray(v).astype(jnp.bfloat16).astype(jnp.float32))
                for k, v in params.items()}
-    monkeypatch.setattr(llama, "matmul", lambda x, w: jnp.dot(
-        x.astype(jnp.bfloat16).astype(jnp.float32), w, preferred_element_type=jnp.float32))
+    monkeypatch.setattr(cpu_kernel, "matmuls", lambda x, ws: tuple(jnp.dot(
+        x.astype(jnp.bfloat16).astype(jnp.float32), w, preferred_element_type=jnp.float32)
+        for w in ws))
     want = golden_forward(build_model(cfg, rounded), "llama3_untied")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 

@@ -1,5 +1,6 @@
 // Decode attention over one cache part on the CPU: an XLA FFI handler (kvjax/cpu_kernel.py).
-// (The file's second handler, KvjaxFewRowsMatmul, is the decode step's 1-8-row weight product.)
+// (Its other handlers, KvjaxFewRowsMatmul and KvjaxFewRowsMatmulT, are the decode step's 1-8-row
+// weight products: x @ w and x @ w.T, the latter a tied embedding's logits.)
 //
 // One call continues the running softmax (m, l, acc) of `kvjax.attention.attend_blockwise`
 // over the slots [0, length) of a part whose keys and values are each a dense float32 or
@@ -1127,40 +1128,75 @@ Rows rows_for(int64_t rows) {
   }
 }
 
-ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                         ffi::ResultBuffer<ffi::F32> y) {
+// y_i [R, N_i] = x [R, K] @ w_i [K, N_i] for each weight i (one call for a layer's q, k and v,
+// say): every weight's blocks are work items of one parallel_for, so the products share one
+// round of the pool instead of one round each.
+ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                         ffi::RemainingRets ys) {
   auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("few-rows matmul: x must be [R, K] and w [K, N]");
-  const int64_t R = xd[0], K = xd[1], N = wd[1];
-  if (R < 1 || R > kMatmulMaxRows || N % 16 != 0)
-    return ffi::Error::InvalidArgument("few-rows matmul: needs 1 <= R <= 8 and N % 16 == 0");
-  const bool bf16 = w.element_type() == ffi::DataType::BF16;
-  if (!bf16 && w.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("few-rows matmul: w must be float32 or bfloat16");
-  // blocks of rows: 2 per thread (some balance if a core is busy), each at least 16 rows; a
-  // small w is one block on the calling thread (waking helpers would cost more than it saves)
-  const int64_t w_bytes = K * N * (bf16 ? 2 : 4);
-  const int64_t blocks = w_bytes < kMatmulParallelBytes ? 1
-      : std::max<int64_t>(1, std::min<int64_t>(2 * pool.num_threads(), K / 16));
-  const int64_t block_rows = (K + blocks - 1) / blocks;
+  if (xd.size() != 2 || ws.size() < 1 || ws.size() != ys.size())
+    return ffi::Error::InvalidArgument("few-rows matmul: x [R, K], then n weights and n results");
+  const int64_t R = xd[0], K = xd[1];
+  if (R < 1 || R > kMatmulMaxRows)
+    return ffi::Error::InvalidArgument("few-rows matmul: needs 1 <= R <= 8");
+  struct Product {
+    const void* w;
+    float* y;
+    int64_t N, blocks, block_rows;
+    Rows rows;
+    float* partial;  // [blocks, R, N]
+  };
+  std::vector<Product> products(ws.size());
+  std::vector<int64_t> first_item(ws.size() + 1, 0);  // item -> product: first_item[i] <= item
+  int64_t part_floats = 0;
+  for (size_t i = 0; i < ws.size(); ++i) {
+    auto w = ws.get<ffi::AnyBuffer>(i);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("few-rows matmul: weights and results must be arrays");
+    auto wd = w->dimensions();
+    const bool bf16 = w->element_type() == ffi::DataType::BF16;
+    if (wd.size() != 2 || wd[0] != K || wd[1] % 16 != 0)
+      return ffi::Error::InvalidArgument("few-rows matmul: each w must be [K, N], N % 16 == 0");
+    if (!bf16 && w->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("few-rows matmul: w must be float32 or bfloat16");
+    Product& p = products[i];
+    p.w = w->untyped_data();
+    p.y = (*y)->typed_data();
+    p.N = wd[1];
+    // blocks of rows: 2 per thread (some balance if a core is busy), each at least 16 rows; a
+    // small w is one block (waking a helper would cost more than it saves)
+    const int64_t w_bytes = K * p.N * (bf16 ? 2 : 4);
+    p.blocks = w_bytes < kMatmulParallelBytes ? 1
+        : std::max<int64_t>(1, std::min<int64_t>(2 * pool.num_threads(), K / 16));
+    p.block_rows = (K + p.blocks - 1) / p.blocks;
+    p.rows = bf16 ? rows_for<true>(R) : rows_for<false>(R);
+    first_item[i + 1] = first_item[i] + p.blocks;
+    part_floats += p.blocks * R * p.N;
+  }
   thread_local std::vector<float> parts;  // reused: a fresh allocation per call page-faults
-  parts.resize(blocks * R * N);
-  float* partial = parts.data();  // (a lambda would read another thread's thread_local)
-  const Rows rows = bf16 ? rows_for<true>(R) : rows_for<false>(R);
+  parts.resize(part_floats);
+  float* next = parts.data();  // (a lambda would read another thread's thread_local)
+  for (Product& p : products) {
+    p.partial = next;
+    next += p.blocks * R * p.N;
+  }
   const float* xp = x.typed_data();
-  const void* wp = w.untyped_data();
-  parallel_for(pool, blocks, [&](int64_t b) {
-    const int64_t k0 = std::min(K, b * block_rows), k1 = std::min(K, k0 + block_rows);
-    rows(xp, wp, K, N, k0, k1, partial + b * R * N);
+  parallel_for(pool, first_item.back(), [&](int64_t item) {
+    const size_t i = std::upper_bound(first_item.begin(), first_item.end(), item) -
+                     first_item.begin() - 1;
+    const Product& p = products[i];
+    const int64_t b = item - first_item[i];
+    const int64_t k0 = std::min(K, b * p.block_rows), k1 = std::min(K, k0 + p.block_rows);
+    p.rows(xp, p.w, K, p.N, k0, k1, p.partial + b * R * p.N);
   });
-  float* yp = y->typed_data();
-  std::copy(partial, partial + R * N, yp);
-  for (int64_t b = 1; b < blocks; ++b) {
-    const float* pb = partial + b * R * N;
+  for (const Product& p : products) {  // blocks' sums added in block order: thread-independent
+    std::copy(p.partial, p.partial + R * p.N, p.y);
+    for (int64_t b = 1; b < p.blocks; ++b) {
+      const float* pb = p.partial + b * R * p.N;
 #pragma omp simd
-    for (int64_t i = 0; i < R * N; ++i) yp[i] += pb[i];
+      for (int64_t j = 0; j < R * p.N; ++j) p.y[j] += pb[j];
+    }
   }
   return ffi::Error::Success();
 }
@@ -1292,8 +1328,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::ThreadPool>()
         .Arg<ffi::Buffer<ffi::F32>>()   // x [R, K]
-        .Arg<ffi::AnyBuffer>()          // w [K, N] f32 or bf16
-        .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
+        .RemainingArgs()                // w_i [K, N_i] f32 or bf16
+        .RemainingRets());              // y_i [R, N_i] f32
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     KvjaxFewRowsMatmulT, FewRowsMatmulT,
