@@ -236,6 +236,8 @@ def matmuls(x: jax.Array, ws) -> tuple[jax.Array, ...]:
     """
     dot = lambda x, w: jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     ws = tuple(ws)
+    if not ws:
+        raise ValueError("matmuls: ws must hold at least one weight, got none")
     same = all(w.ndim == 2 and w.dtype == ws[0].dtype for w in ws)
     if not same:
         return tuple(dot(x, w) for w in ws)
