@@ -260,19 +260,19 @@ def matmul_t(x: jax.Array, w: jax.Array, otherwise=None) -> jax.Array:
                                                   preferred_element_type=jnp.float32))
     if w.ndim != 2:
         return dot(x, w)
-    return _few_rows(MATMUL_T_TARGET, x, (w,), [w.shape[0]], dot, lane_dim=1)[0]
+    return _few_rows(MATMUL_T_TARGET, x, (w,), [w.shape[0]], dot)[0]
 
 
-def _few_rows(target: str, x: jax.Array, ws: tuple, out_cols: list[int], dot,
-              lane_dim: int = 1) -> tuple[jax.Array, ...]:
+def _few_rows(target: str, x: jax.Array, ws: tuple, out_cols: list[int],
+              dot) -> tuple[jax.Array, ...]:
     """`dot(x, w)` [..., out_cols[i]] per w, or one call of kernel `target` when it serves x's
-    rows and every w (2-D float32 or bf16 of one dtype, `w.shape[lane_dim]` -- the axis read 16
-    lanes at a time -- a multiple of 16; see `matmul`)."""
+    rows and every w (2-D float32 or bf16 of one dtype, `w.shape[1]` -- contiguous, read 16
+    lanes at a time by both kernels -- a multiple of 16; see `matmul`)."""
     lead = x.shape[:-1]
     concrete = all(isinstance(d, int) for d in lead)
     rows = int(np.prod(lead)) if concrete else 0
     if (not MATMUL_ROWS[0] <= rows <= MATMUL_ROWS[1]
-            or any(w.shape[lane_dim] % 16 for w in ws)
+            or any(w.shape[1] % 16 for w in ws)
             or ws[0].dtype not in (jnp.float32, jnp.bfloat16) or not _runs_here()
             or not _registered()):
         return tuple(dot(x, w) for w in ws)

@@ -153,7 +153,7 @@ def test_matmul_equals_the_dot(dtype, lead, k, n):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_matmuls_are_one_call_equal_to_each_dot(dtype, rows):
-    """A layer's q, k, v (one weight above and two below the one-thread size, one a lone
+    """A layer's q, k, v (two weights above the one-thread size, one below it and a lone
     16-column tile) in one kernel call, each equal to its dot as `matmul` is; weights of two
     dtypes fall back to one dot each."""
     x = jax.random.normal(jax.random.key(0), (rows, 576))

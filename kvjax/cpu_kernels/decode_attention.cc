@@ -532,6 +532,16 @@ inline f32x16 fold(f32x16 a, f32x16 b, std::index_sequence<I...>) {
          __builtin_shufflevector(a, b, (fold_lane<L>(I) + L / 2)...);
 }
 
+// The sum of v's lanes (one output; `lane_sums` below does 16 at once).
+inline float lane_sum(f32x16 v) {
+  f32x8 lo, hi;
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  const f32x8 a = lo + hi;
+  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 // Lane t <- the sum of v[t]'s lanes: 15 pairs of shuffles and adds for 16 sums.
 inline f32x16 lane_sums(f32x16 v[16]) {
   constexpr auto lanes = std::make_index_sequence<16>();
@@ -1128,6 +1138,14 @@ Rows rows_for(int64_t rows) {
   }
 }
 
+// Work items for a weight of `w_bytes` split along its `rows` (blocks of contiguous rows): 2 per
+// thread (some balance if a core is busy), each at least 16 rows; a small weight is one block
+// (waking a helper would cost more than it saves).
+inline int64_t weight_blocks(ffi::ThreadPool& pool, int64_t w_bytes, int64_t rows) {
+  if (w_bytes < kMatmulParallelBytes) return 1;
+  return std::max<int64_t>(1, std::min<int64_t>(2 * pool.num_threads(), rows / 16));
+}
+
 // y_i [R, N_i] = x [R, K] @ w_i [K, N_i] for each weight i (one call for a layer's q, k and v,
 // say): every weight's blocks are work items of one parallel_for, so the products share one
 // round of the pool instead of one round each.
@@ -1164,11 +1182,7 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rem
     p.w = w->untyped_data();
     p.y = (*y)->typed_data();
     p.N = wd[1];
-    // blocks of rows: 2 per thread (some balance if a core is busy), each at least 16 rows; a
-    // small w is one block (waking a helper would cost more than it saves)
-    const int64_t w_bytes = K * p.N * (bf16 ? 2 : 4);
-    p.blocks = w_bytes < kMatmulParallelBytes ? 1
-        : std::max<int64_t>(1, std::min<int64_t>(2 * pool.num_threads(), K / 16));
+    p.blocks = weight_blocks(pool, K * p.N * (bf16 ? 2 : 4), K);
     p.block_rows = (K + p.blocks - 1) / p.blocks;
     p.rows = bf16 ? rows_for<true>(R) : rows_for<false>(R);
     first_item[i + 1] = first_item[i] + p.blocks;
@@ -1207,15 +1221,6 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rem
 // once, row after row, in blocks of rows (one work item each) that write their own outputs:
 // no partial sums to add. kE rows of w go together so kE x R sums are in flight.
 
-
-inline float lane_sum(f32x16 v) {
-  f32x8 lo, hi;
-  std::memcpy(&lo, &v, 32);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
-  const f32x8 a = lo + hi;
-  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
 
 // y[:, n0:n1] for kR rows of x, kE rows of w at a time (the last n1 - n0 % kE one by one).
 template <int kR, int kE, bool kBf16>
@@ -1272,9 +1277,7 @@ ffi::Error FewRowsMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
   const bool bf16 = w.element_type() == ffi::DataType::BF16;
   if (!bf16 && w.element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("few-rows matmul_t: w must be float32 or bfloat16");
-  const int64_t w_bytes = N * K * (bf16 ? 2 : 4);
-  const int64_t blocks = w_bytes < kMatmulParallelBytes ? 1
-      : std::max<int64_t>(1, std::min<int64_t>(2 * pool.num_threads(), N / 16));
+  const int64_t blocks = weight_blocks(pool, N * K * (bf16 ? 2 : 4), N);
   const int64_t block_rows = (N + blocks - 1) / blocks;
   const RowsT rows = bf16 ? rows_t_for<true>(R) : rows_t_for<false>(R);
   const float* xp = x.typed_data();
