@@ -4,14 +4,17 @@ source (a previous commit's, or a variant), calls alternating in one process.
 Machine load changes between runs by more than most kernel changes gain, so a before/after
 measured in two processes says little; here both programs run in turn, `--repeats` rounds.
 The other source is compiled with the same flags and registered under its own target names;
-its program calls the few-row product once per weight, and a kernel it lacks (e.g. `matmul_t`
-before it existed) runs XLA's path there. The
-step is `experiments/bench_step_parts.py`'s: SmolLM2-135M shapes, random weights, a full
+its program calls the few-row product once per weight (but see `--several-weights`), and a
+kernel it lacks (e.g. `matmul_t` before it existed) runs XLA's path there. The step is `experiments/bench_step_parts.py`'s: SmolLM2-135M shapes, random weights, a full
 float32 cache of `--context` slots, one token per row, logits included. Prints and writes
-(`--out`) the median and minimum ms of each and the largest logits difference.
+(`--out`) the median and minimum ms of each, the kernel call sites in each lowered program (its
+layers share one body) and the largest logits difference. `--several-weights`: the other source's product takes several weights per
+call (as the shipped one since c08044e), so both programs make the same calls.
 
     git show 654706d:kvjax/cpu_kernels/decode_attention.cc > /tmp/old.cc
     python -m experiments.bench_kernel_ab --other /tmp/old.cc --batch 1 --context 4096
+    git show HEAD:kvjax/cpu_kernels/decode_attention.cc > /tmp/head.cc   # a working-tree change
+    python -m experiments.bench_kernel_ab --other /tmp/head.cc --several-weights
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import contextlib
 import ctypes
 import functools
+import hashlib
 import json
 import statistics
 import subprocess
@@ -39,16 +43,19 @@ TARGETS = {"TARGET": "KvjaxDecodeAttention", "MATMUL_TARGET": "KvjaxFewRowsMatmu
            "MATMUL_T_TARGET": "KvjaxFewRowsMatmulT"}
 
 
-def register_other(source: Path) -> dict[str, str | None]:
-    """Build `source` and register its kernels as `other_*` targets: {module constant: name or
-    None where the source lacks that kernel}."""
+@functools.lru_cache(maxsize=None)
+def register_other(source: Path, text: str) -> dict[str, str | None]:
+    """Build `source` (whose contents are `text`: a changed file builds again) and register its
+    kernels as `other_*` targets: {module constant: name or None where the source lacks that
+    kernel}. Once per source and contents: a target name is registered once per process."""
     out = Path(tempfile.mkdtemp()) / "other.so"
     subprocess.run(["g++", "-w", *cpu_kernel.FLAGS, f"-I{jax.ffi.include_dir()}", str(source),
                     "-o", str(out)], check=True)
     library = ctypes.cdll.LoadLibrary(str(out))
+    tag = hashlib.sha256(text.encode()).hexdigest()[:12]
     names = {}
     for constant, symbol in TARGETS.items():
-        names[constant] = f"other_{symbol}" if hasattr(library, symbol) else None
+        names[constant] = f"other_{tag}_{symbol}" if hasattr(library, symbol) else None
         if names[constant]:
             jax.ffi.register_ffi_target(names[constant],
                                         jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
@@ -56,14 +63,16 @@ def register_other(source: Path) -> dict[str, str | None]:
 
 
 @contextlib.contextmanager
-def other_kernels(names: dict[str, str | None]):
-    """Trace with the other source's targets: one product per matmul call (sources before
-    `matmuls` took one weight per call), and a `matmul_t` it lacks runs XLA's path."""
+def other_kernels(names: dict[str, str | None], several_weights: bool = False):
+    """Trace with the other source's targets: one product per matmul call unless
+    `several_weights` (sources before c08044e took one weight per call), and a `matmul_t` it
+    lacks runs XLA's path."""
     saved = {c: getattr(cpu_kernel, c) for c in names} | {"matmul_t": cpu_kernel.matmul_t,
                                                            "matmuls": cpu_kernel.matmuls}
     for constant, name in names.items():
         setattr(cpu_kernel, constant, name or saved[constant])
-    cpu_kernel.matmuls = lambda x, ws: tuple(saved["matmuls"](x, (w,))[0] for w in ws)
+    if not several_weights:
+        cpu_kernel.matmuls = lambda x, ws: tuple(saved["matmuls"](x, (w,))[0] for w in ws)
     if names["MATMUL_T_TARGET"] is None:
         def matmul_t(x, w, otherwise=None):
             with cpu_kernel.disabled():
@@ -95,18 +104,23 @@ def filled_cache(cfg, batch: int, context: int):
     return tuple(kvjax.write(layer, keys, keys, positions) for layer in empty), length
 
 
-def compare(other: Path, cfg: LlamaConfig, batch: int, context: int, repeats: int) -> dict:
-    """Median / min ms of the step with the shipped kernels and with `other`'s, alternating."""
-    names = register_other(other)
+def compare(other: Path, cfg: LlamaConfig, batch: int, context: int, repeats: int,
+            several_weights: bool = False) -> dict:
+    """Median / min ms of the step with the shipped kernels and with `other`'s, alternating
+    (`several_weights`: `other_kernels`)."""
+    names = register_other(other, other.read_text())
     graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))
     cache, length = filled_cache(cfg, batch, context)
     tokens = jnp.full((batch, 1), 5, jnp.int32)
     positions = jnp.full((batch, 1), length, jnp.int32)
     steps = {"shipped": make_step(graphdef), "other": make_step(graphdef)}
     caches = {k: jax.tree.map(jnp.copy, cache) for k in steps}
-    logits = {}
+    logits, call_sites = {}, {}
     for name, step in steps.items():  # trace and compile; the same inputs give both logits
-        with other_kernels(names) if name == "other" else contextlib.nullcontext():
+        with (other_kernels(names, several_weights) if name == "other"
+              else contextlib.nullcontext()):
+            text = step.lower(state, cache, tokens, positions).as_text()
+            call_sites[name] = text.count("stablehlo.custom_call")  # layers share one body
             logits[name], _ = step(state, jax.tree.map(jnp.copy, cache), tokens, positions)
     gap = float(jnp.max(jnp.abs(logits["shipped"] - logits["other"])))
     times = {k: [] for k in steps}
@@ -117,11 +131,13 @@ def compare(other: Path, cfg: LlamaConfig, batch: int, context: int, repeats: in
             jax.block_until_ready(out)
             times[name].append(1e3 * (time.perf_counter() - start))
     row = {"batch": batch, "context": context, "other": str(other),
+           "several_weights": several_weights,
            "missing_in_other": [c for c, n in names.items() if n is None],
            **{f"{k}_ms": statistics.median(v) for k, v in times.items()},
            **{f"{k}_min_ms": min(v) for k, v in times.items()},
            "shipped_x_other": statistics.median(times["shipped"]) / statistics.median(times["other"]),
-           "max_abs_logits_diff": gap}
+           "max_abs_logits_diff": gap,
+           **{f"{k}_kernel_call_sites": n for k, n in call_sites.items()}}
     return row
 
 
@@ -132,6 +148,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--several-weights", action="store_true",
+                   help="the other source's matmul takes several weights per call, as the "
+                        "shipped one (sources from c08044e on)")
     args = p.parse_args(argv)
     if args.batch < 1 or args.context < 16 or args.repeats < 1:
         p.error(f"--batch >= 1, --context >= 16 and --repeats >= 1, got {args.batch}, "
@@ -140,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--other {args.other}: no such file")
     if not cpu_kernel._registered():
         p.error("the shipped CPU kernels could not be built here (see the warning)")
-    row = compare(args.other, LlamaConfig.smollm2_135m(), args.batch, args.context, args.repeats)
+    row = compare(args.other, LlamaConfig.smollm2_135m(), args.batch, args.context, args.repeats,
+                  args.several_weights)
     print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}))
     if args.out:
         args.out.write_text(json.dumps(row, indent=1) + "\n")

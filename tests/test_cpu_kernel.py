@@ -231,13 +231,21 @@ def test_matmul_opt_out_keeps_the_dot(monkeypatch):
 
 def test_kernel_ab_benchmark_runs_another_source_beside_the_shipped(tmp_path):
     """`experiments.bench_kernel_ab`: a source without `matmul_t` (as before it existed) gets
-    XLA's logits in its program; both steps' logits agree to float32 rounding."""
+    XLA's logits in its program; both steps' logits agree to float32 rounding. Its products
+    take one weight per call unless `several_weights` (one call for q/k/v, one for gate/up, as
+    the shipped program; the source is built once for both runs)."""
     from experiments.bench_kernel_ab import compare
     from models.llama import LlamaConfig
     source = cpu_kernel.SOURCE.read_text()
     cut = source.index("XLA_FFI_DEFINE_HANDLER_SYMBOL(\n    KvjaxFewRowsMatmulT")
     (tmp_path / "other.cc").write_text(source[:cut])
-    row = compare(tmp_path / "other.cc", LlamaConfig.tiny(), batch=2, context=64, repeats=1)
+    cfg = LlamaConfig.tiny()
+    row = compare(tmp_path / "other.cc", cfg, batch=2, context=64, repeats=1)
     assert row["missing_in_other"] == ["MATMUL_T_TARGET"]
     assert row["shipped_ms"] > 0 and row["other_ms"] > 0
+    assert 0 < row["max_abs_logits_diff"] < 1e-5
+    # in the layer body q/k/v are 3 calls instead of 1, gate/up 2 instead of 1; logits: XLA's
+    assert row["other_kernel_call_sites"] == row["shipped_kernel_call_sites"] + 3 - 1
+    row = compare(tmp_path / "other.cc", cfg, batch=2, context=64, repeats=1, several_weights=True)
+    assert row["other_kernel_call_sites"] == row["shipped_kernel_call_sites"] - 1
     assert 0 < row["max_abs_logits_diff"] < 1e-5

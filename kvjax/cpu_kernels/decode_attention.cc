@@ -157,7 +157,7 @@ inline void unpack(const uint32_t* __restrict w, float* __restrict out, int64_t 
 // A per-thread buffer of at least n floats, one per use, kept across work items (a fresh vector
 // per item showed in profiles as malloc + memset); its contents are whatever the last use left.
 enum class Use { kScores, kRawParams, kKeyScales, kKeyOffsets, kValueScales, kValueOffsets,
-                 kWeights };
+                 kWeights, kQuerySums, kQueryPlanes, kAcc, kOffsetAcc };
 template <Use kUse>
 float* reused(int64_t n) {
   thread_local std::vector<float> buffer;
@@ -323,6 +323,20 @@ struct Scratch {
   std::vector<float> q_offset;     // [Q] queries . the key table row's offsets
   std::vector<uint32_t> words_t;   // [W, kTile] a tile's packed key words, slot-minor
   int64_t k_key = -1, v_key = -1, q_key = -1;
+
+  // This thread's scratch, sized for Q queries of D channels, no table row held. Kept across
+  // work items: per-item vectors cost 6 allocations an item (~200 a layer at batch 1).
+  static Scratch& for_item(int64_t Q, int64_t D) {
+    thread_local Scratch w;
+    w.buf.resize(std::max<size_t>(w.buf.size(), D));
+    w.k_table.resize(std::max<size_t>(w.k_table.size(), 2 * D));
+    w.v_table.resize(std::max<size_t>(w.v_table.size(), 2 * D));
+    w.q_scaled.resize(std::max<size_t>(w.q_scaled.size(), Q * D));
+    w.q_offset.resize(std::max<size_t>(w.q_offset.size(), Q));
+    w.words_t.resize(std::max<size_t>(w.words_t.size(), D * kTile));
+    w.k_key = w.v_key = w.q_key = -1;
+    return w;
+  }
 };
 
 #ifdef __AVX512F__
@@ -859,31 +873,26 @@ void run_item(Problem& P, int64_t item) {
   std::fill(out, out + Q * D, 0.0f);
   if (lo >= hi) return;
   const int64_t n = hi - lo, tiles = (n + kTile - 1) / kTile;
-  Scratch w;
-  w.buf.resize(D);
-  w.k_table.resize(2 * D);
-  w.v_table.resize(2 * D);
-  w.q_scaled.resize(Q * D);
-  w.q_offset.resize(Q);
-  w.words_t.resize(D * kTile);
+  Scratch& w = Scratch::for_item(Q, D);
   float* scores = reused<Use::kScores>(Q * tiles * kTile);  // [Q, tiles * kTile]
   const int64_t stride = tiles * kTile;
   const float* q = P.q + r * Q * D;
   if (planes_in_groups(P.k, D) && Q <= 8) {  // pass 1: scores, keys read once
     const int64_t n_groups = D / P.k.group;
-    std::vector<float> q_sums(Q * n_groups, 0.0f);  // [Q, D / group]
+    float* q_sums = reused<Use::kQuerySums>(Q * n_groups);  // [Q, D / group]
+    std::fill(q_sums, q_sums + Q * n_groups, 0.0f);
     for (int64_t i = 0; i < Q; ++i)
       for (int64_t c = 0; c < D; ++c) q_sums[i * n_groups + c / P.k.group] += q[i * D + c];
-    std::vector<float> q_planes(Q * D);
+    float* q_planes = reused<Use::kQueryPlanes>(Q * D);
     float* sc = reused<Use::kKeyScales>(n_groups * n + kTile);  // lanes past n: padding
     float* off = reused<Use::kKeyOffsets>(n_groups * n + kTile);
     P.k.token_params(r, lo, n, sc, off);
     auto tile = P.k.bits == 2 ? token_tile_scores<2, kQ, kD>
                 : P.k.bits == 4 ? token_tile_scores<4, kQ, kD> : token_tile_scores<8, kQ, kD>;
-    plane_scaled(q, Q, D, P.k.bits, q_planes.data());
+    plane_scaled(q, Q, D, P.k.bits, q_planes);
     for (int64_t t0 = 0; t0 < n; t0 += kTile) {
       P.k.prefetch(r, lo + t0, std::min(kTile, n - t0));
-      tile(P.k, Q, D, r, lo + t0, std::min(kTile, n - t0), q_planes.data(), q_sums.data(),
+      tile(P.k, Q, D, r, lo + t0, std::min(kTile, n - t0), q_planes, q_sums,
            &sc[t0], &off[t0], n, w, &scores[t0], stride);
     }
   } else {
@@ -917,8 +926,11 @@ void run_item(Problem& P, int64_t item) {
     l[i] = sum;
   }
   const int64_t n_groups = P.v.format == kPackedTokens ? D / P.v.group : 0;
-  std::vector<float> acc(Q * D, 0.0f), off_acc(Q * n_groups, 0.0f);
-  add_values_run<kQ, kD>(P, r, lo, n, scores, stride, w, acc.data(), off_acc.data());
+  float* acc = reused<Use::kAcc>(Q * D);  // [Q, D]
+  float* off_acc = reused<Use::kOffsetAcc>(Q * n_groups);  // [Q, D / group]
+  std::fill(acc, acc + Q * D, 0.0f);
+  std::fill(off_acc, off_acc + Q * n_groups, 0.0f);
+  add_values_run<kQ, kD>(P, r, lo, n, scores, stride, w, acc, off_acc);
   const int64_t G = n_groups ? P.v.group : D;  // channels per offset (none: one group of D)
   for (int64_t i = 0; i < Q; ++i)
     for (int64_t g = 0; g * G < D; ++g) {
@@ -953,12 +965,24 @@ Item item_for(int64_t n_q, int64_t dim) {
 
 // Runs items [0, n) on the calling thread and pool.num_threads() - 1 helpers (XLA sizes its
 // pool to the cores; one helper more would leave three threads on two cores, and a call
-// waits for its slowest thread: 20-25% slower products); returns when all are done.
+// waits for its slowest thread: 20-25% slower products); returns when all are done. The caller,
+// done with its share, spins a while (kSpinWaits pauses, ~50 us) before it sleeps: a step makes
+// ~150 such calls and a helper usually finishes within microseconds of the caller.
+constexpr int kSpinWaits = 1 << 11;
+
+inline void spin_pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
 template <typename F>
 void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& body) {
   struct Shared {
     std::atomic<int64_t> next{0};
-    int64_t done = 0;
+    std::atomic<int64_t> done{0};
     std::mutex mu;
     std::condition_variable cv;
   };
@@ -966,9 +990,8 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& body) {
   auto work = [shared, n, &body]() {
     int64_t finished = 0;
     for (int64_t i; (i = shared->next.fetch_add(1)) < n; ++finished) body(i);
-    if (finished) {
-      std::lock_guard<std::mutex> lock(shared->mu);
-      shared->done += finished;
+    if (finished && shared->done.fetch_add(finished) + finished == n) {
+      std::lock_guard<std::mutex> lock(shared->mu);  // after the count: the waiter cannot miss it
       shared->cv.notify_all();
     }
   };
@@ -980,8 +1003,10 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& body) {
     });
   }
   work();
+  for (int spin = 0; spin < kSpinWaits && shared->done.load() < n; ++spin) spin_pause();
+  if (shared->done.load() == n) return;
   std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done == n; });
+  shared->cv.wait(lock, [&] { return shared->done.load() == n; });
 }
 
 ffi::Error DecodeAttention(
