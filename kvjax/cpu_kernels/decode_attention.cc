@@ -17,6 +17,7 @@
 // [R, NG, D] (PackedChannels) in f16/bf16/f32, or empty.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -966,9 +967,9 @@ Item item_for(int64_t n_q, int64_t dim) {
 // Runs items [0, n) on the calling thread and pool.num_threads() - 1 helpers (XLA sizes its
 // pool to the cores; one helper more would leave three threads on two cores, and a call
 // waits for its slowest thread: 20-25% slower products); returns when all are done. The caller,
-// done with its share, spins a while (kSpinWaits pauses, ~50 us) before it sleeps: a step makes
-// ~150 such calls and a helper usually finishes within microseconds of the caller.
-constexpr int kSpinWaits = 1 << 11;
+// done with its share, spins up to kSpinWait before it sleeps: a step makes ~150 such calls and
+// a helper usually finishes within microseconds of the caller (a sleep and wake-up cost more).
+constexpr std::chrono::microseconds kSpinWait{20};
 
 inline void spin_pause() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -1003,7 +1004,9 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, F&& body) {
     });
   }
   work();
-  for (int spin = 0; spin < kSpinWaits && shared->done.load() < n; ++spin) spin_pause();
+  const auto until = std::chrono::steady_clock::now() + kSpinWait;
+  while (shared->done.load() < n && std::chrono::steady_clock::now() < until)
+    for (int i = 0; i < 16; ++i) spin_pause();
   if (shared->done.load() == n) return;
   std::unique_lock<std::mutex> lock(shared->mu);
   shared->cv.wait(lock, [&] { return shared->done.load() == n; });
