@@ -5,11 +5,13 @@ Machine load changes between runs by more than most kernel changes gain, so a be
 measured in two processes says little; here both programs run in turn, `--repeats` rounds.
 The other source is compiled with the same flags and registered under its own target names;
 its program calls the few-row product once per weight (but see `--several-weights`), and a
-kernel it lacks (e.g. `matmul_t` before it existed) runs XLA's path there. The step is `experiments/bench_step_parts.py`'s: SmolLM2-135M shapes, random weights, a full
-float32 cache of `--context` slots, one token per row, logits included. Prints and writes
-(`--out`) the median and minimum ms of each, the kernel call sites in each lowered program (its
-layers share one body) and the largest logits difference. `--several-weights`: the other source's product takes several weights per
-call (as the shipped one since c08044e), so both programs make the same calls.
+kernel it lacks (e.g. `matmul_t` before it existed) runs XLA's path there. The step is
+`experiments/bench_step_parts.py`'s: SmolLM2-135M shapes, random weights, a full float32 cache
+of `--context` slots, one token per row, logits included. Prints and writes (`--out`) the
+median and minimum ms of each, the kernel call sites in each lowered program (its layers share
+one body) and the largest logits difference. `--several-weights`: the other source's product
+takes several weights per call (as the shipped one since c08044e), so both programs make the
+same calls.
 
     git show 654706d:kvjax/cpu_kernels/decode_attention.cc > /tmp/old.cc
     python -m experiments.bench_kernel_ab --other /tmp/old.cc --batch 1 --context 4096
