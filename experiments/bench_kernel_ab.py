@@ -2,7 +2,9 @@
 source (a previous commit's, or a variant), calls alternating in one process.
 
 Machine load changes between runs by more than most kernel changes gain, so a before/after
-measured in two processes says little; here both programs run in turn, `--repeats` rounds.
+measured in two processes says little; here both programs run in turn, `--repeats` rounds,
+the order swapped every round (the second call of a round can find the first one's data in the
+CPU's shared cache).
 The other source is compiled with the same flags and registered under its own target names;
 its program calls the few-row product once per weight (but see `--several-weights`), and a
 kernel it lacks (e.g. `matmul_t` before it existed) runs XLA's path there. The step is
@@ -126,8 +128,9 @@ def compare(other: Path, cfg: LlamaConfig, batch: int, context: int, repeats: in
             logits[name], _ = step(state, jax.tree.map(jnp.copy, cache), tokens, positions)
     gap = float(jnp.max(jnp.abs(logits["shipped"] - logits["other"])))
     times = {k: [] for k in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
+    for round_ in range(repeats):  # the order alternates: a call can leave the next one data
+        for name in sorted(steps, reverse=bool(round_ % 2)):  # in the shared cache (weights)
+            step = steps[name]
             start = time.perf_counter()
             out, caches[name] = step(state, caches[name], tokens, positions)
             jax.block_until_ready(out)
