@@ -158,11 +158,18 @@ inline void unpack(const uint32_t* __restrict w, float* __restrict out, int64_t 
 // A per-thread buffer of at least n floats, one per use, kept across work items (a fresh vector
 // per item showed in profiles as malloc + memset); its contents are whatever the last use left.
 enum class Use { kScores, kRawParams, kKeyScales, kKeyOffsets, kValueScales, kValueOffsets,
-                 kWeights, kQuerySums, kQueryPlanes, kAcc, kOffsetAcc };
+                 kWeights, kQuerySums, kQueryPlanes, kAcc, kOffsetAcc, kProductParts };
+
+// v with room for at least n elements: grown, never shrunk.
+template <typename T>
+void grow(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
 template <Use kUse>
 float* reused(int64_t n) {
   thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  grow(buffer, n);
   return buffer.data();
 }
 
@@ -329,12 +336,12 @@ struct Scratch {
   // work items: per-item vectors cost 6 allocations an item (~200 a layer at batch 1).
   static Scratch& for_item(int64_t Q, int64_t D) {
     thread_local Scratch w;
-    w.buf.resize(std::max<size_t>(w.buf.size(), D));
-    w.k_table.resize(std::max<size_t>(w.k_table.size(), 2 * D));
-    w.v_table.resize(std::max<size_t>(w.v_table.size(), 2 * D));
-    w.q_scaled.resize(std::max<size_t>(w.q_scaled.size(), Q * D));
-    w.q_offset.resize(std::max<size_t>(w.q_offset.size(), Q));
-    w.words_t.resize(std::max<size_t>(w.words_t.size(), D * kTile));
+    grow(w.buf, D);
+    grow(w.k_table, 2 * D);
+    grow(w.v_table, 2 * D);
+    grow(w.q_scaled, Q * D);
+    grow(w.q_offset, Q);
+    grow(w.words_t, D * kTile);
     w.k_key = w.v_key = w.q_key = -1;
     return w;
   }
@@ -1216,9 +1223,9 @@ ffi::Error FewRowsMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rem
     first_item[i + 1] = first_item[i] + p.blocks;
     part_floats += p.blocks * R * p.N;
   }
-  thread_local std::vector<float> parts;  // reused: a fresh allocation per call page-faults
-  parts.resize(part_floats);
-  float* next = parts.data();  // (a lambda would read another thread's thread_local)
+  // reused: a fresh allocation per call page-faults (and a lambda would read another thread's
+  // thread_local, so the pointer is taken here)
+  float* next = reused<Use::kProductParts>(part_floats);
   for (Product& p : products) {
     p.partial = next;
     next += p.blocks * R * p.N;
