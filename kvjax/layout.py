@@ -159,14 +159,9 @@ def stack_layers(per_layer) -> StackedLayers:
     return StackedLayers(tuple(stack(m) for m in members), members)
 
 
-@jax.jit
-def _take_layer(group, n):
-    return jax.tree.map(lambda x: x[n], group)
-
-
 def unstack_layers(stacked: StackedLayers) -> tuple:
     """The per-layer trees of `stack_layers`, in layer order (eager: one compiled take per
-    group, called once per layer).
+    group layout, called once per layer).
 
     Example:
         >>> import jax.numpy as jnp
@@ -179,7 +174,7 @@ def unstack_layers(stacked: StackedLayers) -> tuple:
     out = [None] * sum(map(len, stacked.members))
     for group, members in zip(stacked.groups, stacked.members):
         for n, i in enumerate(members):
-            out[i] = group if len(members) == 1 else _take_layer(group, n)
+            out[i] = group if len(members) == 1 else _take_resized(group, n, None)
     return tuple(out)
 
 
@@ -267,21 +262,29 @@ def resize(cache: TokenCache, capacity: int) -> TokenCache:
 
     Host-side (capacity is a shape); raises if a written slot would be lost.
     """
-    if capacity < int(cache.length):
-        raise ValueError(f"resize: capacity {capacity} would drop written slots "
-                         f"(the cursor is at {int(cache.length)})")
-    used_k, used_v, in_use = jax.device_get(_usage(cache))
-    rows = tuple(table_rows(s, capacity, used, int(in_use))
-                 for s, used in ((cache.k, used_k), (cache.v, used_v)))
-    return _resize(cache, capacity, rows)
+    usage = jax.device_get(_usage(cache, False))
+    return _take_resized(cache, None, _resize_plan(cache, usage, capacity))
 
 
-@jax.jit
-def _usage(cache: TokenCache):
-    """What `resize` reads on the host: each store's `table_usage` and the most slots in use
-    in a row (one compiled program per layout instead of a dozen eager ops)."""
+def _token_usage(cache: TokenCache) -> tuple:
+    """What resizing a `TokenCache` reads on the host (jit-able): its cursor, each store's
+    `table_usage` and the most slots in use in a row."""
     valid = _valid_rows(cache)
-    return table_usage(cache.k, valid), table_usage(cache.v, valid), jnp.max(valid.sum(1))
+    return (cache.length, table_usage(cache.k, valid), table_usage(cache.v, valid),
+            jnp.max(valid.sum(1)))
+
+
+def _layer_usage(layer: Layer):
+    if isinstance(layer, ResidualCache):
+        return _token_usage(layer.body), _token_usage(layer.recent)
+    return _token_usage(layer)
+
+
+@functools.partial(jax.jit, static_argnames=("stacked",))
+def _usage(group, stacked: bool):
+    """`_layer_usage` of one layer, or of every layer of a stacked group (leaves [G, ...]):
+    one compiled program per layout, one call per group."""
+    return jax.vmap(_layer_usage)(group) if stacked else _layer_usage(group)
 
 
 def _valid_rows(cache: TokenCache) -> jax.Array:
@@ -291,9 +294,19 @@ def _valid_rows(cache: TokenCache) -> jax.Array:
     return valid.any(axis=1) if cache.pooled else valid.reshape(b * kvh, c)
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "rows"))
-def _resize(cache: TokenCache, capacity: int, rows: tuple) -> TokenCache:
-    """`resize` after its host-side part: one compiled program per layout and capacity."""
+def _resize_plan(cache: TokenCache, usage: tuple, capacity: int) -> tuple:
+    """(capacity, table rows of the keys, of the values): the static part of a resize, from
+    the host-side `_token_usage`; raises if a written slot would be lost."""
+    length, used_k, used_v, in_use = usage
+    if capacity < int(length):
+        raise ValueError(f"resize: capacity {capacity} would drop written slots "
+                         f"(the cursor is at {int(length)})")
+    return (capacity,) + tuple(table_rows(s, capacity, used, int(in_use))
+                               for s, used in ((cache.k, used_k), (cache.v, used_v)))
+
+
+def _resize_token(cache: TokenCache, plan: tuple) -> TokenCache:
+    capacity, rows_k, rows_v = plan
     if capacity <= cache.capacity:
         cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
     else:
@@ -301,12 +314,26 @@ def _resize(cache: TokenCache, capacity: int, rows: tuple) -> TokenCache:
             x, [(0, capacity - cache.capacity if a == axis % x.ndim else 0)
                 for a in range(x.ndim)], constant_values=EMPTY if x.dtype == jnp.int32 else 0)
     valid = _valid_rows(cache)
-    return TokenCache(k=resize_store(cache.k, capacity, valid, rows[0]),
-                      v=resize_store(cache.v, capacity, valid, rows[1]), pos=cut(cache.pos, 2),
+    return TokenCache(k=resize_store(cache.k, capacity, valid, rows_k),
+                      v=resize_store(cache.v, capacity, valid, rows_v), pos=cut(cache.pos, 2),
                       length=cache.length, mass=None if cache.mass is None else cut(cache.mass, 2))
 
 
-def shrink(cache: Cache, room: int = 0, max_write: int | None = None) -> Cache:
+@functools.partial(jax.jit, static_argnames=("plan",))
+def _take_resized(group, n, plan: tuple):
+    """Layer `n` of a stacked group (`n=None`: `group` is the layer) resized by `plan` (a
+    `_resize_plan`, one per part of a `ResidualCache`, or None: as it is): one compiled program
+    per layout and plan, called once per layer."""
+    layer = group if n is None else jax.tree.map(lambda x: x[n], group)
+    if plan is None:
+        return layer
+    if isinstance(layer, ResidualCache):
+        return layer.replace(body=_resize_token(layer.body, plan[0]),
+                             recent=_resize_token(layer.recent, plan[1]))
+    return _resize_token(layer, plan)
+
+
+def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = None) -> Cache:
     """Cut every layer to its written slots plus room for `room` more tokens (host side).
 
     After a policy compacted the cache, `nbytes(shrink(cache))` is the kept
@@ -317,6 +344,11 @@ def shrink(cache: Cache, room: int = 0, max_write: int | None = None) -> Cache:
     body room for every token that can flush into it; with `room=0` both
     parts are cut to the tokens they hold.
 
+    `cache` may also be the `StackedLayers` a compiled compression returns
+    (`stack_layers`): its layers come back apart, each taken and cut by one
+    compiled program per layout and size, after one host read of all layers'
+    cursors and table usage.
+
     Example:
         >>> import kvjax
         >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 4), batch=1, capacity=64)
@@ -324,21 +356,41 @@ def shrink(cache: Cache, room: int = 0, max_write: int | None = None) -> Cache:
         >>> cache[0].k.shape, cache[0].pos.shape
         ((1, 8, 4), (1, 1, 8))
     """
-    return tuple(_shrink_layer(layer, room, room if max_write is None else max_write)
-                 for layer in cache)
+    max_write = room if max_write is None else max_write
+    if not isinstance(cache, StackedLayers):
+        cache = StackedLayers(tuple(cache), tuple((i,) for i in range(len(cache))))
+    usages = jax.device_get([None if hasattr(group, "shrink") else _usage(group, len(m) > 1)
+                             for group, m in zip(cache.groups, cache.members)])  # one host read
+    out = [None] * sum(map(len, cache.members))
+    for group, members, usage in zip(cache.groups, cache.members, usages):
+        stacked = len(members) > 1
+        for n, i in enumerate(members):
+            if usage is None:  # a layer that shrinks itself (kvjax.recurrent)
+                layer = group if not stacked else _take_resized(group, n, None)
+                out[i] = layer.shrink(room, max_write)
+                continue
+            own = jax.tree.map(lambda x: x[n], usage) if stacked else usage
+            plan = _shrink_plan(_one_layer(group) if stacked else group, own, room, max_write)
+            out[i] = _take_resized(group, n if stacked else None, plan)
+    return tuple(out)
 
 
-def _shrink_layer(layer: Layer, room: int, max_write: int) -> Layer:
-    if hasattr(layer, "shrink"):  # a layer that shrinks itself (kvjax.recurrent)
-        return layer.shrink(room, max_write)
+def _one_layer(group):
+    """One layer of a stacked group, abstract (shapes and dtypes): what a plan reads."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), group)
+
+
+def _shrink_plan(layer: Layer, usage, room: int, max_write: int) -> tuple:
+    """`_take_resized`'s plan for `shrink` (host side) from the layer's `_layer_usage`."""
     spt = layer.slots_per_token
     if not isinstance(layer, ResidualCache):
-        return resize(layer, int(layer.length) + room * spt)
-    recent = int(layer.recent.length)
+        return _resize_plan(layer, usage, int(usage[0]) + room * spt)
+    body_usage, recent_usage = usage
+    recent = int(recent_usage[0])
     flush = max(0, recent + room * spt - layer.residual) if room else 0  # no write, no flush
     if recent + room * spt < layer.residual + layer.block:  # never a whole block to flush:
         flush = 0  # the exact part holds every token (a short prompt, a short generation)
-    body = resize(layer.body, int(layer.body.length) + flush)
     keep = max(recent, layer.residual + layer.block - 1 + max_write * spt) if flush else \
         recent + room * spt
-    return layer.replace(body=body, recent=resize(layer.recent, keep))
+    return (_resize_plan(layer.body, body_usage, int(body_usage[0]) + flush),
+            _resize_plan(layer.recent, recent_usage, keep))

@@ -272,9 +272,9 @@ def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink
         cache = jax.tree_util.tree_map(jnp.copy, cache)
     tstate = transform.init(cache)
     if transform is not full():
-        cache, tstate = _compress(transform.update, cache, tstate, pre.stats)
-        if shrink:
-            cache = kvjax.shrink(cache, room, max_write)
+        stacked, tstate = _compress_stacked(transform.update, cache, tstate, pre.stats)
+        cache = kvjax.shrink(stacked, room, max_write) if shrink else \
+            kvjax.layout.unstack_layers(stacked)
     return pre._replace(cache=cache, transform_state=tstate)
 
 

@@ -109,6 +109,29 @@ def test_sampler_compression_returns_layers_stacked_and_equals_eager(method):
     assert size(6) - size(2) <= 4 * 2
 
 
+@pytest.mark.parametrize("method", ["kivi:bits=4", "random:ratio=0.5",
+                                    "random:ratio=0.5+kivi:bits=2"])
+def test_shrink_takes_stacked_layers_apart_with_one_program_per_layout(method):
+    """`shrink` of a compiled compression's stacked output equals `shrink` of its layers taken
+    apart, element-wise, and compiles one reader of the cursors and table usage and one
+    take-and-cut per layer layout and size (the three equal layers share both), not one per
+    layer or part."""
+    from kvjax.layout import _take_resized, _usage, unstack_layers
+    from models import sampler
+    cache = _filled_layers([32, 32, 48, 32])
+    t = parse_method(method)
+    stacked, _ = sampler._compress_stacked(t.update, jax.tree_util.tree_map(jnp.copy, cache),
+                                           t.init(cache), None)
+    want = kvjax.shrink(unstack_layers(stacked), room=3, max_write=1)
+    _usage.clear_cache()
+    _take_resized.clear_cache()
+    got = kvjax.shrink(stacked, room=3, max_write=1)
+    assert len(got) == 4
+    jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
+    assert kvjax.nbytes(got) == kvjax.nbytes(want) < kvjax.nbytes(stacked)
+    assert _usage._cache_size() == 2 and _take_resized._cache_size() == 2
+
+
 @pytest.mark.parametrize("reorder", [lambda ys: ys, lambda ys: ys[::-1], lambda ys: ys[1:] + ys[:1],
                                      lambda ys: (ys[0], ys[0], ys[2], ys[3])])
 def test_map_layers_reads_an_earlier_result_stacked_only_in_its_own_order(reorder):
