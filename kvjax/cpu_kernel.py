@@ -60,6 +60,8 @@ SOURCE = Path(__file__).with_name("cpu_kernels") / "decode_attention.cc"
 TARGET = "kvjax_decode_attention"
 MATMUL_TARGET = "kvjax_few_rows_matmul"
 MATMUL_T_TARGET = "kvjax_few_rows_matmul_t"
+NORM_TARGET = "kvjax_rms_norm"
+ROPE_TARGET = "kvjax_rope"
 MATMUL_ROWS = (1, 8)
 """Rows `matmul` hands to the kernel: a decode step (one row: 8% faster than XLA's dot over
 the model's weights, and 454 fewer LLVM loops to compile; docs/DECISIONS.md)."""
@@ -131,6 +133,10 @@ def _registered() -> bool:
     jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.KvjaxFewRowsMatmul),
                                 platform="cpu")
     jax.ffi.register_ffi_target(MATMUL_T_TARGET, jax.ffi.pycapsule(library.KvjaxFewRowsMatmulT),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(NORM_TARGET, jax.ffi.pycapsule(library.KvjaxRmsNorm),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(library.KvjaxRope),
                                 platform="cpu")
     return True
 
@@ -261,6 +267,71 @@ def matmul_t(x: jax.Array, w: jax.Array, otherwise=None) -> jax.Array:
     if w.ndim != 2:
         return dot(x, w)
     return _few_rows(MATMUL_T_TARGET, x, (w,), [w.shape[0]], dot)[0]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x * rsqrt(mean(x**2, -1) + eps) * weight in float32 (x [..., K] float32, weight [K]
+    float32 or bf16): one kernel call on the CPU, which compiles in microseconds where XLA:CPU
+    compiles each norm to kernels of its own (~25 ms each, twice per decoder layer and
+    program: docs/DECISIONS.md); `jnp` elsewhere. Equal within float32 rounding (the squares
+    are summed in another order).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> x = jax.random.normal(jax.random.key(0), (3, 64))
+        >>> plain = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-5) * 2.0
+        >>> bool(jnp.allclose(rms_norm(x, jnp.full(64, 2.0), 1e-5), plain, rtol=1e-6))
+        True
+    """
+    def plain(x, weight):
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+        return x * weight.astype(jnp.float32)
+
+    concrete = all(isinstance(d, int) for d in x.shape)
+    if (x.dtype != jnp.float32 or weight.shape != x.shape[-1:] or not concrete
+            or weight.dtype not in (jnp.float32, jnp.bfloat16) or not _runs_here()
+            or not _registered()):
+        return plain(x, weight)
+    call = jax.ffi.ffi_call(NORM_TARGET, jax.ShapeDtypeStruct((x.size // x.shape[-1], x.shape[-1]),
+                                                              jnp.float32))
+    kernel = lambda x, w: call(x.reshape(-1, x.shape[-1]), w, eps=np.float32(eps)).reshape(x.shape)
+    # picked when lowering: a TPU or GPU program (deviceless compile) keeps the jnp norm
+    return jax.lax.platform_dependent(x, weight, cpu=kernel, default=plain)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """`x` [B, T, N, D] rotated by `positions` [B, T] (the rotate-half convention: the pair
+    `(x_i, x_{i+D/2})` turned by `positions * inv_freq[i]`), float32: one kernel call on the
+    CPU (XLA:CPU compiles each rotation to kernels of its own: docs/DECISIONS.md), `jnp`
+    elsewhere. Equal within float32 rounding of the sines and cosines.
+
+    Example:
+        >>> import jax, jax.numpy as jnp, numpy as np
+        >>> x = jax.random.normal(jax.random.key(0), (1, 3, 2, 8))
+        >>> y = rope(x, jnp.array([[0, 1, 2]]), np.array([1.0, 0.5, 0.1, 0.01], np.float32))
+        >>> bool(jnp.allclose(y[:, 0], x[:, 0]))               # position 0: not turned
+        True
+        >>> bool(jnp.allclose(jnp.linalg.norm(y, axis=-1), jnp.linalg.norm(x, axis=-1)))
+        True
+    """
+    def plain(x, positions):
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+        cos = jnp.cos(angles)[:, :, None, :]
+        sin = jnp.sin(angles)[:, :, None, :]
+        x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    concrete = all(isinstance(d, int) for d in x.shape)
+    if (x.ndim != 4 or positions.shape != x.shape[:2] or inv_freq.shape != (x.shape[-1] // 2,)
+            or x.shape[-1] % 2 or not concrete or not _runs_here() or not _registered()):
+        return plain(x, positions)
+    b, t, n, d = x.shape
+    call = jax.ffi.ffi_call(ROPE_TARGET, jax.ShapeDtypeStruct((b * t, n, d), jnp.float32))
+    kernel = lambda x, positions: call(
+        x.astype(jnp.float32).reshape(b * t, n, d), positions.astype(jnp.int32).reshape(b * t),
+        jnp.asarray(inv_freq, jnp.float32)).reshape(b, t, n, d)
+    # picked when lowering: a TPU or GPU program (deviceless compile) keeps the jnp rotation
+    return jax.lax.platform_dependent(x, positions, cpu=kernel, default=plain)
 
 
 def _few_rows(target: str, x: jax.Array, ws: tuple, out_cols: list[int],

@@ -144,11 +144,7 @@ def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate `x` [B, T, N, D] by `positions` [B, T] (the rotate-half convention)."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return cpu_kernel.rope(x, positions, inv_freq)
 
 
 FEW_ROWS = 32  # most rows for which `Llama.logits` multiply-reduces instead of a dot (XLA:CPU)
@@ -181,8 +177,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x: [..., dim] float32
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return x * self.weight[...].astype(jnp.float32)
+        return cpu_kernel.rms_norm(x, self.weight[...], self.eps)
 
 
 class Attention(nnx.Module):

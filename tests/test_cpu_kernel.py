@@ -249,3 +249,70 @@ def test_kernel_ab_benchmark_runs_another_source_beside_the_shipped(tmp_path):
     row = compare(tmp_path / "other.cc", cfg, batch=2, context=64, repeats=1, several_weights=True)
     assert row["other_kernel_call_sites"] == row["shipped_kernel_call_sites"] - 1
     assert 0 < row["max_abs_logits_diff"] < 1e-5
+
+
+# --- RMS norm and RoPE (a decoder layer's element-wise glue: compiled in microseconds) ---
+
+F32_EPS = float(np.finfo(np.float32).eps)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 256])
+@pytest.mark.parametrize("k", [576, 60])  # SmolLM2's hidden size; one not a multiple of 16
+@pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 1e-3])  # at 1e-3, mean(x^2) ~ 1e-6 < eps: eps matters
+def test_rms_norm_equals_float64_reference(rows, k, wdtype, scale):
+    """One kernel call; equal to the norm computed in float64 within the float32 bound of a
+    K-term sum of squares (relative K * eps) plus the products' rounding."""
+    x = scale * jax.random.normal(jax.random.key(0), (rows, k))
+    w = (1 + jax.random.normal(jax.random.key(1), (k,))).astype(wdtype)
+    eps = 1e-5
+    f = jax.jit(lambda x, w: cpu_kernel.rms_norm(x, w, eps))
+    assert cpu_kernel.NORM_TARGET in f.lower(x, w).as_text()
+    got = np.asarray(f(x, w))
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w.astype(jnp.float32), np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * w64
+    np.testing.assert_allclose(got, want, rtol=(k + 4) * F32_EPS, atol=0)
+    with cpu_kernel.disabled():  # the jnp norm where the kernel does not serve
+        plain = jax.jit(lambda x, w: cpu_kernel.rms_norm(x, w, eps))
+        assert cpu_kernel.NORM_TARGET not in plain.lower(x, w).as_text()
+        np.testing.assert_allclose(np.asarray(plain(x, w)), want, rtol=(k + 4) * F32_EPS)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 9, 64), (2, 5, 3, 64), (1, 256, 3, 16)])
+def test_rope_equals_float64_reference(shape):
+    """One kernel call per tensor; equal to the rotation by float64 sines and cosines of the
+    float32 angles (as both paths form them) within a few float32 roundings. Positions up to
+    8191 (SmolLM2's context), padding (-1) included."""
+    b, t, n, d = shape
+    x = jax.random.normal(jax.random.key(0), shape)
+    pos = jax.random.randint(jax.random.key(1), (b, t), -1, 8192).at[0, 0].set(0)
+    inv = 1.0 / (100_000.0 ** (np.arange(0, d, 2) / d)).astype(np.float32)
+    f = jax.jit(lambda x, pos: cpu_kernel.rope(x, pos, inv))
+    assert cpu_kernel.ROPE_TARGET in f.lower(x, pos).as_text()
+    got = np.asarray(f(x, pos))
+    angles = (np.asarray(pos, np.float32)[..., None] * inv).astype(np.float64)[:, :, None]
+    x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
+    want = np.concatenate([x1 * np.cos(angles) - x2 * np.sin(angles),
+                           x2 * np.cos(angles) + x1 * np.sin(angles)], -1)
+    np.testing.assert_allclose(got, want, rtol=0, atol=8 * F32_EPS * np.abs(want).max())
+    np.testing.assert_array_equal(got[0, 0], np.asarray(x)[0, 0])  # position 0: not turned
+
+
+def test_model_layers_call_norm_and_rope_kernels():
+    """A decode step of the model on the CPU: two norms per layer plus the final one, and
+    q's and k's rotation per layer, each one kernel call (none under the opt-out)."""
+    from flax import nnx
+    from models.llama import Llama, LlamaConfig
+    cfg = LlamaConfig.tiny()
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    cache = kvjax.init_model_cache(cfg.cache_spec, 1, 16)
+    step = lambda tokens, pos, cache: model(tokens, pos, cache)[0]
+    ids, pos = jnp.array([[5]]), jnp.array([[0]])
+    text = jax.jit(step).lower(ids, pos, cache).compile().as_text()
+    calls = lambda target: text.count(f'custom_call_target="{target}"')
+    assert calls(cpu_kernel.NORM_TARGET) == 2 * cfg.num_layers + 1
+    assert calls(cpu_kernel.ROPE_TARGET) == 2 * cfg.num_layers
+    with cpu_kernel.disabled():  # a new function: jit would reuse the first trace
+        plain = lambda tokens, pos, cache: model(tokens, pos, cache)[0]
+        text = jax.jit(plain).lower(ids, pos, cache).compile().as_text()
+        assert cpu_kernel.NORM_TARGET not in text and cpu_kernel.ROPE_TARGET not in text

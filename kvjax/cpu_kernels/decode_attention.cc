@@ -1325,6 +1325,68 @@ ffi::Error FewRowsMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
   return ffi::Error::Success();
 }
 
+// y = x * rsqrt(mean(x^2) + eps) * w per row: a decoder's RMS norm as one call (XLA:CPU
+// compiles each norm to ~4 kernels of its own, ~25 ms of compile per norm; docs/DECISIONS.md).
+ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+                   float eps) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 1 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("rms norm: x must be [R, K] and w [K]");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (!bf16 && w.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("rms norm: w must be float32 or bfloat16");
+  const int64_t R = xd[0], K = xd[1];
+  std::vector<float> weight(K);
+  for (int64_t k = 0; k < K; ++k)
+    weight[k] = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(w.untyped_data())[k])
+                     : static_cast<const float*>(w.untyped_data())[k];
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x.typed_data() + r * K;
+    float* yr = y->typed_data() + r * K;
+    float lanes[16] = {};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+      for (int j = 0; j < 16; ++j) lanes[j] += xr[k + j] * xr[k + j];
+    float squares = 0.0f;
+    for (; k < K; ++k) squares += xr[k] * xr[k];
+    for (int j = 0; j < 16; ++j) squares += lanes[j];
+    const float inv = 1.0f / std::sqrt(squares / static_cast<float>(K) + eps);
+    for (k = 0; k < K; ++k) yr[k] = xr[k] * inv * weight[k];
+  }
+  return ffi::Error::Success();
+}
+
+// RoPE, the rotate-half convention: per position p and frequency i < D/2, the pair
+// (x_i, x_{i+D/2}) turned by the angle p * inv_freq[i], for every head. One call per tensor
+// (XLA:CPU compiles each rotation to kernels of its own, ~20 ms of compile per tensor).
+ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> positions,
+                ffi::Buffer<ffi::F32> inv_freq, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  if (xd.size() != 3 || positions.dimensions().size() != 1 || positions.dimensions()[0] != xd[0]
+      || inv_freq.dimensions().size() != 1 || 2 * inv_freq.dimensions()[0] != xd[2])
+    return ffi::Error::InvalidArgument("rope: x must be [P, N, D], positions [P], inv_freq [D/2]");
+  const int64_t P = xd[0], N = xd[1], D = xd[2], half = D / 2;
+  std::vector<float> cos_(half), sin_(half);
+  for (int64_t p = 0; p < P; ++p) {
+    const float at = static_cast<float>(positions.typed_data()[p]);
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = at * inv_freq.typed_data()[i];
+      cos_[i] = std::cos(angle);
+      sin_[i] = std::sin(angle);
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const float* xr = x.typed_data() + (p * N + n) * D;
+      float* yr = y->typed_data() + (p * N + n) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        yr[i] = xr[i] * cos_[i] - xr[i + half] * sin_[i];
+        yr[i + half] = xr[i + half] * cos_[i] + xr[i] * sin_[i];
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -1376,3 +1438,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::F32>>()   // x [R, K]
         .Arg<ffi::AnyBuffer>()          // w [N, K] f32 or bf16
         .Ret<ffi::Buffer<ffi::F32>>());  // y [R, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KvjaxRmsNorm, RmsNorm,
+    ffi::Ffi::Bind()
+        .Arg<ffi::Buffer<ffi::F32>>()   // x [R, K]
+        .Arg<ffi::AnyBuffer>()          // w [K] f32 or bf16
+        .Ret<ffi::Buffer<ffi::F32>>()   // y [R, K]
+        .Attr<float>("eps"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KvjaxRope, Rope,
+    ffi::Ffi::Bind()
+        .Arg<ffi::Buffer<ffi::F32>>()   // x [P, N, D]
+        .Arg<ffi::Buffer<ffi::S32>>()   // positions [P]
+        .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq [D/2]
+        .Ret<ffi::Buffer<ffi::F32>>());  // y [P, N, D]
