@@ -18,12 +18,13 @@ SnapKV on the 640-token passage; SnapKV, Knorm, ExpectedAttention on the
   30, 48 and 78 hold the same token (id 655), and in layer 0 a key before
   RoPE depends on the token only, and RoPE is a rotation, so the three keys
   have equal norms in exact arithmetic. Float32 rounding of the rotation
-  leaves them one ulp apart, differently in torch and XLA: kvpress scores
-  30 and 78 at -13.417133 and 48 at -13.417134, kvjax 48 at -13.4171324
-  and 30 and 78 at -13.4171333. The budget leaves one slot for the three, so
-  kvjax keeps 48 and kvpress 78 (torch's tie-break). The test asserts that
-  this swap and no other happens, and that the swapped positions' kvpress
-  scores lie within 1e-6 relative of the boundary score;
+  leaves them one ulp apart, differently in torch and kvjax: kvpress scores
+  30 and 78 at -13.417133 and 48 at -13.417134 and keeps 78 (the budget
+  leaves one slot for the three); kvjax keeps another of the three, which
+  one depends on its float32 sines and cosines (48 with XLA's, 30 with the
+  CPU kernel's libm `cosf`/`sinf`). The test asserts that the swap stays
+  inside that tie and that the swapped positions' kvpress scores lie within
+  1e-6 relative of the boundary score;
 * the scores of unprotected tokens agree to 2e-4 relative (Knorm, TOVA,
   SnapKV, ExpectedAttention; PyramidKV and Ada-KV use SnapKV's scores).
 
@@ -92,9 +93,10 @@ def cases(golden_file=GOLDEN):
     return sorted(k[:-len("_keep")] for k in names if k.endswith("_keep"))
 
 
-# case -> {(layer, KV head): (positions only kvjax keeps, positions only kvpress keeps)}:
-# the float ties the module docstring explains; every other row must be identical.
-FLOAT_TIES = {"ctx2_knorm_r0.50": {(0, 1): ({48}, {78})}}
+# case -> {(layer, KV head): positions whose scores tie in exact arithmetic}: the float ties
+# the module docstring explains; kvjax and kvpress may keep different ones of a tie (as many
+# each), every other row must be identical.
+FLOAT_TIES = {"ctx2_knorm_r0.50": {(0, 1): {30, 48, 78}}}
 TIE_RTOL = 1e-6  # one float32 ulp of the scores, relative
 
 
@@ -119,7 +121,10 @@ def test_kept_positions_match_kvpress(prefilled, golden, case):
     ours, theirs = keep_by_position(out, n), golden[f"{case}_keep"]
     np.testing.assert_array_equal(ours.sum(-1), theirs.sum(-1))  # budgets per layer and head
     diff = differences(ours, theirs)
-    assert diff == FLOAT_TIES.get(case, {}), (case, diff)
+    ties = FLOAT_TIES.get(case, {})
+    assert diff.keys() <= ties.keys(), (case, diff)
+    for row, (mine, kvpress) in diff.items():
+        assert len(mine) == len(kvpress) and mine | kvpress <= ties[row], (case, row, diff)
     scores = golden[f"{case}_scores"]
     for (layer, head), (mine, kvpress) in diff.items():
         s = scores[layer, head]
