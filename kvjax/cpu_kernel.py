@@ -274,7 +274,7 @@ def matmul_t(x: jax.Array, w: jax.Array, otherwise=None) -> jax.Array:
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x * rsqrt(mean(x**2, -1) + eps) * weight in float32 (x [..., K] float32, weight [K]
     float32 or bf16): one kernel call on the CPU, which compiles in microseconds where XLA:CPU
-    compiles each norm to kernels of its own (~25 ms each, twice per decoder layer and
+    compiles each norm to kernels of its own (~15 ms each, twice per decoder layer and
     program: docs/DECISIONS.md); `jnp` elsewhere. Equal within float32 rounding (the squares
     are summed in another order).
 
@@ -290,7 +290,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
         return x * weight.astype(jnp.float32)
 
     concrete = all(isinstance(d, int) for d in x.shape)
-    if (x.dtype != jnp.float32 or weight.shape != x.shape[-1:] or not concrete
+    if (x.dtype != jnp.float32 or weight.shape != x.shape[-1:] or not concrete or not x.size
             or weight.dtype not in (jnp.float32, jnp.bfloat16) or not _runs_here()
             or not _registered()):
         return plain(x, weight)
@@ -325,7 +325,8 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
 
     concrete = all(isinstance(d, int) for d in x.shape)
     if (x.ndim != 4 or positions.shape != x.shape[:2] or inv_freq.shape != (x.shape[-1] // 2,)
-            or x.shape[-1] % 2 or not concrete or not _runs_here() or not _registered()):
+            or not jnp.issubdtype(positions.dtype, jnp.integer) or x.shape[-1] % 2
+            or not concrete or not _runs_here() or not _registered()):
         return plain(x, positions)
     b, t, n, d = x.shape
     call = jax.ffi.ffi_call(ROPE_TARGET, jax.ShapeDtypeStruct((b * t, n, d), jnp.float32))

@@ -1326,7 +1326,7 @@ ffi::Error FewRowsMatmulT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
 }
 
 // y = x * rsqrt(mean(x^2) + eps) * w per row: a decoder's RMS norm as one call (XLA:CPU
-// compiles each norm to ~4 kernels of its own, ~25 ms of compile per norm; docs/DECISIONS.md).
+// compiles each norm to ~4 kernels of its own, ~15 ms of compile per norm; docs/DECISIONS.md).
 ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
                    float eps) {
   auto xd = x.dimensions();
@@ -1359,7 +1359,7 @@ ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<
 
 // RoPE, the rotate-half convention: per position p and frequency i < D/2, the pair
 // (x_i, x_{i+D/2}) turned by the angle p * inv_freq[i], for every head. One call per tensor
-// (XLA:CPU compiles each rotation to kernels of its own, ~20 ms of compile per tensor).
+// (XLA:CPU compiles each rotation to kernels of its own, 5-10 ms of compile per tensor).
 ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> positions,
                 ffi::Buffer<ffi::F32> inv_freq, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
