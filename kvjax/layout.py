@@ -364,13 +364,14 @@ def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = 
     out = [None] * sum(map(len, cache.members))
     for group, members, usage in zip(cache.groups, cache.members, usages):
         stacked = len(members) > 1
+        shapes = _one_layer(group) if stacked else group  # what a plan reads of a layer
         for n, i in enumerate(members):
             if usage is None:  # a layer that shrinks itself (kvjax.recurrent)
                 layer = group if not stacked else _take_resized(group, n, None)
                 out[i] = layer.shrink(room, max_write)
                 continue
             own = jax.tree.map(lambda x: x[n], usage) if stacked else usage
-            plan = _shrink_plan(_one_layer(group) if stacked else group, own, room, max_write)
+            plan = _shrink_plan(shapes, own, room, max_write)
             out[i] = _take_resized(group, n if stacked else None, plan)
     return tuple(out)
 

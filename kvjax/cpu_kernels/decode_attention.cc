@@ -158,7 +158,8 @@ inline void unpack(const uint32_t* __restrict w, float* __restrict out, int64_t 
 // A per-thread buffer of at least n floats, one per use, kept across work items (a fresh vector
 // per item showed in profiles as malloc + memset); its contents are whatever the last use left.
 enum class Use { kScores, kRawParams, kKeyScales, kKeyOffsets, kValueScales, kValueOffsets,
-                 kWeights, kQuerySums, kQueryPlanes, kAcc, kOffsetAcc, kProductParts };
+                 kWeights, kQuerySums, kQueryPlanes, kAcc, kOffsetAcc, kProductParts, kNormWeight,
+                 kRopeCos, kRopeSin };
 
 // v with room for at least n elements: grown, never shrunk.
 template <typename T>
@@ -1333,14 +1334,11 @@ ffi::Error RmsNorm(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<
   auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 1 || xd[1] != wd[0])
     return ffi::Error::InvalidArgument("rms norm: x must be [R, K] and w [K]");
-  const bool bf16 = w.element_type() == ffi::DataType::BF16;
-  if (!bf16 && w.element_type() != ffi::DataType::F32)
+  if (w.element_type() != ffi::DataType::F32 && w.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("rms norm: w must be float32 or bfloat16");
   const int64_t R = xd[0], K = xd[1];
-  std::vector<float> weight(K);
-  for (int64_t k = 0; k < K; ++k)
-    weight[k] = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(w.untyped_data())[k])
-                     : static_cast<const float*>(w.untyped_data())[k];
+  float* weight = reused<Use::kNormWeight>(K);
+  Params{w.untyped_data(), w.element_type()}.load(0, K, weight);
   for (int64_t r = 0; r < R; ++r) {
     const float* xr = x.typed_data() + r * K;
     float* yr = y->typed_data() + r * K;
@@ -1367,7 +1365,8 @@ ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> positions,
       || inv_freq.dimensions().size() != 1 || 2 * inv_freq.dimensions()[0] != xd[2])
     return ffi::Error::InvalidArgument("rope: x must be [P, N, D], positions [P], inv_freq [D/2]");
   const int64_t P = xd[0], N = xd[1], D = xd[2], half = D / 2;
-  std::vector<float> cos_(half), sin_(half);
+  float* cos_ = reused<Use::kRopeCos>(half);
+  float* sin_ = reused<Use::kRopeSin>(half);
   for (int64_t p = 0; p < P; ++p) {
     const float at = static_cast<float>(positions.typed_data()[p]);
     for (int64_t i = 0; i < half; ++i) {
