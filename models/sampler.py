@@ -189,18 +189,20 @@ def _decode(graphdef, state, logits, cache, tstate, stats, next_pos, key, max_ne
     return carry[7], carry[2], carry[3]
 
 
-@functools.partial(jax.jit, static_argnames=("update",), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("update",))
 def _compress_stacked(update, cache: Cache, tstate,
                       stats) -> tuple[kvjax.layout.StackedLayers, Any]:
     """A transform update outside the decode loop (after prefill), compiled. The new cache
     comes back stacked by group of equal layers: per-layer outputs would cost the program a
-    copy kernel per layer and leaf (DECISIONS "Compression compiles one layer body...")."""
+    copy kernel per layer and leaf (DECISIONS "Compression compiles one layer body...").
+    `cache` is not donated: no stacked output can take a layer's buffer (XLA would refuse the
+    donation with a warning per call)."""
     cache, tstate = update(cache, tstate, stats)
     return kvjax.layout.stack_layers(cache), tstate
 
 
 def _compress(update, cache: Cache, tstate, stats) -> tuple[Cache, Any]:
-    """`update(cache, tstate, stats)`, compiled (`cache` is donated)."""
+    """`update(cache, tstate, stats)`, compiled, as per-layer caches."""
     stacked, tstate = _compress_stacked(update, cache, tstate, stats)
     return kvjax.layout.unstack_layers(stacked), tstate
 
@@ -264,14 +266,15 @@ def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink
     With `shrink` (and a transform other than `full`), every layer is then cut
     to its kept slots plus room for `room` more tokens, so the cache really
     holds only the budget (`max_write`: the most tokens one later call adds,
-    see `kvjax.shrink`). `keep_input` leaves `pre.cache` usable (it is
-    otherwise donated).
+    see `kvjax.shrink`). A compression makes new arrays and leaves `pre.cache`
+    as it was; `full` hands on `pre.cache` itself, which decoding then donates:
+    `keep_input` gives it a copy instead, so `pre` can serve another policy.
     """
     cache = pre.cache
-    if keep_input:
-        cache = jax.tree_util.tree_map(jnp.copy, cache)
     tstate = transform.init(cache)
-    if transform is not full():
+    if transform is full():
+        cache = jax.tree_util.tree_map(jnp.copy, cache) if keep_input else cache
+    else:
         stacked, tstate = _compress_stacked(transform.update, cache, tstate, pre.stats)
         cache = kvjax.shrink(stacked, room, max_write) if shrink else \
             kvjax.layout.unstack_layers(stacked)

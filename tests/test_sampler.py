@@ -120,3 +120,23 @@ def test_bad_requests_raise(tiny_model):
         generate(tiny_model, PROMPTS, max_new_tokens=0)
     with pytest.raises(ValueError, match="sampling"):
         Sampling(temperature=-1.0)
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv:ratio=0.5", "kivi:bits=4,group=8"])
+def test_compress_leaves_the_prefilled_cache_usable_for_another_policy(tiny_model, method):
+    """One prefill serves two policies: compressing (with keep_input for `full`, whose cache is
+    handed on and donated by decoding) leaves `pre.cache` intact, and no donation is refused
+    (the compression's stacked outputs can take no layer's buffer, so it donates nothing)."""
+    import warnings
+    from kvjax.methods import parse_method
+    from models.sampler import compress, decode, prefill_batch
+    transform = parse_method(method)
+    pre = prefill_batch(tiny_model, [list(range(3, 40))], stats=transform.stats, room=8)
+    before = jax.tree_util.tree_map(np.asarray, pre.cache)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Some donated buffers were not usable")
+        out = compress(pre, transform, room=8, keep_input=True)
+        decode(tiny_model, out, max_new_tokens=4)
+    for a, b in zip(jax.tree_util.tree_leaves(pre.cache), jax.tree_util.tree_leaves(before)):
+        assert not a.is_deleted()
+        np.testing.assert_array_equal(np.asarray(a), b)
