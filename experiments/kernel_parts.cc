@@ -10,7 +10,8 @@
 //   items   run_item over every (row, chunk) item of `layers` distinct layers of `slots` slots
 //           (the step's attention, from memory) and of one layer `layers` times (from the
 //           shared cache), on 1 and 2 threads (thread t takes items t, t + T, ...; no barrier);
-//   read    a pure read (a sum) of the same layers' keys and values on 1 and 2 threads.
+//   read    a pure read (a sum) of the same layers' keys and values on 1 and 2 threads;
+// and max_abs_error: the kernel's outputs over the first layer against a float64 reference.
 #include KERNEL_SOURCE
 
 #include <algorithm>
@@ -132,6 +133,36 @@ Problem layer_problem(const float* keys, const float* values, const float* q, co
   return P;
 }
 
+// Largest |kernel - reference| over one layer's attention outputs (one item per row, so no
+// merge): run_item's acc / l against softmax(scale q.k) v in double precision.
+double max_error(const float* keys, const float* values, const float* q, const bool* mask,
+                 int64_t slots) {
+  Problem P = layer_problem(keys, values, q, mask, slots, slots);
+  double worst = 0.0;
+  std::vector<double> p(slots);
+  for (int64_t r = 0; r < kRows; ++r) {
+    run_item<kQ, kD>(P, r);
+    for (int64_t i = 0; i < kQ; ++i) {
+      const float* qi = q + (r * kQ + i) * kD;
+      double top = -1e300, total = 0.0;
+      for (int64_t s = 0; s < slots; ++s) {
+        double dot = 0.0;
+        for (int64_t c = 0; c < kD; ++c) dot += double(qi[c]) * keys[(r * slots + s) * kD + c];
+        p[s] = dot * P.scale;
+        top = std::max(top, p[s]);
+      }
+      for (int64_t s = 0; s < slots; ++s) total += p[s] = std::exp(p[s] - top);
+      for (int64_t c = 0; c < kD; ++c) {
+        double want = 0.0;
+        for (int64_t s = 0; s < slots; ++s) want += p[s] * values[(r * slots + s) * kD + c];
+        const double got = P.acc[(r * kQ + i) * kD + c] / P.l[r * kQ + i];
+        worst = std::max(worst, std::abs(got - want / total));
+      }
+    }
+  }
+  return worst;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -144,7 +175,7 @@ int main(int argc, char** argv) {
   const int repeats = std::atoi(argv[4]);
   const int64_t layer_floats = kRows * slots * kD;  // keys or values of one layer
   std::vector<float> cache = pseudo_random(static_cast<size_t>(layers) * 2 * layer_floats);
-  std::vector<float> q(kRows * kQ * kD, 0.1f);
+  std::vector<float> q = pseudo_random(kRows * kQ * kD);
   std::vector<uint8_t> visible(kRows * kQ * slots, 1);
   const bool* mask = reinterpret_cast<const bool*>(visible.data());
   const double bytes = 2.0 * layers * layer_floats * sizeof(float);
@@ -163,7 +194,7 @@ int main(int argc, char** argv) {
         });
       });
       char row[200];
-      std::snprintf(row, sizeof row, "%s{\"threads\": %d, \"from\": \"%s\", \"ms\": %.3f, \"gbs\": %.2f}",
+      std::snprintf(row, sizeof row, "%s{\"threads\": %d, \"from\": \"%s\", \"ms\": %.6g, \"gbs\": %.6g}",
                     items_json.empty() ? "" : ", ", threads, distinct ? "memory" : "shared cache",
                     ms, bytes / ms / 1e6);
       items_json += row;
@@ -184,14 +215,16 @@ int main(int argc, char** argv) {
       });
     });
     char row[160];
-    std::snprintf(row, sizeof row, "%s{\"threads\": %d, \"ms\": %.3f, \"gbs\": %.2f, \"sink\": %.3g}",
+    std::snprintf(row, sizeof row, "%s{\"threads\": %d, \"ms\": %.6g, \"gbs\": %.6g, \"sink\": %.3g}",
                   read_json.empty() ? "" : ", ", threads, ms, bytes / ms / 1e6, sums[0]);
     read_json += row;
   }
+  const double error = max_error(cache.data(), cache.data() + layer_floats, q.data(), mask, slots);
   std::printf("{\"layers\": %lld, \"slots\": %lld, \"chunk\": %lld, \"repeats\": %d, "
-              "\"mbytes\": %.1f,\n \"stages\": [%s, %s],\n \"items\": [%s],\n \"read\": [%s]}\n",
+              "\"mbytes\": %.6g, \"max_abs_error\": %.3g,\n \"stages\": [%s, %s],\n "
+              "\"items\": [%s],\n \"read\": [%s]}\n",
               static_cast<long long>(layers), static_cast<long long>(slots),
-              static_cast<long long>(chunk), repeats, bytes / 1e6, stages(64, repeats).c_str(),
+              static_cast<long long>(chunk), repeats, bytes / 1e6, error, stages(64, repeats).c_str(),
               stages(512, repeats).c_str(), items_json.c_str(), read_json.c_str());
   return 0;
 }

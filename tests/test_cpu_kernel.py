@@ -316,3 +316,26 @@ def test_model_layers_call_norm_and_rope_kernels():
         plain = lambda tokens, pos, cache: model(tokens, pos, cache)[0]
         text = jax.jit(plain).lower(ids, pos, cache).compile().as_text()
         assert cpu_kernel.NORM_TARGET not in text and cpu_kernel.ROPE_TARGET not in text
+
+
+def test_kernel_parts_driver_builds_and_its_kernel_matches_a_float64_reference(tmp_path):
+    """`experiments/bench_kernel_parts.py` compiles its driver against the shipped kernel source
+    (it includes the .cc and calls its internals: a change there must keep it building), runs
+    the kernel on the data it times (its error against a float64 softmax-weighted sum within
+    float32 rounding of a `slots`-term sum of values in [-0.5, 0.5]), and writes every
+    measurement with consistent units."""
+    from experiments import bench_kernel_parts
+    out = tmp_path / "parts.json"
+    slots = 256
+    bench_kernel_parts.main(["--layers", "2", "--slots", str(slots), "--chunk", "64",
+                             "--repeats", "1", "--out", str(out)])
+    got = __import__("json").loads(out.read_text())
+    assert got["max_abs_error"] <= slots * np.finfo(np.float32).eps * 0.5
+    assert [s["slots"] for s in got["stages"]] == [64, 512]
+    assert all(s[k] > 0 for s in got["stages"] for k in ("scores_ns", "softmax_ns", "values_ns"))
+    assert [(i["threads"], i["from"]) for i in got["items"]] == [
+        (1, "memory"), (1, "shared cache"), (2, "memory"), (2, "shared cache")]
+    for row in got["items"] + got["read"]:
+        assert row["gbs"] == pytest.approx(got["mbytes"] / row["ms"], rel=0.01)
+    for read in got["read"]:
+        assert read["overlapped_ms"] <= read["added_ms"]
