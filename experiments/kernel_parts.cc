@@ -12,6 +12,7 @@
 //           shared cache), on 1 and 2 threads (thread t takes items t, t + T, ...; no barrier);
 //   read    a pure read (a sum) of the same layers' keys and values on 1 and 2 threads;
 // and max_abs_error: the kernel's outputs over the first layer against a float64 reference.
+// (`sink` fields: sums of what a measurement computed, printed so the compiler keeps the work.)
 #include KERNEL_SOURCE
 
 #include <algorithm>
