@@ -23,7 +23,6 @@ import jax
 from kvjax import cpu_kernel
 
 DRIVER = Path(__file__).with_name("kernel_parts.cc")
-ROWS = 3  # kv heads of SmolLM2-135M (the driver's shapes)
 
 
 def build(source: Path = cpu_kernel.SOURCE) -> Path:
@@ -40,7 +39,7 @@ def with_models(result: dict) -> dict:
     """`result` plus, per thread count, the overlapped and added predictions (ms)."""
     stages = next(s for s in result["stages"] if s["slots"] == 512)  # data in L2, as streamed
     per_slot_ns = stages["scores_ns"] + stages["softmax_ns"] + stages["values_ns"]
-    compute_ms = per_slot_ns * ROWS * result["slots"] * result["layers"] / 1e6
+    compute_ms = per_slot_ns * result["rows"] * result["slots"] * result["layers"] / 1e6
     for read in result["read"]:
         t = read["threads"]
         read["compute_ms"] = compute_ms / t

@@ -221,11 +221,12 @@ int main(int argc, char** argv) {
     read_json += row;
   }
   const double error = max_error(cache.data(), cache.data() + layer_floats, q.data(), mask, slots);
-  std::printf("{\"layers\": %lld, \"slots\": %lld, \"chunk\": %lld, \"repeats\": %d, "
+  std::printf("{\"rows\": %lld, \"layers\": %lld, \"slots\": %lld, \"chunk\": %lld, \"repeats\": %d, "
               "\"mbytes\": %.6g, \"max_abs_error\": %.3g,\n \"stages\": [%s, %s],\n "
               "\"items\": [%s],\n \"read\": [%s]}\n",
-              static_cast<long long>(layers), static_cast<long long>(slots),
-              static_cast<long long>(chunk), repeats, bytes / 1e6, error, stages(64, repeats).c_str(),
+              static_cast<long long>(kRows), static_cast<long long>(layers),
+              static_cast<long long>(slots), static_cast<long long>(chunk), repeats, bytes / 1e6,
+              error, stages(64, repeats).c_str(),
               stages(512, repeats).c_str(), items_json.c_str(), read_json.c_str());
   return 0;
 }

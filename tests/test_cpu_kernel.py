@@ -7,6 +7,7 @@ float32 rounding of a D-term dot and a softmax over the slots (`TOL`). The few-r
 (`cpu_kernel.matmul`, last section) is compared with `jnp.dot`.
 """
 
+import json
 import os
 
 import jax
@@ -329,7 +330,7 @@ def test_kernel_parts_driver_builds_and_its_kernel_matches_a_float64_reference(t
     slots = 256
     bench_kernel_parts.main(["--layers", "2", "--slots", str(slots), "--chunk", "64",
                              "--repeats", "1", "--out", str(out)])
-    got = __import__("json").loads(out.read_text())
+    got = json.loads(out.read_text())
     assert got["max_abs_error"] <= slots * np.finfo(np.float32).eps * 0.5
     assert [s["slots"] for s in got["stages"]] == [64, 512]
     assert all(s[k] > 0 for s in got["stages"] for k in ("scores_ns", "softmax_ns", "values_ns"))

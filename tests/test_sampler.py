@@ -1,12 +1,15 @@
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from kvjax import CacheTransform
+from kvjax import CacheTransform, parse_method
 from models.llama import Llama, LlamaConfig, new_cache
-from models.sampler import Sampling, generate, pad_prompts, sample_tokens
+from models.sampler import (Sampling, compress, decode, generate, pad_prompts, prefill_batch,
+                            sample_tokens)
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [3, 4], [12, 13, 14, 15]]
 
@@ -127,9 +130,6 @@ def test_compress_leaves_the_prefilled_cache_usable_for_another_policy(tiny_mode
     """One prefill serves two policies: compressing (with keep_input for `full`, whose cache is
     handed on and donated by decoding) leaves `pre.cache` intact, and no donation is refused
     (the compression's stacked outputs can take no layer's buffer, so it donates nothing)."""
-    import warnings
-    from kvjax.methods import parse_method
-    from models.sampler import compress, decode, prefill_batch
     transform = parse_method(method)
     pre = prefill_batch(tiny_model, [list(range(3, 40))], stats=transform.stats, room=8)
     before = jax.tree_util.tree_map(np.asarray, pre.cache)
