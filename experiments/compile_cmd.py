@@ -125,11 +125,9 @@ def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int
     import jax
     import jax.numpy as jnp
     import kvjax
-    from kvjax.stats import init_stats
-    from models.llama import rope_frequencies
 
     layers = 1 if uniform_method(spec) else cfg.num_layers
-    kvh, d = cfg.num_kv_heads, cfg.head_dim
+    kvh = cfg.num_kv_heads
     if transform is kvjax.full():  # nothing to run: the prefilled cache with its room
         return jax.eval_shape(lambda: kvjax.init_model_cache(
             cfg.cache_spec, batch, context + room, dtype))
@@ -195,6 +193,7 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
     """Compile `steps` of generation for `mesh`'s devices; {step: memory(...)} plus seconds."""
     import jax
     import jax.numpy as jnp
+    from flax import nnx
     import kvjax
     from jax.sharding import NamedSharding, PartitionSpec as P
     from kvjax.stats import NO_STATS, init_stats
@@ -212,6 +211,7 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
     transform = kvjax.parse_method(spec)
     placed = on_mesh(transform, mesh)
     graphdef, state = abstract_model(cfg, mesh, dtype)
+    model = nnx.merge(graphdef, state)  # weights as ShapeDtypeStructs
     chunk = min(chunk, context)
     if context % chunk:
         raise ValueError(f"--context {context} must be a multiple of the prefill chunk {chunk}")
@@ -227,7 +227,7 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
     ids = _by_batch(jax.ShapeDtypeStruct((batch, context), jnp.int32), batch, mesh)
     if "prefill" in steps:
         start = time.perf_counter()
-        compiled = sampler._prefill.lower(graphdef, state, ids, ids, cache, stats, chunk,
+        compiled = sampler._prefill.lower(model, ids, ids, cache, stats, chunk,
                                           transform.stats, impl).compile()
         result["prefill"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1))
     if "compress" in steps and transform is not kvjax.full():
@@ -246,7 +246,7 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
         key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                    sharding=NamedSharding(mesh, P()))
         compiled = sampler._decode.lower(
-            graphdef, state, logits, small_cache, tstate, None, next_pos, key, new_tokens,
+            model, logits, small_cache, tstate, None, next_pos, key, new_tokens,
             sampler.GREEDY, None, NO_STATS, 0, tuple(cfg.eos_ids), 0, decode_impl).compile()
         result["decode"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1),
                                 cache_bytes=kvjax.nbytes(small),

@@ -49,10 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.cache import EMPTY, ResidualCache, TokenCache, flush_span, write as cache_write
-from kvjax.paging import NULL_PAGE, PagedLayer, PagePool, _error_at, _first_error, dense_view
+from kvjax.cache import EMPTY, ResidualCache, TokenCache, write as cache_write
+from kvjax.paging import NULL_PAGE, PagedLayer, _error_at, _first_error, dense_view
 from kvjax.paging import init_paged_cache
-from kvjax.quant import Quantized, dequantize, pack, quantize, unpack
+from kvjax.quant import pack, quantize, unpack
 from kvjax.stores import PackedChannels, PackedTokens, Store, register_export
 
 _static = dict(static=True)

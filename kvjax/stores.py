@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kvjax.quant import BITS, FP8, Quantized, dequantize, pack, quantize, to_fp8, unpack
 

@@ -1,8 +1,8 @@
 """Batched, jit-compiled prefill and generation over an explicit cache.
 
-The model is split once (`nnx.split`); jitted functions take `(graphdef,
-state, ...)` and merge inside, so every call with the same shapes reuses one
-compiled executable. Prompts of different lengths are left-padded to a common
+Jitted functions take the model itself, a pytree of its weights (flattening it
+costs ~2 ms a call where `nnx.split` cost ~25 ms, docs/DECISIONS.md), so every
+call with the same shapes reuses one compiled executable. Prompts of different lengths are left-padded to a common
 length (a multiple of the prefill chunk); padding tokens get position `EMPTY`,
 so their slots stay masked, and every real token keeps its own absolute
 position. Decoding runs as one `lax.while_loop` that stops when every
@@ -28,7 +28,6 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import kvjax
 from kvjax.cache import EMPTY, Cache
@@ -104,10 +103,8 @@ def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int, pad_id: int = 0
     return PaddedPrompts(tokens, positions, lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk", "spec", "impl"),
-                   donate_argnames=("cache",))
-def _prefill(graphdef, state, tokens, positions, cache, stats, chunk, spec=NO_STATS, impl="xla"):
-    model = nnx.merge(graphdef, state)
+@functools.partial(jax.jit, static_argnames=("chunk", "spec", "impl"), donate_argnames=("cache",))
+def _prefill(model, tokens, positions, cache, stats, chunk, spec=NO_STATS, impl="xla"):
     b, width = tokens.shape
     chunks = lambda x: x.reshape(b, width // chunk, chunk).swapaxes(0, 1)  # [N, B, chunk]
 
@@ -137,8 +134,7 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
     if width > kvjax.free_tokens(cache[0]):
         raise ValueError(f"prompt of {width} padded tokens does not fit the cache "
                          f"({kvjax.free_tokens(cache[0])} tokens free)")
-    graphdef, state = nnx.split(model)
-    logits, cache, _ = _prefill(graphdef, state, jnp.asarray(tokens), jnp.asarray(positions),
+    logits, cache, _ = _prefill(model, jnp.asarray(tokens), jnp.asarray(positions),
                                 cache, None, chunk, NO_STATS, impl)
     return logits, cache
 
@@ -151,12 +147,11 @@ def _observe_flush(tstate, before: Cache, after: Cache):
     return tstate if monitor is None else (tstate[0], observe_flush(monitor, before, after))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "sampling", "update",
+@functools.partial(jax.jit, static_argnames=("max_new", "sampling", "update",
                                              "spec", "every", "eos_ids", "pad_id", "impl"),
                    donate_argnames=("cache",))
-def _decode(graphdef, state, logits, cache, tstate, stats, next_pos, key, max_new, sampling,
-            update, spec, every, eos_ids, pad_id, impl="xla"):
-    model = nnx.merge(graphdef, state)
+def _decode(model, logits, cache, tstate, stats, next_pos, key, max_new, sampling, update, spec,
+            every, eos_ids, pad_id, impl="xla"):
     b = logits.shape[0]
     eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
 
@@ -252,8 +247,7 @@ def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
                                    track_mass=stats.attention_mass)
     if place_cache is not None:
         cache = place_cache(cache)
-    graphdef, state = nnx.split(model)
-    logits, cache, layer_stats = _prefill(graphdef, state, jnp.asarray(padded.tokens),
+    logits, cache, layer_stats = _prefill(model, jnp.asarray(padded.tokens),
                                           jnp.asarray(padded.positions), cache,
                                           model.init_stats(stats, cache), chunk, stats, impl)
     return Prefilled(logits, cache, layer_stats, None, padded.lengths)
@@ -332,8 +326,7 @@ def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
                              f"tokens; leave room for them when prefilling")
     positions = np.where(padded.positions == EMPTY, EMPTY,
                          padded.positions + pre.next_pos[:, None]).astype(np.int32)
-    graphdef, state = nnx.split(model)
-    logits, cache, stats = _prefill(graphdef, state, jnp.asarray(padded.tokens),
+    logits, cache, stats = _prefill(model, jnp.asarray(padded.tokens),
                                     jnp.asarray(positions), pre.cache, pre.stats, chunk, spec,
                                     impl)
     return Prefilled(logits, cache, stats, pre.transform_state, pre.next_pos + padded.lengths)
@@ -419,8 +412,7 @@ def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
     update, spec, stats = transform.update, transform.stats, pre.stats
     if not compress_every:
         update, spec, stats = None, NO_STATS, None
-    graphdef, state = nnx.split(model)
-    out, cache, tstate = _decode(graphdef, state, pre.logits, pre.cache, pre.transform_state,
+    out, cache, tstate = _decode(model, pre.logits, pre.cache, pre.transform_state,
                                  stats, jnp.asarray(pre.next_pos), jax.random.key(seed),
                                  max_new_tokens, sampling, update, spec, compress_every,
                                  eos_ids, pad_id, impl)

@@ -22,16 +22,14 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import kvjax
 from kvjax.transforms import CacheTransform
 from models.llama import Llama
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "chunk"), donate_argnames=("cache",))
-def _token_logprobs(graphdef, state, tokens, positions, targets, cache, chunk):
-    model = nnx.merge(graphdef, state)
+@functools.partial(jax.jit, static_argnames=("chunk",), donate_argnames=("cache",))
+def _token_logprobs(model, tokens, positions, targets, cache, chunk):
     b, width = tokens.shape
     chunks = lambda x: x.reshape(b, width // chunk, chunk).swapaxes(0, 1)  # [N, B, chunk]
 
@@ -71,8 +69,7 @@ def token_logprobs(model: Llama, tokens: jax.Array, positions: jax.Array, target
     cache = kvjax.init_model_cache(model.config.cache_spec, b, t + pad, cache_dtype)
     if place_cache is not None:
         cache = place_cache(cache)
-    graphdef, state = nnx.split(model)
-    lp, _ = _token_logprobs(graphdef, state, left(tokens, 0), left(positions, kvjax.EMPTY),
+    lp, _ = _token_logprobs(model, left(tokens, 0), left(positions, kvjax.EMPTY),
                             left(targets, 0), cache, chunk)
     return lp[:, pad:]
 
@@ -156,8 +153,7 @@ def score_continuations(model: Llama, pre, continuations: Sequence[Sequence[int]
     positions = np.where(padded.positions < 0, kvjax.EMPTY,
                          padded.positions + pre.next_pos[:, None]).astype(np.int32)
     targets = np.concatenate([padded.tokens[:, 1:], np.zeros((len(continuations), 1), np.int32)], 1)
-    graphdef, state = nnx.split(model)
-    lp, _ = _token_logprobs(graphdef, state, jnp.asarray(padded.tokens), jnp.asarray(positions),
+    lp, _ = _token_logprobs(model, jnp.asarray(padded.tokens), jnp.asarray(positions),
                             jnp.asarray(targets), pre.cache, chunk)
     first = jax.nn.log_softmax(pre.logits, axis=-1)  # [B, V]: predicts each cont[b][0]
     lp, first = np.asarray(lp), np.asarray(first)

@@ -91,9 +91,8 @@ IDENTITY = textwrap.dedent("""
         hlo_compress = sampler._compress_stacked.lower(placed.update, pre.cache, tstate,
                                                pre.stats).compile().as_text()
         post = sampler.compress(pre, placed, room=6)
-        graphdef, state = nnx.split(sharded)
         hlo_decode = sampler._decode.lower(
-            graphdef, state, post.logits, post.cache, post.transform_state, None,
+            sharded, post.logits, post.cache, post.transform_state, None,
             jnp.asarray(post.next_pos), jax.random.key(0), 6, sampler.GREEDY, None,
             sampler.NO_STATS, 0, (), 0, "xla").compile().as_text()
         leaves = lambda c: [x for x in jax.tree_util.tree_leaves(c) if x.ndim]
