@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -53,55 +54,6 @@ std::vector<float> pseudo_random(size_t n) {
   return x;
 }
 
-// ns per slot (all kQ query rows) of each pass over n slots of one row, data reused.
-std::string stages(int64_t n, int repeats) {
-  const int64_t calls = std::max<int64_t>(1, (1 << 20) / n);
-  std::vector<float> k = pseudo_random(n * kD), v = pseudo_random(n * kD);
-  std::vector<float> q(kQ * kD, 0.1f), scores(kQ * n), acc(kQ * kD);
-  Tensor values{};
-  values.format = kDense;
-  values.type = ffi::DataType::F32;
-  values.data = v.data();
-  values.rows = 1;
-  values.slots = n;
-  values.dim = kD;
-  float sink = 0.0f;
-  auto per_slot = [&](auto&& pass) {
-    return 1e6 * median_ms(repeats, [&] { for (int64_t c = 0; c < calls; ++c) pass(); }) /
-           static_cast<double>(calls * n);
-  };
-  const double score_ns = per_slot([&] {
-    for (int64_t t0 = 0; t0 < n; t0 += kTile)
-      dense_tile_scores<kQ, kD>(k.data() + t0 * kD, q.data(), kQ, kD, scores.data() + t0, n);
-  });
-  const double softmax_ns = per_slot([&] {  // run_item's pass: scale, max, exp, sum
-    for (int64_t i = 0; i < kQ; ++i) {
-      float* __restrict si = &scores[i * n];
-      float mi = kNegInf, sum = 0.0f;
-#pragma omp simd
-      for (int64_t s = 0; s < n; ++s) si[s] *= 0.125f;
-#pragma omp simd reduction(max : mi)
-      for (int64_t s = 0; s < n; ++s) mi = mi > si[s] ? mi : si[s];
-#pragma omp simd reduction(+ : sum)
-      for (int64_t s = 0; s < n; ++s) {
-        si[s] = exp_nonpositive(si[s] - mi);
-        sum += si[s];
-      }
-      sink += sum;
-    }
-  });
-  const double value_ns = per_slot([&] {
-    add_dense_values_run<kQ, kD>(values, 0, 0, v.data(), n, scores.data(), n, acc.data());
-  });
-  sink += acc[0];
-  char out[256];
-  std::snprintf(out, sizeof out,
-                "{\"slots\": %lld, \"scores_ns\": %.2f, \"softmax_ns\": %.2f, \"values_ns\": %.2f, "
-                "\"sink\": %.3g}",
-                static_cast<long long>(n), score_ns, softmax_ns, value_ns, sink);
-  return out;
-}
-
 Problem layer_problem(const float* keys, const float* values, const float* q, const bool* mask,
                       int64_t slots, int64_t chunk) {
   Problem P;
@@ -133,6 +85,48 @@ Problem layer_problem(const float* keys, const float* values, const float* q, co
   P.acc.resize(items * kQ * kD);
   return P;
 }
+
+// ns per slot (all kQ query rows) of each pass over n slots of one row, data reused.
+std::string stages(int64_t n, int repeats) {
+  const int64_t calls = std::max<int64_t>(1, (1 << 20) / n);
+  std::vector<float> k = pseudo_random(n * kD), v = pseudo_random(n * kD);
+  std::vector<float> q(kQ * kD, 0.1f), scores(kQ * n), acc(kQ * kD);
+  Tensor values{};
+  values.format = kDense;
+  values.type = ffi::DataType::F32;
+  values.data = v.data();
+  values.rows = 1;
+  values.slots = n;
+  values.dim = kD;
+  float sink = 0.0f;
+  auto per_slot = [&](auto&& pass) {
+    return 1e6 * median_ms(repeats, [&] { for (int64_t c = 0; c < calls; ++c) pass(); }) /
+           static_cast<double>(calls * n);
+  };
+  const double score_ns = per_slot([&] {
+    for (int64_t t0 = 0; t0 < n; t0 += kTile)
+      dense_tile_scores<kQ, kD>(k.data() + t0 * kD, q.data(), kQ, kD, scores.data() + t0, n);
+  });
+  std::unique_ptr<bool[]> visible(new bool[kQ * n]);
+  std::fill(visible.get(), visible.get() + kQ * n, true);
+  const Problem P = layer_problem(k.data(), v.data(), q.data(), visible.get(), n, n);
+  float m[kQ], l[kQ];
+  const double softmax_ns = per_slot([&] {  // run_item's own pass: scale, mask, max, exp, sum
+    softmax_weights(P, scores.data(), n, visible.get(), kQ, n, m, l);
+    sink += l[0];
+  });
+  const double value_ns = per_slot([&] {
+    add_dense_values_run<kQ, kD>(values, 0, 0, v.data(), n, scores.data(), n, acc.data());
+  });
+  sink += acc[0];
+  char out[256];
+  std::snprintf(out, sizeof out,
+                "{\"slots\": %lld, \"scores_ns\": %.2f, \"softmax_ns\": %.2f, \"values_ns\": %.2f, "
+                "\"sink\": %.3g}",
+                static_cast<long long>(n), score_ns, softmax_ns, value_ns, sink);
+  return out;
+}
+
 
 // Largest |kernel - reference| over one layer's attention outputs (one item per row, so no
 // merge): run_item's acc / l against softmax(scale q.k) v in double precision.

@@ -867,6 +867,36 @@ void add_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const flo
   }
 }
 
+// Scores [Q, n] (rows `stride` apart) -> the weights exp(s - m) where `mask` (rows P.slots
+// apart, 0 or 1) is visible, 0 elsewhere, in place, after P.scale, P.softcap and (P.round_p)
+// bf16 rounding; m [Q] and l [Q] get each query row's max and sum of weights.
+inline void softmax_weights(const Problem& P, float* scores, int64_t stride, const bool* mask,
+                            int64_t Q, int64_t n, float* m, float* l) {
+  for (int64_t i = 0; i < Q; ++i) {
+    float* __restrict si = &scores[i * stride];
+    const uint8_t* __restrict vis = reinterpret_cast<const uint8_t*>(mask + i * P.slots);
+#pragma omp simd
+    for (int64_t s = 0; s < n; ++s) si[s] *= P.scale;
+    if (P.softcap > 0.0f)
+      for (int64_t s = 0; s < n; ++s) si[s] = P.softcap * std::tanh(si[s] / P.softcap);
+#pragma omp simd
+    for (int64_t s = 0; s < n; ++s) si[s] = vis[s] != 0 ? si[s] : kNegInf;
+    float mi = kNegInf;
+#pragma omp simd reduction(max : mi)
+    for (int64_t s = 0; s < n; ++s) mi = mi > si[s] ? mi : si[s];
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t s = 0; s < n; ++s) {
+      si[s] = exp_nonpositive(si[s] - mi) * static_cast<float>(vis[s]);
+      sum += si[s];
+    }
+    if (P.round_p)
+      for (int64_t s = 0; s < n; ++s) si[s] = round_to_bf16(si[s]);
+    m[i] = mi;
+    l[i] = sum;
+  }
+}
+
 // The softmax state of one (row, chunk) item over its slots, from scratch. `kQ` query rows
 // and `kD` channels are compile-time constants for the common shapes (0: read from P).
 template <int64_t kQ, int64_t kD>
@@ -910,30 +940,7 @@ void run_item(Problem& P, int64_t item) {
       tile_scores<kQ, kD>(P, r, lo + t0, std::min(kTile, n - t0), q, w, &scores[t0], stride);
     }
   }
-  const bool* mask = P.mask + r * Q * P.slots + lo;  // [Q, C] of this row, from slot lo
-  for (int64_t i = 0; i < Q; ++i) {  // scores -> weights exp(s - m) where visible, in place
-    float* __restrict si = &scores[i * stride];
-    const uint8_t* __restrict vis = reinterpret_cast<const uint8_t*>(mask + i * P.slots);  // 0 or 1
-#pragma omp simd
-    for (int64_t s = 0; s < n; ++s) si[s] *= P.scale;
-    if (P.softcap > 0.0f)
-      for (int64_t s = 0; s < n; ++s) si[s] = P.softcap * std::tanh(si[s] / P.softcap);
-#pragma omp simd
-    for (int64_t s = 0; s < n; ++s) si[s] = vis[s] != 0 ? si[s] : kNegInf;
-    float mi = kNegInf;
-#pragma omp simd reduction(max : mi)
-    for (int64_t s = 0; s < n; ++s) mi = mi > si[s] ? mi : si[s];
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t s = 0; s < n; ++s) {
-      si[s] = exp_nonpositive(si[s] - mi) * static_cast<float>(vis[s]);
-      sum += si[s];
-    }
-    if (P.round_p)
-      for (int64_t s = 0; s < n; ++s) si[s] = round_to_bf16(si[s]);
-    m[i] = mi;
-    l[i] = sum;
-  }
+  softmax_weights(P, &scores[0], stride, P.mask + r * Q * P.slots + lo, Q, n, m, l);
   const int64_t n_groups = P.v.format == kPackedTokens ? D / P.v.group : 0;
   float* acc = reused<Use::kAcc>(Q * D);  // [Q, D]
   float* off_acc = reused<Use::kOffsetAcc>(Q * n_groups);  // [Q, D / group]
