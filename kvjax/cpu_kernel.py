@@ -168,13 +168,9 @@ def usable(part) -> bool:
     The caller decides what a decode step is (`attend_blockwise`: at most
     `MATVEC_ROWS` query rows per kv head).
     """
-    if not _runs_here():
-        return False
     if any(jax.export.is_symbolic_dim(d) for d in part.pos.shape):
         return False
-    if _format(part.k) is None or _format(part.v) is None:
-        return False
-    return _registered()
+    return _format(part.k) is not None and _format(part.v) is not None and _available()
 
 
 def attend_part(qg: jax.Array, mask: jax.Array, part, carry, *, scale: float,
@@ -212,6 +208,11 @@ def _runs_here() -> bool:
     if getattr(_state, "off", False) or os.environ.get("KVJAX_CPU_KERNEL", "1") == "0":
         return False
     return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
+def _available() -> bool:
+    """`_runs_here()`, and the kernel built and registered (on the first call that asks)."""
+    return _runs_here() and _registered()
 
 
 def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -291,8 +292,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
     concrete = all(isinstance(d, int) for d in x.shape)
     if (x.dtype != jnp.float32 or weight.shape != x.shape[-1:] or not concrete or not x.size
-            or weight.dtype not in (jnp.float32, jnp.bfloat16) or not _runs_here()
-            or not _registered()):
+            or weight.dtype not in (jnp.float32, jnp.bfloat16) or not _available()):
         return plain(x, weight)
     call = jax.ffi.ffi_call(NORM_TARGET, jax.ShapeDtypeStruct((x.size // x.shape[-1], x.shape[-1]),
                                                               jnp.float32))
@@ -326,7 +326,7 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     concrete = all(isinstance(d, int) for d in x.shape)
     if (x.ndim != 4 or positions.shape != x.shape[:2] or inv_freq.shape != (x.shape[-1] // 2,)
             or not jnp.issubdtype(positions.dtype, jnp.integer) or x.shape[-1] % 2
-            or not concrete or not _runs_here() or not _registered()):
+            or not concrete or not _available()):
         return plain(x, positions)
     b, t, n, d = x.shape
     call = jax.ffi.ffi_call(ROPE_TARGET, jax.ShapeDtypeStruct((b * t, n, d), jnp.float32))
@@ -347,8 +347,7 @@ def _few_rows(target: str, x: jax.Array, ws: tuple, out_cols: list[int],
     rows = int(np.prod(lead)) if concrete else 0
     if (not MATMUL_ROWS[0] <= rows <= MATMUL_ROWS[1]
             or any(w.shape[1] % 16 for w in ws)
-            or ws[0].dtype not in (jnp.float32, jnp.bfloat16) or not _runs_here()
-            or not _registered()):
+            or ws[0].dtype not in (jnp.float32, jnp.bfloat16) or not _available()):
         return tuple(dot(x, w) for w in ws)
     x_rows = x.reshape(rows, x.shape[-1]).astype(ws[0].dtype).astype(jnp.float32)  # as the dot sees it
     call = jax.ffi.ffi_call(target, [jax.ShapeDtypeStruct((rows, n), jnp.float32) for n in out_cols])
