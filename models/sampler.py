@@ -1,9 +1,10 @@
 """Batched, jit-compiled prefill and generation over an explicit cache.
 
 Jitted functions take the model itself, a pytree of its weights (flattening it
-costs ~2 ms a call where `nnx.split` cost ~25 ms, docs/DECISIONS.md), so every
-call with the same shapes reuses one compiled executable. Prompts of different lengths are left-padded to a common
-length (a multiple of the prefill chunk); padding tokens get position `EMPTY`,
+costs ~2 ms a call where `nnx.split` cost 12-24 ms, docs/DECISIONS.md), so
+every call with the same shapes reuses one compiled executable. Prompts of
+different lengths are left-padded to a common length (a multiple of the
+prefill chunk); padding tokens get position `EMPTY`,
 so their slots stay masked, and every real token keeps its own absolute
 position. Decoding runs as one `lax.while_loop` that stops when every
 sequence has produced an end-of-sequence token or `max_new_tokens` is reached.
@@ -134,8 +135,8 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
     if width > kvjax.free_tokens(cache[0]):
         raise ValueError(f"prompt of {width} padded tokens does not fit the cache "
                          f"({kvjax.free_tokens(cache[0])} tokens free)")
-    logits, cache, _ = _prefill(model, jnp.asarray(tokens), jnp.asarray(positions),
-                                cache, None, chunk, NO_STATS, impl)
+    logits, cache, _ = _prefill(model, jnp.asarray(tokens), jnp.asarray(positions), cache, None,
+                                chunk, NO_STATS, impl)
     return logits, cache
 
 
@@ -412,10 +413,9 @@ def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
     update, spec, stats = transform.update, transform.stats, pre.stats
     if not compress_every:
         update, spec, stats = None, NO_STATS, None
-    out, cache, tstate = _decode(model, pre.logits, pre.cache, pre.transform_state,
-                                 stats, jnp.asarray(pre.next_pos), jax.random.key(seed),
-                                 max_new_tokens, sampling, update, spec, compress_every,
-                                 eos_ids, pad_id, impl)
+    out, cache, tstate = _decode(model, pre.logits, pre.cache, pre.transform_state, stats,
+                                 jnp.asarray(pre.next_pos), jax.random.key(seed), max_new_tokens,
+                                 sampling, update, spec, compress_every, eos_ids, pad_id, impl)
     if not out.is_fully_addressable:  # a multi-process run: every process gets every row
         from jax.experimental import multihost_utils
         out = multihost_utils.process_allgather(out, tiled=True)

@@ -59,7 +59,6 @@ def test_compiles_once_across_calls_with_same_shapes(tiny_model, count_traces):
     assert traces.count == 0
 
 
-
 def test_each_call_reads_the_models_current_weights_without_walking_its_graph(count_traces,
                                                                              monkeypatch):
     """The jitted steps take the model itself as a pytree of its weights: weights changed in
