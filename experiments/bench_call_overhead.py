@@ -16,22 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from experiments.bench_decode import timed
+
 
 def median_ms(fn, repeats: int) -> float:
     fn()  # warm: compiles, fills caches
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * statistics.median(timed(fn, repeats))
 
 
 def main(argv: list[str] | None = None) -> dict:

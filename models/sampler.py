@@ -4,9 +4,8 @@ Jitted functions take the model itself, a pytree of its weights (flattening it
 costs ~2 ms a call where `nnx.split` cost 12-24 ms, docs/DECISIONS.md), so
 every call with the same shapes reuses one compiled executable. Prompts of
 different lengths are left-padded to a common length (a multiple of the
-prefill chunk); padding tokens get position `EMPTY`,
-so their slots stay masked, and every real token keeps its own absolute
-position. Decoding runs as one `lax.while_loop` that stops when every
+prefill chunk); padding tokens get position `EMPTY`, so their slots stay
+masked, and every real token keeps its own absolute position. Decoding runs as one `lax.while_loop` that stops when every
 sequence has produced an end-of-sequence token or `max_new_tokens` is reached.
 
 A cache transform runs after prefill and, optionally, every `compress_every`
