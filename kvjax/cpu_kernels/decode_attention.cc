@@ -39,10 +39,111 @@ namespace {
 
 constexpr float kNegInf = -1e30f;  // kvjax.attention.NEG_INF
 
-typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint32_t u32x4 __attribute__((vector_size(16)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+
+// ---- 16-lane vectors: one register with AVX-512, two native halves without ----
+//
+// The kernel's unit is 16 lanes (a tile of 16 slots, a 16-channel block). With AVX-512 that is
+// one register. Without it GCC has no 16-float vector mode: a 64-byte vector type lives on the
+// stack and every operation on it goes through memory (each broadcast became 16 scalar stores;
+// the few-rows matmul read its weights at 4.4 GB/s a core against XLA's 13.4 on an AVX2 EPYC,
+// docs/DECISIONS.md). There a 16-lane vector is a pair of 8-lane vectors whose operators act
+// on both halves, which GCC keeps in registers. Same layout, so memcpy loads and stores it.
+#ifdef __AVX512F__
+typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+constexpr int kWideRegisters = 32;  // 16-lane vectors the register file holds
+
+inline f32x16 to_f32(u32x16 x) { return __builtin_convertvector(x, f32x16); }
+inline u32x16 widen(u16x16 x) { return __builtin_convertvector(x, u32x16); }
+inline u32x16 lane_index() { return u32x16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+inline u32x16 repeated(u32x8 h) {
+  return __builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+#else
+template <typename H, typename E>
+struct Pair {  // lanes [0, N) in lo, [N, 2N) in hi
+  H lo, hi;
+  Pair& operator+=(Pair b) { return lo += b.lo, hi += b.hi, *this; }
+};
+#define KVJAX_PAIR_OP(op)                                                                     \
+  template <typename H, typename E>                                                           \
+  inline Pair<H, E> operator op(Pair<H, E> a, Pair<H, E> b) { return {a.lo op b.lo, a.hi op b.hi}; } \
+  template <typename H, typename E>                                                           \
+  inline Pair<H, E> operator op(E a, Pair<H, E> b) { return {a op b.lo, a op b.hi}; }         \
+  template <typename H, typename E>                                                           \
+  inline Pair<H, E> operator op(Pair<H, E> a, E b) { return {a.lo op b, a.hi op b}; }
+KVJAX_PAIR_OP(+)
+KVJAX_PAIR_OP(-)
+KVJAX_PAIR_OP(*)
+KVJAX_PAIR_OP(/)
+KVJAX_PAIR_OP(&)
+KVJAX_PAIR_OP(<<)
+#undef KVJAX_PAIR_OP
+typedef Pair<f32x8, float> f32x16;
+typedef Pair<u32x8, uint32_t> u32x16;
+constexpr int kWideRegisters = 8;  // 16 ymm registers
+
+inline f32x16 to_f32(u32x16 x) {
+  return {__builtin_convertvector(x.lo, f32x8), __builtin_convertvector(x.hi, f32x8)};
+}
+inline u32x16 widen(u16x16 x) {
+  u16x8 lo, hi;
+  std::memcpy(&lo, &x, 16);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + 16, 16);
+  return {__builtin_convertvector(lo, u32x8), __builtin_convertvector(hi, u32x8)};
+}
+inline u32x16 lane_index() { return {u32x8{0, 1, 2, 3, 4, 5, 6, 7}, u32x8{8, 9, 10, 11, 12, 13, 14, 15}}; }
+inline u32x16 repeated(u32x8 h) { return {h, h}; }
+#endif
+static_assert(sizeof(f32x16) == 64 && sizeof(u32x16) == 64, "16 lanes of 4 bytes");
+
+// 16 lanes from p / to p, unaligned. (A memcpy into a pair moved it through the stack.)
+template <typename V, typename E>
+inline V load16(const E* p) {
+  V v;
+#ifdef __AVX512F__
+  std::memcpy(&v, p, sizeof v);
+#else
+  std::memcpy(&v.lo, p, sizeof v.lo);
+  std::memcpy(&v.hi, p + 8, sizeof v.hi);
+#endif
+  return v;
+}
+
+template <typename V, typename E>
+inline void store16(E* p, V v) {
+#ifdef __AVX512F__
+  std::memcpy(p, &v, sizeof v);
+#else
+  std::memcpy(p, &v.lo, sizeof v.lo);
+  std::memcpy(p + 8, &v.hi, sizeof v.hi);
+#endif
+}
+
+// The bits of x read as float32.
+inline f32x16 as_f32(u32x16 x) {
+#ifdef __AVX512F__
+  return reinterpret_cast<f32x16>(x);
+#else
+  return {reinterpret_cast<f32x8>(x.lo), reinterpret_cast<f32x8>(x.hi)};
+#endif
+}
+
+// Lanes [0, 8) + lanes [8, 16).
+inline f32x8 halves_sum(f32x16 v) {
+#ifdef __AVX512F__
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return v.lo + v.hi;
+#endif
+}
 
 enum Format : int64_t { kDense = 0, kPackedTokens = 1, kPackedChannels = 2 };
 
@@ -541,37 +642,44 @@ void token_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t
     for (int64_t t = 0; t < n; ++t) out[j * stride + t] = acc[j][t];
 }
 
-// One level of `lane_sums`: a and b each hold 16 / L sums as segments of L lanes; the result
-// holds a's then b's as segments of L / 2 lanes (each segment's halves added).
-template <int L>
+// One level of `lane_sums` on N-lane vectors: a and b each hold N / L sums as segments of L
+// lanes; the result holds a's then b's as segments of L / 2 lanes (each segment's halves added).
+template <int N, int L>
 constexpr int fold_lane(int i) {
-  const int half = L / 2, n_in = 16 / L, g = i / half;
-  return (g % n_in) * L + i % half + (g < n_in ? 0 : 16);
+  const int half = L / 2, n_in = N / L, g = i / half;
+  return (g % n_in) * L + i % half + (g < n_in ? 0 : N);
 }
 
-template <int L, size_t... I>
-inline f32x16 fold(f32x16 a, f32x16 b, std::index_sequence<I...>) {
-  return __builtin_shufflevector(a, b, fold_lane<L>(I)...) +
-         __builtin_shufflevector(a, b, (fold_lane<L>(I) + L / 2)...);
+template <int N, int L, typename V, size_t... I>
+inline V fold_native(V a, V b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, fold_lane<N, L>(I)...) +
+         __builtin_shufflevector(a, b, (fold_lane<N, L>(I) + L / 2)...);
+}
+
+template <int L>
+inline f32x16 fold(f32x16 a, f32x16 b) {
+#ifdef __AVX512F__
+  return fold_native<16, L>(a, b, std::make_index_sequence<16>());
+#else  // a's halves folded give the low half, b's the high one
+  if constexpr (L == 16) return {a.lo + a.hi, b.lo + b.hi};
+  else return {fold_native<8, L>(a.lo, a.hi, std::make_index_sequence<8>()),
+               fold_native<8, L>(b.lo, b.hi, std::make_index_sequence<8>())};
+#endif
 }
 
 // The sum of v's lanes (one output; `lane_sums` below does 16 at once).
 inline float lane_sum(f32x16 v) {
-  f32x8 lo, hi;
-  std::memcpy(&lo, &v, 32);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
-  const f32x8 a = lo + hi;
+  const f32x8 a = halves_sum(v);
   const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // Lane t <- the sum of v[t]'s lanes: 15 pairs of shuffles and adds for 16 sums.
 inline f32x16 lane_sums(f32x16 v[16]) {
-  constexpr auto lanes = std::make_index_sequence<16>();
-  for (int i = 0; i < 8; ++i) v[i] = fold<16>(v[2 * i], v[2 * i + 1], lanes);
-  for (int i = 0; i < 4; ++i) v[i] = fold<8>(v[2 * i], v[2 * i + 1], lanes);
-  for (int i = 0; i < 2; ++i) v[i] = fold<4>(v[2 * i], v[2 * i + 1], lanes);
-  return fold<2>(v[0], v[1], lanes);
+  for (int i = 0; i < 8; ++i) v[i] = fold<16>(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) v[i] = fold<8>(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) v[i] = fold<4>(v[2 * i], v[2 * i + 1]);
+  return fold<2>(v[0], v[1]);
 }
 
 // Scores of kTile dense float32 keys (`keys` [kTile, D], D % 16 == 0) with q [Q, D]: each
@@ -587,14 +695,12 @@ void dense_tile_scores(const float* keys, const float* q, int64_t Q, int64_t D, 
       f32x16 sum = {};
       for (int64_t c = 0; c < D; c += 16) {
         f32x16 qv, kv;
-        std::memcpy(&qv, q + i * D + c, 64);
-        std::memcpy(&kv, keys + t * D + c, 64);
-        sum += qv * kv;
+        sum += load16<f32x16>(q + i * D + c) * load16<f32x16>(keys + t * D + c);
       }
       part[t] = sum;
     }
     const f32x16 scores = lane_sums(part);
-    std::memcpy(out + i * stride, &scores, 64);
+    store16(out + i * stride, scores);
   }
 }
 
@@ -632,9 +738,6 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
 
 constexpr int kValueTile = 4;  // slots whose per-token codes are added together
 
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x4 __attribute__((vector_size(16)));
-
 // A slot's packed words (kvjax.quant.pack: channel p * W + i is bits [p * kBits, (p + 1) *
 // kBits) of word i, W = kD * kBits / 32) laid out for 16-channel blocks: for W < 16 lane l
 // holds word l % W (the same for every block), for W >= 16 nothing is needed up front.
@@ -643,11 +746,11 @@ inline u32x16 repeated_words(const uint32_t* w) {
   if constexpr (W == 8) {
     u32x8 h;
     std::memcpy(&h, w, sizeof h);
-    return __builtin_shufflevector(h, h, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+    return repeated(h);
   } else if constexpr (W == 4) {
     u32x4 h;
     std::memcpy(&h, w, sizeof h);
-    return __builtin_shufflevector(h, h, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
+    return repeated(__builtin_shufflevector(h, h, 0, 1, 2, 3, 0, 1, 2, 3));
   } else {
     return u32x16{};
   }
@@ -657,8 +760,8 @@ inline u32x16 repeated_words(const uint32_t* w) {
 // of W words: channel c is in plane c / W.
 template <int kBits, int64_t W>
 inline u32x16 block_shifts(int64_t c0) {
-  const u32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  return (static_cast<uint32_t>(c0) + lane) / static_cast<uint32_t>(W) * kBits;
+  return (static_cast<uint32_t>(c0) + lane_index()) / static_cast<uint32_t>(W) *
+         static_cast<uint32_t>(kBits);
 }
 
 // The codes of channels [c0, c0 + 16) of the slot whose words are w (`rep` =
@@ -668,8 +771,8 @@ template <int kBits, int64_t W>
 inline f32x16 block_codes(const uint32_t* w, u32x16 rep, int64_t c0, u32x16 shift) {
   static_assert(W % 16 == 0 || 16 % W == 0, "a block's words are contiguous or repeated");
   u32x16 words = rep;
-  if constexpr (W >= 16) std::memcpy(&words, w + c0 % W, sizeof words);
-  return __builtin_convertvector(words & (((1u << kBits) - 1u) << shift), f32x16);
+  if constexpr (W >= 16) words = load16<u32x16>(w + c0 % W);
+  return to_f32(words & (((1u << kBits) - 1u) << shift));
 }
 
 // acc [Q, D] += the per-token codes of slots [s, s + kN) of row r weighted by wsc [G, Q, *]
@@ -694,15 +797,14 @@ void add_token_values(const Problem& P, int64_t r, int64_t s, const float* wsc, 
     const float* wg = wsc + g * Q * w_stride;
     for (int64_t c0 = g * G; c0 < (g + 1) * G; c0 += 16) {
       const u32x16 shift = block_shifts<kBits, W>(c0);
-      const f32x16 centred = __builtin_convertvector(centre << shift, f32x16);
+      const f32x16 centred = to_f32(centre << shift);
       f32x16 codes[kN];
       for (int j = 0; j < kN; ++j)
         codes[j] = block_codes<kBits, W>(src + j * W, rep[j], c0, shift) - centred;
       for (int64_t i = 0; i < Q; ++i) {
-        f32x16 a;
-        std::memcpy(&a, acc + i * kD + c0, sizeof a);
+        f32x16 a = load16<f32x16>(acc + i * kD + c0);
         for (int j = 0; j < kN; ++j) a += wg[i * w_stride + j] * codes[j];
-        std::memcpy(acc + i * kD + c0, &a, sizeof a);
+        store16(acc + i * kD + c0, a);
       }
     }
   }
@@ -734,20 +836,26 @@ constexpr int largest_divisor(int n, int most) {
   return 1;
 }
 
+// 16-lane sums a register-tiled loop keeps in registers, leaving the rest of the register file
+// to the operands streaming past.
+constexpr int kSumRegisters = kWideRegisters * 3 / 4;
+
 // acc [kQ, kD] += weights p [kQ, n] (rows `p_stride` apart) times the dense float32 values v
 // [n, kD] of slots [s, s + n) of row r: the sums stay in registers (kQ x kBlock vectors, at
-// most 24) while the slots stream past, kBlock 16-channel vectors per pass over the slots.
+// most kSumRegisters) while the slots stream past, kBlock 16-channel vectors per pass over the
+// slots.
 template <int64_t kQ, int64_t kD>
 void add_dense_values_run(const Tensor& values, int64_t r, int64_t s, const float* v, int64_t n,
                           const float* p, int64_t p_stride, float* acc) {
   constexpr int kVectors = kD / 16;
-  constexpr int kBlock = largest_divisor(kVectors, kQ < 24 ? static_cast<int>(24 / kQ) : 1);
+  constexpr int kBlock = largest_divisor(
+      kVectors, kQ < kSumRegisters ? static_cast<int>(kSumRegisters / kQ) : 1);
   for (int c0 = 0; c0 < kVectors; c0 += kBlock) {
     f32x16 a[kQ][kBlock] = {};
     for (int64_t t = 0; t < n; ++t) {
       if (c0 == 0 && t % kTile == 0) values.prefetch(r, s + t, std::min(kTile, n - t));
       f32x16 vt[kBlock];
-      for (int b = 0; b < kBlock; ++b) std::memcpy(&vt[b], v + t * kD + (c0 + b) * 16, 64);
+      for (int b = 0; b < kBlock; ++b) vt[b] = load16<f32x16>(v + t * kD + (c0 + b) * 16);
       for (int64_t i = 0; i < kQ; ++i) {
         const float w = p[i * p_stride + t];
         for (int b = 0; b < kBlock; ++b) a[i][b] += w * vt[b];
@@ -755,10 +863,8 @@ void add_dense_values_run(const Tensor& values, int64_t r, int64_t s, const floa
     }
     for (int64_t i = 0; i < kQ; ++i)
       for (int b = 0; b < kBlock; ++b) {
-        f32x16 out;
-        std::memcpy(&out, acc + i * kD + (c0 + b) * 16, 64);
-        out += a[i][b];
-        std::memcpy(acc + i * kD + (c0 + b) * 16, &out, 64);
+        float* at = acc + i * kD + (c0 + b) * 16;
+        store16(at, load16<f32x16>(at) + a[i][b]);
       }
   }
 }
@@ -1107,23 +1213,25 @@ ffi::Error DecodeAttention(
 
 constexpr int64_t kMatmulMaxRows = 8;
 constexpr int64_t kMatmulParallelBytes = 256 << 10;  // smaller weights run on one thread
-constexpr int64_t kMatmulTileRows = 16;  // rows of w per pass over the columns
-
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
+// Rows of w per pass over the columns: each is a stream of reads the prefetchers follow. 16 on
+// the AVX-512 Xeon where this was tuned; on an AVX2 EPYC 16 streams read at 13 GB/s, 4 at 18
+// (XLA's dot: 19-20, docs/DECISIONS.md).
+#ifdef __AVX512F__
+constexpr int64_t kMatmulTileRows = 16;
+#else
+constexpr int64_t kMatmulTileRows = 4;
+#endif
 
 // Columns [c, c + 16) of row k of w as float32 (bf16 widened exactly).
 template <bool kBf16>
 inline f32x16 weight_vector(const void* w, int64_t N, int64_t k, int64_t c) {
-  f32x16 out;
   if constexpr (kBf16) {
     u16x16 h;
     std::memcpy(&h, static_cast<const uint16_t*>(w) + k * N + c, sizeof h);
-    const u32x16 bits = __builtin_convertvector(h, u32x16) << 16;
-    std::memcpy(&out, &bits, sizeof out);
+    return as_f32(widen(h) << 16u);
   } else {
-    std::memcpy(&out, static_cast<const float*>(w) + k * N + c, sizeof out);
+    return load16<f32x16>(static_cast<const float*>(w) + k * N + c);
   }
-  return out;
 }
 
 // part [R, N] += x[:, k0:k1] @ w[k0:k1, c:c + 16 * kV] for R = kR rows: the kR x kV sums stay
@@ -1136,7 +1244,7 @@ inline void matmul_tile(const float* x, const void* w, int64_t K, int64_t N, int
   const int64_t elem = kBf16 ? 2 : 4;
   f32x16 acc[kR][kV];
   for (int r = 0; r < kR; ++r)
-    for (int v = 0; v < kV; ++v) std::memcpy(&acc[r][v], part + r * N + c + 16 * v, 64);
+    for (int v = 0; v < kV; ++v) acc[r][v] = load16<f32x16>(part + r * N + c + 16 * v);
   for (int64_t k = k0; k < k1; ++k) {
     for (int v = 0; v < kV; ++v)
       __builtin_prefetch(bytes + ((k + kMatmulTileRows) * N + c + 16 * v) * elem);
@@ -1148,19 +1256,21 @@ inline void matmul_tile(const float* x, const void* w, int64_t K, int64_t N, int
     }
   }
   for (int r = 0; r < kR; ++r)
-    for (int v = 0; v < kV; ++v) std::memcpy(part + r * N + c + 16 * v, &acc[r][v], 64);
+    for (int v = 0; v < kV; ++v) store16(part + r * N + c + 16 * v, acc[r][v]);
 }
 
 // part [R, N] = x[:, k0:k1] @ w[k0:k1] for R = kR rows (N a multiple of 16), kMatmulTileRows
-// rows of w at a time, each walked in 32-column tiles.
+// rows of w at a time, each walked in 32-column tiles (16 where 2 x kR sums and 2 operands
+// would fill the register file).
 template <int kR, bool kBf16>
 void matmul_rows(const float* x, const void* w, int64_t K, int64_t N, int64_t k0, int64_t k1,
                  float* part) {
+  constexpr int kV = kR * 2 + 2 < kWideRegisters ? 2 : 1;
   std::fill(part, part + kR * N, 0.0f);
   for (int64_t kt = k0; kt < k1; kt += kMatmulTileRows) {
     const int64_t kn = std::min(k1, kt + kMatmulTileRows);
     int64_t c = 0;
-    for (; c + 32 <= N; c += 32) matmul_tile<kR, 2, kBf16>(x, w, K, N, kt, kn, c, part);
+    for (; c + 16 * kV <= N; c += 16 * kV) matmul_tile<kR, kV, kBf16>(x, w, K, N, kt, kn, c, part);
     if (c < N) matmul_tile<kR, 1, kBf16>(x, w, K, N, kt, kn, c, part);
   }
 }
@@ -1281,8 +1391,7 @@ void matmul_t_rows(const float* x, const void* w, int64_t K, int64_t N, int64_t 
         wv[e] = weight_vector<kBf16>(w, K, n + e, k);
       }
       for (int r = 0; r < kR; ++r) {
-        f32x16 xv;
-        std::memcpy(&xv, x + r * K + k, 64);
+        const f32x16 xv = load16<f32x16>(x + r * K + k);
         for (int e = 0; e < kE; ++e) acc[e][r] += wv[e] * xv;
       }
     }
@@ -1294,17 +1403,25 @@ void matmul_t_rows(const float* x, const void* w, int64_t K, int64_t N, int64_t 
 
 using RowsT = void (*)(const float*, const void*, int64_t, int64_t, int64_t, int64_t, float*);
 
+// Rows of w a kR-row product walks together: 4, 2 or 1, at most kWideRegisters / 4 sums (8
+// with AVX-512) in flight.
+constexpr int t_rows_for(int rows) {
+  int e = 4;
+  while (e > 1 && e * rows > kWideRegisters / 4) e /= 2;
+  return e;
+}
+
 template <bool kBf16>
-RowsT rows_t_for(int64_t rows) {  // kE x kR <= 8 sums in registers
+RowsT rows_t_for(int64_t rows) {
   switch (rows) {
-    case 1: return matmul_t_rows<1, 4, kBf16>;
-    case 2: return matmul_t_rows<2, 4, kBf16>;
-    case 3: return matmul_t_rows<3, 2, kBf16>;
-    case 4: return matmul_t_rows<4, 2, kBf16>;
-    case 5: return matmul_t_rows<5, 1, kBf16>;
-    case 6: return matmul_t_rows<6, 1, kBf16>;
-    case 7: return matmul_t_rows<7, 1, kBf16>;
-    default: return matmul_t_rows<8, 1, kBf16>;
+    case 1: return matmul_t_rows<1, t_rows_for(1), kBf16>;
+    case 2: return matmul_t_rows<2, t_rows_for(2), kBf16>;
+    case 3: return matmul_t_rows<3, t_rows_for(3), kBf16>;
+    case 4: return matmul_t_rows<4, t_rows_for(4), kBf16>;
+    case 5: return matmul_t_rows<5, t_rows_for(5), kBf16>;
+    case 6: return matmul_t_rows<6, t_rows_for(6), kBf16>;
+    case 7: return matmul_t_rows<7, t_rows_for(7), kBf16>;
+    default: return matmul_t_rows<8, t_rows_for(8), kBf16>;
   }
 }
 
