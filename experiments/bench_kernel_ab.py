@@ -53,7 +53,7 @@ def register_other(source: Path, text: str) -> dict[str, str | None]:
     kernels as `other_*` targets: {module constant: name or None where the source lacks that
     kernel}. Once per source and contents: a target name is registered once per process."""
     out = Path(tempfile.mkdtemp()) / "other.so"
-    subprocess.run(["g++", "-w", *cpu_kernel.FLAGS, f"-I{jax.ffi.include_dir()}", str(source),
+    subprocess.run(["g++", "-w", *cpu_kernel.flags(), f"-I{jax.ffi.include_dir()}", str(source),
                     "-o", str(out)], check=True)
     library = ctypes.cdll.LoadLibrary(str(out))
     tag = hashlib.sha256(text.encode()).hexdigest()[:12]

@@ -28,7 +28,7 @@ DRIVER = Path(__file__).with_name("kernel_parts.cc")
 def build(source: Path = cpu_kernel.SOURCE) -> Path:
     """The driver compiled against `source` with the kernel's flags (an executable)."""
     out = Path(tempfile.mkdtemp()) / "kernel_parts"
-    flags = [f for f in cpu_kernel.FLAGS if f not in ("-shared", "-fPIC")]
+    flags = [f for f in cpu_kernel.flags() if f not in ("-shared", "-fPIC")]
     subprocess.run(["g++", "-w", *flags, f"-I{jax.ffi.include_dir()}",
                     f'-DKERNEL_SOURCE="{source.resolve()}"', str(DRIVER), "-o", str(out),
                     "-lpthread"], check=True)

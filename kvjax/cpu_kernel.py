@@ -45,6 +45,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import platform
 import subprocess
 import tempfile
@@ -67,8 +68,9 @@ ROPE_TARGET = "kvjax_rope"
 MATMUL_ROWS = (1, 8)
 """Rows `matmul` hands to the kernel: a decode step (one row: 8% faster than XLA's dot over
 the model's weights, and 454 fewer LLVM loops to compile; docs/DECISIONS.md)."""
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+FLAGS = ("-O3", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-fassociative-math", "-fno-signed-zeros", "-std=c++17", "-shared", "-fPIC")
+"""Compiler flags besides `-march` (`flags()`)."""
 CHUNK = 512
 """Slots per work item: a row's slots are split into chunks so both cores share one row."""
 
@@ -99,11 +101,28 @@ def _cache_dir() -> Path:
     return Path(base) / "kvjax" / "cpu_kernels"
 
 
+def flags() -> tuple[str, ...]:
+    """The kernel's compiler flags: `FLAGS` for the CPU `$KVJAX_CPU_KERNEL_MARCH` names.
+
+    The default `native` builds for this machine (AVX-512 where it has it); a GCC `-march`
+    value such as `x86-64-v3` (AVX2) builds the code another machine would run, e.g. to test
+    the AVX2 path on an AVX-512 machine (`tests/test_cpu_kernel.py`).
+
+    >>> flags()[0]
+    '-march=native'
+    """
+    march = os.environ.get("KVJAX_CPU_KERNEL_MARCH", "native")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9_.+-]*", march):
+        raise ValueError(f"KVJAX_CPU_KERNEL_MARCH={march!r}: expected a GCC -march value "
+                         f"such as native or x86-64-v3")
+    return (f"-march={march}", *FLAGS)
+
+
 def build(cxx: str | None = None) -> Path:
     """Compile the kernel (once per source, jax version, compiler flags and CPU) -> the .so path."""
     cxx = cxx or os.environ.get("CXX", "g++")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), " ".join(FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), " ".join(flags()).encode(),
                                      cxx.encode(), _cpu_id().encode()])).hexdigest()[:16]
     out = _cache_dir() / f"decode_attention-{key}.so"
     if out.exists():
@@ -112,7 +131,7 @@ def build(cxx: str | None = None) -> Path:
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     try:
-        subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
+        subprocess.run([cxx, *flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
                         str(partial)], check=True, capture_output=True, text=True)
         os.replace(partial, out)  # atomic: concurrent builders (pytest -n 2) never see half a file
     finally:

@@ -340,3 +340,41 @@ def test_kernel_parts_driver_builds_and_its_kernel_matches_a_float64_reference(t
         assert row["gbs"] == pytest.approx(got["mbytes"] / row["ms"], rel=0.01)
     for read in got["read"]:
         assert read["overlapped_ms"] <= read["added_ms"]
+
+
+def _has_avx2() -> bool:
+    try:
+        return " avx2 " in next(l for l in open("/proc/cpuinfo") if l.startswith("flags")) + " "
+    except (OSError, StopIteration):
+        return False
+
+
+@pytest.mark.skipif(not _has_avx2(), reason="[optional] needs an x86-64 CPU with AVX2")
+def test_the_avx2_build_passes_the_kernel_equality_tests():
+    """The kernel compiled for AVX2 (`KVJAX_CPU_KERNEL_MARCH=x86-64-v3`: 16-lane vectors as two
+    8-lane halves, the other register budgets) passes this file's equality tests for attention
+    (every method at 3 query rows per KV head, as SmolLM2's decode; the head dims 64 and 128),
+    the matmuls, RMSNorm and RoPE -- on an AVX-512 machine too, where the default build takes
+    the other path."""
+    import subprocess
+    import sys
+    tests = ["test_packed_formats_at_model_head_dims", "test_kernel_dtypes_and_head_shapes",
+             "test_matmul_equals_the_dot", "test_matmuls_are_one_call_equal_to_each_dot",
+             "test_matmul_t_equals_the_dot", "test_rms_norm_equals_float64_reference",
+             "test_rope_equals_float64_reference", "test_the_kernel_builds_here"]
+    cases = [f"{__file__}::{name}" for name in tests] + [
+        f"{__file__}::test_kernel_equals_the_xla_loop[1-{m}]" for m in METHODS]
+    env = dict(os.environ, KVJAX_CPU_KERNEL_MARCH="x86-64-v3")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *cases],
+                         env=env, capture_output=True, text=True, timeout=1800)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    summary = run.stdout.strip().splitlines()[-1]  # e.g. "87 passed in 95.1s"
+    assert "skipped" not in summary and int(summary.split()[0]) >= len(cases), summary
+
+
+def test_the_march_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("KVJAX_CPU_KERNEL_MARCH", "x86-64-v3")
+    assert cpu_kernel.flags()[0] == "-march=x86-64-v3"
+    monkeypatch.setenv("KVJAX_CPU_KERNEL_MARCH", "native; rm -rf /")
+    with pytest.raises(ValueError, match="KVJAX_CPU_KERNEL_MARCH"):
+        cpu_kernel.flags()
