@@ -126,6 +126,15 @@ def test_benchmark_rows_compare_kernel_and_loop():
     assert row["cache_mb"] > 0 and row["layers"] == 2
 
 
+def test_matmul_benchmark_rows_compare_kernel_and_dot():
+    from experiments.bench_few_rows_matmul import bench_shape, main
+    row = bench_shape(64, 48, layers=2, repeats=1)
+    assert row["rel_diff"] < 1e-5 and row["kernel_ms"] > 0 and row["xla_ms"] > 0
+    assert row["mbytes"] == pytest.approx(2 * 64 * 48 * 4 / 1e6)
+    with pytest.raises(SystemExit):
+        main(["--layers", "0"])
+
+
 # ---- the few-row matmul (cpu_kernel.matmul) against jnp.dot ----
 
 def _matmul_both(x, w):
