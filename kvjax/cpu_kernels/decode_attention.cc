@@ -476,6 +476,28 @@ inline void transpose_16x16(__m512i r[16]) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// r[i] lane t <- r[t] lane i: 32-bit lanes of 8 vectors, three shuffle stages.
+inline void transpose_8x8(__m256i r[8]) {
+  __m256i t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // r[4i + c], half k: column 4k + c of rows 4i..4i+3
+    r[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // whole columns: rows 0-3 from r[c], rows 4-7 from r[c + 4]
+    t[c] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x20);
+    t[c + 4] = _mm256_permute2x128_si256(r[c], r[c + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
+#endif
+
 // The packed words of n <= kTile slots (src [n, words]) transposed to out [words, kTile], one
 // slot per lane; lanes past n hold 0 (code 0). Returns out.
 inline const uint32_t* words_slot_minor(const uint32_t* src, int64_t words, int64_t n,
@@ -493,6 +515,21 @@ inline const uint32_t* words_slot_minor(const uint32_t* src, int64_t words, int6
       }
       transpose_16x16(r);
       for (int64_t i = 0; i < m; ++i) _mm512_storeu_si512(out + (i0 + i) * kTile, r[i]);
+    }
+    return out;
+  }
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  if (n == kTile && words % 8 == 0) {  // 8 x 8 register transposes, slots 0-7 then 8-15
+    for (int64_t i0 = 0; i0 < words; i0 += 8) {
+      for (int64_t h = 0; h < kTile; h += 8) {
+        __m256i r[8];
+        for (int64_t t = 0; t < 8; ++t)
+          r[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + (h + t) * words + i0));
+        transpose_8x8(r);
+        for (int64_t i = 0; i < 8; ++i)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (i0 + i) * kTile + h), r[i]);
+      }
     }
     return out;
   }
@@ -536,6 +573,8 @@ inline void plane_scaled(const float* x, int64_t Q, int64_t D, int64_t bits, flo
 template <int kBits, int64_t kQ, int64_t kD>
 void channel_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t s0,
                          int64_t key, const float* q, Scratch& w, float* out, int64_t stride) {
+  if constexpr (kQ != 0) Q = kQ;  // constant trip counts: the query loops unroll
+  if constexpr (kD != 0) D = kD;
   const float half = static_cast<float>(1 << (kBits - 1));
   if (key != w.q_key) {
     float* sc = w.k_table.data();
@@ -611,6 +650,8 @@ void token_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t
                        const float* q_planes, const float* q_sums, const float* sc,
                        const float* off, int64_t g_stride, Scratch& w, float* out,
                        int64_t stride) {
+  if constexpr (kQ != 0) Q = kQ;  // constant trip counts: the query loops unroll
+  if constexpr (kD != 0) D = kD;
   constexpr int kPlanes = 32 / kBits;
   const int64_t words = D / kPlanes, n_groups = D / k.group, planes_per_group = k.group / words;
   const uint32_t* src = static_cast<const uint32_t*>(k.data) + (r * k.slots + s0) * words;
