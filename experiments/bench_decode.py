@@ -62,6 +62,14 @@ def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 7) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def emit(result, out: Path | None) -> None:
+    """Print `result` as indented JSON and, with `out`, write the same text there."""
+    text = json.dumps(result, indent=1)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def step_bytes(model, batch: int, context: int) -> int:
     """Bytes a decode step must read: all weights once, plus valid keys and values."""
     weights = kvjax.nbytes(nnx.state(model, nnx.Param))

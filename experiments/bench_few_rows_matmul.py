@@ -12,13 +12,12 @@ bandwidth probed in the same run, and the relative difference of the two program
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import jax
 
-from experiments.bench_decode import read_bandwidth_gbs
+from experiments.bench_decode import emit, read_bandwidth_gbs
 from kvjax import cpu_kernel
 
 SHAPES = [(576, 1536), (1536, 576), (576, 576)]  # MLP up/gate, MLP down, attention q/o
@@ -58,11 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.layers < 1 or args.repeats < 1:
         p.error(f"--layers and --repeats must be >= 1; got {args.layers}, {args.repeats}")
     rows = [bench_shape(k, n, args.layers, args.repeats) for k, n in SHAPES]
-    result = {"probe_gbs": read_bandwidth_gbs(), "rows": rows}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit({"probe_gbs": read_bandwidth_gbs(), "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 
+from experiments.bench_decode import emit
 from kvjax import cpu_kernel
 
 DRIVER = Path(__file__).with_name("kernel_parts.cc")
@@ -61,11 +62,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"got {args.layers}, {args.slots}, {args.chunk}, {args.repeats}")
     run = subprocess.run([str(build()), str(args.layers), str(args.slots), str(args.chunk),
                           str(args.repeats)], check=True, capture_output=True, text=True)
-    result = with_models(json.loads(run.stdout))
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(with_models(json.loads(run.stdout)), args.out)
 
 
 if __name__ == "__main__":

@@ -1247,10 +1247,10 @@ ffi::Error DecodeAttention(
 //
 // XLA:CPU runs a dot of 2-8 rows through a GEMM library call that costs about twice the
 // one-row dot although both read the same weights, and compiles each one-row dot to its own
-// loop (docs/DECISIONS.md). Here w is split into
-// blocks of contiguous rows, one work item each, streamed once (kMatmulTileRows rows at a time
-// in 32-column tiles whose R x 32 sums stay in registers); the blocks' partial sums are added
-// in block order, so the result does not depend on the threads.
+// loop (docs/DECISIONS.md). Here w is split into blocks of contiguous rows, one work item
+// each, streamed once (kMatmulTileRows rows at a time in 32- or 16-column tiles whose R x 32 or
+// R x 16 sums stay in registers); the blocks' partial sums are added in block order, so the
+// result does not depend on the threads.
 
 constexpr int64_t kMatmulMaxRows = 8;
 constexpr int64_t kMatmulParallelBytes = 256 << 10;  // smaller weights run on one thread
