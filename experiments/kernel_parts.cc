@@ -193,11 +193,7 @@ int main(int argc, char** argv) {
         const float* x = cache.data() + t * n;
         f32x16 a[4] = {};
         for (size_t i = 0; i + 64 <= n; i += 64)
-          for (int j = 0; j < 4; ++j) {
-            f32x16 xv;
-            std::memcpy(&xv, x + i + 16 * j, 64);
-            a[j] += xv;
-          }
+          for (int j = 0; j < 4; ++j) a[j] += load16<f32x16>(x + i + 16 * j);
         sums[t] = lane_sum(a[0] + a[1] + a[2] + a[3]);
       });
     });
