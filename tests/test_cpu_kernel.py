@@ -351,14 +351,7 @@ def test_kernel_parts_driver_builds_and_its_kernel_matches_a_float64_reference(t
         assert read["overlapped_ms"] <= read["added_ms"]
 
 
-def _has_avx2() -> bool:
-    try:
-        return " avx2 " in next(l for l in open("/proc/cpuinfo") if l.startswith("flags")) + " "
-    except (OSError, StopIteration):
-        return False
-
-
-@pytest.mark.skipif(not _has_avx2(), reason="[optional] needs an x86-64 CPU with AVX2")
+@pytest.mark.skipif("avx2" not in cpu_kernel._cpu_id().split(), reason="[optional] needs an x86-64 CPU with AVX2")
 def test_the_avx2_build_passes_the_kernel_equality_tests():
     """The kernel compiled for AVX2 (`KVJAX_CPU_KERNEL_MARCH=x86-64-v3`: 16-lane vectors as two
     8-lane halves, the other register budgets) passes this file's equality tests for attention

@@ -53,7 +53,8 @@ typedef uint16_t u16x8 __attribute__((vector_size(16)));
 // stack and every operation on it goes through memory (each broadcast became 16 scalar stores;
 // the few-rows matmul read its weights at 4.4 GB/s a core against XLA's 13.4 on an AVX2 EPYC,
 // docs/DECISIONS.md). There a 16-lane vector is a pair of 8-lane vectors whose operators act
-// on both halves, which GCC keeps in registers. Same layout, so memcpy loads and stores it.
+// on both halves, which GCC keeps in registers. Same 64-byte layout; load16 and store16 below
+// move it (a memcpy of the whole pair went through the stack).
 #ifdef __AVX512F__
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -103,7 +104,7 @@ inline u32x16 repeated(u32x8 h) { return {h, h}; }
 #endif
 static_assert(sizeof(f32x16) == 64 && sizeof(u32x16) == 64, "16 lanes of 4 bytes");
 
-// 16 lanes from p / to p, unaligned. (A memcpy into a pair moved it through the stack.)
+// 16 lanes from p / to p, unaligned.
 template <typename V, typename E>
 inline V load16(const E* p) {
   V v;
