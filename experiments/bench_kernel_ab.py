@@ -13,12 +13,14 @@ of `--context` slots, one token per row, logits included. Prints and writes (`--
 median and minimum ms of each, the kernel call sites in each lowered program (its layers share
 one body) and the largest logits difference. `--several-weights`: the other source's product
 takes several weights per call (as the shipped one since c08044e), so both programs make the
-same calls.
+same calls. `--method` compresses every layer of the step's cache by a kvjax method (e.g.
+`quantize:bits=8`), so the two sources' compressed-cache paths are compared.
 
     git show 654706d:kvjax/cpu_kernels/decode_attention.cc > /tmp/old.cc
     python -m experiments.bench_kernel_ab --other /tmp/old.cc --batch 1 --context 4096
     git show HEAD:kvjax/cpu_kernels/decode_attention.cc > /tmp/head.cc   # a working-tree change
     python -m experiments.bench_kernel_ab --other /tmp/head.cc --several-weights
+    python -m experiments.bench_kernel_ab --other /tmp/head.cc --several-weights --method kivi:bits=4
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kvjax
+from experiments.bench_attention import make_layer
 from kvjax import cpu_kernel
+from kvjax.methods import parse_method
 from models.llama import Llama, LlamaConfig
 
 TARGETS = {"TARGET": "KvjaxDecodeAttention", "MATMUL_TARGET": "KvjaxFewRowsMatmul",
@@ -99,9 +103,13 @@ def make_step(graphdef):
     return step
 
 
-def filled_cache(cfg, batch: int, context: int):
-    """Every layer holding `context - 8` random tokens (room for the steps)."""
+def filled_cache(cfg, batch: int, context: int, method: str = "full"):
+    """Every layer holding `context - 8` random tokens (room for the steps), compressed by
+    `method` unless it is full (`experiments.bench_attention.make_layer`, one seed per layer)."""
     length = context - 8
+    if method != "full":
+        return tuple(make_layer(method, batch, length, room=8, seed=i, kv_heads=cfg.num_kv_heads,
+                                head_dim=cfg.head_dim) for i in range(cfg.num_layers)), length
     keys = jax.random.normal(jax.random.key(1), (batch, cfg.num_kv_heads, length, cfg.head_dim))
     positions = jnp.broadcast_to(jnp.arange(length)[None], (batch, length))
     empty = kvjax.init_model_cache(cfg.cache_spec, batch, context)
@@ -109,12 +117,12 @@ def filled_cache(cfg, batch: int, context: int):
 
 
 def compare(other: Path, cfg: LlamaConfig, batch: int, context: int, repeats: int,
-            several_weights: bool = False) -> dict:
+            several_weights: bool = False, method: str = "full") -> dict:
     """Median / min ms of the step with the shipped kernels and with `other`'s, alternating
     (`several_weights`: `other_kernels`)."""
     names = register_other(other, other.read_text())
     graphdef, state = nnx.split(Llama(cfg, rngs=nnx.Rngs(0)))
-    cache, length = filled_cache(cfg, batch, context)
+    cache, length = filled_cache(cfg, batch, context, method)
     tokens = jnp.full((batch, 1), 5, jnp.int32)
     positions = jnp.full((batch, 1), length, jnp.int32)
     steps = {"shipped": make_step(graphdef), "other": make_step(graphdef)}
@@ -135,7 +143,7 @@ def compare(other: Path, cfg: LlamaConfig, batch: int, context: int, repeats: in
             out, caches[name] = step(state, caches[name], tokens, positions)
             jax.block_until_ready(out)
             times[name].append(1e3 * (time.perf_counter() - start))
-    row = {"batch": batch, "context": context, "other": str(other),
+    row = {"batch": batch, "context": context, "method": method, "other": str(other),
            "several_weights": several_weights,
            "missing_in_other": [c for c, n in names.items() if n is None],
            **{f"{k}_ms": statistics.median(v) for k, v in times.items()},
@@ -152,6 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--method", default="full",
+                   help="the cache's method (kvjax method spec, e.g. quantize:bits=8)")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--several-weights", action="store_true",
                    help="the other source's matmul takes several weights per call, as the "
@@ -164,8 +174,12 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--other {args.other}: no such file")
     if not cpu_kernel._registered():
         p.error("the shipped CPU kernels could not be built here (see the warning)")
+    try:
+        parse_method(args.method)
+    except ValueError as e:
+        p.error(f"--method {args.method!r}: {e}")
     row = compare(args.other, LlamaConfig.smollm2_135m(), args.batch, args.context, args.repeats,
-                  args.several_weights)
+                  args.several_weights, args.method)
     print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}))
     if args.out:
         args.out.write_text(json.dumps(row, indent=1) + "\n")

@@ -243,8 +243,10 @@ def test_kernel_ab_benchmark_runs_another_source_beside_the_shipped(tmp_path):
     """`experiments.bench_kernel_ab`: a source without `matmul_t` (as before it existed) gets
     XLA's logits in its program; both steps' logits agree to float32 rounding. Its products
     take one weight per call unless `several_weights` (one call for q/k/v, one for gate/up, as
-    the shipped program; the source is built once for both runs)."""
-    from experiments.bench_kernel_ab import compare
+    the shipped program; the source is built once for both runs). `method` compresses the
+    step's cache (`--method`)."""
+    from experiments.bench_kernel_ab import compare, filled_cache
+    from kvjax.stores import PackedTokens
     from models.llama import LlamaConfig
     source = cpu_kernel.SOURCE.read_text()
     cut = source.index("XLA_FFI_DEFINE_HANDLER_SYMBOL(\n    KvjaxFewRowsMatmulT")
@@ -259,6 +261,15 @@ def test_kernel_ab_benchmark_runs_another_source_beside_the_shipped(tmp_path):
     row = compare(tmp_path / "other.cc", cfg, batch=2, context=64, repeats=1, several_weights=True)
     assert row["other_kernel_call_sites"] == row["shipped_kernel_call_sites"] - 1
     assert 0 < row["max_abs_logits_diff"] < 1e-5
+    # `--method`: both programs decode a cache whose every layer the method compressed
+    method = "quantize:bits=8,group=8"
+    layers, length = filled_cache(cfg, 2, 64, method)
+    assert length == 56 and len(layers) == cfg.num_layers
+    assert all(isinstance(l.k, PackedTokens) and l.k.bits == 8 and int(l.length) == 56
+               for l in layers)
+    row = compare(tmp_path / "other.cc", cfg, batch=2, context=64, repeats=1,
+                  several_weights=True, method=method)
+    assert row["method"] == method and 0 < row["max_abs_logits_diff"] < 1e-5
 
 
 # --- RMS norm and RoPE (a decoder layer's element-wise glue: compiled in microseconds) ---
@@ -352,6 +363,9 @@ def test_kernel_parts_driver_builds_and_its_kernel_matches_a_float64_reference(t
 
 
 @pytest.mark.skipif("avx2" not in cpu_kernel._cpu_id().split(), reason="[optional] needs an x86-64 CPU with AVX2")
+@pytest.mark.skipif("avx512f" not in cpu_kernel._cpu_id().split(),
+                    reason="[optional] this machine has no AVX-512: its own build is the AVX2 "
+                           "path, which the rest of this file tests")
 def test_the_avx2_build_passes_the_kernel_equality_tests():
     """The kernel compiled for AVX2 (`KVJAX_CPU_KERNEL_MARCH=x86-64-v3`: 16-lane vectors as two
     8-lane halves, the other register budgets) passes this file's equality tests for attention

@@ -85,6 +85,7 @@ KVJAX_PAIR_OP(*)
 KVJAX_PAIR_OP(/)
 KVJAX_PAIR_OP(&)
 KVJAX_PAIR_OP(<<)
+KVJAX_PAIR_OP(>>)
 #undef KVJAX_PAIR_OP
 typedef Pair<f32x8, float> f32x16;
 typedef Pair<u32x8, uint32_t> u32x16;
@@ -546,21 +547,50 @@ inline const uint32_t* words_slot_minor(const uint32_t* src, int64_t words, int6
   return out;
 }
 
-// Plane p of a packed word as float32 code x 2^(p * kBits): the bits masked in place, no shift.
-// Exact (at most 8 significant bits); the caller scales its other factor by 2^-(p * kBits)
-// (plane_scaled), which leaves every product unchanged, and saves a shift per code vector.
-template <int kBits>
-inline float plane_in_place(uint32_t word, int64_t p) {
-  return static_cast<float>(word & (((1u << kBits) - 1u) << (p * kBits)));
+// Codes are widened masked in place: plane p of a word as float32 code x 2^plane_exponent(p),
+// no shift down; the caller scales its other factor by 2^-plane_exponent(p) (plane_scaled),
+// which leaves every product unchanged (exact: at most 8 significant bits). The top plane
+// reaches bit 31, and without AVX-512 x86 has no unsigned int -> float instruction (GCC emulates
+// one in five: two halves converted and added); a signed one is exact below 2^31, so there the
+// top plane is taken one bit lower (its exponent 32 - kBits - 1) and converted as signed.
+#ifdef __AVX512F__
+constexpr int kTopPlaneDrop = 0;  // vcvtudq2ps
+#else
+constexpr int kTopPlaneDrop = 1;
+#endif
+
+constexpr int plane_exponent(int64_t p, int bits) {
+  return static_cast<int>(p) * bits - (p == 32 / bits - 1 ? kTopPlaneDrop : 0);
 }
 
-// x [Q, D] with channel c (in bit plane c / (D * bits / 32)) times 2^-(plane * bits), to pair
-// with plane_in_place: exact powers of two, so each product is the same float.
+// Masked plane bits (each lane < 2^31 without AVX-512: plane_exponent) as float32, exactly.
+inline f32x16 codes_to_f32(u32x16 x) {
+#ifdef __AVX512F__
+  return to_f32(x);
+#else
+  typedef int32_t i32x8 __attribute__((vector_size(32)));
+  return {__builtin_convertvector(reinterpret_cast<i32x8>(x.lo), f32x8),
+          __builtin_convertvector(reinterpret_cast<i32x8>(x.hi), f32x8)};
+#endif
+}
+
+// Plane p of a packed word as float32 code x 2^plane_exponent(p).
+template <int kBits>
+inline float plane_in_place(uint32_t word, int64_t p) {
+  const int e = plane_exponent(p, kBits);
+  const uint32_t code = (word >> (p * kBits - e)) & (((1u << kBits) - 1u) << e);
+  if constexpr (kTopPlaneDrop != 0) return static_cast<float>(static_cast<int32_t>(code));
+  return static_cast<float>(code);
+}
+
+// x [Q, D] with channel c (in bit plane c / (D * bits / 32)) times 2^-plane_exponent(plane), to
+// pair with plane_in_place: exact powers of two, so each product is the same float.
 inline void plane_scaled(const float* x, int64_t Q, int64_t D, int64_t bits, float* out) {
   const int64_t words = D * bits / 32;
   for (int64_t i = 0; i < Q; ++i) {
     for (int64_t p = 0; p < 32 / bits; ++p) {
-      const float factor = 1.0f / static_cast<float>(1u << (p * bits));  // <= 2^30: exact
+      const float factor =  // <= 2^30: exact
+          1.0f / static_cast<float>(1u << plane_exponent(p, static_cast<int>(bits)));
 #pragma omp simd
       for (int64_t c = p * words; c < (p + 1) * words; ++c) out[i * D + c] = x[i * D + c] * factor;
     }
@@ -798,29 +828,36 @@ inline u32x16 repeated_words(const uint32_t* w) {
   }
 }
 
-// Each lane's bit plane in the 16-channel block from channel c0 (c0 a multiple of 16) of a slot
-// of W words: channel c is in plane c / W.
+// Each lane's plane_exponent in the 16-channel block from channel c0 (c0 a multiple of 16) of a
+// slot of W words (channel c is in plane c / W), and the drop that leads to it (0, or
+// kTopPlaneDrop in the top plane).
 template <int kBits, int64_t W>
-inline u32x16 block_shifts(int64_t c0) {
-  return (static_cast<uint32_t>(c0) + lane_index()) / static_cast<uint32_t>(W) *
-         static_cast<uint32_t>(kBits);
-}
+struct BlockPlanes {
+  u32x16 exponent, drop;
+  explicit BlockPlanes(int64_t c0) {
+    const u32x16 plane = (static_cast<uint32_t>(c0) + lane_index()) / static_cast<uint32_t>(W);
+    drop = plane / static_cast<uint32_t>(32 / kBits - 1) * static_cast<uint32_t>(kTopPlaneDrop);
+    exponent = plane * static_cast<uint32_t>(kBits) - drop;
+  }
+};
 
 // The codes of channels [c0, c0 + 16) of the slot whose words are w (`rep` =
-// repeated_words<W>(w)), as float32 code x 2^shift (`shift` = block_shifts<kBits, W>(c0)) in
-// one vector: masked in place, as plane_in_place, so exact; the caller unscales its sums.
+// repeated_words<W>(w)), as float32 code x 2^exponent in one vector: masked in place, as
+// plane_in_place, so exact; the caller unscales its sums.
 template <int kBits, int64_t W>
-inline f32x16 block_codes(const uint32_t* w, u32x16 rep, int64_t c0, u32x16 shift) {
+inline f32x16 block_codes(const uint32_t* w, u32x16 rep, int64_t c0,
+                          const BlockPlanes<kBits, W>& planes) {
   static_assert(W % 16 == 0 || 16 % W == 0, "a block's words are contiguous or repeated");
   u32x16 words = rep;
   if constexpr (W >= 16) words = load16<u32x16>(w + c0 % W);
-  return to_f32(words & (((1u << kBits) - 1u) << shift));
+  if constexpr (kTopPlaneDrop != 0) words = words >> planes.drop;
+  return codes_to_f32(words & (((1u << kBits) - 1u) << planes.exponent));
 }
 
 // acc [Q, D] += the per-token codes of slots [s, s + kN) of row r weighted by wsc [G, Q, *]
 // (weight x the slot's scale of group g, from slot s; rows `w_stride` apart, groups Q rows
 // apart). Each 16-channel block lies in one scale group: the kN slots' codes are widened in one
-// vector each and summed before one update of acc, channel c scaled by 2^(plane(c) * kBits)
+// vector each and summed before one update of acc, channel c scaled by 2^plane_exponent(plane(c))
 // (block_codes; add_token_values_run unscales). Offsets are the caller's.
 template <int kBits, int64_t kQ, int64_t kD, int kN>
 void add_token_values(const Problem& P, int64_t r, int64_t s, const float* wsc, int64_t w_stride,
@@ -838,11 +875,11 @@ void add_token_values(const Problem& P, int64_t r, int64_t s, const float* wsc, 
   for (int64_t g = 0; g < n_groups; ++g) {
     const float* wg = wsc + g * Q * w_stride;
     for (int64_t c0 = g * G; c0 < (g + 1) * G; c0 += 16) {
-      const u32x16 shift = block_shifts<kBits, W>(c0);
-      const f32x16 centred = to_f32(centre << shift);
+      const BlockPlanes<kBits, W> planes(c0);
+      const f32x16 centred = codes_to_f32(centre << planes.exponent);
       f32x16 codes[kN];
       for (int j = 0; j < kN; ++j)
-        codes[j] = block_codes<kBits, W>(src + j * W, rep[j], c0, shift) - centred;
+        codes[j] = block_codes<kBits, W>(src + j * W, rep[j], c0, planes) - centred;
       for (int64_t i = 0; i < Q; ++i) {
         f32x16 a = load16<f32x16>(acc + i * kD + c0);
         for (int j = 0; j < kN; ++j) a += wg[i * w_stride + j] * codes[j];
@@ -944,7 +981,7 @@ void add_token_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, con
     add_token_values<kBits, kQ, kD, kValueTile>(P, r, s + t, &wsc[t], n, acc);
   }
   for (; t < n; ++t) add_token_values<kBits, kQ, kD, 1>(P, r, s + t, &wsc[t], n, acc);
-  plane_scaled(acc, Q, kD, kBits, acc);  // the codes' 2^(plane * kBits), exactly undone
+  plane_scaled(acc, Q, kD, kBits, acc);  // the codes' 2^plane_exponent, exactly undone
 }
 
 // acc [Q, D] += weights p [Q] (`p_stride` apart) times the values of slot s of row r, decoded
