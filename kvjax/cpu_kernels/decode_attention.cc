@@ -559,8 +559,8 @@ constexpr int kTopPlaneDrop = 0;  // vcvtudq2ps
 constexpr int kTopPlaneDrop = 1;
 #endif
 
-constexpr int plane_exponent(int64_t p, int bits) {
-  return static_cast<int>(p) * bits - (p == 32 / bits - 1 ? kTopPlaneDrop : 0);
+constexpr int plane_exponent(int64_t p, int64_t bits) {
+  return static_cast<int>(p * bits - (p == 32 / bits - 1 ? kTopPlaneDrop : 0));
 }
 
 // Masked plane bits (each lane < 2^31 without AVX-512: plane_exponent) as float32, exactly.
@@ -589,8 +589,7 @@ inline void plane_scaled(const float* x, int64_t Q, int64_t D, int64_t bits, flo
   const int64_t words = D * bits / 32;
   for (int64_t i = 0; i < Q; ++i) {
     for (int64_t p = 0; p < 32 / bits; ++p) {
-      const float factor =  // <= 2^30: exact
-          1.0f / static_cast<float>(1u << plane_exponent(p, static_cast<int>(bits)));
+      const float factor = 1.0f / static_cast<float>(1u << plane_exponent(p, bits));  // exact
 #pragma omp simd
       for (int64_t c = p * words; c < (p + 1) * words; ++c) out[i * D + c] = x[i * D + c] * factor;
     }
