@@ -3,11 +3,41 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def share_compiled_programs() -> Path | None:
+    """Every program the suite compiles goes to one persistent cache, `jit-tests` in the kvjax
+    cache folder, however fast it compiled (the library's own cache keeps only those over 1 s).
+
+    XLA:CPU takes 0.1-0.2 s to compile even a one-operation program, and the suite compiles the
+    same small programs again and again: eager array operations compile one program each, the
+    jit caches are dropped after every module (`_free_compiled_programs`), and the two xdist
+    workers, the notebooks, the eval workers and the CLI's subprocesses start from nothing.
+    The environment variables carry the setting into those subprocesses. A user's own
+    `JAX_COMPILATION_CACHE_DIR`, or `KVJAX_COMPILATION_CACHE=0`, is left alone.
+    """
+    from models.hub import COMPILATION_CACHE_ENV, cache_dir, repair_compilation_cache
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or os.environ.get(
+            COMPILATION_CACHE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    folder = cache_dir() / "jit-tests"
+    repair_compilation_cache(folder)  # an entry cut short by a killed run would never heal
+    settings = {"jax_compilation_cache_dir": str(folder),
+                "jax_persistent_cache_min_compile_time_secs": 0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    for name, value in settings.items():
+        os.environ[name.upper()] = str(value)
+        jax.config.update(name, value)
+    return folder
+
+
+share_compiled_programs()
 
 
 def smollm2_path():

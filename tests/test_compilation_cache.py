@@ -12,7 +12,9 @@ CODE = "import jax, models; print(jax.config.jax_compilation_cache_dir)"
 
 
 def cache_dir_after_import(tmp_path, **env) -> str:
-    base = {k: v for k, v in os.environ.items() if not k.endswith("COMPILATION_CACHE")}
+    base = {k: v for k, v in os.environ.items()  # the suite's own settings (conftest.py) out
+            if not k.endswith("COMPILATION_CACHE") and not k.startswith(("JAX_COMPILATION_CACHE",
+                                                                         "JAX_PERSISTENT_CACHE"))}
     proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True,
                           timeout=120, env=dict(base, KVJAX_CACHE=str(tmp_path),
                                                 JAX_PLATFORMS="cpu", **env))
