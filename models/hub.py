@@ -171,6 +171,11 @@ def repair_compilation_cache(folder: Path) -> list[str]:
 COMPILATION_CACHE_ENV = "KVJAX_COMPILATION_CACHE"
 
 
+def compilation_cache_opted_out() -> bool:
+    """True when `KVJAX_COMPILATION_CACHE` is 0, false, no or off."""
+    return os.environ.get(COMPILATION_CACHE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def enable_compilation_cache() -> Path | None:
     """Keep compiled executables in `cache_dir()/jit`, so a second run (a restarted notebook
     kernel, the next CLI call, another eval worker) skips XLA compilation.
@@ -181,7 +186,7 @@ def enable_compilation_cache() -> Path | None:
     """
     import jax
 
-    if os.environ.get(COMPILATION_CACHE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if compilation_cache_opted_out():
         return None
     if jax.config.jax_compilation_cache_dir is not None:
         return Path(jax.config.jax_compilation_cache_dir)

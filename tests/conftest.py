@@ -22,9 +22,8 @@ def share_compiled_programs() -> Path | None:
     The environment variables carry the setting into those subprocesses. A user's own
     `JAX_COMPILATION_CACHE_DIR`, or `KVJAX_COMPILATION_CACHE=0`, is left alone.
     """
-    from models.hub import COMPILATION_CACHE_ENV, cache_dir, repair_compilation_cache
-    if "JAX_COMPILATION_CACHE_DIR" in os.environ or os.environ.get(
-            COMPILATION_CACHE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    from models.hub import cache_dir, compilation_cache_opted_out, repair_compilation_cache
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ or compilation_cache_opted_out():
         return None
     folder = cache_dir() / "jit-tests"
     repair_compilation_cache(folder)  # an entry cut short by a killed run would never heal
