@@ -65,6 +65,7 @@ MATMUL_TARGET = "kvjax_few_rows_matmul"
 MATMUL_T_TARGET = "kvjax_few_rows_matmul_t"
 NORM_TARGET = "kvjax_rms_norm"
 ROPE_TARGET = "kvjax_rope"
+QUANTIZE_TARGET = "kvjax_quantize_groups"
 MATMUL_ROWS = (1, 8)
 """Rows `matmul` hands to the kernel: a decode step (one row: 8% faster than XLA's dot over
 the model's weights on an AVX-512 Xeon, 0.82-0.99x its rate on an AVX2 EPYC, and 454 fewer
@@ -160,6 +161,8 @@ def _registered() -> bool:
     jax.ffi.register_ffi_target(NORM_TARGET, jax.ffi.pycapsule(library.KvjaxRmsNorm),
                                 platform="cpu")
     jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(library.KvjaxRope),
+                                platform="cpu")
+    jax.ffi.register_ffi_target(QUANTIZE_TARGET, jax.ffi.pycapsule(library.KvjaxQuantizeGroups),
                                 platform="cpu")
     return True
 
@@ -356,6 +359,56 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
         jnp.asarray(inv_freq, jnp.float32)).reshape(b, t, n, d)
     # picked when lowering: a TPU or GPU program (deviceless compile) keeps the jnp rotation
     return jax.lax.platform_dependent(x, positions, cpu=kernel, default=plain)
+
+
+def quantize_packed(x: jax.Array, bits: int, group: int, axis: int, symmetric: bool,
+                    param_dtype, otherwise,
+                    valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """`x` quantized in groups of `group` along `axis` and packed along its last axis:
+    (words [..., D * bits / 32] uint32, scale, offset or None (symmetric)), bit for bit
+    `otherwise(x)` -- `kvjax.quant.quantize(x, bits, group, axis, ..., valid=...)` and `pack`
+    -- in one kernel call on the CPU; `otherwise` elsewhere. `axis=-1`: per token, x [..., D]
+    (an int8 cache's or KIVI's values), params [..., D / group]; `axis=1`: per channel, x
+    [R, T, D] (KIVI's keys) with `valid` [R, T] or None, params [R, T / group, D]. XLA:CPU
+    compiled each quantization to ~8 kernels of its own: an int8 decode step, 60 of them,
+    compiled 2.8x longer than the full cache's (docs/DECISIONS.md).
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from kvjax.quant import pack, quantize
+        >>> def plain(x):
+        ...     q = quantize(x, 4, 32, axis=-1, param_dtype=jnp.float16)
+        ...     return pack(q.codes, 4), q.scale, q.offset
+        >>> x = jax.random.normal(jax.random.key(0), (3, 64))
+        >>> got = quantize_packed(x, 4, 32, -1, False, jnp.float16, plain)
+        >>> all(bool(jnp.array_equal(a, b)) for a, b in zip(got, plain(x)))
+        True
+    """
+    param_dtype = jnp.dtype(param_dtype)
+    concrete = all(isinstance(d, int) for d in x.shape)
+    per_channel = axis in (1, -2) and x.ndim == 3
+    if (not (axis == -1 and x.ndim >= 1 or per_channel) or not concrete or not x.size
+            or bits not in (2, 4, 8) or x.dtype not in (jnp.float32, jnp.bfloat16)
+            or (valid is not None and (not per_channel or valid.shape != x.shape[:2]))
+            or param_dtype not in (jnp.float16, jnp.bfloat16, jnp.float32) or not _available()):
+        return otherwise(x) if valid is None else otherwise(x, valid)
+    d = x.shape[-1]
+    params = (x.shape[0], x.shape[1] // group, d) if per_channel else (*x.shape[:-1], d // group)
+    params = jax.ShapeDtypeStruct(params, param_dtype)
+    call = jax.ffi.ffi_call(QUANTIZE_TARGET, (jax.ShapeDtypeStruct((*x.shape[:-1], d * bits // 32),
+                                                                   jnp.uint32), params, params),
+                            vmap_method="broadcast_all")
+    no_mask = jnp.zeros((0,), bool)
+
+    def kernel(x, valid=no_mask):
+        groups_along = x if per_channel else x[..., None]  # [O, M, I], groups along M
+        words, scale, offset = call(groups_along.astype(jnp.float32), valid, bits=np.int64(bits),
+                                    group=np.int64(group), symmetric=symmetric)
+        return words, scale, None if symmetric else offset
+
+    # picked when lowering: a TPU or GPU program (deviceless compile) keeps `otherwise`
+    args = (x,) if valid is None else (x, valid)
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=otherwise)
 
 
 def _few_rows(target: str, x: jax.Array, ws: tuple, out_cols: list[int],

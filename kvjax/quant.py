@@ -87,6 +87,16 @@ def round_to(x: jax.Array, dtype, direction: int) -> jax.Array:
     Saturates at `dtype`'s largest finite value, so a stored quantization
     parameter is never Inf. Directed rounding keeps the round-trip bound
     exact when parameters are stored in a narrow float (see `quantize`).
+
+    Round to nearest, then step one unit in the last place where that went the
+    wrong way: a sign-magnitude float's bit pattern read as an integer grows
+    with the magnitude, so the step is +-1 on the bits (from a zero too, whose
+    sign the rounding kept). This is `jnp.nextafter` for the finite values met
+    here in a few ops instead of its general expansion, which XLA inlines per
+    call site: the int8 decode step compiled 2.8x longer than the full one's.
+
+    >>> float(round_to(jnp.float32(0.1), jnp.float16, 1)) > 0.1
+    True
     """
     dtype = jnp.dtype(dtype)
     big = float(jnp.finfo(dtype).max)
@@ -95,8 +105,12 @@ def round_to(x: jax.Array, dtype, direction: int) -> jax.Array:
         return x
     y = x.astype(dtype)
     wrong = (y.astype(jnp.float32) < x) if direction > 0 else (y.astype(jnp.float32) > x)
-    step = jnp.nextafter(y, jnp.asarray(direction * jnp.inf, dtype))
-    return jnp.where(wrong & jnp.isfinite(step), step, y)
+    uint = jnp.dtype(f"uint{8 * dtype.itemsize}")
+    bits = jax.lax.bitcast_convert_type(y, uint)
+    away_from_zero = jnp.signbit(y) == (direction < 0)  # the step grows the magnitude
+    stepped = jnp.where(away_from_zero, bits + uint.type(1), bits - uint.type(1))
+    step = jnp.clip(jax.lax.bitcast_convert_type(stepped, dtype), -big, big)
+    return jnp.where(wrong, step, y)
 
 
 def quantize(x: jax.Array, bits: int, group: int, axis: int = -1,

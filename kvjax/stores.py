@@ -137,10 +137,18 @@ class PackedTokens(Store):
                    dim=dim)
 
     def encode(self, x: jax.Array) -> "PackedTokens":
-        q = quantize(x, self.bits, self.group, axis=-1, symmetric=self.offset is None,
-                     param_dtype=self.scale.dtype)
-        return self.replace(words=pack(q.codes, self.bits), scale=q.scale,
-                            offset=None if self.offset is None else q.offset)
+        from kvjax import cpu_kernel  # it imports this module
+
+        symmetric = self.offset is None
+
+        def plain(x):
+            q = quantize(x, self.bits, self.group, axis=-1, symmetric=symmetric,
+                         param_dtype=self.scale.dtype)
+            return pack(q.codes, self.bits), q.scale, None if symmetric else q.offset
+
+        words, scale, offset = cpu_kernel.quantize_packed(x, self.bits, self.group, -1, symmetric,
+                                                         self.scale.dtype, plain)
+        return self.replace(words=words, scale=scale, offset=offset)
 
     def read(self) -> jax.Array:
         codes = unpack(self.words, self.bits, self.dim)
@@ -246,16 +254,26 @@ class PackedChannels(Store):
         r, t, d = x.shape
         if t % self.group:
             raise ValueError(f"channel groups take {self.group} tokens at a time, got {t}")
-        q = quantize(x, self.bits, self.group, axis=1, symmetric=self.offset is None,
-                     param_dtype=self.scale.dtype, valid=jnp.broadcast_to(valid[..., None], x.shape))
+        from kvjax import cpu_kernel  # it imports this module
+
+        symmetric = self.offset is None
+
+        def plain(x, valid):
+            q = quantize(x, self.bits, self.group, axis=1, symmetric=symmetric,
+                         param_dtype=self.scale.dtype,
+                         valid=jnp.broadcast_to(valid[..., None], x.shape))
+            return pack(q.codes, self.bits), q.scale, None if symmetric else q.offset
+
+        words, scale, offset = cpu_kernel.quantize_packed(
+            x, self.bits, self.group, 1, symmetric, self.scale.dtype, plain,
+            valid=jnp.broadcast_to(valid, (r, t)).astype(bool))
         ids = (self.groups + jnp.arange(t) // self.group).astype(jnp.int16)
         n_groups = None if count is None else count // self.group
         return self.replace(
-            words=_put_rows(self.words, pack(q.codes, self.bits), at, count),
+            words=_put_rows(self.words, words, at, count),
             group_id=_put_rows(self.group_id, jnp.broadcast_to(ids, (r, t)), at, count),
-            scale=_put_rows(self.scale, q.scale, self.groups, n_groups),
-            offset=None if self.offset is None else _put_rows(self.offset, q.offset, self.groups,
-                                                              n_groups),
+            scale=_put_rows(self.scale, scale, self.groups, n_groups),
+            offset=None if symmetric else _put_rows(self.offset, offset, self.groups, n_groups),
             groups=self.groups + (t if count is None else count) // self.group)
 
     @property

@@ -319,6 +319,87 @@ def test_rope_equals_float64_reference(shape):
     np.testing.assert_array_equal(got[0, 0], np.asarray(x)[0, 0])  # position 0: not turned
 
 
+def _tokens_to_quantize(seed: int) -> np.ndarray:
+    """[4, 6, 64] float32 tokens: magnitudes from 1e-9 to 1e5 per token (subnormal and
+    saturating float16 parameters), a constant group, zeros, tiny negatives, +-inf."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((4, 6, 64)) * 10.0 ** rng.integers(-9, 6, (4, 6, 1))
+    x[0, 0, :8] = 3.0
+    x[0, 1] = 0.0
+    x[1, 0] = 7e4
+    x[1, 1, :8] = -1e5
+    x[2, 0, ::3] = -1e-9
+    x[3, 0, 5], x[3, 1, 9] = np.inf, -np.inf
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("param_dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
+def test_quantize_packed_equals_quantize_and_pack_bit_for_bit(bits, symmetric, param_dtype):
+    """One kernel call; its words, scales and offsets equal `quantize` + `pack` (XLA) bit for
+    bit -- the parameters' outward rounding into float16 / bfloat16 included -- per token
+    (groups of 8, 32, 64 channels) and per channel (groups of 2 and 3 tokens, with and without
+    a mask of valid tokens, one group all invalid), also under `jax.vmap`. Infinite elements
+    included (their group's scale saturates, its reciprocal is subnormal: XLA flushes it to 0,
+    and so does the kernel)."""
+    from kvjax.quant import pack, quantize
+    x = jnp.asarray(_tokens_to_quantize(bits))  # [4, 6, 64]
+    valid = jnp.asarray(np.random.default_rng(bits).random((4, 6)) < 0.7).at[0, :3].set(False)
+    cases = [(-1, group, None) for group in (8, 32, 64)]
+    cases += [(1, group, mask) for group in (2, 3) for mask in (None, valid)]
+    for axis, group, mask in cases:
+        def plain(x, mask=None):
+            full = None if mask is None else jnp.broadcast_to(mask[..., None], x.shape)
+            q = quantize(x, bits, group, axis=axis, symmetric=symmetric, param_dtype=param_dtype,
+                         valid=full)
+            return pack(q.codes, bits), q.scale, None if symmetric else q.offset
+
+        def kernel(x, mask=None):
+            return cpu_kernel.quantize_packed(x, bits, group, axis, symmetric, param_dtype, plain,
+                                              valid=mask)
+
+        args = (x,) if mask is None else (x, mask)
+        f = jax.jit(kernel)
+        assert cpu_kernel.QUANTIZE_TARGET in f.lower(*args).as_text()
+        got, want = f(*args), jax.jit(plain)(*args)
+        stacked = [jnp.stack([a, a[::-1]]) for a in args]  # vmap over a new leading axis
+        batched = jax.jit(jax.vmap(kernel))(*stacked)
+        for name, a, b, c in zip(("words", "scale", "offset"), got, want, batched):
+            where = f"{name}, axis {axis}, group {group}, mask {mask is not None}"
+            if b is None:
+                assert a is None and c is None, where
+                continue
+            assert a.dtype == b.dtype and a.shape == b.shape, where
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
+                                          np.asarray(b).view(np.uint8), err_msg=where)
+            np.testing.assert_array_equal(np.asarray(c[0]).view(np.uint8),
+                                          np.asarray(b).view(np.uint8), err_msg="vmap " + where)
+
+
+def test_packed_stores_quantize_in_one_kernel_call():
+    """`PackedTokens.encode` (an int8 cache's or KIVI's values' write) and
+    `PackedChannels.put_groups` (KIVI's keys) are one kernel call on the CPU, the XLA
+    quantization under the opt-out, with equal stores."""
+    from kvjax.stores import PackedChannels, PackedTokens
+    tokens = PackedTokens.empty(3, 1, 64, bits=8, group=64)
+    channels = PackedChannels.empty(3, 8, 64, bits=4, group=4)
+    x = jnp.asarray(_tokens_to_quantize(0)[:3])  # [3, 6, 64]
+    valid = jnp.ones((3, 4), bool).at[1, 2].set(False)
+    writes = {"tokens": (lambda x: tokens.encode(x[:, :1]), (x,)),
+              "channels": (lambda x, valid: channels.put_groups(x[:, :4], valid, 0, None),
+                           (x, valid))}
+    for name, (write, args) in writes.items():
+        assert cpu_kernel.QUANTIZE_TARGET in jax.jit(write).lower(*args).as_text(), name
+        got = jax.jit(write)(*args)
+        with cpu_kernel.disabled():
+            plain = lambda *args: write(*args)
+            assert cpu_kernel.QUANTIZE_TARGET not in jax.jit(plain).lower(*args).as_text()
+            want = jax.jit(plain)(*args)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 def test_model_layers_call_norm_and_rope_kernels():
     """A decode step of the model on the CPU: two norms per layer plus the final one, and
     q's and k's rotation per layer, each one kernel call (none under the opt-out)."""
@@ -373,14 +454,16 @@ def test_the_avx2_build_passes_the_kernel_equality_tests():
     """The kernel compiled for AVX2 (`KVJAX_CPU_KERNEL_MARCH=x86-64-v3`: 16-lane vectors as two
     8-lane halves, the other register budgets) passes this file's equality tests for attention
     (every method at 3 query rows per KV head, as SmolLM2's decode; the head dims 64 and 128),
-    the matmuls, RMSNorm and RoPE -- on an AVX-512 machine too, where the default build takes
+    the matmuls, RMSNorm, RoPE and the caches' quantization -- on an AVX-512 machine too, where the default build takes
     the other path."""
     import subprocess
     import sys
     tests = ["test_packed_formats_at_model_head_dims", "test_kernel_dtypes_and_head_shapes",
              "test_matmul_equals_the_dot", "test_matmuls_are_one_call_equal_to_each_dot",
              "test_matmul_t_equals_the_dot", "test_rms_norm_equals_float64_reference",
-             "test_rope_equals_float64_reference", "test_the_kernel_builds_here"]
+             "test_rope_equals_float64_reference",
+             "test_quantize_packed_equals_quantize_and_pack_bit_for_bit",
+             "test_the_kernel_builds_here"]
     cases = [f"{__file__}::{name}" for name in tests] + [
         f"{__file__}::test_kernel_equals_the_xla_loop[1-{m}]" for m in METHODS]
     env = dict(os.environ, KVJAX_CPU_KERNEL_MARCH="x86-64-v3")

@@ -22,6 +22,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <utility>
@@ -1588,6 +1589,190 @@ ffi::Error Rope(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> positions,
   return ffi::Error::Success();
 }
 
+// f32 -> IEEE half bits, rounded to nearest even (XLA's convert): the normal range by the
+// 13 dropped mantissa bits, the subnormal one in units of 2^-24 (a carry into the exponent
+// field is the right result in both).
+inline uint16_t f32_to_f16_bits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, absx = x & 0x7fffffffu;
+  if (absx >= 0x7f800000u) return sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0u);
+  if (absx >= 0x47800000u) return sign | 0x7c00u;  // >= 2^16: beyond the half range
+  if (absx < 0x38800000u) {                         // below 2^-14: subnormal or zero
+    float a;
+    std::memcpy(&a, &absx, 4);
+    return sign | static_cast<uint16_t>(std::rint(a * 16777216.0f));  // a * 2^24, exact
+  }
+  uint32_t h = ((absx >> 23) - 112u) << 10 | ((absx >> 13) & 0x3ffu);
+  const uint32_t rest = absx & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
+// A quantization parameter in its stored dtype: `x` rounded toward +inf (up) or -inf, saturated
+// at the dtype's largest finite value -- kvjax.quant.round_to, bit for bit. Returns the stored
+// value as float32 (exact) and writes its bits.
+struct Rounder {
+  ffi::DataType type;
+  float big;  // the dtype's largest finite value
+  explicit Rounder(ffi::DataType t)
+      : type(t), big(t == ffi::DataType::F16 ? 65504.0f
+                     : t == ffi::DataType::BF16 ? 3.3895313892515355e38f
+                                                : std::numeric_limits<float>::max()) {}
+  float operator()(float x, bool up, void* out, int64_t i) const {
+    x = std::min(std::max(x, -big), big);
+    if (type == ffi::DataType::F32) {
+      static_cast<float*>(out)[i] = x;
+      return x;
+    }
+    uint16_t bits;
+    float y;
+    if (type == ffi::DataType::F16) {
+      bits = f32_to_f16_bits(x);
+      y = f16_to_f32(bits);
+    } else {
+      y = round_to_bf16(x);
+      uint32_t b;
+      std::memcpy(&b, &y, 4);
+      bits = static_cast<uint16_t>(b >> 16);
+    }
+    if (up ? y < x : y > x) {  // one unit further in the bits, away from zero iff the sign says so
+      const bool grows = (bits >> 15) != up;  // the sign bit (not std::signbit: -fno-signed-zeros)
+      const uint16_t stepped = grows ? bits + 1 : bits - 1;
+      const float s = type == ffi::DataType::F16 ? f16_to_f32(stepped) : bf16_to_f32(stepped);
+      if (std::abs(s) <= big) bits = stepped, y = s;
+    }
+    static_cast<uint16_t*>(out)[i] = bits;
+    return y;
+  }
+};
+
+// Codes of x [M, I] (groups of `group` along M; `ok` [M] or null) and the groups' parameters at
+// param index `at0 + g * I + i`: the arithmetic of `QuantizeGroups`. With channels (I > 1,
+// KIVI's keys) the loops run over them innermost and vectorize; a token's groups (I == 1) run
+// as plain loops over their contiguous elements.
+struct GroupQuantizer {
+  int64_t bits, group, I;
+  bool symmetric;
+  Rounder round;
+  void* scale;
+  void* offset;
+
+  // A group's stored parameters from its range; returns the reciprocal of the scale and sets
+  // `low` (the offset, 0 when symmetric). XLA divides by a constant, and by a group's
+  // broadcast parameter, as a product with the reciprocal, and flushes a subnormal result to
+  // zero: so does this, for equal codes.
+  // Compiled without -fassociative-math: with it, a float32 scale came out one ulp off XLA's.
+  __attribute__((optimize("no-associative-math")))
+  float params(float lo, float hi, float absmax, int64_t at, float& low) const {
+    const float levels = static_cast<float>((1 << bits) - 1);
+    const float half = static_cast<float>(1 << (bits - 1));
+    float step;
+    low = 0.0f;
+    if (symmetric) {
+      step = round(absmax * (1.0f / (half - 1.0f)), true, scale, at);
+    } else {
+      low = round(lo, false, offset, at);
+      step = round(((std::isfinite(hi) ? hi : low) - low) * (1.0f / levels), true, scale, at);
+    }
+    const float inv = 1.0f / (step > 0.0f ? step : 1.0f);
+    return inv < std::numeric_limits<float>::min() ? 0.0f : inv;
+  }
+
+  uint32_t code(float v, float low, float inv) const {
+    const float half = static_cast<float>(1 << (bits - 1));
+    const float q = std::rint((v - low) * inv);  // nearest-even: the default rounding mode
+    const float c = symmetric ? std::min(std::max(q, 1.0f - half), half - 1.0f) + half
+                              : std::min(std::max(q, 0.0f), static_cast<float>((1 << bits) - 1));
+    return c == c ? static_cast<uint32_t>(c) : 0u;  // NaN: 0, as XLA's convert
+  }
+
+  // `scratch`: 5 * I floats
+  void operator()(const float* __restrict x, const bool* ok, int64_t M, int64_t at0,
+                  uint32_t* __restrict codes, float* __restrict scratch) const {
+    const float inf = std::numeric_limits<float>::infinity();
+    for (int64_t m0 = 0; m0 < M; m0 += group) {
+      const int64_t at = at0 + m0 / group * I;
+      if (I == 1) {
+        float lo = inf, hi = -inf, absmax = 0.0f, low;
+        for (int64_t m = m0; m < m0 + group; ++m) {
+          if (ok && !ok[m]) continue;
+          lo = std::min(lo, x[m]), hi = std::max(hi, x[m]), absmax = std::max(absmax, std::abs(x[m]));
+        }
+        const float inv = params(lo, hi, absmax, at, low);
+        for (int64_t m = m0; m < m0 + group; ++m) codes[m] = code(x[m], low, inv);
+        continue;
+      }
+      float *lo = scratch, *hi = lo + I, *absmax = hi + I, *low = absmax + I, *inv = low + I;
+      std::fill(lo, lo + I, inf);
+      std::fill(hi, hi + I, -inf);
+      std::fill(absmax, absmax + I, 0.0f);
+      for (int64_t m = m0; m < m0 + group; ++m) {
+        if (ok && !ok[m]) continue;
+        const float* xm = x + m * I;
+        for (int64_t i = 0; i < I; ++i) {
+          lo[i] = std::min(lo[i], xm[i]);
+          hi[i] = std::max(hi[i], xm[i]);
+          absmax[i] = std::max(absmax[i], std::abs(xm[i]));
+        }
+      }
+      for (int64_t i = 0; i < I; ++i) inv[i] = params(lo[i], hi[i], absmax[i], at + i, low[i]);
+      for (int64_t m = m0; m < m0 + group; ++m)
+        for (int64_t i = 0; i < I; ++i) codes[m * I + i] = code(x[m * I + i], low[i], inv[i]);
+    }
+  }
+};
+
+// Uniform quantization of x [O, M, I] in groups of G consecutive elements along M, packed in
+// strided planes along x's last axis as the caller sees it: kvjax.quant.quantize + pack, bit for
+// bit. Per-token (groups of channels): x [R, D, 1], params [R, D/G]; per-channel (KIVI keys,
+// groups of tokens): x [R, T, D], params [R, T/G, D]. `valid` [O, M] (or empty: all valid)
+// leaves elements out of their group's range, as `quantize(valid=...)`. One call per encode:
+// XLA:CPU compiled each quantization to ~8 kernels of its own, most of an int8 decode
+// program's compile time (docs/DECISIONS.md). Work items are whole packed rows (a token's
+// groups; a channel group's G tokens), ~16k elements each, on XLA's thread pool.
+ffi::Error QuantizeGroups(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                          ffi::Buffer<ffi::PRED> valid, ffi::ResultBuffer<ffi::U32> words,
+                          ffi::Result<ffi::AnyBuffer> scale, ffi::Result<ffi::AnyBuffer> offset,
+                          int64_t bits, int64_t group, bool symmetric) {
+  auto xd = x.dimensions();
+  const int64_t rank = xd.size();
+  if (rank < 2 || !(bits == 2 || bits == 4 || bits == 8) || group < 1)
+    return ffi::Error::InvalidArgument("quantize groups: x must be [..., M, I], bits 2, 4 or 8");
+  const int64_t M = xd[rank - 2], I = xd[rank - 1];
+  const int64_t O = x.element_count() / std::max<int64_t>(M * I, 1);
+  const int64_t D = I > 1 ? I : M;  // the packed axis: channels
+  const bool masked = valid.element_count() > 0;
+  if (M % group || D % (32 / bits) || (masked && valid.element_count() != O * M))
+    return ffi::Error::InvalidArgument("quantize groups: M must be a multiple of the group, the "
+                                       "channels of 32 / bits, valid [..., M] or empty");
+  const GroupQuantizer quantize{bits, group, I, symmetric, Rounder(scale->element_type()),
+                                scale->untyped_data(), offset->untyped_data()};
+  const int64_t per_word = 32 / bits, W = D / per_word;
+  // a unit: what one packed row needs -- a token's M codes (I == 1) or G tokens' rows (I > 1)
+  const int64_t unit_m = I > 1 ? group : M, units = O * M / std::max<int64_t>(unit_m, 1);
+  const int64_t per_item = std::max<int64_t>(1, 16384 / std::max<int64_t>(unit_m * I, 1));
+  parallel_for(pool, (units + per_item - 1) / per_item, [&](int64_t item) {
+    std::vector<uint32_t> codes(unit_m * I);
+    std::vector<float> scratch(5 * I);
+    for (int64_t u = item * per_item; u < std::min(units, (item + 1) * per_item); ++u) {
+      const int64_t m_first = u * unit_m;  // in [O * M]
+      quantize(x.typed_data() + m_first * I, masked ? valid.typed_data() + m_first : nullptr,
+               unit_m, m_first / group * I, codes.data(), scratch.data());
+      for (int64_t r = 0; r < unit_m * I / D; ++r) {  // rows of D codes -> W words each
+        const uint32_t* c = codes.data() + r * D;
+        uint32_t* wr = words->typed_data() + (m_first * I / D + r) * W;
+        for (int64_t w = 0; w < W; ++w) {
+          uint32_t word = 0;
+          for (int64_t p = 0; p < per_word; ++p) word |= c[p * W + w] << (p * bits);
+          wr[w] = word;
+        }
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -1655,3 +1840,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::S32>>()   // positions [P]
         .Arg<ffi::Buffer<ffi::F32>>()   // inv_freq [D/2]
         .Ret<ffi::Buffer<ffi::F32>>());  // y [P, N, D]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KvjaxQuantizeGroups, QuantizeGroups,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::ThreadPool>()
+        .Arg<ffi::Buffer<ffi::F32>>()   // x [O, M, I]
+        .Arg<ffi::Buffer<ffi::PRED>>()  // valid [O, M] or empty
+        .Ret<ffi::Buffer<ffi::U32>>()   // words: x's codes packed along its channels
+        .Ret<ffi::AnyBuffer>()          // scale [O, M / G, I] f16, bf16 or f32
+        .Ret<ffi::AnyBuffer>()          // offset, as scale (asymmetric; untouched otherwise)
+        .Attr<int64_t>("bits")
+        .Attr<int64_t>("group")
+        .Attr<bool>("symmetric"));
