@@ -57,7 +57,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.stores import PackedChannels, PackedTokens
 
 SOURCE = Path(__file__).with_name("cpu_kernels") / "decode_attention.cc"
 TARGET = "kvjax_decode_attention"
@@ -175,14 +174,14 @@ def _format(store) -> dict | None:
         return dict(format=0, bits=0, group=0, symmetric=False,
                     arrays=(store, None, None, None))
     params_ok = lambda s: s.scale.dtype in (jnp.float16, jnp.bfloat16, jnp.float32)
-    if isinstance(store, PackedTokens) and params_ok(store):
-        return dict(format=1, bits=store.bits, group=store.group,
+    # kvjax.stores marks its packed stores (PackedTokens 1, PackedChannels 2): read by attribute,
+    # since the stores call this module's quantization (an import either way would be a cycle)
+    kind = getattr(store, "kernel_format", None)
+    if kind in (1, 2) and params_ok(store):
+        return dict(format=kind, bits=store.bits, group=store.group,
                     symmetric=store.offset is None,
-                    arrays=(store.words, None, store.scale, store.offset))
-    if isinstance(store, PackedChannels) and params_ok(store):
-        return dict(format=2, bits=store.bits, group=store.group,
-                    symmetric=store.offset is None,
-                    arrays=(store.words, store.group_id, store.scale, store.offset))
+                    arrays=(store.words, store.group_id if kind == 2 else None, store.scale,
+                            store.offset))
     return None
 
 
@@ -388,7 +387,8 @@ def quantize_packed(x: jax.Array, bits: int, group: int, axis: int, symmetric: b
     concrete = all(isinstance(d, int) for d in x.shape)
     per_channel = axis in (1, -2) and x.ndim == 3
     if (not (axis == -1 and x.ndim >= 1 or per_channel) or not concrete or not x.size
-            or bits not in (2, 4, 8) or x.dtype not in (jnp.float32, jnp.bfloat16)
+            or bits not in (2, 4, 8) or group < 1 or x.shape[axis] % group
+            or x.shape[-1] % (32 // bits) or x.dtype not in (jnp.float32, jnp.bfloat16)
             or (valid is not None and (not per_channel or valid.shape != x.shape[:2]))
             or param_dtype not in (jnp.float16, jnp.bfloat16, jnp.float32) or not _available()):
         return otherwise(x) if valid is None else otherwise(x, valid)

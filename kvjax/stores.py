@@ -126,6 +126,7 @@ class PackedTokens(Store):
     dim: int = dataclasses.field(metadata=_static)
 
     slot_fields = ("words", "scale", "offset")
+    kernel_format = 1  # the CPU attention kernel's name for this layout (kvjax.cpu_kernel)
 
     @classmethod
     def empty(cls, rows: int, capacity: int, dim: int, bits: int, group: int,
@@ -178,6 +179,7 @@ class PackedChannels(Store):
     dim: int = dataclasses.field(metadata=_static)
 
     slot_fields = ("words", "group_id")
+    kernel_format = 2  # the CPU attention kernel's name for this layout (kvjax.cpu_kernel)
 
     @classmethod
     def empty(cls, rows: int, capacity: int, dim: int, bits: int, group: int,

@@ -377,6 +377,27 @@ def test_quantize_packed_equals_quantize_and_pack_bit_for_bit(bits, symmetric, p
                                           np.asarray(b).view(np.uint8), err_msg="vmap " + where)
 
 
+def test_quantize_packed_leaves_what_it_cannot_take_to_otherwise():
+    """Shapes the kernel does not take (a group that does not divide its axis, channels that
+    do not fill 32-bit words, 1-bit codes) run `otherwise`, so a bad shape gets the XLA code's
+    error at trace time, naming the sizes -- never a kernel error at run time."""
+    seen = []
+
+    def otherwise(x, valid=None):
+        seen.append(x.shape)
+        return x, x, x
+
+    for shape, bits, group, axis in [((3, 48), 4, 32, -1), ((3, 36), 4, 4, -1),
+                                     ((3, 64), 1, 32, -1), ((2, 30, 64), 4, 32, 1)]:
+        cpu_kernel.quantize_packed(jnp.zeros(shape), bits, group, axis, False, jnp.float16,
+                                   otherwise)
+    assert seen == [(3, 48), (3, 36), (3, 64), (2, 30, 64)]
+    from kvjax.stores import PackedTokens
+    store = PackedTokens.empty(3, 1, 64, bits=8, group=64)
+    with pytest.raises(ValueError, match="48 is not a multiple of the group size 64"):
+        store.encode(jnp.zeros((3, 1, 48)))
+
+
 def test_packed_stores_quantize_in_one_kernel_call():
     """`PackedTokens.encode` (an int8 cache's or KIVI's values' write) and
     `PackedChannels.put_groups` (KIVI's keys) are one kernel call on the CPU, the XLA
