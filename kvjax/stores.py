@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax import cpu_kernel
 from kvjax.quant import BITS, FP8, Quantized, dequantize, pack, quantize, to_fp8, unpack
 
 _static = dict(static=True)
@@ -108,6 +109,21 @@ class Store:
                                if getattr(self, f) is not None})
 
 
+def _quantize_packed(x: jax.Array, bits: int, group: int, axis: int, symmetric: bool,
+                     param_dtype, valid: jax.Array | None = None):
+    """(words, scale, offset or None) of x quantized along `axis` and packed: one CPU kernel
+    call where it serves (`kvjax.cpu_kernel.quantize_packed`), `quantize` + `pack` elsewhere;
+    `valid` [R, T] masks tokens out of per-channel (axis 1) groups."""
+    def plain(x, valid=None):
+        mask = None if valid is None else jnp.broadcast_to(valid[..., None], x.shape)
+        q = quantize(x, bits, group, axis=axis, symmetric=symmetric, param_dtype=param_dtype,
+                     valid=mask)
+        return pack(q.codes, bits), q.scale, None if symmetric else q.offset
+
+    return cpu_kernel.quantize_packed(x, bits, group, axis, symmetric, param_dtype, plain,
+                                      valid=valid)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedTokens(Store):
@@ -138,17 +154,8 @@ class PackedTokens(Store):
                    dim=dim)
 
     def encode(self, x: jax.Array) -> "PackedTokens":
-        from kvjax import cpu_kernel  # it imports this module
-
-        symmetric = self.offset is None
-
-        def plain(x):
-            q = quantize(x, self.bits, self.group, axis=-1, symmetric=symmetric,
-                         param_dtype=self.scale.dtype)
-            return pack(q.codes, self.bits), q.scale, None if symmetric else q.offset
-
-        words, scale, offset = cpu_kernel.quantize_packed(x, self.bits, self.group, -1, symmetric,
-                                                         self.scale.dtype, plain)
+        words, scale, offset = _quantize_packed(x, self.bits, self.group, -1,
+                                                self.offset is None, self.scale.dtype)
         return self.replace(words=words, scale=scale, offset=offset)
 
     def read(self) -> jax.Array:
@@ -256,19 +263,10 @@ class PackedChannels(Store):
         r, t, d = x.shape
         if t % self.group:
             raise ValueError(f"channel groups take {self.group} tokens at a time, got {t}")
-        from kvjax import cpu_kernel  # it imports this module
-
         symmetric = self.offset is None
-
-        def plain(x, valid):
-            q = quantize(x, self.bits, self.group, axis=1, symmetric=symmetric,
-                         param_dtype=self.scale.dtype,
-                         valid=jnp.broadcast_to(valid[..., None], x.shape))
-            return pack(q.codes, self.bits), q.scale, None if symmetric else q.offset
-
-        words, scale, offset = cpu_kernel.quantize_packed(
-            x, self.bits, self.group, 1, symmetric, self.scale.dtype, plain,
-            valid=jnp.broadcast_to(valid, (r, t)).astype(bool))
+        words, scale, offset = _quantize_packed(x, self.bits, self.group, 1, symmetric,
+                                                self.scale.dtype,
+                                                jnp.broadcast_to(valid, (r, t)).astype(bool))
         ids = (self.groups + jnp.arange(t) // self.group).astype(jnp.int16)
         n_groups = None if count is None else count // self.group
         return self.replace(
