@@ -575,17 +575,16 @@ inline f32x16 codes_to_f32(u32x16 x) {
 #endif
 }
 
-// Plane p of a packed word as float32 code x 2^plane_exponent(p).
+// Plane p of 16 packed words (one slot's word per lane) as float32 code x 2^plane_exponent(p).
 template <int kBits>
-inline float plane_in_place(uint32_t word, int64_t p) {
+inline f32x16 plane_codes(u32x16 words, int64_t p) {
   const int e = plane_exponent(p, kBits);
-  const uint32_t code = (word >> (p * kBits - e)) & (((1u << kBits) - 1u) << e);
-  if constexpr (kTopPlaneDrop != 0) return static_cast<float>(static_cast<int32_t>(code));
-  return static_cast<float>(code);
+  const uint32_t shift = static_cast<uint32_t>(p * kBits - e), mask = ((1u << kBits) - 1u) << e;
+  return codes_to_f32((words >> shift) & mask);
 }
 
 // x [Q, D] with channel c (in bit plane c / (D * bits / 32)) times 2^-plane_exponent(plane), to
-// pair with plane_in_place: exact powers of two, so each product is the same float.
+// pair with plane_codes: exact powers of two, so each product is the same float.
 inline void plane_scaled(const float* x, int64_t Q, int64_t D, int64_t bits, float* out) {
   const int64_t words = D * bits / 32;
   for (int64_t i = 0; i < Q; ++i) {
@@ -633,24 +632,17 @@ void channel_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64
   const int64_t words = D / kPlanes;
   const uint32_t* src = static_cast<const uint32_t*>(k.data) + (r * k.slots + s0) * words;
   const uint32_t* wt = words_slot_minor(src, words, kTile, w.words_t.data());
-  float acc[kQ ? kQ : 8][kTile];
-  for (int64_t i = 0; i < Q; ++i)
-    for (int64_t t = 0; t < kTile; ++t) acc[i][t] = w.q_offset[i];
+  f32x16 acc[kQ ? kQ : 8];  // one slot per lane
+  for (int64_t j = 0; j < Q; ++j) acc[j] = w.q_offset[j] + f32x16{};
   for (int64_t i = 0; i < words; ++i) {
+    const u32x16 slot_words = load16<u32x16>(wt + i * kTile);
     for (int p = 0; p < kPlanes; ++p) {
-      float code[kTile];
-#pragma omp simd
-      for (int64_t t = 0; t < kTile; ++t) code[t] = plane_in_place<kBits>(wt[i * kTile + t], p);
+      const f32x16 code = plane_codes<kBits>(slot_words, p);
       const int64_t c = p * words + i;
-      for (int64_t j = 0; j < Q; ++j) {
-        const float qc = w.q_scaled[j * D + c];
-#pragma omp simd
-        for (int64_t t = 0; t < kTile; ++t) acc[j][t] += qc * code[t];
-      }
+      for (int64_t j = 0; j < Q; ++j) acc[j] += w.q_scaled[j * D + c] * code;
     }
   }
-  for (int64_t i = 0; i < Q; ++i)
-    for (int64_t t = 0; t < kTile; ++t) out[i * stride + t] = acc[i][t];
+  for (int64_t j = 0; j < Q; ++j) store16(out + j * stride, acc[j]);
 }
 
 // The table row shared by slots [s0, s0 + kTile) of row r, or -1 if they differ.
@@ -671,9 +663,9 @@ inline bool planes_in_groups(const Tensor& t, int64_t dim) {
 }
 
 // Scores (before `scale`) of queries q [Q <= 8, D] with the per-token keys of slots
-// [s0, s0 + n), n <= kTile, of row r: out [Q, n], rows `stride` apart. One slot per vector
-// lane: each code is widened once and multiplied into the Q queries' lanes (q_planes: the
-// queries plane_scaled); per group g the lanes' sums are scaled by each slot's scale and its
+// [s0, s0 + n), n <= kTile, of row r: out [Q, kTile] (lanes past n unread), rows `stride`
+// apart. One slot per vector lane: each code is widened once and multiplied into the Q
+// queries' lanes (q_planes: the queries plane_scaled); per group g the lanes' sums are scaled by each slot's scale and its
 // offset enters as offset x (sum of the query over g) (`q_sums` [Q, D / group]). sc, off: the
 // slots' scales and offsets (Tensor::token_params) from slot s0, groups `g_stride` apart.
 template <int kBits, int64_t kQ, int64_t kD>
@@ -687,31 +679,20 @@ void token_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t
   const int64_t words = D / kPlanes, n_groups = D / k.group, planes_per_group = k.group / words;
   const uint32_t* src = static_cast<const uint32_t*>(k.data) + (r * k.slots + s0) * words;
   const uint32_t* wt = words_slot_minor(src, words, n, w.words_t.data());
-  float acc[kQ ? kQ : 8][kTile] = {};
+  f32x16 acc[kQ ? kQ : 8] = {};  // one slot per lane
   for (int64_t g = 0; g < n_groups; ++g) {
-    float part[kQ ? kQ : 8][kTile] = {};  // q . code over the group's channels
+    f32x16 part[kQ ? kQ : 8] = {};  // q . code over the group's channels
     for (int64_t p = g * planes_per_group; p < (g + 1) * planes_per_group; ++p) {
       for (int64_t i = 0; i < words; ++i) {
-        float code[kTile];
-#pragma omp simd
-        for (int64_t t = 0; t < kTile; ++t) code[t] = plane_in_place<kBits>(wt[i * kTile + t], p);
-        for (int64_t j = 0; j < Q; ++j) {
-          const float qc = q_planes[j * D + p * words + i];
-#pragma omp simd
-          for (int64_t t = 0; t < kTile; ++t) part[j][t] += qc * code[t];
-        }
+        const f32x16 code = plane_codes<kBits>(load16<u32x16>(wt + i * kTile), p);
+        for (int64_t j = 0; j < Q; ++j) part[j] += q_planes[j * D + p * words + i] * code;
       }
     }
-    const float* sg = sc + g * g_stride;  // lanes past n read padding, never written out
-    const float* og = off + g * g_stride;
-    for (int64_t j = 0; j < Q; ++j) {
-      const float qs = q_sums[j * n_groups + g];
-#pragma omp simd
-      for (int64_t t = 0; t < kTile; ++t) acc[j][t] += sg[t] * part[j][t] + og[t] * qs;
-    }
+    // lanes past n read padding and go to scores no one reads (out has kTile lanes a row)
+    const f32x16 sg = load16<f32x16>(sc + g * g_stride), og = load16<f32x16>(off + g * g_stride);
+    for (int64_t j = 0; j < Q; ++j) acc[j] += sg * part[j] + og * q_sums[j * n_groups + g];
   }
-  for (int64_t j = 0; j < Q; ++j)
-    for (int64_t t = 0; t < n; ++t) out[j * stride + t] = acc[j][t];
+  for (int64_t j = 0; j < Q; ++j) store16(out + j * stride, acc[j]);
 }
 
 // One level of `lane_sums` on N-lane vectors: a and b each hold N / L sums as segments of L
@@ -843,7 +824,7 @@ struct BlockPlanes {
 
 // The codes of channels [c0, c0 + 16) of the slot whose words are w (`rep` =
 // repeated_words<W>(w)), as float32 code x 2^exponent in one vector: masked in place, as
-// plane_in_place, so exact; the caller unscales its sums.
+// plane_codes, so exact; the caller unscales its sums.
 template <int kBits, int64_t W>
 inline f32x16 block_codes(const uint32_t* w, u32x16 rep, int64_t c0,
                           const BlockPlanes<kBits, W>& planes) {
