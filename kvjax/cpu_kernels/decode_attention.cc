@@ -789,7 +789,7 @@ void tile_scores(const Problem& P, int64_t r, int64_t s0, int64_t n, const float
   }
 }
 
-constexpr int kValueTile = 4;  // slots whose per-token codes are added together
+constexpr int kValueTile = 4;  // slots whose dense values are added together (add_values_run)
 
 // A slot's packed words (kvjax.quant.pack: channel p * W + i is bits [p * kBits, (p + 1) *
 // kBits) of word i, W = kD * kBits / 32) laid out for 16-channel blocks: for W < 16 lane l
@@ -833,41 +833,6 @@ inline f32x16 block_codes(const uint32_t* w, u32x16 rep, int64_t c0,
   if constexpr (W >= 16) words = load16<u32x16>(w + c0 % W);
   if constexpr (kTopPlaneDrop != 0) words = words >> planes.drop;
   return codes_to_f32(words & (((1u << kBits) - 1u) << planes.exponent));
-}
-
-// acc [Q, D] += the per-token codes of slots [s, s + kN) of row r weighted by wsc [G, Q, *]
-// (weight x the slot's scale of group g, from slot s; rows `w_stride` apart, groups Q rows
-// apart). Each 16-channel block lies in one scale group: the kN slots' codes are widened in one
-// vector each and summed before one update of acc, channel c scaled by 2^plane_exponent(plane(c))
-// (block_codes; add_token_values_run unscales). Offsets are the caller's.
-template <int kBits, int64_t kQ, int64_t kD, int kN>
-void add_token_values(const Problem& P, int64_t r, int64_t s, const float* wsc, int64_t w_stride,
-                      float* acc) {
-  constexpr int64_t W = kD * kBits / 32;
-  const int64_t Q = kQ ? kQ : P.n_q;
-  const Tensor& v = P.v;
-  const int64_t G = v.group, n_groups = kD / G;
-  const uint32_t* src = static_cast<const uint32_t*>(v.data) + (r * v.slots + s) * W;  // [kN, W]
-  // symmetric codes are centred when widened (code - 2^(bits-1), exact), so no offset sum
-  // cancels against the codes' sum
-  const uint32_t centre = v.symmetric ? 1u << (kBits - 1) : 0u;
-  u32x16 rep[kN];
-  for (int j = 0; j < kN; ++j) rep[j] = repeated_words<W>(src + j * W);
-  for (int64_t g = 0; g < n_groups; ++g) {
-    const float* wg = wsc + g * Q * w_stride;
-    for (int64_t c0 = g * G; c0 < (g + 1) * G; c0 += 16) {
-      const BlockPlanes<kBits, W> planes(c0);
-      const f32x16 centred = codes_to_f32(centre << planes.exponent);
-      f32x16 codes[kN];
-      for (int j = 0; j < kN; ++j)
-        codes[j] = block_codes<kBits, W>(src + j * W, rep[j], c0, planes) - centred;
-      for (int64_t i = 0; i < Q; ++i) {
-        f32x16 a = load16<f32x16>(acc + i * kD + c0);
-        for (int j = 0; j < kN; ++j) a += wg[i * w_stride + j] * codes[j];
-        store16(acc + i * kD + c0, a);
-      }
-    }
-  }
 }
 
 // acc [Q, D] += weights p [Q, kN] (rows `p_stride` apart) times the dense float32 values
@@ -929,8 +894,49 @@ void add_dense_values_run(const Tensor& values, int64_t r, int64_t s, const floa
   }
 }
 
+// acc [Q, kD] += the per-token codes of slots [s, s + n) of row r weighted by wsc [G, Q, n]
+// (weight x the slot's scale of group g): the sums stay in registers (kRows x kBlock
+// 16-channel vectors, as add_dense_values_run) while the slots stream past, each slot's codes
+// widened in one vector per block, channel c scaled by 2^plane_exponent(plane(c))
+// (block_codes; add_token_values_run unscales). Offsets are the caller's.
+template <int kBits, int64_t kQ, int64_t kD>
+void add_token_values(const Problem& P, int64_t r, int64_t s, int64_t n, const float* wsc,
+                      float* acc) {
+  constexpr int64_t W = kD * kBits / 32, kRows = kQ ? kQ : 8;
+  constexpr int kVectors = kD / 16;
+  constexpr int kBlock = largest_divisor(
+      kVectors, kRows < kSumRegisters ? static_cast<int>(kSumRegisters / kRows) : 1);
+  const int64_t Q = kQ ? kQ : P.n_q;
+  const Tensor& v = P.v;
+  const uint32_t* src = static_cast<const uint32_t*>(v.data) + (r * v.slots + s) * W;  // [n, W]
+  // symmetric codes are centred when widened (code - 2^(bits-1), exact), so no offset sum
+  // cancels against the codes' sum
+  const uint32_t centre = v.symmetric ? 1u << (kBits - 1) : 0u;
+  for (int c0 = 0; c0 < kVectors; c0 += kBlock) {
+    f32x16 a[kRows][kBlock] = {};
+    for (int64_t t = 0; t < n; ++t) {
+      if (c0 == 0 && t % kTile == 0) v.prefetch(r, s + t, std::min(kTile, n - t));
+      const uint32_t* w = src + t * W;
+      const u32x16 rep = repeated_words<W>(w);
+      for (int b = 0; b < kBlock; ++b) {
+        const int64_t c = (c0 + b) * 16;
+        const BlockPlanes<kBits, W> planes(c);
+        const f32x16 code = block_codes<kBits, W>(w, rep, c, planes) -
+                            codes_to_f32(centre << planes.exponent);
+        const float* wg = wsc + c / v.group * Q * n + t;  // [Q] rows n apart
+        for (int64_t i = 0; i < Q; ++i) a[i][b] += wg[i * n] * code;
+      }
+    }
+    for (int64_t i = 0; i < Q; ++i)
+      for (int b = 0; b < kBlock; ++b) {
+        float* at = acc + i * kD + (c0 + b) * 16;
+        store16(at, load16<f32x16>(at) + a[i][b]);
+      }
+  }
+}
+
 // acc [Q, D] (zeros on entry) = weights p [Q, n] (rows `p_stride` apart) times the per-token
-// values of slots [s, s + n) of row r, kValueTile slots at a time; weight x offset goes to off_acc
+// values of slots [s, s + n) of row r (add_token_values); weight x offset goes to off_acc
 // [Q, D / group] (one dot per query and group). The slots' scales are folded into the weights
 // up front (wsc [G, Q, n]), so the slot loop reads no per-slot parameter.
 template <int kBits, int64_t kQ, int64_t kD>
@@ -956,12 +962,7 @@ void add_token_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, con
       off_acc[i * n_groups + g] += dot;
     }
   }
-  int64_t t = 0;
-  for (; t + kValueTile <= n; t += kValueTile) {
-    P.v.prefetch(r, s + t, kValueTile);
-    add_token_values<kBits, kQ, kD, kValueTile>(P, r, s + t, &wsc[t], n, acc);
-  }
-  for (; t < n; ++t) add_token_values<kBits, kQ, kD, 1>(P, r, s + t, &wsc[t], n, acc);
+  add_token_values<kBits, kQ, kD>(P, r, s, n, wsc, acc);
   plane_scaled(acc, Q, kD, kBits, acc);  // the codes' 2^plane_exponent, exactly undone
 }
 
@@ -1003,7 +1004,7 @@ void add_values(const Problem& P, int64_t r, int64_t s, const float* p, int64_t 
 
 // acc [Q, D] (zeros on entry) = weights p [Q, n] (rows `p_stride` apart) times the values of slots
 // [s, s + n) of row r, each slot read once: dense float32 in place and per-token codes widened in
-// registers (kValueTile slots per update of acc), anything else decoded slot by slot.
+// registers (their sums kept in registers over the slots), anything else decoded slot by slot.
 template <int64_t kQ, int64_t kD>
 void add_values_run(const Problem& P, int64_t r, int64_t s, int64_t n, const float* p,
                     int64_t p_stride, Scratch& w, float* acc, float* off_acc) {
