@@ -86,6 +86,17 @@ def test_packed_formats_at_model_head_dims(method, d):
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("method", ["quantize:bits=8", "kivi:bits=4"])
+@pytest.mark.parametrize("rows", [1, 5, 8])  # compiled row counts (1, 8) and the generic one (5)
+def test_packed_formats_at_each_query_row_count(method, rows):
+    """The packed keys' 16-lane tiles and the values' register sums hold up to 8 query rows
+    per cache row, with a compiled count or the generic loop."""
+    b, kvh, d, ctx = 1, 2, 64, 530
+    layer = make_layer(method, b, ctx, 16, 0, kv_heads=kvh, head_dim=d)
+    got, want = _both(layer, *_queries(b, 1, kvh * rows, d, ctx))
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+
 def test_kernel_window_softcap_and_padding_queries():
     b, kvh, h, d, ctx = 2, 2, 4, 32, 900
     layer = make_layer("kivi:bits=4", b, ctx, 16, 0, kv_heads=kvh, head_dim=d)
@@ -474,12 +485,14 @@ CPU_FLAGS = cpu_kernel._cpu_id().split()
 def test_the_avx2_build_passes_the_kernel_equality_tests():
     """The kernel compiled for AVX2 (`KVJAX_CPU_KERNEL_MARCH=x86-64-v3`: 16-lane vectors as two
     8-lane halves, the other register budgets) passes this file's equality tests for attention
-    (every method at 3 query rows per KV head, as SmolLM2's decode; the head dims 64 and 128),
+    (every method at 3 query rows per KV head, as SmolLM2's decode; the head dims 64 and 128;
+    the packed formats at 1, 5 and 8 rows),
     the matmuls, RMSNorm, RoPE and the caches' quantization -- on an AVX-512 machine too, where the default build takes
     the other path."""
     import subprocess
     import sys
     tests = ["test_packed_formats_at_model_head_dims", "test_kernel_dtypes_and_head_shapes",
+             "test_packed_formats_at_each_query_row_count",
              "test_matmul_equals_the_dot", "test_matmuls_are_one_call_equal_to_each_dot",
              "test_matmul_t_equals_the_dot", "test_rms_norm_equals_float64_reference",
              "test_rope_equals_float64_reference",
