@@ -665,9 +665,10 @@ inline bool planes_in_groups(const Tensor& t, int64_t dim) {
 // Scores (before `scale`) of queries q [Q <= 8, D] with the per-token keys of slots
 // [s0, s0 + n), n <= kTile, of row r: out [Q, kTile] (lanes past n unread), rows `stride`
 // apart. One slot per vector lane: each code is widened once and multiplied into the Q
-// queries' lanes (q_planes: the queries plane_scaled); per group g the lanes' sums are scaled by each slot's scale and its
-// offset enters as offset x (sum of the query over g) (`q_sums` [Q, D / group]). sc, off: the
-// slots' scales and offsets (Tensor::token_params) from slot s0, groups `g_stride` apart.
+// queries' lanes (q_planes: the queries plane_scaled); per group g the lanes' sums are scaled
+// by each slot's scale and its offset enters as offset x (sum of the query over g) (`q_sums`
+// [Q, D / group]). sc, off: the slots' scales and offsets (Tensor::token_params) from slot
+// s0, groups `g_stride` apart.
 template <int kBits, int64_t kQ, int64_t kD>
 void token_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64_t s0, int64_t n,
                        const float* q_planes, const float* q_sums, const float* sc,
