@@ -855,16 +855,18 @@ void add_dense_values(const Problem& P, const float* v, const float* p, int64_t 
   }
 }
 
-// The largest divisor of n that is at most most (at least 1).
-constexpr int largest_divisor(int n, int most) {
-  for (int d = most < n ? most : n; d > 1; --d)
-    if (n % d == 0) return d;
-  return 1;
-}
-
 // 16-lane sums a register-tiled loop keeps in registers, leaving the rest of the register file
 // to the operands streaming past.
 constexpr int kSumRegisters = kWideRegisters * 3 / 4;
+
+// 16-channel vectors per pass of a register-tiled loop with `rows` rows of sums: the largest
+// divisor of `vectors` with rows x block sums in kSumRegisters (at least 1).
+constexpr int sum_block(int vectors, int64_t rows) {
+  const int most = rows < kSumRegisters ? static_cast<int>(kSumRegisters / rows) : 1;
+  for (int d = most < vectors ? most : vectors; d > 1; --d)
+    if (vectors % d == 0) return d;
+  return 1;
+}
 
 // acc [kQ, kD] += weights p [kQ, n] (rows `p_stride` apart) times the dense float32 values v
 // [n, kD] of slots [s, s + n) of row r: the sums stay in registers (kQ x kBlock vectors, at
@@ -874,8 +876,7 @@ template <int64_t kQ, int64_t kD>
 void add_dense_values_run(const Tensor& values, int64_t r, int64_t s, const float* v, int64_t n,
                           const float* p, int64_t p_stride, float* acc) {
   constexpr int kVectors = kD / 16;
-  constexpr int kBlock = largest_divisor(
-      kVectors, kQ < kSumRegisters ? static_cast<int>(kSumRegisters / kQ) : 1);
+  constexpr int kBlock = sum_block(kVectors, kQ);
   for (int c0 = 0; c0 < kVectors; c0 += kBlock) {
     f32x16 a[kQ][kBlock] = {};
     for (int64_t t = 0; t < n; ++t) {
@@ -905,8 +906,7 @@ void add_token_values(const Problem& P, int64_t r, int64_t s, int64_t n, const f
                       float* acc) {
   constexpr int64_t W = kD * kBits / 32, kRows = kQ ? kQ : 8;
   constexpr int kVectors = kD / 16;
-  constexpr int kBlock = largest_divisor(
-      kVectors, kRows < kSumRegisters ? static_cast<int>(kSumRegisters / kRows) : 1);
+  constexpr int kBlock = sum_block(kVectors, kRows);
   const int64_t Q = kQ ? kQ : P.n_q;
   const Tensor& v = P.v;
   const uint32_t* src = static_cast<const uint32_t*>(v.data) + (r * v.slots + s) * W;  // [n, W]
