@@ -192,8 +192,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: TokenCache, impl: str,
                  stats: LayerStats | None = None, spec: StatsSpec = NO_STATS):
-        """-> (output [B, T, hidden], cache, stats)."""
-        b, t, _ = x.shape  # x: [B, T, hidden] float32
+        """x [B*T, hidden] float32, positions [B, T] -> (output [B*T, hidden], cache, stats)."""
+        b, t = positions.shape
         h, kvh, d = self.shape
         inv_freq = rope_frequencies(self.config)
         q_pre, k, v = dense_together(x, (self.q_proj, self.k_proj, self.v_proj))
@@ -206,7 +206,7 @@ class Attention(nnx.Module):
         cache = accumulate_mass(cache, q, positions)
         if stats is not None:
             stats = observe(spec, stats, q_pre, q, positions)
-        return self.o_proj(out.reshape(b, t, h * d)), cache, stats
+        return self.o_proj(out.reshape(b * t, h * d)), cache, stats
 
 
 class MLP(nnx.Module):
@@ -227,7 +227,7 @@ class Block(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, cache, impl, stats=None, spec=NO_STATS):
+    def __call__(self, x, positions, cache, impl, stats=None, spec=NO_STATS):  # x [B*T, hidden]
         a, cache, stats = self.attn(self.input_norm(x), positions, cache, impl, stats, spec)
         x = x + a
         return x + self.mlp(self.post_attn_norm(x)), cache, stats
@@ -283,7 +283,10 @@ class Llama(nnx.Module):
         if positions.shape != (b, t):
             raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
         kvjax.check_cache(cache, self.config.cache_spec, b)
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(jnp.float32)
+        # The residual stream stays [B*T, hidden], the kernels' own shape: reshapes around
+        # its adds would make XLA's reshape-mover sink them one add per simplification
+        # round, ~2 rounds per layer (DECISIONS "Compile: the residual stream in 2-D").
+        x = jnp.take(self.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
         new_cache, new_stats = [], []
         block = _shared_block()
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -297,7 +300,8 @@ class Llama(nnx.Module):
                                                     layer_stats, spec)
             new_cache.append(layer_cache)
             new_stats.append(layer_stats)
-        return self.norm(x), tuple(new_cache), None if stats is None else tuple(new_stats)
+        return (self.norm(x).reshape(b, t, -1), tuple(new_cache),
+                None if stats is None else tuple(new_stats))
 
     def init_stats(self, spec: StatsSpec, cache: Cache) -> tuple[LayerStats, ...] | None:
         """Empty statistics for `spec` (None when the spec needs nothing per step)."""
