@@ -198,3 +198,27 @@ def test_layers_lower_to_one_shared_body_with_the_inline_loops_outputs(monkeypat
     np.testing.assert_array_equal(logits, want_logits)
     for got, want in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(want_cache)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_the_residual_stream_stays_two_dimensional_in_the_layer_body():
+    """Each layer's residual stream is [B*T, hidden], the shape of the kernels' inputs and
+    outputs: no reshape to [B, T, hidden] around its adds. Reshapes there made XLA's
+    reshape-mover sink one reshape past one add per simplification round, so a 30-layer decode
+    step ran the simplification pipelines to their 25-round cap (DECISIONS "Compile: the
+    residual stream in 2-D")."""
+    import re
+
+    cfg = LlamaConfig.tiny(num_layers=2)
+    model = Llama(cfg, rngs=nnx.Rngs(4))
+    graphdef, state = nnx.split(model)
+    b, t, hidden = 2, 6, cfg.hidden_size
+    step = jax.jit(lambda s, tok, p, c: nnx.merge(graphdef, s)(tok, p, c))
+    text = step.lower(state, jnp.zeros((b, t), jnp.int32), jnp.broadcast_to(jnp.arange(t), (b, t)),
+                      new_cache(cfg, b, 8)).as_text()
+    body = text[text.index("func.func private @_block"):]
+    body = body[:body.index("\n  }\n")]  # the shared layer body's function
+    signature = body.splitlines()[0]
+    assert f"tensor<{b * t}x{hidden}xf32>" in signature
+    assert f"tensor<{b}x{t}x{hidden}xf32>" not in body
+    adds = re.findall(r"stablehlo\.add .*: tensor<([0-9x]+)xf32>", body)
+    assert f"{b * t}x{hidden}" in adds  # the residual adds, in 2-D
