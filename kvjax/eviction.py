@@ -12,7 +12,8 @@ The contract a policy implements is one function, a **scorer**:
 * `stats`: this layer's `kvjax.LayerStats` (observed queries, query moments)
   when the policy declared a `StatsSpec`, else None.
 * `budget`: `[B]` int32 tokens kept per KV head in this layer (traced).
-* `key`: a PRNG key for this layer and update.
+* `key`: a PRNG key for this layer, the same at every update of one transform
+  state (so a token's random draw is fixed for its life in the cache).
 * returns `scores` `[B, KVH, C]` (higher = keep; any float, NaN ranks last)
   and `protect` `[B, KVH, C]` bool (slots kept before any scored slot).
 
@@ -234,25 +235,26 @@ class ScoredUpdate:
 
     def __call__(self, cache: Cache, state: BudgetState, stats=None):
         budgets = layer_budgets(state, cache, self.schedule, self.window, self.beta)  # [L, B]
-        keys = jax.random.split(state.key, len(cache) + 1)
 
-        def evict(layer, layer_stats, budget, key, i=None):
+        def evict(layer, layer_stats, budget, index, debug=False):
             if self.headwise:
                 layer = pool_heads(layer)
             seen = view(layer)  # dense slots of an encoded or residual layer
+            # derived where it is used: a scorer that ignores its key compiles no PRNG code
+            key = jax.random.fold_in(state.key, index)
             scores, protect = self.scorer(seen, layer_stats, budget, key)
-            if i is not None:  # debug: the per-layer loop, so a failure names its layer
-                _check_scores(i, scores, seen.pos != EMPTY)
+            if debug:  # the per-layer loop, so a failure names its layer
+                _check_scores(index, scores, seen.pos != EMPTY)
             keep = select(scores, seen.pos != EMPTY, protect, budget, self.headwise, self.alpha)
             return compact(layer, keep)
 
         per_layer = (cache, stats if stats is not None else (None,) * len(cache),
-                     tuple(budgets), tuple(keys[:-1]))
+                     tuple(budgets), tuple(range(len(cache))))
         if self.debug:
-            out = tuple(evict(*args, i=i) for i, args in enumerate(zip(*per_layer)))
+            out = tuple(evict(*args, debug=True) for args in zip(*per_layer))
         else:  # one compiled layer body per group of equal layers
             out = map_layers(evict, *per_layer)
-        return out, state._replace(layer_budget=budgets, key=keys[-1])
+        return out, state._replace(layer_budget=budgets)
 
 
 def scored_policy(name: str, scorer: Scorer, *, ratio: float | None, budget: int | None,

@@ -82,7 +82,7 @@ class BudgetState(NamedTuple):
     ratio: jax.Array  # [] float32 fraction evicted, or -1 when a token budget is given
     tokens: jax.Array  # [] int32 tokens kept per KV head, or -1 when a ratio is given
     layer_budget: jax.Array  # [L, B] int32 tokens per KV head per layer; -1 before the first update
-    key: jax.Array  # PRNG key (random scores)
+    key: jax.Array  # PRNG key (random scores); layer i scores with fold_in(key, i) at every update
 
 
 def init_budget(ratio: float | None, budget: int | None, seed: int, cache: Cache) -> BudgetState:

@@ -18,7 +18,7 @@ import kvjax
 from kvjax import EMPTY
 from kvjax.eviction import broadcast_heads, earliest, no_protect
 from kvjax.selection import pyramid_budgets
-from models.sampler import generate, prefill_and_compress
+from models.sampler import generate, prefill_and_compress, prefill_batch
 
 W = 4  # observation window of the window-based policies (tiny prompts)
 POLICIES = {
@@ -232,6 +232,38 @@ def test_decode_time_compression_holds_the_budget(tiny_model, spec):
             np.asarray(kvjax.num_valid(layer))[:, 0]
         heads = layer.kv_heads if layer.pooled else 1
         assert counts.tolist() == [heads * bud for bud in budgets]
+
+
+def test_random_draws_are_fixed_for_life_so_decode_time_eviction_keeps_a_uniform_subset(
+        tiny_model):
+    """The state's key does not advance: layer i scores with fold_in(key, i) at every update, so
+    a token keeps its draw for life. After decode-time compressions each KV head holds its
+    budget of best-drawn positions among *every* token seen (prompt and generated), computed
+    here from the draws themselves; redrawing at each update would favour recent tokens."""
+    prompt = prompts_of(np.random.default_rng(11), [16])
+    out = generate(tiny_model, prompt, max_new_tokens=9, chunk=8, eos_ids=(),
+                   transform=kvjax.random(ratio=0.5, seed=3), compress_every=4)
+    seen, budget = 16 + 8, 8  # 8 decode steps write a token each; the last update after 8
+    key = jax.random.key(3)
+    for i, layer in enumerate(out.cache):
+        for h in range(layer.kv_heads):
+            draw = [float(jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
+                jax.random.fold_in(key, i), h), p))) for p in range(seen)]
+            want = sorted(np.argsort(draw)[::-1][:budget].tolist())
+            pos = np.asarray(layer.pos)[0, h]
+            assert sorted(pos[pos != EMPTY].tolist()) == want, (i, h)
+
+
+def test_a_policy_that_ignores_its_key_compiles_no_random_numbers(tiny_model):
+    """Keys are derived inside the layer body, where the scorer uses them: SnapKV's compiled
+    update holds no threefry code (a key split per update cost ~0.3 s of compile at 30
+    layers); the random policy's does."""
+    rng = np.random.default_rng(12)
+    for spec, draws in (("snapkv:ratio=0.5,window=4", False), ("random:ratio=0.5", True)):
+        t = kvjax.parse_method(spec)
+        pre = prefill_batch(tiny_model, prompts_of(rng, [20]), stats=t.stats, chunk=8)
+        text = jax.jit(t.update).lower(pre.cache, t.init(pre.cache), pre.stats).as_text()
+        assert ("threefry" in text) == draws, spec
 
 
 def test_query_agnostic_context_then_prompt(tiny_model):
