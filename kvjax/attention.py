@@ -22,7 +22,7 @@ from kvjax.cache import EMPTY, Layer, ResidualCache, TokenCache, view
 from kvjax.kernel_attention import attend_pallas, pallas_backend, supports_pallas
 from kvjax.paging import PagedLayer, dense_view
 from kvjax.sharded_attention import PallasOnMesh, attend_on_mesh
-from kvjax.stores import Latent, PackedChannels, is_encoded, map_slot_leaves, read
+from kvjax.stores import Latent, PackedChannels, count_true, is_encoded, map_slot_leaves, read
 
 IMPLS = ("xla", "reference", "pallas")
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
@@ -135,7 +135,7 @@ def attend_reference(q: jax.Array, q_pos: jax.Array, cache: Layer, *,
     g = q.shape[2] // cache.kv_heads
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     s, mask = _masked_scores(qg, cache.k, cache.pos, q_pos, g, window, softcap, scale)
-    p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, axis=-1, keepdims=True)
+    p = jax.nn.softmax(s, axis=-1) * (count_true(mask, keepdims=True) > 0)
     out = _weighted_values(p, cache.v)
     return _ungroup(out, q.shape, cache.kv_heads)
 
@@ -155,7 +155,7 @@ def attention_weights(q: jax.Array, q_pos: jax.Array, cache: Layer, *,
     g = h // cache.kv_heads
     s, mask = _masked_scores(qg, cache.k, cache.pos, q_pos, g, window, softcap,
                              q.shape[-1] ** -0.5)
-    p = jax.nn.softmax(s, axis=-1) * jnp.any(mask, axis=-1, keepdims=True)
+    p = jax.nn.softmax(s, axis=-1) * (count_true(mask, keepdims=True) > 0)
     return p.reshape(b, cache.kv_heads, g, t, cache.capacity)
 
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.stores import Latent, is_encoded, put, read, register_export
+from kvjax.stores import Latent, count_true, is_encoded, put, read, register_export
 
 EMPTY = -1
 """`pos` value of a slot that holds no token (never written, padding, or evicted)."""
@@ -442,7 +442,7 @@ def nbytes(tree: Any) -> int:
 
 def num_valid(cache: TokenCache) -> jax.Array:
     """[B, KVH] number of slots that hold a token."""
-    return jnp.sum(cache.pos != EMPTY, axis=-1)
+    return count_true(cache.pos != EMPTY)
 
 
 def check_cache(cache: Sequence[TokenCache], spec: CacheSpec, batch: int) -> None:

@@ -82,6 +82,7 @@ from kvjax.attention import attention_weights
 from kvjax.cache import EMPTY, Cache, TokenCache, view
 from kvjax.layout import compact, map_layers, pool_heads
 from kvjax.selection import BudgetState, init_budget, keep_top_k, layer_budgets, rank, select
+from kvjax.stores import count_true
 from kvjax.stats import NO_STATS, LayerStats, StatsSpec, mean_rotation, query_mean_cov
 from kvjax.transforms import CacheTransform
 
@@ -345,7 +346,7 @@ def window_attention(layer: TokenCache, stats: LayerStats | None, window: int) -
                          f"StatsSpec(window={window}) (the sampler does this from transform.stats)")
     q, q_pos = stats.queries[:, -window:], stats.query_pos[:, -window:]
     weights = attention_weights(q.astype(layer.k.dtype), q_pos, layer)  # [B, KVH, G, W, C]
-    n = jnp.maximum(jnp.sum(q_pos != EMPTY, axis=1), 1).astype(jnp.float32)
+    n = jnp.maximum(count_true(q_pos != EMPTY, 1), 1).astype(jnp.float32)
     return weights.sum(axis=3) / n[:, None, None, None]
 
 

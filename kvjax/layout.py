@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import EMPTY, Cache, Layer, ResidualCache, TokenCache, split_slots
-from kvjax.stores import fold_rows, resize_store, table_rows, table_usage, take
+from kvjax.stores import count_true, fold_rows, resize_store, table_rows, table_usage, take
 
 
 def _signature(tree) -> tuple:
@@ -226,7 +226,7 @@ def compact(cache: Layer, keep: jax.Array, capacity: int | None = None) -> Layer
     else:  # grow: pad with an index that is never kept (masked below)
         order = jnp.pad(order, ((0, 0), (0, capacity - c)), constant_values=c - 1)
     kept = jnp.take_along_axis(keep_rows, order, axis=-1)
-    kept &= jnp.arange(capacity) < jnp.sum(keep_rows, axis=-1, keepdims=True)  # [R, C']
+    kept &= jnp.arange(capacity) < count_true(keep_rows, keepdims=True)  # [R, C']
     by_head = lambda x: jnp.broadcast_to(x.reshape(b, -1, capacity), (b, kvh, capacity))
     order_h, kept_h = by_head(order), by_head(kept)
     kept_h &= jnp.take_along_axis(keep, order_h, axis=-1)  # pooled: only the owner head
@@ -235,7 +235,7 @@ def compact(cache: Layer, keep: jax.Array, capacity: int | None = None) -> Layer
     if mass is not None:
         mass = jnp.where(kept_h, jnp.take_along_axis(mass, order_h, axis=-1), 0.0)
     return TokenCache(k=take(cache.k, order, kept), v=take(cache.v, order, kept), pos=pos,
-                      length=jnp.max(jnp.sum(kept, axis=-1)).astype(jnp.int32), mass=mass)
+                      length=jnp.max(count_true(kept)), mass=mass)
 
 
 def _pool(x: jax.Array, fill) -> jax.Array:
@@ -275,7 +275,7 @@ def _token_usage(cache: TokenCache) -> tuple:
     `table_usage` and the most slots in use in a row."""
     valid = _valid_rows(cache)
     return (cache.length, table_usage(cache.k, valid), table_usage(cache.v, valid),
-            jnp.max(valid.sum(1)))
+            jnp.max(count_true(valid, 1)))
 
 
 def _layer_usage(layer: Layer):

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import EMPTY, Cache
+from kvjax.stores import count_true
 
 # ----------------------------------------------------------------------------- ranking
 
@@ -116,7 +117,7 @@ def pyramid_budgets(mean: jax.Array, n: jax.Array, num_layers: int, window: int 
 
 def layer_budgets(state: BudgetState, cache: Cache, schedule, window: int, beta: float):
     """[L, B] budgets: the state's, or (first update) derived from the ratio or token count."""
-    n = jnp.max(jnp.sum(cache[0].pos != EMPTY, axis=-1), axis=-1).astype(jnp.float32)  # [B]
+    n = jnp.max(count_true(cache[0].pos != EMPTY), axis=-1).astype(jnp.float32)  # [B]
     mean = jnp.where(state.ratio >= 0, n * (1 - state.ratio), state.tokens.astype(jnp.float32))
     num_layers = len(cache)
     if schedule == "pyramid":

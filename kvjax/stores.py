@@ -304,7 +304,7 @@ class PackedChannels(Store):
         ids = jnp.take_along_axis(new_id, self.group_id.astype(jnp.int32), axis=1)
         return self.replace(group_id=jnp.where(valid, ids, 0).astype(jnp.int16),
                             scale=table(self.scale), offset=table(self.offset),
-                            groups=jnp.max(used.sum(1)).astype(jnp.int32))
+                            groups=jnp.max(count_true(used, 1)))
 
 
 @jax.tree_util.register_dataclass
@@ -420,10 +420,29 @@ def take(store: Any, order: jax.Array, kept: jax.Array) -> Any:
     return out.collect(kept) if isinstance(out, PackedChannels) else out
 
 
+def count_true(mask: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """int32 number of True entries of `mask` along `axis`.
+
+    Summed in float32 (exact: every partial sum is an integer below 2**24, which the axis length
+    guarantees; longer axes sum in int32). XLA:CPU rewrites an integer or boolean reduction over
+    a long axis into three kernels (two reduce-windows of 32 and a reduce), each compiled on its
+    own; a float reduction stays one loop fused with its producer (DECISIONS "Compile: integer
+    reductions as float counts").
+
+    Example:
+        >>> count_true(jnp.array([[True, False, True], [False, False, False]])).tolist()
+        [2, 0]
+    """
+    if mask.shape[axis] >= 2 ** 24:
+        return jnp.sum(mask, axis=axis, keepdims=keepdims, dtype=jnp.int32)
+    return jnp.sum(mask, axis=axis, keepdims=keepdims, dtype=jnp.float32).astype(jnp.int32)
+
+
 def table_usage(store: Any, valid: jax.Array) -> jax.Array | None:
     """The most table rows any store row of a `PackedChannels` uses (`valid` [R, C] marks the
     slots in use; jit-able), None for other stores. `table_rows` turns it into a row count."""
-    return jnp.max(store.used_groups(valid).sum(1)) if isinstance(store, PackedChannels) else None
+    return jnp.max(count_true(store.used_groups(valid), 1)) if isinstance(store, PackedChannels) \
+        else None
 
 
 def table_rows(store: Any, capacity: int, used: int | None, in_use: int) -> int | None:

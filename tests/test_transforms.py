@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +109,32 @@ def test_sampler_compression_returns_layers_stacked_and_equals_eager(method):
     size = lambda n: _entry_instructions(sampler._compress_stacked.lower(
         t.update, cache[:1] * n, t.init(cache[:1] * n), None).compile().as_text())
     assert size(6) - size(2) <= 4 * 2
+
+
+@pytest.mark.parametrize("method", ["random:ratio=0.5+kivi:bits=4", "knorm:ratio=0.5,headwise=true",
+                                    "quantize:bits=4"])
+def test_a_compression_compiles_no_integer_tree_reductions(method):
+    """Counts over the slot axis are float sums (`count_true`): XLA:CPU splits an integer or
+    boolean reduction over more than 32 slots into three separately compiled kernels (two
+    reduce-windows and a reduce). The compiled compression and `shrink`'s reader hold no
+    integer or boolean reduce-window (before: 1-5 in these compressions, 1 in the reader)."""
+    from kvjax.layout import _usage
+    from models import sampler
+    cache = _filled_layers([128, 128], tokens=100)
+    t = parse_method(method)
+    texts = [sampler._compress_stacked.lower(t.update, cache, t.init(cache), None).compile()
+             .as_text(), _usage.lower(cache[0], False).compile().as_text()]
+    for text in texts:
+        assert not re.findall(r"= (?:s32|pred)\[[^\]]*\][^ ]* reduce-window\(", text)
+
+
+def test_count_true_counts_exactly_on_short_and_long_axes():
+    rng = np.random.default_rng(0)
+    for shape, axis in (((3, 4112), -1), ((5, 40, 7), 1), ((1, 2 ** 24 + 3), 1)):
+        mask = rng.random(shape) < 0.999
+        got = kvjax.stores.count_true(jnp.asarray(mask), axis)
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, np.count_nonzero(mask, axis=axis))
 
 
 @pytest.mark.parametrize("method", ["kivi:bits=4", "random:ratio=0.5",
