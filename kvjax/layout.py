@@ -136,31 +136,27 @@ class StackedLayers:
     `unstack_layers` takes them apart outside, with one compiled take per group.
     """
 
-    def __init__(self, groups: tuple, members: tuple[tuple[int, ...], ...], usage=None):
+    def __init__(self, groups: tuple, members: tuple[tuple[int, ...], ...]):
         self.groups = groups  # per group: its layers' tree, leaves stacked [G, ...] if G > 1
         self.members = members  # static: each group's layer indices, in stacking order
-        self.usage = usage  # per group: what `shrink` reads (`_group_usage`), or None
 
     def tree_flatten(self):
-        return (self.groups, self.usage), self.members
+        return (self.groups,), self.members
 
     @classmethod
     def tree_unflatten(cls, members, children):
-        return cls(children[0], members, children[1])
+        return cls(children[0], members)
 
 
 def stack_layers(per_layer) -> StackedLayers:
     """Per-layer trees (e.g. a cache) stacked by group of equal layers; see `StackedLayers`.
 
     Inside jit, stacking the slices of a `map_layers` result folds back into that result (no
-    copy, no per-layer kernel). What `shrink` reads of each group is computed here too, in
-    the same program (a separate one cost ~0.3-0.5 s of compile per compression)."""
+    copy, no per-layer kernel)."""
     members = _equal_groups(per_layer)
     stack = lambda m: per_layer[m[0]] if len(m) == 1 else \
         jax.tree.map(lambda *xs: jnp.stack(xs), *[per_layer[i] for i in m])  # a group of one stays
-    groups = tuple(stack(m) for m in members)
-    usage = tuple(_group_usage(g, len(m) > 1) for g, m in zip(groups, members))
-    return StackedLayers(groups, members, usage)
+    return StackedLayers(tuple(stack(m) for m in members), members)
 
 
 def unstack_layers(stacked: StackedLayers) -> tuple:
@@ -284,17 +280,11 @@ def _layer_usage(layer: Layer):
     return _token_usage(layer)
 
 
-def _group_usage(group, stacked: bool):
-    """`_layer_usage` of one layer, or of every layer of a stacked group (leaves [G, ...]);
-    None for a layer that shrinks itself (`kvjax.recurrent`, `kvjax.paging`) or a tree that
-    is not a cache layer."""
-    if not isinstance(group, (TokenCache, ResidualCache)):
-        return None
+@functools.partial(jax.jit, static_argnames=("stacked",))
+def _usage(group, stacked: bool):
+    """`_layer_usage` of one layer, or of every layer of a stacked group (leaves [G, ...]):
+    one compiled program per layout, one call per group."""
     return jax.vmap(_layer_usage)(group) if stacked else _layer_usage(group)
-
-
-_usage = jax.jit(_group_usage, static_argnames=("stacked",))
-"""`_group_usage` compiled: one program per layout, one call per group."""
 
 
 def _valid_rows(cache: TokenCache) -> jax.Array:
@@ -369,9 +359,8 @@ def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = 
     max_write = room if max_write is None else max_write
     if not isinstance(cache, StackedLayers):
         cache = StackedLayers(tuple(cache), tuple((i,) for i in range(len(cache))))
-    usages = cache.usage if cache.usage is not None else \
-        [_usage(group, len(m) > 1) for group, m in zip(cache.groups, cache.members)]
-    usages = jax.device_get(usages)  # one host read
+    usages = jax.device_get([None if hasattr(group, "shrink") else _usage(group, len(m) > 1)
+                             for group, m in zip(cache.groups, cache.members)])  # one host read
     out = [None] * sum(map(len, cache.members))
     for group, members, usage in zip(cache.groups, cache.members, usages):
         stacked = len(members) > 1

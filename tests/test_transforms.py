@@ -141,9 +141,9 @@ def test_count_true_counts_exactly_on_short_and_long_axes():
                                     "random:ratio=0.5+kivi:bits=2"])
 def test_shrink_takes_stacked_layers_apart_with_one_program_per_layout(method):
     """`shrink` of a compiled compression's stacked output equals `shrink` of its layers taken
-    apart, element-wise; it reads the cursors and table usage the compression computed in its
-    own program (no reader compiled) and compiles one take-and-cut per layer layout and size
-    (the three equal layers share one), not one per layer or part."""
+    apart, element-wise, and compiles one reader of the cursors and table usage and one
+    take-and-cut per layer layout and size (the three equal layers share both), not one per
+    layer or part."""
     from kvjax.layout import _take_resized, _usage, unstack_layers
     from models import sampler
     cache = _filled_layers([32, 32, 48, 32])
@@ -157,7 +157,7 @@ def test_shrink_takes_stacked_layers_apart_with_one_program_per_layout(method):
     assert len(got) == 4
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
     assert kvjax.nbytes(got) == kvjax.nbytes(want) < kvjax.nbytes(stacked)
-    assert _usage._cache_size() == 0 and _take_resized._cache_size() == 2
+    assert _usage._cache_size() == 2 and _take_resized._cache_size() == 2
 
 
 @pytest.mark.parametrize("reorder", [lambda ys: ys, lambda ys: ys[::-1], lambda ys: ys[1:] + ys[:1],
