@@ -25,8 +25,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import EMPTY, Cache
-from kvjax.stores import count_true
+from kvjax.cache import Cache, num_valid
 
 # ----------------------------------------------------------------------------- ranking
 
@@ -117,7 +116,7 @@ def pyramid_budgets(mean: jax.Array, n: jax.Array, num_layers: int, window: int 
 
 def layer_budgets(state: BudgetState, cache: Cache, schedule, window: int, beta: float):
     """[L, B] budgets: the state's, or (first update) derived from the ratio or token count."""
-    n = jnp.max(count_true(cache[0].pos != EMPTY), axis=-1).astype(jnp.float32)  # [B]
+    n = jnp.max(num_valid(cache[0]), axis=-1).astype(jnp.float32)  # [B]
     mean = jnp.where(state.ratio >= 0, n * (1 - state.ratio), state.tokens.astype(jnp.float32))
     num_layers = len(cache)
     if schedule == "pyramid":
