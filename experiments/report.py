@@ -6,7 +6,8 @@
 * per retrieval task, score by method x length (`<task>.png`, a heatmap);
 * `passkey_depth.png`: needle depth x context length per method, the NIAH-style map;
 * `ppl.png`: continuation perplexity against cache bytes per token, every method;
-* `speed.png`: decode ms/step against context per method and batch, with the floor;
+* `speed.png`: decode ms/step against context, a colour per method and a line style per batch
+  (the floor is in the table beside it);
 * `memory_pareto.png` and a table: measured bytes per token (memory cells) beside the
   formats' arithmetic, the same methods' perplexity and retrieval scores, the Pareto front;
 * `ratio_<task>_<length>.png` and a policy x ratio table wherever eviction policies ran at
@@ -365,22 +366,28 @@ def speed_section(rows: list[dict], out: Path, images: str) -> list[str]:
              f"{r['decode_ms'] / r['floor_ms']:.2f}", f"{r['cache_bytes_per_seq'] / 2**20:.1f}",
              f"{r['compile_s']:.1f}" if "compile_s" in r else "",
              r.get("peak_rss_gb", "")] for r in sub]
-    r0 = sub[0]
-    lines = [f"#### Memory and speed ({r0['max_new_tokens']} decode steps, medians of "
-             f"{r0['trials']} timed runs after a compiling one; floor = (weights + whole cache) "
-             f"bytes / measured read bandwidth, {r0['bandwidth_gbs']:.1f} GB/s)", ""]
+    span = lambda key, fmt: "-".join(dict.fromkeys(  # "2" or "1-2": the values in the rows
+        format(v, fmt) for v in (min(r[key] for r in sub), max(r[key] for r in sub))))
+    lines = [f"#### Memory and speed ({span('max_new_tokens', 'd')} decode steps, medians of "
+             f"{span('trials', 'd')} timed runs after a compiling one; floor = (weights + whole "
+             f"cache) bytes / read bandwidth measured beside each cell, "
+             f"{span('bandwidth_gbs', '.1f')} GB/s)", ""]
     lines += _table(["method", "batch", "context", "prefill+compress tok/s", "decode ms/step",
                      "floor ms", "x floor", "cache MiB/seq", "compile s", "peak RSS GB"], body)
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    methods = list(dict.fromkeys(r["method"] for r in sub))  # a colour per method,
+    batches = sorted({r["batch"] for r in sub})                # a line style per batch
     for (method, batch) in dict.fromkeys((r["method"], r["batch"]) for r in sub):
         pts = [r for r in sub if (r["method"], r["batch"]) == (method, batch)]
-        ax.plot([r["length"] for r in pts], [r["decode_ms"] for r in pts], "o-",
+        ax.plot([r["length"] for r in pts], [r["decode_ms"] for r in pts],
+                marker="o", color=f"C{methods.index(method) % 10}",
+                linestyle=("-", "--", ":", "-.")[batches.index(batch) % 4],
                 label=f"{method}, batch {batch}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context tokens")
     ax.set_ylabel("decode ms / step")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the lines
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "speed.png", dpi=120)
