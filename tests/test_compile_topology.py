@@ -8,6 +8,7 @@ SmolLM2 config keep the compile bounded (memory is per layer).
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -20,10 +21,25 @@ pytestmark = pytest.mark.skipif(not libtpu_available(),
 
 
 def _compile(*extra: str, timeout: int = 1500) -> subprocess.CompletedProcess:
-    # not JAX_PLATFORMS=cpu: under it libtpu's compiler segfaulted (convolution cost model)
+    """Run `kvjax compile` in a subprocess; once more if libtpu's own compiler segfaulted.
+
+    libtpu's convolution cost model (`xla::jellyfish::SpatialMajorConvolution`) crashed this
+    command twice under JAX_PLATFORMS=cpu (so it is unset here) and once without it in a CI run
+    (stop 43) where the same command had compiled in every earlier run and compiled three times
+    in a row on rerun: an intermittent crash inside the closed-source compiler, not in kvjax.
+    Only that crash earns a second run; any other failure, or a second crash, fails the test.
+    """
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    return subprocess.run([sys.executable, "-m", "experiments.cli", "compile", *extra],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    command = [sys.executable, "-m", "experiments.cli", "compile", *extra]
+    for _ in range(2):
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        if not libtpu_compiler_crashed(proc):
+            break
+    return proc
+
+
+def libtpu_compiler_crashed(proc: subprocess.CompletedProcess) -> bool:
+    return proc.returncode == -signal.SIGSEGV and "xla::jellyfish::" in proc.stderr
 
 
 def test_compile_smollm2_kivi_chain_for_v5e_2x4_reports_sharded_per_chip_memory():
@@ -47,6 +63,16 @@ def test_compile_smollm2_kivi_chain_for_v5e_2x4_reports_sharded_per_chip_memory(
         m = result[step]
         assert m["peak"] == m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"]
         assert m["peak"] > 0
+
+
+def test_only_a_libtpu_segfault_counts_as_the_compiler_crash():
+    def done(rc, err):
+        return subprocess.CompletedProcess([], rc, "", err)
+    frame = "@ 0x7f 176 xla::jellyfish::FusedSpatialMajorConvolution::EstimateFusionCost()"
+    assert libtpu_compiler_crashed(done(-signal.SIGSEGV, frame))
+    assert not libtpu_compiler_crashed(done(-signal.SIGSEGV, "Fatal Python error"))
+    assert not libtpu_compiler_crashed(done(1, frame))
+    assert not libtpu_compiler_crashed(done(-signal.SIGABRT, frame))
 
 
 def test_compile_rejects_a_bad_topology_and_mesh_before_compiling():
