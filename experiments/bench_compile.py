@@ -61,6 +61,9 @@ def _filled_prefill(model, transform, prompts, new_tokens):
     import kvjax
     from models import sampler
 
+    if max(map(len, prompts)) > model.config.max_position:  # as prefill_batch checks
+        raise ValueError(f"a prompt of {max(map(len, prompts))} tokens exceeds the model's "
+                         f"{model.config.max_position} positions")
     chunk = min(CHUNK, max(map(len, prompts)))
     padded = sampler.pad_prompts(prompts, chunk, 0)
     capacity = padded.tokens.shape[1] + new_tokens
@@ -86,7 +89,7 @@ def _fill_impl(cache, positions, chunk):
     import kvjax
 
     b, width = positions.shape
-    (_, cap, d), kvh = cache[0].k.shape, cache[0].pos.shape[1]
+    d, kvh = cache[0].k.shape[-1], cache[0].pos.shape[1]
     kv = jax.random.normal(jax.random.key(0), (2, b, kvh, chunk, d), cache[0].k.dtype)
 
     def write_chunk(cache, pos):  # pos [B, chunk]
