@@ -47,37 +47,25 @@ EVENTS = {  # jax.monitoring event -> column
 }
 
 
-CHUNK = 256  # generate's default prefill chunk
-
-
 def _filled_prefill(model, transform, prompts, new_tokens):
-    """What `prefill_batch` returns for `prompts`, without running the model: `_prefill`
-    compiled on the batch's shapes (timed by the caller's listener), then a cache of the same
-    layout filled by `_fill` and zero statistics of `_prefill`'s output shapes."""
+    """What `prefill_batch` returns for `prompts` with room for `new_tokens`, without running
+    the model: `_prefill` compiled on the batch's shapes (timed by the caller's listener), then
+    its cache filled by `_fill` and zero statistics of `_prefill`'s output shapes."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    import kvjax
     from models import sampler
 
-    if max(map(len, prompts)) > model.config.max_position:  # as prefill_batch checks
-        raise ValueError(f"a prompt of {max(map(len, prompts))} tokens exceeds the model's "
-                         f"{model.config.max_position} positions")
-    chunk = min(CHUNK, max(map(len, prompts)))
-    padded = sampler.pad_prompts(prompts, chunk, 0)
-    capacity = padded.tokens.shape[1] + new_tokens
-    spec = transform.stats
-    cache = kvjax.init_model_cache(model.config.cache_spec, len(prompts), capacity,
-                                   track_mass=spec.attention_mass)
-    tokens, positions = jnp.asarray(padded.tokens), jnp.asarray(padded.positions)
-    lowered = sampler._prefill.lower(model, tokens, positions, cache,
-                                     model.init_stats(spec, cache), chunk, spec)
+    args, lengths = sampler.prefill_inputs(model, prompts, stats=transform.stats,
+                                           room=new_tokens)
+    lowered = sampler._prefill.lower(model, *args)
     lowered.compile()
     logits, _, stats = lowered.out_info
     zeros = lambda s: jnp.asarray(np.zeros(s.shape, s.dtype))
+    _, positions, cache, _, chunk, _ = args
     return sampler.Prefilled(zeros(logits), _fill(cache, positions, chunk),
-                             jax.tree.map(zeros, stats), None, padded.lengths)
+                             jax.tree.map(zeros, stats), None, lengths)
 
 
 def _fill_impl(cache, positions, chunk):

@@ -230,6 +230,20 @@ def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
     One prefill can serve several policies: collect the union of their
     `transform.stats` and `compress` it once per policy with `keep_input=True`.
     """
+    args, lengths = prefill_inputs(model, prompts, stats=stats, room=room, capacity=capacity,
+                                   chunk=chunk, cache_dtype=cache_dtype, place_cache=place_cache)
+    logits, cache, layer_stats = _prefill(model, *args, impl)
+    return Prefilled(logits, cache, layer_stats, None, lengths)
+
+
+def prefill_inputs(model: Llama, prompts: Sequence[Sequence[int]], *,
+                   stats: StatsSpec = NO_STATS, room: int = 0, capacity: int | None = None,
+                   chunk: int = 256, cache_dtype: Any = jnp.float32,
+                   place_cache: Callable[[Cache], Cache] | None = None) -> tuple[tuple, np.ndarray]:
+    """`prefill_batch`'s checked inputs: ((tokens, positions, cache, stats, chunk, spec),
+    prompt lengths [B]), the prompts left-padded to a multiple of the chunk actually used and
+    an empty cache of `capacity` slots. `_prefill(model, *inputs, impl)` runs them; their
+    shapes are what a prefill compiles for (`experiments/bench_compile.py --compile-only`)."""
     if not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     chunk = min(chunk, max(len(p) for p in prompts)) if prompts else chunk
@@ -247,10 +261,8 @@ def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
                                    track_mass=stats.attention_mass)
     if place_cache is not None:
         cache = place_cache(cache)
-    logits, cache, layer_stats = _prefill(model, jnp.asarray(padded.tokens),
-                                          jnp.asarray(padded.positions), cache,
-                                          model.init_stats(stats, cache), chunk, stats, impl)
-    return Prefilled(logits, cache, layer_stats, None, padded.lengths)
+    return ((jnp.asarray(padded.tokens), jnp.asarray(padded.positions), cache,
+             model.init_stats(stats, cache), chunk, stats), padded.lengths)
 
 
 def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink: bool = True,
