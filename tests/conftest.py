@@ -84,23 +84,6 @@ def _free_compiled_programs():
     jax.clear_caches()
 
 
-OPTIONAL = "[optional]"  # skip reasons starting with this are allowed in CI (extras not installed)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """In CI (CI=true) a skipped test fails unless its reason starts with `[optional]`: model-
-    backed tests must never skip silently because a download or an extra went missing."""
-    outcome = yield
-    report = outcome.get_result()
-    if not (os.environ.get("CI") and report.skipped) or hasattr(report, "wasxfail"):
-        return
-    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    if not reason.removeprefix("Skipped: ").startswith(OPTIONAL):
-        report.outcome = "failed"
-        report.longrepr = f"skipped in CI, which must run every test: {reason}"
-
-
 class TraceCounter:
     """Counts jaxpr traces (any `jax.jit` tracing its function) while active, through the
     public `jax.monitoring` events. A warm call of a jitted function traces nothing."""
