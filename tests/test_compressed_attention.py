@@ -4,7 +4,16 @@
 equal `attend_reference` on the same layer, which decodes it whole with
 `kvjax.view`: same slots, same decoded floats, only the summation order
 differs, so the tolerance is float32 rounding of a D-term dot and a softmax.
+
+On a one-device CPU a decode step's parts go through the C++ kernel
+(`kvjax.cpu_kernel`) wherever it reads their format; everywhere else (a multi-device run,
+`jax.export`, a TPU or GPU) through XLA's block-by-block loop. Both paths are checked: each
+case runs once as the process chooses (`cpu_kernel`, and the compiled program must call the
+kernel where it serves) and once under `cpu_kernel.disabled()` (`xla_loop`, and the program
+must not call it).
 """
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +21,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax import cpu_kernel
 from kvjax.attention import MATVEC_ROWS, _scores
 from kvjax.stores import PackedChannels, read
 
@@ -41,23 +51,55 @@ METHODS = [("quantize:bits=4", 1), ("quantize:bits=2,symmetric=true", 5),
            ("quantize:bits=4,axis=channel,group=16", 1)]
 
 
+PATHS = ["cpu_kernel", "xla_loop"]
+KERNEL_READS = {"quantize:bits=4", "quantize:bits=2,symmetric=true",
+                "kivi:bits=4,group=16,residual=32", "random:ratio=0.5+kivi:bits=4,group=16,residual=16",
+                "kivi:bits=4,group=16,residual=16+random:ratio=0.5", "random:ratio=0.75",
+                "random:ratio=0.5,headwise=true+quantize:bits=4",
+                "quantize:bits=4,axis=channel,group=16"}
+"""The layers of METHODS whose decode step (t = 1) the C++ kernel reads, at least in part
+(fp8 pages and prefill chunks stay in the loop)."""
+
+
+def _on_path(path: str):
+    assert path in PATHS
+    return cpu_kernel.disabled() if path == "xla_loop" else contextlib.nullcontext()
+
+
+def _compiled_on(path: str, fn, *args):
+    """`fn` jitted and traced on `path`, and whether its program calls the kernel. A new
+    function each time: `jax.jit` keys its trace cache on the function, not on the path."""
+    with _on_path(path):
+        lowered = jax.jit(lambda *a: fn(*a)).lower(*args)
+    return lowered.compile(), cpu_kernel.TARGET in lowered.as_text()
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("method, t", METHODS)  # t = 12: more query rows than MATVEC_ROWS
-def test_blockwise_over_compressed_layer_equals_reference_on_its_view(method, t):
+def test_blockwise_over_compressed_layer_equals_reference_on_its_view(method, t, path):
     ctx = 150
     layer = _layer(method, ctx)
     q, q_pos = _queries(t, ctx)
     want = kvjax.attend_reference(q, q_pos, layer)
     for block in (48, None):  # blocks across groups; the default (the whole layer here)
-        got = kvjax.attend_blockwise(q, q_pos, layer, block=block)
+        step, calls_kernel = _compiled_on(
+            path, lambda q, p, c: kvjax.attend_blockwise(q, p, c, block=block), q, q_pos, layer)
+        decode_step = t * (H // KVH) <= MATVEC_ROWS  # query rows per cache row
+        assert calls_kernel == (path == "cpu_kernel" and decode_step
+                                and method in KERNEL_READS), (path, method, t)
+        got = step(q, q_pos, layer)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=TOL, atol=TOL)
 
 
-def test_residual_layer_with_bf16_exact_part_is_read_as_float32():
+@pytest.mark.parametrize("path", PATHS)
+def test_residual_layer_with_bf16_exact_part_is_read_as_float32(path):
     """The exact part of a bf16 KIVI layer is widened, as `view` widens it (no bf16 dots)."""
     layer = _layer("kivi:bits=4,group=16,residual=32", 120, dtype=jnp.bfloat16)
     assert layer.recent.k.dtype == jnp.bfloat16
     q, q_pos = _queries(1, 120)
-    np.testing.assert_allclose(np.asarray(kvjax.attend(q, q_pos, layer)),
+    step, calls_kernel = _compiled_on(path, kvjax.attend, q, q_pos, layer)
+    assert calls_kernel == (path == "cpu_kernel")
+    np.testing.assert_allclose(np.asarray(step(q, q_pos, layer)),
                                np.asarray(kvjax.attend_reference(q, q_pos, layer)),
                                rtol=TOL, atol=TOL)
 
