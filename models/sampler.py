@@ -103,6 +103,30 @@ def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int, pad_id: int = 0
     return PaddedPrompts(tokens, positions, lengths)
 
 
+def windowed_layers(model: Llama) -> tuple[int, ...]:
+    """The model's sliding-window layers: their cache holds the window by construction
+    (`CacheSpec.windows`), so it never runs out of room and no method compresses it."""
+    windows = getattr(model.config.cache_spec, "windows", None) or ()
+    return tuple(i for i, w in enumerate(windows) if w is not None)
+
+
+def for_full_layers(model: Llama, transform: CacheTransform) -> CacheTransform:
+    """`transform` on the model's full-attention layers only (`kvjax.on_layers`); a model
+    whose every layer is windowed (Mistral or Phi-3 with a sliding window) keeps its
+    window caches as they are (`full`)."""
+    windowed = windowed_layers(model)
+    if not windowed or transform is full():
+        return transform
+    rest = [i for i in range(model.config.num_layers) if i not in windowed]
+    return kvjax.on_layers(transform, rest) if rest else full()
+
+
+def _room_checked(model: Llama, cache: Cache):
+    """(index, layer) of the layers whose free tokens bound a write (not the windowed)."""
+    windowed = windowed_layers(model)
+    return [(i, layer) for i, layer in enumerate(cache) if i not in windowed]
+
+
 @functools.partial(jax.jit, static_argnames=("chunk", "spec", "impl"), donate_argnames=("cache",))
 def _prefill(model, tokens, positions, cache, stats, chunk, spec=NO_STATS, impl="xla"):
     b, width = tokens.shape
@@ -131,9 +155,10 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
     if width % chunk:
         raise ValueError(f"prompt width {width} is not a multiple of the chunk size {chunk}")
     kvjax.check_cache(cache, model.config.cache_spec, b)
-    if width > kvjax.free_tokens(cache[0]):
-        raise ValueError(f"prompt of {width} padded tokens does not fit the cache "
-                         f"({kvjax.free_tokens(cache[0])} tokens free)")
+    for _, layer in _room_checked(model, cache)[:1]:
+        if width > kvjax.free_tokens(layer):
+            raise ValueError(f"prompt of {width} padded tokens does not fit the cache "
+                             f"({kvjax.free_tokens(layer)} tokens free)")
     logits, cache, _ = _prefill(model, jnp.asarray(tokens), jnp.asarray(positions), cache, None,
                                 chunk, NO_STATS, impl)
     return logits, cache
@@ -306,11 +331,16 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
         >>> kvjax.nbytes(half.cache), kvjax.nbytes(full.cache)   # 32 + 8 slots vs 64 + 8
         (21128, 38024)
     """
-    transform = transform or full()
+    transform = for_full_layers(model, transform or full())
     pre = prefill_batch(model, prompts, stats=transform.stats, room=room, capacity=capacity,
                         chunk=chunk, cache_dtype=cache_dtype, place_cache=place_cache,
                         impl=impl)
-    return compress(pre, transform, room=room, shrink=shrink, max_write=max_write)
+    out = compress(pre, transform, room=room, shrink=shrink, max_write=max_write)
+    windowed = windowed_layers(model)
+    if windowed and out.cache is not pre.cache:  # `shrink` cut every layer: windows stay
+        out = out._replace(cache=tuple(pre.cache[i] if i in windowed else layer
+                                       for i, layer in enumerate(out.cache)))
+    return out
 
 
 def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
@@ -321,7 +351,7 @@ def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
     `suffixes[b]` continues sequence `b` at position `pre.next_pos[b]`. This is
     how a question meets a context compressed without it (query-agnostic).
     """
-    spec = (transform or full()).stats
+    spec = for_full_layers(model, transform or full()).stats
     if len(suffixes) != len(pre.next_pos):
         raise ValueError(f"{len(suffixes)} suffixes for a batch of {len(pre.next_pos)}")
     chunk = min(chunk, max(len(p) for p in suffixes))
@@ -331,7 +361,7 @@ def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
     if (pre.next_pos + padded.lengths).max() > model.config.max_position:
         raise ValueError(f"the extended sequences reach {(pre.next_pos + padded.lengths).max()}"
                          f" tokens, past the model's {model.config.max_position} positions")
-    for i, layer in enumerate(pre.cache):
+    for i, layer in _room_checked(model, pre.cache):
         free = kvjax.free_tokens(layer)
         if width > free:
             raise ValueError(f"{width} more (padded) tokens do not fit layer {i}: {free} free "
@@ -414,8 +444,8 @@ def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
     drawn is never written). Without `compress_every` the loop collects no
     statistics and compiles once per cache shape, whatever the transform.
     """
-    transform = transform or full()
-    for i, layer in enumerate(pre.cache):
+    transform = for_full_layers(model, transform or full())
+    for i, layer in _room_checked(model, pre.cache):
         free = kvjax.free_tokens(layer)
         if max_new_tokens - 1 > free:
             raise ValueError(f"{max_new_tokens} new tokens do not fit layer {i} of the cache "
