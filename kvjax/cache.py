@@ -237,11 +237,32 @@ def free_tokens(layer: Layer) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
-    """What a model needs from its cache: layer count and per-layer KV shape."""
+    """What a model needs from its cache: layer count and per-layer KV shape.
+
+    `windows` (optional, one entry per layer): a layer with a window `w` attends only to
+    its last `w` tokens (sliding-window attention), so its cache needs at most `w` slots
+    whatever the context; None entries are full-attention layers.
+    """
 
     num_layers: int
     kv_heads: int
     head_dim: int
+    windows: tuple[int | None, ...] | None = None
+
+    def __post_init__(self):
+        if self.windows is not None:
+            if len(self.windows) != self.num_layers:
+                raise ValueError(f"CacheSpec.windows has {len(self.windows)} entries, "
+                                 f"num_layers is {self.num_layers}")
+            for w in self.windows:
+                if w is not None and (not isinstance(w, (int, np.integer)) or w < 1):
+                    raise ValueError(f"CacheSpec.windows entries must be ints >= 1 or None, "
+                                     f"got {w!r}")
+
+    def layer_capacity(self, layer: int, capacity: int) -> int:
+        """Slots of `layer` in a cache of `capacity`: a windowed layer's window when smaller."""
+        w = None if self.windows is None else self.windows[layer]
+        return capacity if w is None else min(capacity, int(w))
 
 
 def init_cache(batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -269,15 +290,17 @@ def init_cache(batch: int, kv_heads: int, capacity: int, head_dim: int,
 
 def init_model_cache(spec: CacheSpec, batch: int, capacity: int,
                      dtype: Any = jnp.float32, track_mass: bool = False) -> Cache:
-    """An empty cache for every layer of a model described by `spec`.
+    """An empty cache for every layer of a model described by `spec`: `capacity` slots per
+    layer, a windowed layer's `min(window, capacity)` (`CacheSpec.windows`).
 
     Example:
         >>> cache = init_model_cache(CacheSpec(30, 3, 64), batch=1, capacity=2048)
         >>> len(cache), cache[0].k.shape, cache[0].pos.shape
         (30, (3, 2048, 64), (1, 3, 2048))
     """
-    return tuple(init_cache(batch, spec.kv_heads, capacity, spec.head_dim, dtype, track_mass)
-                 for _ in range(spec.num_layers))
+    return tuple(init_cache(batch, spec.kv_heads, spec.layer_capacity(i, capacity),
+                            spec.head_dim, dtype, track_mass)
+                 for i in range(spec.num_layers))
 
 
 def write(cache: Layer, k_new: jax.Array, v_new: jax.Array,

@@ -1,8 +1,14 @@
 """A Llama-family decoder in Flax NNX that takes and returns its KV cache.
 
-Covers Llama 2/3, SmolLM/SmolLM2, Mistral-style and Qwen2 checkpoints:
-RMSNorm, RoPE (optionally with Llama-3 frequency scaling), grouped-query
-attention, SwiGLU MLP, tied or untied embeddings, optional q/k/v biases.
+Covers Llama 2/3, SmolLM/SmolLM2, Mistral (with its sliding window), Qwen2,
+Qwen3, Phi-3 and Gemma 3 text checkpoints: RMSNorm, RoPE (optionally with
+Llama-3 or linear frequency scaling), grouped-query attention, gated MLP,
+tied or untied embeddings. The families differ only in config fields
+(`models.families` reads them from a Hugging Face config.json): q/k/v biases
+(Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), (1 + w) norms, norms around
+attention and MLP, GELU-tanh, scaled embeddings, a query scale and logit
+soft-capping (Gemma 3), and windowed layers (Mistral, Gemma 3's local layers:
+their cache holds the window, `layer_windows`).
 
 The residual stream and all normalisation run in float32; weights may be
 bfloat16, in which case matmuls run as `dot(bf16, bf16) -> f32`.
@@ -32,18 +38,34 @@ from flax import nnx
 
 import kvjax
 from kvjax import cpu_kernel
-from kvjax.cache import Cache, CacheSpec, TokenCache
+from kvjax.cache import EMPTY, Cache, CacheSpec, TokenCache
+from kvjax.stores import is_encoded
 from kvjax.stats import NO_STATS, LayerStats, StatsSpec, accumulate_mass, init_stats, observe
+
+
+ROPE_TYPES = ("llama3", "linear")
+ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full", "sliding")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style RoPE frequency scaling (`rope_type: llama3`)."""
+    """RoPE frequency scaling: Llama-3 style (`rope_type: llama3`, the default) or linear
+    (`linear`: every inverse frequency divided by `factor`; Gemma 3's global layers)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    rope_type: str = "llama3"
+
+    def __post_init__(self):
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeScaling.rope_type must be one of {ROPE_TYPES}, "
+                             f"got {self.rope_type!r}")
+        if not 0 < float(self.factor) < float("inf"):
+            raise ValueError(f"RopeScaling.factor must be a positive finite number, "
+                             f"got {self.factor!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +88,18 @@ class LlamaConfig:
     max_position: int = 2048
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
+    # --- family variations (defaults: Llama) ---
+    qk_norm: bool = False  # RMSNorm over head_dim on queries and keys before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # norms scale by (norm_offset + weight): Gemma's (1 + w)
+    sandwich_norms: bool = False  # Gemma 3: norms after attention and before/after the MLP
+    activation: str = "silu"  # the MLP's gate: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    sliding_window: int | None = None  # a sliding layer's query sees itself + window - 1 before
+    layer_types: tuple[str, ...] | None = None  # "full" / "sliding" per layer; None: all full
+    local_rope_theta: float | None = None  # RoPE base of sliding layers (unscaled); None: rope_theta
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -77,11 +111,32 @@ class LlamaConfig:
                              f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"LlamaConfig: head_dim {self.head_dim} must be even for RoPE")
-        for name in ("rope_theta", "rms_norm_eps"):
+        for name in ("rope_theta", "rms_norm_eps", "query_scale", "attn_softcap",
+                     "final_softcap", "local_rope_theta"):
             value = getattr(self, name)
+            if value is None and name not in ("rope_theta", "rms_norm_eps"):
+                continue
             if isinstance(value, (str, bool)) or not 0 < float(value) < float("inf"):
                 raise ValueError(f"LlamaConfig.{name} must be a positive finite number, "
                                  f"got {value!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"LlamaConfig.activation must be one of {ACTIVATIONS}, "
+                             f"got {self.activation!r}")
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool) or
+                                                not isinstance(self.sliding_window, int) or
+                                                self.sliding_window < 1):
+            raise ValueError(f"LlamaConfig.sliding_window must be an int >= 1 or None, "
+                             f"got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"LlamaConfig.layer_types has {len(self.layer_types)} entries, "
+                                 f"num_layers is {self.num_layers}")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"LlamaConfig.layer_types: {bad} not in {LAYER_TYPES}")
+            if "sliding" in self.layer_types and self.sliding_window is None:
+                raise ValueError("LlamaConfig.layer_types has sliding layers but "
+                                 "sliding_window is None")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (tuples as lists); `LlamaConfig.from_dict` inverts it."""
@@ -91,6 +146,8 @@ class LlamaConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "LlamaConfig":
         """The config `to_dict` (or a saved config.json of the converted store) describes."""
         raw = dict(raw, eos_ids=tuple(raw["eos_ids"]))
+        if raw.get("layer_types") is not None:
+            raw["layer_types"] = tuple(raw["layer_types"])
         if raw.get("rope_freq_factors") is not None:
             raw["rope_freq_factors"] = tuple(raw["rope_freq_factors"])
         if raw.get("rope_scaling") is not None:
@@ -98,8 +155,16 @@ class LlamaConfig:
         return cls(**raw)
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Per layer: its attention window (a sliding layer) or None (full attention)."""
+        types = self.layer_types or ("full",) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding" else None for t in types)
+
+    @property
     def cache_spec(self) -> CacheSpec:
-        return CacheSpec(self.num_layers, self.num_kv_heads, self.head_dim)
+        windows = self.layer_windows
+        return CacheSpec(self.num_layers, self.num_kv_heads, self.head_dim,
+                         windows=windows if any(w is not None for w in windows) else None)
 
     @classmethod
     def smollm2_135m(cls) -> "LlamaConfig":
@@ -119,12 +184,21 @@ class LlamaConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
-    """[head_dim // 2] float32 inverse frequencies, with Llama-3 scaling if set."""
+def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies, with the config's scaling if set.
+
+    `local`: a sliding layer's, from `local_rope_theta` unscaled when the config has one
+    (Gemma 3); otherwise the same as the full layers'.
+    """
     d = cfg.head_dim
+    if local and cfg.local_rope_theta is not None:
+        inv = 1.0 / (cfg.local_rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        return inv.astype(np.float32)
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     s = cfg.rope_scaling
-    if s is not None:
+    if s is not None and s.rope_type == "linear":
+        inv = inv / s.factor
+    elif s is not None:
         low_wavelen = s.original_max_position / s.low_freq_factor
         high_wavelen = s.original_max_position / s.high_freq_factor
         wavelen = 2 * math.pi / inv
@@ -172,38 +246,100 @@ def dense_together(x: jax.Array, layers: tuple[Dense, ...]) -> tuple[jax.Array, 
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    """x * rsqrt(mean(x**2) + eps) * (offset + weight): `offset` 1 is Gemma's (1 + w) norm,
+    whose weights are stored as the difference from 1 (zeros at init)."""
+
+    def __init__(self, dim: int, eps: float, dtype=jnp.float32, offset: float = 0.0):
+        self.weight = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x: jax.Array) -> jax.Array:  # x: [..., dim] float32
-        return cpu_kernel.rms_norm(x, self.weight[...], self.eps)
+        w = self.weight[...]
+        if self.offset:
+            w = self.offset + w.astype(jnp.float32)
+        return cpu_kernel.rms_norm(x, w, self.eps)
+
+
+def _norm(cfg: LlamaConfig, dim: int, dtype) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype, cfg.norm_offset)
+
+
+def window_attend(q: jax.Array, positions: jax.Array, cache: TokenCache, k: jax.Array,
+                  v: jax.Array, window: int, impl: str, softcap: float | None = None):
+    """A sliding layer's write and attention: its cache keeps the newest `capacity` slots.
+
+    The new keys and values (`k`, `v` [B, KVH, T, D]) are written after the cache's slots in
+    a joined layer of `capacity + T` slots; the queries `q` [B, T, H, D] attend over it with
+    the window mask (each sees itself and the `window - 1` tokens before it), and the cache
+    keeps the newest `capacity` written slots: a `window`-slot cache loses nothing the next
+    queries can see. Returns (output [B, T, H, D], joined layer, kept layer).
+    """
+    if not isinstance(cache, TokenCache) or is_encoded(cache.k) or cache.pooled:
+        raise ValueError(f"a sliding-window layer keeps a plain TokenCache (its window is its "
+                         f"policy); got a {type(cache).__name__}"
+                         f"{' with encoded stores' if isinstance(cache, TokenCache) else ''}: "
+                         f"apply compression to the full-attention layers only")
+    t = k.shape[2]
+    c = cache.capacity
+    pad = lambda x, fill, axis: jnp.concatenate(  # t empty slots after the cache's c
+        [x, jnp.full(x.shape[:axis] + (t,) + x.shape[axis + 1:], fill, x.dtype)], axis=axis)
+    joined = cache.replace(k=pad(cache.k, 0, 1), v=pad(cache.v, 0, 1),  # [B*KVH, c + t, D]
+                           pos=pad(cache.pos, EMPTY, 2),  # [B, KVH, c + t]
+                           mass=None if cache.mass is None else pad(cache.mass, 0, 2))
+    joined = kvjax.write(joined, k, v, positions)
+    out = kvjax.attend(q, positions, joined, impl=impl, window=window, softcap=softcap)
+    return out, joined
+
+
+def keep_newest(joined: TokenCache, capacity: int) -> TokenCache:
+    """The newest `capacity` written slots of `joined` (slots [length - capacity, length))."""
+    start = jnp.maximum(joined.length - capacity, 0)
+    take = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, start, capacity, axis)
+    return joined.replace(k=take(joined.k, 1), v=take(joined.v, 1), pos=take(joined.pos, 2),
+                          mass=None if joined.mass is None else take(joined.mass, 2),
+                          length=joined.length - start)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, window: int | None = None):
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = Dense(cfg.hidden_size, h * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Dense(cfg.hidden_size, kvh * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.v_proj = Dense(cfg.hidden_size, kvh * d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Dense(h * d, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.q_norm = _norm(cfg, d, dtype) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, d, dtype) if cfg.qk_norm else None
         self.shape = (h, kvh, d)
         self.config = cfg
+        self.window = window  # a sliding layer's window, None for full attention
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: TokenCache, impl: str,
                  stats: LayerStats | None = None, spec: StatsSpec = NO_STATS):
         """x [B*T, hidden] float32, positions [B, T] -> (output [B*T, hidden], cache, stats)."""
         b, t = positions.shape
         h, kvh, d = self.shape
-        inv_freq = rope_frequencies(self.config)
+        cfg = self.config
+        inv_freq = rope_frequencies(cfg, local=self.window is not None)
         q_pre, k, v = dense_together(x, (self.q_proj, self.k_proj, self.v_proj))
         q_pre = q_pre.reshape(b, t, h, d)
+        k = k.reshape(b, t, kvh, d)
+        if self.q_norm is not None:
+            q_pre, k = self.q_norm(q_pre), self.k_norm(k)
+        if cfg.query_scale is not None:  # kvjax.attend scales by d ** -0.5: fold in the rest
+            q_pre = q_pre * np.float32(cfg.query_scale * math.sqrt(d))
         q = apply_rope(q_pre, positions, inv_freq)
-        k = apply_rope(k.reshape(b, t, kvh, d), positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
         v = v.reshape(b, t, kvh, d)
-        cache = kvjax.write(cache, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions)
-        out = kvjax.attend(q, positions, cache, impl=impl)  # [B, T, H, D]
-        cache = accumulate_mass(cache, q, positions)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KVH, T, D]
+        if self.window is None:
+            cache = kvjax.write(cache, k, v, positions)
+            out = kvjax.attend(q, positions, cache, impl=impl, softcap=cfg.attn_softcap)
+            cache = accumulate_mass(cache, q, positions)
+        else:
+            out, joined = window_attend(q, positions, cache, k, v, self.window, impl,
+                                        cfg.attn_softcap)
+            cache = keep_newest(accumulate_mass(joined, q, positions), cache.capacity)
         if stats is not None:
             stats = observe(spec, stats, q_pre, q, positions)
         return self.o_proj(out.reshape(b * t, h * d)), cache, stats
@@ -214,23 +350,35 @@ class MLP(nnx.Module):
         self.gate_proj = Dense(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.up_proj = Dense(cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
         self.down_proj = Dense(cfg.intermediate_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.activation = cfg.activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         gate, up = dense_together(x, (self.gate_proj, self.up_proj))
-        return self.down_proj(jax.nn.silu(gate) * up)
+        act = (jax.nn.silu(gate) if self.activation == "silu"
+               else jax.nn.gelu(gate, approximate=True))
+        return self.down_proj(act * up)
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    """Pre-norm decoder layer; with `sandwich_norms` (Gemma 3) the attention's and the MLP's
+    outputs are normed too before they join the residual stream."""
+
+    def __init__(self, cfg: LlamaConfig, *, dtype, rngs: nnx.Rngs, window: int | None = None):
+        self.input_norm = _norm(cfg, cfg.hidden_size, dtype)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs, window=window)
+        self.post_attn_norm = _norm(cfg, cfg.hidden_size, dtype)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        # sandwich: post_attn_norm norms the attention output; these norm the MLP's in and out
+        self.pre_mlp_norm = _norm(cfg, cfg.hidden_size, dtype) if cfg.sandwich_norms else None
+        self.post_mlp_norm = _norm(cfg, cfg.hidden_size, dtype) if cfg.sandwich_norms else None
 
     def __call__(self, x, positions, cache, impl, stats=None, spec=NO_STATS):  # x [B*T, hidden]
         a, cache, stats = self.attn(self.input_norm(x), positions, cache, impl, stats, spec)
-        x = x + a
-        return x + self.mlp(self.post_attn_norm(x)), cache, stats
+        if self.pre_mlp_norm is None:
+            x = x + a
+            return x + self.mlp(self.post_attn_norm(x)), cache, stats
+        x = x + self.post_attn_norm(a)
+        return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x))), cache, stats
 
 
 # Under jit with impl="xla", trace and lower a layer once per cache type. Kernel impls keep
@@ -260,8 +408,9 @@ class Llama(nnx.Module):
         self.config = cfg
         self.embed = nnx.Param(jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size),
                                                  dtype) * 0.02)
-        self.layers = nnx.List([Block(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.layers = nnx.List([Block(cfg, dtype=dtype, rngs=rngs, window=w)
+                                for w in cfg.layer_windows])
+        self.norm = _norm(cfg, cfg.hidden_size, dtype)
         self.lm_head = None if cfg.tie_embeddings else Dense(
             cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs)
 
@@ -287,6 +436,8 @@ class Llama(nnx.Module):
         # its adds would make XLA's reshape-mover sink them one add per simplification
         # round, ~2 rounds per layer (DECISIONS "Compile: the residual stream in 2-D").
         x = jnp.take(self.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
+        if self.config.scale_embeddings:  # Gemma: sqrt(hidden) rounded to the weights' dtype
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.embed.dtype).astype(jnp.float32)
         new_cache, new_stats = [], []
         block = _shared_block()
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -318,6 +469,11 @@ class Llama(nnx.Module):
         which XLA fuses into one loop that reads the embedding once (~35% less CPU than its
         dot at 2-32 rows, docs/DECISIONS.md); one row and long blocks keep the dot.
         """
+        logits = self._logits(h)
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    def _logits(self, h: jax.Array) -> jax.Array:
         if self.lm_head is not None:
             return self.lm_head(h)
         emb = self.embed[...]

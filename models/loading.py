@@ -29,13 +29,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.llama import Llama, LlamaConfig, RopeScaling
+from models import families
+from models.llama import Llama, LlamaConfig
 
 Params = dict[tuple[Any, ...], np.ndarray]
 """Flat weights keyed by the model's state path, e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')."""
 
 GGUF_ARCHS = ("llama", "qwen2")
-HF_ARCHS = ("llama", "mistral", "qwen2")
+HF_ARCHS = families.FAMILIES
 
 
 # ----------------------------------------------------------------------------- building
@@ -64,8 +65,10 @@ def build_model(cfg: LlamaConfig, params: Params, dtype: Any = jnp.float32) -> L
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-def _layer_params(i: int, get, transpose) -> Iterable[tuple[tuple, np.ndarray]]:
-    """Yield one decoder layer's weights given `get(name) -> array | None` by our names."""
+def _layer_params(i: int, get, transpose,
+                  cfg: LlamaConfig | None = None) -> Iterable[tuple[tuple, np.ndarray]]:
+    """Yield one decoder layer's weights given `get(name) -> array | None` by our names
+    (with `cfg`, the q/k norms and the MLP's norms its family has)."""
     prefix = ("layers", i)
     for ours in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
@@ -74,8 +77,13 @@ def _layer_params(i: int, get, transpose) -> Iterable[tuple[tuple, np.ndarray]]:
         bias = get(ours + ".bias")
         if bias is not None:
             yield path + ("bias",), bias
-    yield prefix + ("input_norm", "weight"), get("input_norm.weight")
-    yield prefix + ("post_attn_norm", "weight"), get("post_attn_norm.weight")
+    norms = ["input_norm", "post_attn_norm"]
+    if cfg is not None and cfg.qk_norm:
+        norms += ["attn.q_norm", "attn.k_norm"]
+    if cfg is not None and cfg.sandwich_norms:
+        norms += ["pre_mlp_norm", "post_mlp_norm"]
+    for ours in norms:
+        yield prefix + tuple(ours.split(".")) + ("weight",), get(ours + ".weight")
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -225,40 +233,16 @@ _HF_LAYER_NAMES = {
     "attn.v_proj": "self_attn.v_proj", "attn.o_proj": "self_attn.o_proj",
     "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj",
     "mlp.down_proj": "mlp.down_proj", "input_norm": "input_layernorm",
-    "post_attn_norm": "post_attention_layernorm",
+    "post_attn_norm": "post_attention_layernorm", "attn.q_norm": "self_attn.q_norm",
+    "attn.k_norm": "self_attn.k_norm", "pre_mlp_norm": "pre_feedforward_layernorm",
+    "post_mlp_norm": "post_feedforward_layernorm",
 }
 
 
 def hf_config(raw: dict) -> LlamaConfig:
-    """LlamaConfig from a Hugging Face config.json dict; ValueError if unsupported."""
-    model_type = raw.get("model_type")
-    if model_type not in HF_ARCHS:
-        raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
-                         f"kvjax loads {HF_ARCHS}")
-    if (model_type == "mistral" and raw.get("sliding_window")) or raw.get("use_sliding_window"):
-        raise ValueError(f"{model_type} with sliding-window attention is not supported yet")
-    heads, hidden = raw["num_attention_heads"], raw["hidden_size"]
-    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"unsupported rope scaling {rope_type!r}; kvjax supports default and llama3")
-    scaling = None if rope_type != "llama3" else RopeScaling(
-        factor=rope["factor"], low_freq_factor=rope["low_freq_factor"],
-        high_freq_factor=rope["high_freq_factor"],
-        original_max_position=rope["original_max_position_embeddings"])
-    eos = raw.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    return LlamaConfig(
-        vocab_size=raw["vocab_size"], hidden_size=hidden,
-        intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
-        num_heads=heads, num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads,
-        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10_000.0))),
-        rope_scaling=scaling, rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
-        max_position=raw.get("max_position_embeddings", 2048),
-        bos_id=raw.get("bos_token_id"), eos_ids=eos_ids)
+    """LlamaConfig from a Hugging Face config.json dict; ValueError if unsupported
+    (`models.families.hf_config`)."""
+    return families.hf_config(raw)
 
 
 def load_hf_dir(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
@@ -287,6 +271,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
             raise ValueError(f"{path}: tensor {name!r} is missing")
         return raw.pop(name)
 
+    families.split_fused(raw, cfg)  # Phi-3's qkv_proj and gate_up_proj
     params: Params = {("embed",): required("model.embed_tokens.weight"),
                       ("norm", "weight"): required("model.norm.weight")}
     if not cfg.tie_embeddings:
@@ -297,7 +282,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
             base, _, kind = ours.rpartition(".")
             name = f"model.layers.{i}.{_HF_LAYER_NAMES[base]}.{kind}"
             return raw.pop(name, None) if kind == "bias" else required(name)
-        params.update(_layer_params(i, get, transpose=lambda w: w.T))
+        params.update(_layer_params(i, get, transpose=lambda w: w.T, cfg=cfg))
     leftover = [k for k in raw if "rotary_emb" not in k]
     if leftover:
         raise ValueError(f"{path}: unexpected tensors {leftover[:5]}")

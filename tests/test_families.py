@@ -1,0 +1,210 @@
+"""Each model family loads from a Hugging Face directory and equals transformers.
+
+Reference: ``tests/golden/families/<name>/`` holds a tiny random checkpoint of
+each family written by transformers 5.2 and its float32 logits over 272 tokens
+and 32 greedy tokens (``experiments/make_golden_families.py``): Qwen2 (q/k/v
+biases), Qwen3 (q/k norm, head_dim 32), Mistral with a 48-token sliding window,
+Gemma 3 text (sliding / full / sliding layers, window 40, two RoPE bases,
+(1 + w) sandwich norms, GELU-tanh, scaled embeddings, query_pre_attn_scalar,
+final soft-capping, tied) and Phi-3 (fused qkv and gate/up, window 64). No
+transformers here: the tests read the committed files.
+
+Measured (float32, max |ours - theirs| / max |theirs|): 0.7e-6 to 1.1e-6 for
+all five over the 272 tokens in one call; the chunked prefill (64-token chunks
+through window-sized caches) and token-by-token decoding stay within the same
+bound. Greedy tokens: all 32 identical for every family.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from models.families import hf_config
+from models.llama import LlamaConfig
+from models.loading import build_model, load_hf_dir
+from models.sampler import generate
+
+GOLDEN = Path(__file__).parent / "golden" / "families"
+FAMILIES = ("qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
+WINDOWS = {"qwen2": (None, None), "qwen3": (None, None), "mistral_sw": (48, 48),
+           "gemma3": (40, None, 40), "phi3": (64, 64)}
+F32_REL = 1e-5  # the issue's bound; measured 0.7e-6 - 1.1e-6
+
+
+def relative_error(ours, theirs) -> float:
+    """max |ours - theirs| / max |theirs| (the logits are O(1): std 1.0-1.2)."""
+    theirs = np.asarray(theirs, np.float64)
+    return float(np.abs(np.asarray(ours, np.float64) - theirs).max() / np.abs(theirs).max())
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    """(name, float32 model, golden arrays) of one family."""
+    cfg, params = load_hf_dir(GOLDEN / request.param)
+    golden = dict(np.load(GOLDEN / request.param / "golden.npz"))
+    return request.param, build_model(cfg, params), golden, params
+
+
+def test_config_reads_each_family(family):
+    name, model, _, _ = family
+    cfg = model.config
+    assert cfg.layer_windows == WINDOWS[name]
+    raw = json.loads((GOLDEN / name / "config.json").read_text())
+    assert cfg.head_dim == raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
+    if name == "gemma3":
+        assert (cfg.norm_offset, cfg.sandwich_norms, cfg.activation, cfg.scale_embeddings) == \
+            (1.0, True, "gelu_tanh", True)
+        assert cfg.query_scale == 24 ** -0.5 and cfg.final_softcap == 30.0 and cfg.qk_norm
+        assert (cfg.rope_theta, cfg.local_rope_theta) == (1e6, 1e4)
+        assert cfg.rope_scaling.rope_type == "linear" and cfg.rope_scaling.factor == 8.0
+    assert cfg.qk_norm == (name in ("qwen3", "gemma3"))
+    assert cfg.attention_bias == (name == "qwen2")
+
+
+def test_logits_equal_transformers_over_272_tokens(family):
+    name, model, golden, _ = family
+    ids = jnp.asarray(golden["input_ids"], jnp.int32)  # [1, 272]
+    t = ids.shape[1]
+    cache = kvjax.init_model_cache(model.config.cache_spec, 1, t)
+    logits, cache = model(ids, jnp.arange(t)[None], cache)
+    assert relative_error(logits, golden["logits"]) <= F32_REL
+    for layer, window in zip(cache, model.config.layer_windows):  # a window's cache: its window
+        assert layer.capacity == (t if window is None else window)
+
+
+def test_chunked_prefill_then_token_by_token_equals_transformers(family):
+    """64-token chunks, then the last 16 tokens one at a time: every window cache is joined
+    with new tokens and cut back to its window many times, and the logits stay equal."""
+    name, model, golden, _ = family
+    ids = jnp.asarray(golden["input_ids"], jnp.int32)
+    t, chunk, steps = ids.shape[1], 64, 16
+    cache = kvjax.init_model_cache(model.config.cache_spec, 1, t)
+    step = jax.jit(lambda m, x, p, c: m(x, p, c))
+    outs = []
+    for start in range(0, t - steps, chunk):
+        end = min(start + chunk, t - steps)
+        logits, cache = step(model, ids[:, start:end], jnp.arange(start, end)[None], cache)
+        outs.append(logits)
+    for i in range(t - steps, t):
+        logits, cache = step(model, ids[:, i:i + 1], jnp.array([[i]]), cache)
+        outs.append(logits)
+    assert relative_error(jnp.concatenate(outs, axis=1), golden["logits"]) <= F32_REL
+
+
+def test_32_greedy_tokens_equal_transformers(family):
+    name, model, golden, _ = family
+    prompt = golden["input_ids"][0, :int(golden["prompt_len"])].tolist()  # 200 tokens
+    out = generate(model, [prompt], max_new_tokens=32, eos_ids=(), chunk=64)
+    np.testing.assert_array_equal(out.tokens[0], golden["greedy"])
+
+
+def test_bfloat16_weights_within_bf16_tolerance(family):
+    name, _, golden, params = family
+    model = build_model(hf_config(json.loads((GOLDEN / name / "config.json").read_text())),
+                        params, jnp.bfloat16)
+    ids = jnp.asarray(golden["input_ids"], jnp.int32)
+    t = ids.shape[1]
+    logits, _ = model(ids, jnp.arange(t)[None], kvjax.init_model_cache(
+        model.config.cache_spec, 1, t))
+    # bf16 weights (8 mantissa bits, relative rounding 2**-9) through 2-3 layers
+    assert relative_error(logits, golden["logits"]) < 3e-2
+
+
+def test_left_padded_batch_equals_each_prompt_alone(family):
+    """A window layer with left padding: two prompts of different lengths in one batch give
+    the tokens each gives alone (padding slots stay empty and masked)."""
+    name, model, golden, _ = family
+    ids = golden["input_ids"][0].tolist()
+    prompts = [ids[:150], ids[10:90]]
+    together = generate(model, prompts, max_new_tokens=8, eos_ids=(), chunk=64)
+    for row, p in enumerate(prompts):
+        alone = generate(model, [p], max_new_tokens=8, eos_ids=(), chunk=64)
+        np.testing.assert_array_equal(together.tokens[row], alone.tokens[0])
+
+
+# ----------------------------------------------------------------------------- cache bytes
+
+
+def test_gemma3_local_layers_cache_is_window_sized_at_8k():
+    """At 8k context a local layer holds its window, a global layer every token: nbytes."""
+    cfg = load_hf_dir(GOLDEN / "gemma3")[0]
+    cache = kvjax.init_model_cache(cfg.cache_spec, 1, 8192)
+    per_slot = 2 * cfg.num_kv_heads * cfg.head_dim * 4 + cfg.num_kv_heads * 4  # k, v, pos
+    for layer, window in zip(cache, cfg.layer_windows):
+        slots = 8192 if window is None else window
+        assert kvjax.nbytes(layer) == slots * per_slot + 4  # + the int32 cursor
+    assert [layer.capacity for layer in cache] == [40, 8192, 40]
+
+
+def test_gemma3_1b_shape_cache_bytes_at_8k():
+    """Gemma 3 1B's shapes (26 layers, 5 of 6 local with a 512 window, 1 KV head of 256):
+    its 8k cache is 22 window layers + 4 full ones, not 26 full ones (shapes only)."""
+    types = tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26))
+    cfg = LlamaConfig(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                      num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256,
+                      sliding_window=512, layer_types=types, max_position=32768)
+    cache = jax.eval_shape(lambda: kvjax.init_model_cache(cfg.cache_spec, 1, 8192,
+                                                          jnp.bfloat16))
+    per_slot = 2 * 256 * 2 + 4
+    assert types.count("full") == 4
+    assert kvjax.nbytes(cache) == (4 * 8192 + 22 * 512) * per_slot + 26 * 4
+    full = kvjax.nbytes(jax.eval_shape(lambda: kvjax.init_model_cache(
+        LlamaConfig(**{**cfg.__dict__, "layer_types": None, "sliding_window": None}).cache_spec,
+        1, 8192, jnp.bfloat16)))
+    assert math.isclose(kvjax.nbytes(cache) / full, (4 * 8192 + 22 * 512) / (26 * 8192),
+                        rel_tol=1e-3)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"model_type": "gemma3"}, "multimodal"),
+    ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
+    ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
+    ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0],
+                                             "long_factor": [1.0]}}, "rope_type='longrope'"),
+    ({"model_type": "llama", "hidden_act": "relu"}, "activation 'relu'"),
+    ({"model_type": "gemma3_text", "sliding_window": 8, "layer_types": ["chunked", "full"]},
+     "layer_types"),
+])
+def test_unsupported_configs_are_refused_by_name(raw, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        hf_config({**BASE, **raw})
+
+
+def test_config_errors_name_field_value_and_range():
+    with pytest.raises(ValueError, match=r"sliding_window must be an int >= 1 or None, got 0"):
+        LlamaConfig.tiny(sliding_window=0)
+    with pytest.raises(ValueError, match=r"layer_types has 1 entries, num_layers is 2"):
+        LlamaConfig.tiny(sliding_window=4, layer_types=("sliding",))
+    with pytest.raises(ValueError, match=r"activation must be one of \('silu', 'gelu_tanh'\)"):
+        LlamaConfig.tiny(activation="relu")
+    with pytest.raises(ValueError, match=r"sliding layers but sliding_window is None"):
+        LlamaConfig.tiny(layer_types=("sliding", "full"))
+
+
+def test_mistral_without_window_and_qwen_flagless_window_are_full_attention():
+    assert hf_config({**BASE, "model_type": "mistral", "sliding_window": None}).layer_windows \
+        == (None, None)
+    qwen = {**BASE, "model_type": "qwen2", "sliding_window": 32, "use_sliding_window": False}
+    assert hf_config(qwen).layer_windows == (None, None)
+    qwen = {**qwen, "use_sliding_window": True, "max_window_layers": 1}
+    assert hf_config(qwen).layer_windows == (None, 32)
+
+
+def test_config_round_trips_through_dict():
+    cfg = load_hf_dir(GOLDEN / "gemma3")[0]
+    assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
