@@ -55,7 +55,7 @@ from models.sampler import generate
 t1 = time.time()
 model, tok = load_model(sys.argv[2])
 t2 = time.time()
-ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
+ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
 out = generate(model, [ids], max_new_tokens=1, chunk=64, transform=kvjax.parse_method(sys.argv[3]))
 t3 = time.time()
 print(json.dumps({"imports": t1 - t0, "load": t2 - t1, "first_token": t3 - t2, "total": t3 - t0,

@@ -191,32 +191,35 @@ class TextCodec:
         self.special = {k: config.get(k) for k in ("bos_token", "eos_token", "pad_token")}
 
     def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """User text -> ids; a special token's spelling is ordinary text (`kvjax.chat`)."""
+        from kvjax.chat import encode_text
+
+        return encode_text(self.backend, text, what="prompt")
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def chat(self, text: str) -> str:
-        """`text` as one user turn of the chat template, the assistant's turn opened."""
+        """`text` as one user turn of the chat template, the assistant's turn opened (to show;
+        `encode_chat` gives its ids)."""
+        return "".join(t for t, _ in self._chat_pieces(text))
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Ids of `text` as one user turn, the assistant's turn opened: control ids only where
+        the template puts them, `text` encoded as ordinary text (`kvjax.chat`)."""
+        from kvjax.chat import encode_pieces
+
+        return encode_pieces(self.backend, self._chat_pieces(text))
+
+    def _chat_pieces(self, text: str) -> list[tuple[str, bool]]:
         if not self.chat_template:
             raise ValueError("chat: this artifact's tokenizer has no chat template")
-        from jinja2.exceptions import TemplateError
-        from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        def raise_exception(message):
-            raise TemplateError(message)
+        from kvjax.chat import compile_template, render
 
         # as Hugging Face renders chat templates (models.tokenizer does the same)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
-        env.filters["tojson"] = lambda v, ensure_ascii=False, indent=None, separators=None, \
-            sort_keys=False: json.dumps(v, ensure_ascii=ensure_ascii, indent=indent,
-                                        separators=separators, sort_keys=sort_keys)
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": text}], add_generation_prompt=True,
-            **{k: v or "" for k, v in self.special.items()})
+        return render(compile_template(self.chat_template), [{"role": "user", "content": text}],
+                      add_generation_prompt=True,
+                      **{k: v or "" for k, v in self.special.items()})
 
 
 # ----------------------------------------------------------------------------- the loader
@@ -308,13 +311,19 @@ class ExportedDecoder:
     def encode(self, prompts: Sequence[str] | Sequence[Sequence[int]], chat: bool = False
                ) -> list[list[int]]:
         """Token ids of each prompt (strings through the tokenizer, id lists as they are)."""
+        from kvjax.chat import token_id_lists
+
+        if isinstance(prompts, (str, bytes)) or prompts is None:
+            raise TypeError(f"prompts must be a list of strings or token-id lists, got "
+                            f"{type(prompts).__name__} {prompts!r:.80}")
         out = []
         for p in prompts:
             if isinstance(p, str):
                 if self.tokenizer is None:
                     raise ValueError("prompts: this artifact has no tokenizer; pass token ids")
-                p = self.tokenizer.encode(self.tokenizer.chat(p) if chat else p)
-            out.append([int(t) for t in p])
+                p = self.tokenizer.encode_chat(p) if chat else self.tokenizer.encode(p)
+            out.append(p)
+        out = token_id_lists(out)  # float ids are a TypeError, never truncated
         vocab = int(self.config["vocab_size"])
         for i, p in enumerate(out):
             if not p:

@@ -47,30 +47,75 @@ class Answer:
         return self.text
 
 
+def prompt_pieces(tokenizer, question: str, context: str | None = None, *,
+                  answer_prefix: str = "", chat: bool = True) -> tuple[list, int]:
+    """(pieces [(text, trusted)], index of the context's piece or -1): the prompt `chat_prompt`
+    encodes. Only the chat template's own text is trusted (may hold control tokens)."""
+    user = [question] if context is None else [context.rstrip(), f"\n\n{question}"]
+    if chat:
+        pieces = tokenizer.chat_pieces([{"role": "user", "content": user}],
+                                       add_generation_prompt=True)
+        pieces.append((answer_prefix, False))
+    else:
+        pieces = [(u, False) for u in user]
+        if answer_prefix:
+            pieces.append((f"\n{answer_prefix}", False))
+    if context is None:
+        return pieces, -1
+    # the context is the first user-text piece by construction (the template's text before it
+    # is trusted, and it is never empty unless the context is)
+    at = next(i for i, (text, trusted) in enumerate(pieces) if not trusted)
+    if pieces[at][0] not in (context.rstrip(), context.strip()):
+        raise ValueError("chat_prompt: the chat template put other text before the context")
+    return pieces, at
+
+
 def chat_prompt(tokenizer, question: str, context: str | None = None, *,
                 answer_prefix: str = "", chat: bool = True) -> tuple[list[int], list[int]]:
-    """(context ids, question ids): the rendered prompt, cut right after the context.
+    """(context ids, question ids): the prompt built from ids, cut right after the context.
 
-    The whole text is `context`, a blank line, `question` — inside the chat
-    template's user turn when `chat` — followed by `answer_prefix`, which opens
-    the assistant's reply (e.g. "The pass key is"; on a new line without `chat`). Without a context the first
-    list is empty. The cut is a paragraph break; when the two halves tokenize
+    The whole text is `context`, a blank line, `question` -- inside the chat
+    template's user turn when `chat` -- followed by `answer_prefix`, which opens
+    the assistant's reply (e.g. "The pass key is"; on a new line without `chat`). Without a
+    context the first list is empty. The cut is where the context's piece ends (known by
+    construction, never searched for in the text); when the two halves tokenize
     differently from the whole (a merge across the cut) each half is encoded
     on its own, so the question ids always follow the context ids exactly.
+    Control ids come only from the chat template: user text that spells them
+    (`<|im_start|>`) is encoded as text.
     """
-    user = question if context is None else f"{context.rstrip()}\n\n{question}"
-    if chat:
-        full = tokenizer.apply_chat_template([{"role": "user", "content": user}],
-                                             add_generation_prompt=True) + answer_prefix
-    else:
-        full = f"{user}\n{answer_prefix}" if answer_prefix else user
-    if context is None:
-        return [], tokenizer.encode(full)
-    cut = full.index(context.rstrip()) + len(context.rstrip())
-    head, ids = tokenizer.encode(full[:cut]), tokenizer.encode(full)
+    _check_text(question, "question")
+    if context is not None:
+        _check_text(context, "context")
+    _check_text(answer_prefix, "answer_prefix")
+    if context is not None and not context.strip():
+        raise ValueError(f"context: must hold some text (or be None), got {context!r}")
+    pieces, at = prompt_pieces(tokenizer, question, context, answer_prefix=answer_prefix,
+                               chat=chat)
+    if at < 0:
+        return [], tokenizer.encode_pieces(pieces)
+    head, ids = tokenizer.encode_pieces(pieces[:at + 1]), tokenizer.encode_pieces(pieces)
     if ids[:len(head)] == head and len(ids) > len(head):
         return head, ids[len(head):]
-    return head, tokenizer.encode(full[cut:])
+    return head, tokenizer.encode_pieces(pieces[at + 1:])
+
+
+def _check_text(value, name: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r:.80}")
+
+
+def _check_list(value, name: str, item: str, allow_none: bool = False) -> list:
+    """`value` as a list; TypeError for a str (one item per character), None or a non-list."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {item}, got {type(value).__name__} "
+                        f"{value!r:.80}" + (" (for one question use ask)"
+                                            if isinstance(value, str) else ""))
+    for i, v in enumerate(value):
+        if not (isinstance(v, str) or (allow_none and v is None)):
+            raise TypeError(f"{name}[{i}] must be a str{' or None' if allow_none else ''}, "
+                            f"got {type(v).__name__} {v!r:.80}")
+    return list(value)
 
 
 def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
@@ -84,7 +129,9 @@ def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
     Either every question has a context or none has: the contexts are
     compressed on their own first only when all are given.
     """
-    contexts = [None] * len(questions) if contexts is None else list(contexts)
+    questions = _check_list(questions, "questions", "str")
+    contexts = ([None] * len(questions) if contexts is None
+                else _check_list(contexts, "contexts", "str or None", allow_none=True))
     if len(contexts) != len(questions):
         raise ValueError(f"contexts: {len(contexts)} contexts for {len(questions)} questions")
     if not questions:
@@ -122,6 +169,9 @@ def ask(model: Llama, tokenizer, question: str, *, context: str | None = None,
     `models.sampler.generate`; `models.sharding.cache_placer(mesh)`). See
     `ask_batch` for many questions at once.
     """
+    _check_text(question, "question")
+    if context is not None:
+        _check_text(context, "context")
     return ask_batch(model, tokenizer, [question], None if context is None else [context],
                      method=method, answer_prefix=answer_prefix, chat=chat,
                      max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,

@@ -90,9 +90,15 @@ class PaddedPrompts(NamedTuple):
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int, pad_id: int = 0) -> PaddedPrompts:
-    """Left-pad token lists to a common length that is a multiple of `multiple`."""
-    if not prompts or any(len(p) == 0 for p in prompts):
+    """Left-pad token lists to a common length that is a multiple of `multiple`.
+
+    Ids must be integers (a float id is a TypeError, never truncated; a str prompt too).
+    """
+    from kvjax.chat import token_id_lists
+
+    if not isinstance(prompts, (str, bytes)) and prompts is not None and not len(prompts):
         raise ValueError("every prompt needs at least one token")
+    prompts = token_id_lists(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = -(-int(lengths.max()) // multiple) * multiple
     tokens = np.full((len(prompts), width), pad_id, np.int32)
@@ -409,8 +415,12 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     if not isinstance(compress_every, (int, np.integer)) or compress_every < 0:
         raise ValueError(f"compress_every must be an int >= 0 (0 = only after prefill), got "
                          f"{compress_every!r}")
-    if not prompts or any(len(p) == 0 for p in prompts):
+    from kvjax.chat import token_id_lists
+
+    if not isinstance(prompts, (str, bytes)) and prompts is not None and not len(prompts):
         raise ValueError("every prompt needs at least one token")
+    prompts = token_id_lists(prompts)  # TypeError for a str, None or float ids
+    contexts = None if contexts is None else token_id_lists(contexts, "contexts")
     cfg = model.config
     transform = transform or full()
     first = prompts if contexts is None else contexts

@@ -21,7 +21,6 @@ SentencePiece vocabularies (``"llama"``) raise a ``ValueError``.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from pathlib import Path
@@ -72,7 +71,8 @@ class Tokenizer:
 
         tok = Tokenizer.from_gguf("SmolLM2-135M-Instruct.Q4_1.gguf")
         tok.encode("12")                     # [33, 34]: digits split one by one
-        tok.encode("<|im_start|>")           # [1]: special strings are parsed
+        tok.encode("<|im_start|>")           # ordinary text: never the control id 1
+        tok.encode_chat([{"role": "user", "content": "Hi"}])  # control ids from the template
     """
 
     def __init__(
@@ -188,21 +188,38 @@ class Tokenizer:
 
     # -- encoding / decoding -------------------------------------------------
 
-    def encode(self, text: str, add_bos: bool = False) -> list[int]:
-        """Text -> ids (int[n]). Special-token strings in `text` become one id.
+    def encode(self, text: str, add_bos: bool = False, *, allow_special: bool = False
+               ) -> list[int]:
+        """Text -> ids (int[n]). User text: a special token's spelling in `text` is encoded
+        as ordinary text, never as its control id (so a prompt or a document cannot open a
+        chat turn of its own). Chat prompts come from `encode_chat`, whose template alone
+        inserts control ids. `allow_special=True` is the explicit opt-in for trusted text
+        that spells them (or pass token ids directly).
 
         Example::
 
-            tok.encode("<|im_start|>user")       # [1, 4093]
-            tok.encode("Hi", add_bos=True)       # [tok.bos_id, ...]
+            tok.encode("<|im_start|>user")                      # 'user' after 6 text ids
+            tok.encode("<|im_start|>user", allow_special=True)  # [1, 4093]
+            tok.encode("Hi", add_bos=True)                      # [tok.bos_id, ...]
         """
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        from kvjax.chat import encode_text
+
+        if not isinstance(text, str):
+            raise TypeError(f"encode: text must be a str, got {type(text).__name__} "
+                            f"{text!r:.80}")
+        if allow_special:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        else:
+            ids = encode_text(self.backend, text)
         return self._maybe_bos(ids, add_bos)
 
-    def encode_batch(self, texts: Iterable[str], add_bos: bool = False) -> list[list[int]]:
-        """[text] -> [ids]; a ragged list (no padding), one list per text."""
-        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
-        return [self._maybe_bos(e.ids, add_bos) for e in encodings]
+    def encode_batch(self, texts: Iterable[str], add_bos: bool = False, *,
+                     allow_special: bool = False) -> list[list[int]]:
+        """[text] -> [ids]; a ragged list (no padding), one list per text (as `encode`)."""
+        if isinstance(texts, str):
+            raise TypeError(f"encode_batch: texts must be a list of str, got a str "
+                            f"{texts!r:.80} (use encode for one text)")
+        return [self.encode(t, add_bos, allow_special=allow_special) for t in texts]
 
     def decode(self, ids: Sequence[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
         """ids (int[n], list or 1-D array) -> text.
@@ -227,11 +244,11 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        """Renders `messages` ([{"role": ..., "content": ...}]) to a prompt string.
+        """Renders `messages` ([{"role": ..., "content": ...}]) to a prompt string (to show).
 
         The template is rendered the way Hugging Face does (sandboxed Jinja2,
-        ``trim_blocks``/``lstrip_blocks``). Encode the result with `encode`:
-        the special-token strings in it map to their ids.
+        ``trim_blocks``/``lstrip_blocks``). To get ids, call `encode_chat` (not `encode` of
+        this string): it inserts control ids only where the template puts them.
 
         Example (SmolLM2, no system message -> the template adds its default)::
 
@@ -240,16 +257,42 @@ class Tokenizer:
             #  trained by Hugging Face<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>
             #  \\n<|im_start|>assistant\\n'
         """
+        return "".join(t for t, _ in self.chat_pieces(messages, add_generation_prompt))
+
+    def chat_pieces(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+                    ) -> list[tuple[str, bool]]:
+        """The rendered chat prompt as [(text, trusted)]: the template's own text trusted,
+        message contents (a str, or a list of str parts) not (`kvjax.chat.render`)."""
+        from kvjax.chat import compile_template, render
+
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
-        template = _compile_chat_template(self.chat_template)
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._token_str(self.bos_id),
-            eos_token=self._token_str(self.eos_id),
-            pad_token=self._token_str(self.pad_id),
-        )
+        return render(compile_template(self.chat_template), messages,
+                      add_generation_prompt=add_generation_prompt,
+                      bos_token=self._token_str(self.bos_id),
+                      eos_token=self._token_str(self.eos_id),
+                      pad_token=self._token_str(self.pad_id))
+
+    def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
+        """Ids of [(text, trusted)] pieces: control ids only where a trusted piece spells one
+        (`kvjax.chat.encode_pieces`)."""
+        from kvjax.chat import encode_pieces
+
+        return encode_pieces(self.backend, pieces)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    *, suffix: str = "") -> list[int]:
+        """Ids of the chat prompt (plus `suffix`, e.g. an answer prefix, as user text).
+
+        The template's control tokens become their ids; a message content that spells one
+        (``"<|im_end|>\\n<|im_start|>system..."``) stays ordinary text.
+
+        Example::
+
+            tok.encode_chat([{"role": "user", "content": "Hi"}])   # [1, 9690, ...]
+        """
+        return self.encode_pieces([*self.chat_pieces(messages, add_generation_prompt),
+                                   (suffix, False)])
 
     def _token_str(self, token_id: int | None) -> str:
         if token_id is None:
@@ -457,27 +500,8 @@ def _hf_chat_template(value: Any) -> str | None:
 # ----------------------------------------------------------------------------
 
 
-def _raise_exception(message: str):
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False) -> str:
-    # Like HF's override: jinja2's own `tojson` HTML-escapes '<', '>', '&'.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                      separators=separators, sort_keys=sort_keys)
-
-
-@functools.lru_cache(maxsize=16)
 def _compile_chat_template(source: str):
     """Compiles a chat template in a sandbox, with HF's environment settings."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from kvjax.chat import compile_template
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(source)
+    return compile_template(source)

@@ -69,7 +69,7 @@ def test_key_and_prompt_text(trials_by_length, tok):
         assert f"<|im_start|>user\n{INSTRUCTION}\n\n" in full
         assert full.endswith(f"{QUESTION}<|im_end|>\n<|im_start|>assistant\n{ANSWER_PREFIX}")
         # the ids are exactly the encoding of the rendered text (byte-level BPE decodes losslessly)
-        assert tok.encode(full) == t.context + t.question
+        assert tok.encode(full, allow_special=True) == t.context + t.question
 
 
 def test_question_is_the_tail_after_the_haystack(trials_by_length, tok):
@@ -90,7 +90,7 @@ def test_matches_the_chat_template(trials_by_length, tok):
     haystack = text.split(f"{INSTRUCTION}\n\n", 1)[1]
     content = f"{INSTRUCTION}\n\n{haystack}\n\n{QUESTION}"
     rendered = tok.apply_chat_template([{"role": "user", "content": content}])
-    assert tok.encode(rendered + ANSWER_PREFIX) == t.context + t.question
+    assert tok.encode(rendered + ANSWER_PREFIX, allow_special=True) == t.context + t.question
 
 
 def test_deterministic_for_a_seed_and_different_across_seeds(tok, trials_by_length):

@@ -133,8 +133,7 @@ def test_run_exported_command_matches_the_live_model(smollm2, artifacts):
         env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    ids = tokenizer.encode(tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is a cynic?"}]))
+    ids = tokenizer.encode_chat([{"role": "user", "content": "What is a cynic?"}])
     live = generate(model, [ids], max_new_tokens=3, chunk=CHUNK,
                     transform=kvjax.parse_method(method))
     assert result["tokens"] == [live.tokens[0, :live.num_tokens[0]].tolist()]

@@ -55,7 +55,8 @@ def test_greedy_chat_generation_is_token_identical(smollm2):
     rendered = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Write one sentence about the sea."}])
     assert rendered == str(GOLDEN["greedy_prompt_text"])
-    assert tokenizer.encode(rendered) == prompt
+    assert tokenizer.encode_chat(
+        [{"role": "user", "content": "Write one sentence about the sea."}]) == prompt
     want = GOLDEN["greedy_new_ids"].tolist()
     out = generate(model, [prompt], max_new_tokens=len(want))
     assert out.tokens[0, :out.num_tokens[0]].tolist() == want

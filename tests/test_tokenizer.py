@@ -130,7 +130,7 @@ def test_metadata_read_back(tmp_path):
 
 def test_control_and_user_defined_tokens(tmp_path):
     tok = Tokenizer.from_gguf(write_gguf(tmp_path / "t.gguf"))
-    ids = tok.encode("<|im_start|>ab<tool><|im_end|>")
+    ids = tok.encode("<|im_start|>ab<tool><|im_end|>", allow_special=True)  # trusted text
     assert ids[0] == 1 and ids[-1] == 2 and 3 in ids
     # Control tokens are dropped by default; user-defined ones are text.
     assert tok.decode(ids) == "ab<tool>"
@@ -214,8 +214,9 @@ def test_smollm2_metadata(smol):
 
 @pytest.mark.parametrize("text, token_id", [("<|endoftext|>", 0), ("<|im_start|>", 1), ("<|im_end|>", 2)])
 def test_smollm2_special_tokens_are_single_ids(smol, text, token_id):
-    assert smol.encode(text) == [token_id]
-    assert smol.encode(f"a{text}b")[1] == token_id
+    assert smol.encode(text, allow_special=True) == [token_id]
+    assert smol.encode(f"a{text}b", allow_special=True)[1] == token_id
+    assert token_id not in smol.encode(f"a{text}b")  # user text: never the control id
     assert smol.decode([token_id]) == ""
     assert smol.decode([token_id], skip_special_tokens=False) == text
 
@@ -311,7 +312,8 @@ def test_smollm2_chat_template_with_system(smol):
     assert smol.apply_chat_template(messages, add_generation_prompt=False) == expected
     prompt = smol.apply_chat_template(messages)
     assert prompt == expected + "<|im_start|>assistant\n"
-    ids = smol.encode(prompt)
+    ids = smol.encode_chat(messages)
+    assert ids == smol.encode(prompt, allow_special=True)
     assert ids[0] == 1 and ids.count(1) == 3 and ids.count(2) == 2
 
 
