@@ -12,8 +12,9 @@
         --results docs/RESULTS.md         # the quality grid, < 60 min on 2 cores
     kvjax bench --config experiments/configs/compare.toml --out results/bench
 
-Every command takes `--model smollm2|PATH|ORG/NAME[@REV]` (a .gguf file, a Hugging Face
-directory or repo id), `--method NAME[:k=v,...]` and `--json` (one JSON object on stdout).
+Every command takes `--json` (one JSON object on stdout); the commands that run a model take
+`--model smollm2|PATH|ORG/NAME[@REV]` (a .gguf file, a Hugging Face directory or repo id) and
+`--method NAME[:k=v,...]`.
 `generate --answer-prefix TEXT` opens the reply (kvpress's answer_prefix).
 """
 
@@ -175,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--results", type=Path,
                        help="also rewrite the generated section of this Markdown file "
                             "(e.g. docs/RESULTS.md)")
+        e.add_argument("--json", action="store_true",
+                       help="print one JSON object on stdout (the folder's rows) instead of "
+                            "the tables")
 
 
     for name, (module, text) in MODULE_COMMANDS.items():
@@ -209,6 +213,8 @@ MODULE_COMMANDS: dict[str, tuple[str, str]] = {
                      "(no Flax, no model code)"),
     "inspect": ("experiments.inspect_cmd", "heatmaps of what a method kept per layer and KV "
                 "head, and the attention mass it retained (PNG)"),
+    "methods": ("experiments.methods_cmd", "list every cache method: arguments, defaults, "
+                "paper, and the kvpress press it equals"),
 }
 
 
@@ -346,7 +352,18 @@ def cmd_eval(args) -> int:
                                         f"{args.command} --config {args.config} --out {args.out} "
                                         f"--results {args.results}` (any config writing to "
                                         f"that folder regenerates the whole section).\n\n")
-        print(report.report(args.out))
+        tables = report.report(args.out)
+        if args.json:
+            rows = report.latest_rows(args.out)
+            print(json.dumps(json_safe(dict(
+                command=args.command, config=str(args.config), out=str(args.out),
+                tables=str(args.out / "tables.md"), cells=len(cells),
+                results=None if args.results is None else str(args.results),
+                ok=sum(r.get("status") == "ok" for r in rows),
+                failed=sum(r.get("status") != "ok" for r in rows), rows=rows)),
+                allow_nan=False))
+        else:
+            print(tables)
     except (FileNotFoundError, ValueError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
@@ -357,6 +374,17 @@ def cmd_eval(args) -> int:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def json_safe(value):
+    """`value` with every non-finite float as None (JSON has no NaN; a failed cell has them)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def check_results_file(path: Path) -> None:
@@ -376,6 +404,12 @@ def check_results_file(path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:  # $KVJAX_PLUGINS for every command: a bad one is an error, never silently ignored
+        from kvjax.methods import load_plugins
+        load_plugins()
+    except ValueError as e:
+        print(f"kvjax: error: {e}", file=sys.stderr)
+        return 2
     # a process of `kvjax launch` joins the others (KVJAX_* variables); the variable is tested
     # here too so that other runs (`run-exported`) never import models.sharding (and Flax)
     if args.command != "launch" and os.environ.get("KVJAX_COORDINATOR"):

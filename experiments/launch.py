@@ -17,6 +17,7 @@ same variables come from the cluster's launcher (one process per host).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -30,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="coordinator port (0 = a free one)")
     p.add_argument("--timeout", type=float, default=0, help="seconds before the run is killed "
                                                             "(0 = none)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object on stdout: each process's exit status and "
+                        "process 0's output (parsed, as `result`, when it is one JSON object)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command to run")
 
 
@@ -48,14 +52,35 @@ def command(cmd: list[str]) -> list[str]:
     return cmd
 
 
+MAX_PROCESSES = 256
+"""The most local processes `launch` starts (each is a whole JAX runtime)."""
+
+
+def check_bounds(args) -> str:
+    """The first out-of-range option as one line ("" when all are in range)."""
+    import math
+
+    if not 1 <= args.processes <= MAX_PROCESSES:
+        return f"-n {args.processes}: must be an integer in [1, {MAX_PROCESSES}]"
+    if not 0 <= args.local_devices <= 1024:
+        return f"--local-devices {args.local_devices}: must be an integer in [0, 1024]"
+    if not 0 <= args.port <= 65535:
+        return f"--port {args.port}: must be in [0, 65535] (0 = a free one)"
+    if 0 < args.port < 1024:
+        return f"--port {args.port}: must be 0 (a free one) or in [1024, 65535] (unprivileged)"
+    if not (math.isfinite(args.timeout) and args.timeout >= 0):
+        return f"--timeout {args.timeout}: must be a finite number of seconds >= 0 (0 = none)"
+    return ""
+
+
 def run(args) -> int:
     cmd = command(args.cmd)
     if not cmd:
         print("kvjax: error: launch needs a command after --", file=sys.stderr)
         return 2
-    if args.processes < 1 or args.local_devices < 0:
-        print(f"kvjax: error: -n {args.processes} / --local-devices {args.local_devices}: need "
-              f"-n >= 1 and --local-devices >= 0", file=sys.stderr)
+    problem = check_bounds(args)
+    if problem:
+        print(f"kvjax: error: {problem}", file=sys.stderr)
         return 2
     port = args.port or free_port()
     procs = []
@@ -79,9 +104,18 @@ def run(args) -> int:
             p.kill()
         return 130
     for i, (p, (out, err)) in enumerate(zip(procs, outputs)):
-        if i == 0:
+        if i == 0 and not args.json:
             sys.stdout.write(out)
         if p.returncode:
             sys.stderr.write(f"[process {i} exited {p.returncode}]\n{err[-4000:]}")
             status = status or p.returncode
+    if args.json:
+        out = outputs[0][0]
+        report = {"command": cmd, "processes": args.processes, "status": status,
+                  "returncodes": [p.returncode for p in procs], "output": out}
+        try:
+            report["result"] = json.loads(out)
+        except ValueError:
+            pass
+        print(json.dumps(report))
     return status

@@ -34,13 +34,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "in the training eviction pattern")
     p.add_argument("--batch", type=int, default=2, help="windows per step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train, save the maps, the curve and a summary; print the summary's headline as JSON."""
+    """Train, save the maps, the curve and a summary; print the summary's headline (one JSON
+    object with `--json`: out, seconds, first_loss, last_loss, heldout_mean)."""
     from models.train_state import run as train
 
     summary = train(args)
-    print(json.dumps({k: summary[k] for k in ("seconds", "first_loss", "last_loss",
-                                               "heldout_mean")}, allow_nan=False))
+    head = {"out": str(args.out), **{k: summary[k] for k in ("seconds", "first_loss",
+                                                             "last_loss", "heldout_mean")}}
+    if args.json:
+        print(json.dumps(head, allow_nan=False))
+    else:
+        held = ", ".join(f"{name} {value:.4g}" for name, value in head["heldout_mean"].items())
+        print(f"wrote maps to {args.out} in {head['seconds']:.1f} s: loss "
+              f"{head['first_loss']:.4g} -> {head['last_loss']:.4g}; held-out mean {held}")
     return 0

@@ -83,7 +83,8 @@ def test_train_state_writes_maps_a_curve_and_a_summary(capsys, tmp_path):
 
     code, out, err = run(capsys, "train-state", "--model", str(smollm2_path()), "--out",
                          str(tmp_path), "--seq-len", "64", "--queries", "16", "--windows", "2",
-                         "--heldout", "1", "--batch", "1", "--steps", "3", "--features", "8")
+                         "--heldout", "1", "--batch", "1", "--steps", "3", "--features", "8",
+                         "--json")
     assert code == 0, err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["last_loss"] <= summary["first_loss"]
