@@ -3,13 +3,13 @@
 Reference: ``tests/golden/families/<name>/`` holds a tiny random checkpoint of
 each family written by transformers 5.2 and its float32 logits over 272 tokens
 and 32 greedy tokens (``experiments/make_golden_families.py``): Qwen2 (q/k/v
-biases), Qwen3 (q/k norm, head_dim 32), Mistral with a 48-token sliding window,
+biases), Qwen3 (q/k norm, head_dim 64), Mistral with a 48-token sliding window,
 Gemma 3 text (sliding / full / sliding layers, window 40, two RoPE bases,
 (1 + w) sandwich norms, GELU-tanh, scaled embeddings, query_pre_attn_scalar,
 final soft-capping, tied) and Phi-3 (fused qkv and gate/up, window 64). No
 transformers here: the tests read the committed files.
 
-Measured (float32, max |ours - theirs| / max |theirs|): 0.7e-6 to 1.1e-6 for
+Measured (float32, max |ours - theirs| / max |theirs|): 1.3e-6 to 1.6e-6 for
 all five over the 272 tokens in one call; the chunked prefill (64-token chunks
 through window-sized caches) and token-by-token decoding stay within the same
 bound. Greedy tokens: all 32 identical for every family.
@@ -36,7 +36,7 @@ GOLDEN = Path(__file__).parent / "golden" / "families"
 FAMILIES = ("qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
 WINDOWS = {"qwen2": (None, None), "qwen3": (None, None), "mistral_sw": (48, 48),
            "gemma3": (40, None, 40), "phi3": (64, 64)}
-F32_REL = 1e-5  # the bound; measured 0.7e-6 - 1.1e-6
+F32_REL = 1e-5  # the bound; measured 1.3e-6 - 1.6e-6
 
 
 def relative_error(ours, theirs) -> float:
