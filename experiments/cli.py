@@ -376,6 +376,34 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def notice(message: str) -> None:
+    """One line on stderr (never stdout, which may carry --json) before a long silent step;
+    `KVJAX_QUIET=1` hides these lines (the test suite sets it: its error tests count lines)."""
+    if os.environ.get("KVJAX_QUIET", "") in ("", "0"):
+        print(f"kvjax: {message}", file=sys.stderr, flush=True)
+
+
+def notice_conversion(model: str) -> None:
+    """Before a GGUF's first conversion to float32 (about 20 s for SmolLM2 on 2 cores), unless
+    `load_model` announces it itself (it does when it draws a progress bar: a terminal)."""
+    from models.loading import converted_dir, progress_enabled, resolve_model_path
+    path = resolve_model_path(model)  # fetches the default model once (with its own notice)
+    if path.is_file() and not converted_dir(path).is_dir() and not progress_enabled():
+        notice(f"converting {path.name} to float32 (once, about 20 s for SmolLM2; later runs "
+               f"read the copy)")
+
+
+def notice_compile(folder: Path | None) -> None:
+    """Before a first run's compile (tens of seconds): when the compilation cache holds no
+    program yet (a fresh machine), or is switched off."""
+    if folder is not None and folder.is_dir() and any(
+            not entry.name.startswith(".") for entry in folder.iterdir()):
+        return
+    where = (f"later runs read them from {folder}" if folder is not None
+             else "KVJAX_COMPILATION_CACHE=0: every run compiles")
+    notice(f"compiling the model's steps (first run: tens of seconds; {where})")
+
+
 def json_safe(value):
     """`value` with every non-finite float as None (JSON has no NaN; a failed cell has them)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -431,18 +459,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         check_args(args)
-        enable_compilation_cache()  # a second run skips XLA compilation
+        jit_cache = enable_compilation_cache()  # a second run skips XLA compilation
         _transform(getattr(args, "method", "full"))
         for path in (getattr(args, "text", None), getattr(args, "context_file", None)):
             if path is not None:
                 read_text(path)  # fail before the model loads
         mesh = _mesh(args)  # before the model loads: a bad mesh fails fast
+        notice_conversion(args.model)
         model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
         check_model_args(args, model.config)
         if mesh is not None:
             from models.sharding import shard_model
             model = shard_model(model, mesh)
             args.mesh_obj = mesh
+        notice_compile(jit_cache)
         commands = {"generate": cmd_generate, "ppl": cmd_ppl, "calibrate": cmd_calibrate}
         result = commands[args.command](args, model, tokenizer)
         result["model"] = args.model

