@@ -245,8 +245,11 @@ def hf_config(raw: dict) -> LlamaConfig:
     return families.hf_config(raw)
 
 
-def load_hf_dir(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
-    """Read a Hugging Face checkpoint directory: (config, float32 weights by state path)."""
+def load_hf_dir(path: str | os.PathLike,
+                dtype: Any = jnp.float32) -> tuple[LlamaConfig, Params]:
+    """Read a Hugging Face checkpoint directory: (config, weights by state path), each tensor
+    cast to `dtype` as it is read (float32 by default; `jnp.bfloat16` keeps a bf16
+    checkpoint's tensors as they are, with no float32 copy of the model on the host)."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -264,7 +267,7 @@ def load_hf_dir(path: str | os.PathLike) -> tuple[LlamaConfig, Params]:
     for f in files:
         with safe_open(str(f), framework="flax") as sf:
             for name in sf.keys():
-                raw[name] = np.asarray(sf.get_tensor(name).astype(jnp.float32))
+                raw[name] = np.asarray(sf.get_tensor(name).astype(dtype))
 
     def required(name: str) -> np.ndarray:
         if name not in raw:
@@ -336,7 +339,7 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.flo
                          f"jnp.bfloat16, got {dtype!r}")
     path = resolve_model_path(name_or_path)
     if path.is_dir():
-        cfg, params = load_hf_dir(path)
+        cfg, params = load_hf_dir(path, dtype)  # read as `dtype`: no float32 copy for bf16
         tokenizer = load_tokenizer(path)
         check_vocab(cfg, tokenizer, path)
         return build_model(cfg, params, dtype), tokenizer

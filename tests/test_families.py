@@ -208,3 +208,24 @@ def test_mistral_without_window_and_qwen_flagless_window_are_full_attention():
 def test_config_round_trips_through_dict():
     cfg = load_hf_dir(GOLDEN / "gemma3")[0]
     assert LlamaConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_bfloat16_checkpoint_loads_as_bfloat16_without_a_float32_copy(tmp_path):
+    """A bf16 checkpoint read with dtype=bf16 keeps every tensor bf16 (Phi-3's fused tensors
+    split as bf16), equal to the bf16 rounding of the float32 weights."""
+    import shutil
+    from safetensors.flax import save_file
+    from safetensors.numpy import load_file
+
+    d = tmp_path / "phi3_bf16"
+    shutil.copytree(GOLDEN / "phi3", d)
+    tensors = load_file(str(d / "model.safetensors"))
+    save_file({k: jnp.asarray(v, jnp.bfloat16) for k, v in tensors.items()},
+              str(d / "model.safetensors"))
+    _, params = load_hf_dir(d, jnp.bfloat16)
+    _, ref = load_hf_dir(GOLDEN / "phi3")
+    assert params.keys() == ref.keys()
+    for k, v in params.items():
+        assert v.dtype == jnp.bfloat16, k
+        np.testing.assert_array_equal(np.asarray(v, np.float32),
+                                      np.asarray(jnp.asarray(ref[k], jnp.bfloat16), np.float32))
