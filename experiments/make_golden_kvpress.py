@@ -292,8 +292,15 @@ def describe_ties(name: str, keep, scores, margins) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", default=DEFAULT_GGUF, help="path of the SmolLM2 GGUF file")
-    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output .npz path")
+    ap.add_argument("--out", default=None, help="output .npz path (default: by --zoo)")
+    ap.add_argument("--zoo", action="store_true",
+                    help="make tests/golden/kvpress_zoo.npz (the presses of ZOO_PRESSES) instead")
+    ap.add_argument("--only", help="comma-separated zoo press names (default: all)")
     args = ap.parse_args(argv)
+    if args.zoo:
+        from experiments.make_golden_kvpress_zoo import main_zoo
+        return main_zoo(args)
+    args.out = args.out or str(DEFAULT_OUT)
 
     import torch
     import transformers

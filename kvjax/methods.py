@@ -19,9 +19,9 @@ import difflib
 import functools
 import inspect
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
-from kvjax import codecs, eviction
+from kvjax import codecs, eviction, eviction_compactor, eviction_geometry, eviction_wrappers
 from kvjax.low_rank import LowRankBasis, low_rank
 from kvjax.transforms import CacheTransform, chain, full, on_layers
 
@@ -53,6 +53,13 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "knorm": eviction.knorm,
     "random": eviction.random,
     "expected_attention": eviction.expected_attention,
+    "keydiff": eviction_geometry.keydiff,
+    "lagkv": eviction_geometry.lagkv,
+    "cur": eviction_geometry.cur,
+    "leverage": eviction_compactor.leverage,
+    "non_causal_attn": eviction_compactor.non_causal_attn,
+    "compactor": eviction_compactor.compactor,
+    "block": eviction_wrappers.block,
     "quantize": codecs.quantize,
     "kivi": codecs.kivi,
     "fp8": codecs.fp8,
@@ -61,6 +68,92 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
 """Registered method factories by CLI name; extended by `register_method`."""
 
 from kvjax import recurrent  # noqa: E402  (after METHODS: registers itself below)
+
+
+class MethodInfo(NamedTuple):
+    """What `kvjax methods` publishes about a method besides its signature."""
+
+    paper: str | None = None  # authors year, link
+    kvpress: str | None = None  # the kvpress 0.5.5 press it equals, at kvpress's defaults
+    spec: str | None = None  # the kvjax spec that equals it; {r} = kvpress's compression_ratio
+    proof: str | None = None  # the test that compares kept positions with kvpress's
+
+
+_PARITY = "tests/test_kvpress_parity.py"
+_ZOO = "tests/test_kvpress_zoo_parity.py"
+_COMPACTOR = "Chari & Van Durme 2025, https://arxiv.org/abs/2507.08143"
+METHOD_INFO: dict[str, MethodInfo] = {
+    "streaming_llm": MethodInfo("Xiao et al. 2023, https://arxiv.org/abs/2309.17453",
+                                "StreamingLLMPress", "streaming_llm:ratio={r}", _PARITY),
+    "snapkv": MethodInfo("Li et al. 2024, https://arxiv.org/abs/2404.14469", "SnapKVPress",
+                         "snapkv:ratio={r}", _PARITY),
+    "pyramidkv": MethodInfo("Cai et al. 2024, https://arxiv.org/abs/2406.02069",
+                            "PyramidKVPress", "pyramidkv:ratio={r}", _PARITY),
+    "tova": MethodInfo("Oren et al. 2024, https://arxiv.org/abs/2401.06104", "TOVAPress",
+                       "tova:ratio={r}", _PARITY),
+    "h2o": MethodInfo("Zhang et al. 2023, https://arxiv.org/abs/2306.14048"),
+    "knorm": MethodInfo("Devoto et al. 2024, https://arxiv.org/abs/2406.11430", "KnormPress",
+                        "knorm:ratio={r}", _PARITY),
+    "expected_attention": MethodInfo("Devoto et al. 2025 (kvpress)", "ExpectedAttentionPress",
+                                     "expected_attention:ratio={r}", _PARITY),
+    "keydiff": MethodInfo("Park et al. 2025, https://arxiv.org/abs/2504.15364", "KeyDiffPress",
+                          "keydiff:ratio={r}", _ZOO),
+    "lagkv": MethodInfo("Liang et al. 2025, https://arxiv.org/abs/2504.04704", "LagKVPress",
+                        "lagkv:ratio={r}", _ZOO),
+    "cur": MethodInfo("Sengupta et al. 2025, https://arxiv.org/abs/2509.15038", "CURPress",
+                      "cur:ratio={r}", _ZOO),
+    "leverage": MethodInfo(_COMPACTOR, "LeverageScorePress", "leverage:ratio={r}", _ZOO),
+    "non_causal_attn": MethodInfo(_COMPACTOR, "NonCausalAttnPress", "non_causal_attn:ratio={r}",
+                                  _ZOO),
+    "compactor": MethodInfo(_COMPACTOR, "CompactorPress", "compactor:ratio={r}", _ZOO),
+    "block": MethodInfo("Park et al. 2025, https://arxiv.org/abs/2504.15364", "BlockPress",
+                        "block:inner=keydiff,ratio={r}", _ZOO),
+    "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
+}
+"""Paper and kvpress equivalence per method name (absent: none known)."""
+
+
+def _signature_arguments(factory: Callable) -> list[dict]:
+    """[{name, default}] of a factory's keyword arguments (**options: scored_policy's)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for name, p in params.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            extra = inspect.signature(eviction.scored_policy).parameters
+            out += [{"name": k, "default": _json_default(q.default)} for k, q in extra.items()
+                    if k not in ("name", "scorer", "stats", "ratio", "budget") and k not in params]
+            continue
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        default = None if p.default is inspect.Parameter.empty else _json_default(p.default)
+        out.append({"name": name, "default": default,
+                    **({"required": True} if p.default is inspect.Parameter.empty else {})})
+    return out
+
+
+def _json_default(value):
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def describe_methods() -> list[dict]:
+    """Every registered method: name, arguments with defaults, one-line description, paper,
+    the kvpress press it equals with the kvjax spec that equals it, and the test proving it.
+
+    Example:
+        >>> [m for m in describe_methods() if m["name"] == "keydiff"][0]["kvpress"]
+        'KeyDiffPress'
+    """
+    out = []
+    for name in sorted(METHODS):
+        factory = METHODS[name]
+        doc = " ".join((inspect.getdoc(factory) or "").strip().split("\n\n")[0].split())
+        info = METHOD_INFO.get(name, MethodInfo())
+        out.append({"name": name, "description": doc, "arguments": _signature_arguments(factory),
+                    **info._asdict()})
+    return out
 
 
 def register_method(name: str, factory: Callable[..., CacheTransform]) -> None:
@@ -89,21 +182,35 @@ def load_plugins(spec: str | None = None) -> None:
                               os.environ.get(PLUGINS_ENV, "")).split(os.pathsep)):
         if item in _loaded_plugins:
             continue
-        if item.endswith(".py"):
-            path = Path(item).expanduser()
+        path = Path(item).expanduser()
+        if item.endswith(".py") or os.sep in item or path.exists():
             if not path.is_file():
-                raise ValueError(f"{PLUGINS_ENV}: plugin file {item} does not exist")
-            module_spec = importlib.util.spec_from_file_location(path.stem, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules.setdefault(path.stem, module)
-            module_spec.loader.exec_module(module)
+                raise ValueError(f"plugin {item}: " + ("is a directory: need a .py file"
+                                 if path.is_dir() else f"no such file (from ${PLUGINS_ENV})"))
+            try:
+                module_spec = importlib.util.spec_from_file_location(path.stem, path)
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules.setdefault(path.stem, module)
+                module_spec.loader.exec_module(module)
+            except Exception as e:  # a syntax error, or the plugin's own code raising
+                raise ValueError(f"plugin {item}: {_plugin_error(e)}") from None
         else:
             try:
                 importlib.import_module(item)
             except ImportError as e:
-                raise ValueError(f"{PLUGINS_ENV}: cannot import plugin module {item!r} "
-                                 f"({e})") from None
+                raise ValueError(f"plugin {item}: cannot import this module ({e}; from "
+                                 f"${PLUGINS_ENV})") from None
+            except Exception as e:
+                raise ValueError(f"plugin {item}: {_plugin_error(e)}") from None
         _loaded_plugins.add(item)
+
+
+def _plugin_error(e: Exception) -> str:
+    """One line for an exception raised while importing a plugin (with its line for a
+    syntax error)."""
+    where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}{where}: {first}"
 
 
 def _parse_value(text: str) -> int | float | bool | str:
@@ -161,8 +268,10 @@ def _parse_part(part: str) -> CacheTransform:
     if name not in METHODS:
         load_plugins()
     if name not in METHODS:
+        plugins = (f" (plugins loaded: {', '.join(sorted(_loaded_plugins))}; none registered "
+                   f"it)" if _loaded_plugins else "")
         raise ValueError(f"unknown method {name!r}{did_you_mean(name, METHODS)}; "
-                         f"available: {', '.join(sorted(METHODS))}")
+                         f"available: {', '.join(sorted(METHODS))}{plugins}")
     layers = kwargs.pop("layers", None)
     if layers is not None and "layers" in inspect.signature(METHODS[name]).parameters:
         kwargs["layers"], layers = tuple(_parse_layers(str(layers))), None  # absolute indices
@@ -231,9 +340,14 @@ def parse_method(spec: str) -> CacheTransform:
 
 @functools.lru_cache(maxsize=None)
 def _parse_method(spec: str, debug: bool) -> CacheTransform:
-    parts = [p for p in spec.split("+") if p.strip()]
-    if not parts:
+    parts = spec.split("+")
+    if not any(p.strip() for p in parts):
         raise ValueError("empty method spec")
+    for i, part in enumerate(parts):
+        if not part.strip() or not part.partition(":")[0].strip():
+            raise ValueError(f"method spec {spec!r}: part {i + 1} of {len(parts)} "
+                             f"({part.strip()!r}) has no method name; parts are NAME[:k=v,...] "
+                             f"joined by '+' (no empty part, no trailing '+')")
     transforms = []
     for part in parts:
         t = _parse_part(part)
