@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 TOPOLOGY = re.compile(r"^(v5e|v6e):(\d+)x(\d+)$")
+STEPS = ("prefill", "compress", "decode")
 
 
 def llama3_shape(size: str):
@@ -187,6 +188,50 @@ def memory(compiled) -> dict:
     return out
 
 
+SIZE = r"([\d.]+)\s*([KMGT]i?B?|B)?"
+UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+OUT_OF_MEMORY = [  # (needs, has) in the compiler's out-of-memory messages
+    re.compile(rf"\({SIZE}\) exceeds available HBM \({SIZE}\)"),
+    re.compile(rf"[Uu]sed {SIZE} of {SIZE} hbm"),
+]
+
+
+def _bytes(number: str, unit: str | None) -> int:
+    return int(float(number) * UNITS[(unit or "")[:1]])
+
+
+def does_not_fit(error: Exception) -> dict | None:
+    """The compiler's "does not fit in HBM" failure as {needs, has (bytes per chip), message},
+    or None for any other error. XLA:TPU refuses a program whose arguments, outputs and
+    temporaries exceed a chip's HBM with RESOURCE_EXHAUSTED; that is a verdict, not a crash."""
+    text = str(error)
+    if "RESOURCE_EXHAUSTED" not in text:
+        return None
+    line = next((l.strip() for l in text.splitlines() if "RESOURCE_EXHAUSTED" in l), text[:300])
+    for pattern in OUT_OF_MEMORY:
+        found = pattern.search(text)
+        if found:
+            needs, has = _bytes(*found.group(1, 2)), _bytes(*found.group(3, 4))
+            return dict(fits=False, needs=needs, has=has, message=line[:400])
+    return dict(fits=False, needs=None, has=None, message=line[:400])
+
+
+def _compiled(step: str, lower, result: dict):
+    """Compile `lower()`; record the step's memory, or its "does not fit" verdict, in result."""
+    start = time.perf_counter()
+    try:
+        compiled = lower().compile()
+    except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory is a verdict
+        verdict = does_not_fit(e)
+        if verdict is None:
+            raise
+        result[step] = dict(verdict, seconds=round(time.perf_counter() - start, 1))
+        return None
+    result[step] = dict(memory(compiled), fits=True,
+                        seconds=round(time.perf_counter() - start, 1))
+    return compiled
+
+
 def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
                   impl: str = "xla", new_tokens: int = 16, chunk: int = 512,
                   steps=("prefill", "compress", "decode")) -> dict:
@@ -226,17 +271,13 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
             transform.stats, c, cfg.num_heads, rope_frequencies(cfg)), dense), batch, mesh)
     ids = _by_batch(jax.ShapeDtypeStruct((batch, context), jnp.int32), batch, mesh)
     if "prefill" in steps:
-        start = time.perf_counter()
-        compiled = sampler._prefill.lower(model, ids, ids, cache, stats, chunk,
-                                          transform.stats, impl).compile()
-        result["prefill"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1))
+        _compiled("prefill", lambda: sampler._prefill.lower(
+            model, ids, ids, cache, stats, chunk, transform.stats, impl), result)
     if "compress" in steps and transform is not kvjax.full():
-        start = time.perf_counter()
         tstate = _replicated(jax.eval_shape(transform.init, dense), mesh)
-        compiled = sampler._compress_stacked.lower(placed.update, cache, tstate, stats).compile()
-        result["compress"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1))
+        _compiled("compress", lambda: sampler._compress_stacked.lower(
+            placed.update, cache, tstate, stats), result)
     if "decode" in steps:
-        start = time.perf_counter()
         small = planned_cache(cfg, transform, spec, batch, context, new_tokens, dtype)
         small_cache = _abstract(small, cache_shardings(small, mesh))
         tstate = _replicated(jax.eval_shape(transform.init, small), mesh)
@@ -245,12 +286,12 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
         next_pos = _by_batch(jax.ShapeDtypeStruct((batch,), jnp.int32), batch, mesh)
         key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                    sharding=NamedSharding(mesh, P()))
-        compiled = sampler._decode.lower(
+        compiled = _compiled("decode", lambda: sampler._decode.lower(
             model, logits, small_cache, tstate, None, next_pos, key, new_tokens,
-            sampler.GREEDY, None, NO_STATS, 0, tuple(cfg.eos_ids), 0, decode_impl).compile()
-        result["decode"] = dict(memory(compiled), seconds=round(time.perf_counter() - start, 1),
-                                cache_bytes=kvjax.nbytes(small),
-                                kernel_calls=kernel_calls(compiled.as_text()))
+            sampler.GREEDY, None, NO_STATS, 0, tuple(cfg.eos_ids), 0, decode_impl), result)
+        result["decode"]["cache_bytes"] = kvjax.nbytes(small)
+        if compiled is not None:
+            result["decode"]["kernel_calls"] = kernel_calls(compiled.as_text())
     result["weight_bytes"] = kvjax.nbytes(state)
     result["weight_bytes_per_chip"] = shard_bytes(state)
     if "decode" in result:
@@ -288,11 +329,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="weights and cache")
     p.add_argument("--impl", choices=["xla", "pallas"], default="xla", help="attention")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                   help="which jitted steps to compile (default: all three)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+def _shortfall(verdict: dict) -> str:
+    if verdict["needs"] is None:
+        return f"exceeds a chip's HBM ({verdict['message'][:200]})"
+    return f"needs {_gib(verdict['needs'])} per chip, has {_gib(verdict['has'])}"
 
 
 def run(args) -> int:
@@ -316,21 +365,30 @@ def run(args) -> int:
         mesh = make_mesh(args.mesh, topology_devices(args.topology))
         result = compile_steps(cfg, mesh, args.method, args.context, args.batch,
                                dtype=getattr(jnp, args.dtype), impl=args.impl,
-                               new_tokens=args.new_tokens)
+                               new_tokens=args.new_tokens, steps=tuple(args.steps))
     except (ValueError, FileNotFoundError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
     result.update(topology=args.topology, mesh=args.mesh, model=args.model, method=args.method,
                   context=args.context, batch=args.batch, impl=args.impl)
+    steps = [step for step in STEPS if step in result]
+    fits = all(result[step]["fits"] for step in steps)
+    result["fits"] = fits
     if args.json:
         print(json.dumps(result))
-        return 0
+        return 0 if fits else 1
     print(f"{args.model} on {args.topology} ({args.mesh}), {args.method}, "
           f"{args.batch} x {args.context} tokens, per chip:")
-    for step in ("prefill", "compress", "decode"):
-        if step in result:
-            m = result[step]
-            print(f"  {step:8s} peak {_gib(m['peak'])} (arguments {_gib(m['argument'])}, "
-                  f"temporaries {_gib(m['temp'])}, outputs {_gib(m['output'])}, "
-                  f"aliased {_gib(m['alias'])}; compiled in {m['seconds']} s)")
-    return 0
+    for step in steps:
+        m = result[step]
+        if not m["fits"]:
+            print(f"  {step:8s} does not fit: {_shortfall(m)} (compiler: {m['message'][:200]})")
+            continue
+        print(f"  {step:8s} peak {_gib(m['peak'])} (arguments {_gib(m['argument'])}, "
+              f"temporaries {_gib(m['temp'])}, outputs {_gib(m['output'])}, "
+              f"aliased {_gib(m['alias'])}; compiled in {m['seconds']} s)")
+    for step in steps:
+        if not result[step]["fits"]:
+            print(f"kvjax: does not fit {args.topology}: the {step} step "
+                  f"{_shortfall(result[step])}", file=sys.stderr)
+    return 0 if fits else 1

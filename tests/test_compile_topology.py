@@ -100,3 +100,34 @@ def test_compile_pallas_decode_runs_the_tpu_kernel_per_shard():
                    "--batch", "2", "--new-tokens", "4", "--json")
     assert xla.returncode == 0, xla.stderr[-3000:]
     assert json.loads(xla.stdout.strip().splitlines()[-1])["decode"]["kernel_calls"] == 0
+
+
+def test_a_plan_that_does_not_fit_is_a_verdict_with_numbers_not_a_traceback():
+    """Two Llama-3-8B layers of a bf16 cache at 64 x 32k (17.2 GB) on one v5e chip (15.75 GB of
+    HBM): the decode step does not compile, and `kvjax compile` says so with the compiler's
+    numbers, exit 1, no traceback; `--json` carries the same verdict."""
+    args = ("--topology", "v5e:1x1", "--mesh", "data=1", "--model", "llama3-8b", "--layers",
+            "2", "--context", "32768", "--batch", "64", "--steps", "decode")
+    proc = _compile(*args, "--json")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    decode = result["decode"]
+    assert result["fits"] is False and decode["fits"] is False
+    assert decode["has"] < decode["needs"]
+    assert 15 * 2**30 < decode["has"] < 16 * 2**30  # a v5e chip's HBM
+    assert decode["needs"] >= decode["cache_bytes"] > 17e9  # at least the cache itself
+    assert set(result) >= {"decode"} and "prefill" not in result  # --steps decode
+
+
+def test_the_compilers_out_of_memory_message_becomes_a_verdict():
+    from experiments.compile_cmd import does_not_fit
+    verdict = does_not_fit(RuntimeError(
+        "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+        "hbm. Used 25.03G of 15.75G hbm. Exceeded hbm capacity by 9.28G."))
+    assert verdict["needs"] == int(25.03 * 2**30) and verdict["has"] == int(15.75 * 2**30)
+    verdict = does_not_fit(RuntimeError(
+        "RESOURCE_EXHAUSTED: HLO temporaries (25.03G) exceeds available HBM (15.75G)"))
+    assert (verdict["needs"], verdict["has"]) == (int(25.03 * 2**30), int(15.75 * 2**30))
+    assert does_not_fit(RuntimeError("INVALID_ARGUMENT: bad shape")) is None
+    assert does_not_fit(RuntimeError("RESOURCE_EXHAUSTED: something else"))["needs"] is None
