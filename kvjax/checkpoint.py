@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import importlib
+import json
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -66,13 +67,28 @@ def _register_namedtuple(cls: type) -> None:
 
 
 def _import_type(name: str) -> type:
-    if not name.startswith(_TRUSTED_MODULES):
+    """The named-tuple class `name` names: only from kvjax or models, only a named tuple."""
+    if not isinstance(name, str) or not name.startswith(_TRUSTED_MODULES):
         raise ValueError(f"checkpoint names type {name!r}; only types from "
                          f"{', '.join(m.rstrip('.') for m in _TRUSTED_MODULES)} are loaded")
-    module, _, qualname = name.rpartition(".")
-    cls = importlib.import_module(module)
-    for part in qualname.split("."):
-        cls = getattr(cls, part)
+    # the longest importable module prefix, then attributes: never a module outside the two
+    parts = name.split(".")
+    cls = None
+    for cut in range(len(parts) - 1, 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            cls = importlib.import_module(module)
+        except ImportError:
+            continue
+        try:
+            for part in parts[cut:]:
+                cls = getattr(cls, part)
+        except AttributeError:
+            cls = None
+        break
+    if not (isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields")):
+        raise ValueError(f"checkpoint names type {name!r}, which is not a named tuple of "
+                         f"kvjax or models")
     return cls
 
 
@@ -119,23 +135,83 @@ def save(directory: str | Path, tree: Any, *, meta: Mapping[str, Any] | None = N
         manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(leaves),
                                                    manifest=ocp.args.JsonSave(manifest)))
         manager.wait_until_finished()
-    return directory / str(step)
+    step_dir = directory / str(step)
+    record = step_dir / f".{FILES}.tmp"
+    record.write_text(json.dumps(_file_sizes(step_dir)), encoding="utf-8")
+    record.replace(step_dir / FILES)
+    return step_dir
+
+
+FILES = "kvjax-files.json"
+"""Sizes of every file of a step, written by `save` once orbax has finished the step."""
+
+_MANIFEST_KEYS = {"format": int, "structure": str, "namedtuples": list, "meta": dict,
+                  "versions": dict}
+
+
+def _damaged(where: Path, e: Exception) -> ValueError:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return ValueError(f"checkpoint {where}: damaged or unreadable ({type(e).__name__}: {first})")
+
+
+def _file_sizes(step: Path) -> dict[str, int]:
+    return {str(f.relative_to(step)): f.stat().st_size for f in sorted(step.rglob("*"))
+            if f.is_file() and f.name != FILES}
+
+
+def _check_files(step: Path) -> None:
+    """ValueError naming a file of `step` that is missing or not the size `save` recorded
+    (a step written before the record existed is read unchecked)."""
+    record = step / FILES
+    if not record.is_file():
+        return
+    try:
+        want = json.loads(record.read_text("utf-8"))
+        if not isinstance(want, dict) or not all(isinstance(v, int) for v in want.values()):
+            raise ValueError("not a {file: size} record")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"checkpoint {record}: unreadable ({e})") from None
+    have = _file_sizes(step)
+    for name, size in want.items():
+        if name not in have:
+            raise ValueError(f"checkpoint {step / name}: missing (the step recorded it)")
+        if have[name] != size:
+            raise ValueError(f"checkpoint {step / name}: {have[name]} bytes, {size} when saved "
+                             f"(truncated or altered)")
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any]:
-    """The manifest of the newest finished step (structure, meta, versions)."""
+    """The manifest of the newest finished step (structure, meta, versions), schema-checked."""
     directory = Path(directory).absolute()
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
-    with _manager(directory, read_only=True) as manager:
-        step = manager.latest_step()
-        if step is None:
-            raise FileNotFoundError(f"{directory} holds no finished checkpoint")
-        manifest = manager.restore(step, args=ocp.args.Composite(
-            manifest=ocp.args.JsonRestore()))["manifest"]
+    try:
+        with _manager(directory, read_only=True) as manager:
+            step = manager.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"{directory} holds no finished checkpoint")
+            _check_files(directory / str(step))
+            manifest = manager.restore(step, args=ocp.args.Composite(
+                manifest=ocp.args.JsonRestore()))["manifest"]
+    except (FileNotFoundError, ValueError) as e:
+        if str(directory) in str(e):
+            raise
+        raise _damaged(directory, e) from None
+    except Exception as e:  # orbax / tensorstore errors on damaged files
+        raise _damaged(directory, e) from None
+    where = directory / str(step) / "manifest"
+    if not isinstance(manifest, dict):
+        raise ValueError(f"checkpoint {where}: the manifest is not a JSON object")
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{directory}: checkpoint format {manifest.get('format')!r}, this kvjax "
                          f"reads format {FORMAT}")
+    missing = sorted(set(_MANIFEST_KEYS) - set(manifest))
+    extra = sorted(set(manifest) - set(_MANIFEST_KEYS))
+    wrong = sorted(k for k, t in _MANIFEST_KEYS.items()
+                   if k in manifest and not isinstance(manifest[k], t))
+    if missing or extra or wrong:
+        raise ValueError(f"checkpoint {where}: manifest keys missing {missing}, unexpected "
+                         f"{extra}, of the wrong type {wrong}")
     return dict(manifest, step=step)
 
 
@@ -161,16 +237,32 @@ def restore(directory: str | Path, *, expect: Mapping[str, Any] | None = None,
     directory = Path(directory).absolute()
     manifest = read_manifest(directory)
     check_meta(manifest["meta"], expect or {}, directory / str(manifest["step"]))
-    abstract = _abstract_tree(manifest["structure"], manifest["namedtuples"])
+    where = directory / str(manifest["step"])
+    try:
+        abstract = _abstract_tree(manifest["structure"], manifest["namedtuples"])
+    except ValueError as e:
+        if "checkpoint names type" in str(e):
+            raise ValueError(f"checkpoint {where}: {e}") from None
+        raise _damaged(where, e) from None
+    except Exception as e:  # a structure that is not a serialized pytree
+        raise _damaged(where, e) from None
     leaves, treedef = jax.tree_util.tree_flatten(abstract)
     place = sharding if callable(sharding) else (
         lambda aval: sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     targets = {f"{i:05d}": jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=place(a))
                for i, a in enumerate(leaves)}
     stored = {k: t for k, t in targets.items() if np.prod(t.shape)}
-    with _manager(directory, read_only=True) as manager:
-        arrays = manager.restore(manifest["step"], args=ocp.args.Composite(
-            arrays=ocp.args.StandardRestore(stored)))["arrays"] if stored else {}
+    try:
+        with _manager(directory, read_only=True) as manager:
+            arrays = manager.restore(manifest["step"], args=ocp.args.Composite(
+                arrays=ocp.args.StandardRestore(stored)))["arrays"] if stored else {}
+    except Exception as e:  # orbax / tensorstore errors on damaged array files
+        raise _damaged(where, e) from None
+    bad = [k for k, t in stored.items() if k not in arrays or arrays[k].shape != t.shape
+           or arrays[k].dtype != t.dtype]
+    if bad:
+        raise ValueError(f"checkpoint {where}: arrays {bad[:5]} do not match the manifest's "
+                         f"structure")
     empty = lambda t: jax.device_put(np.zeros(t.shape, t.dtype), t.sharding)
     tree = jax.tree_util.tree_unflatten(treedef, [arrays[k] if k in arrays else empty(t)
                                                   for k, t in targets.items()])

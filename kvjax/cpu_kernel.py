@@ -44,10 +44,12 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -120,32 +122,98 @@ def flags() -> tuple[str, ...]:
     return (f"-march={march}", *FLAGS)
 
 
+def _digest(data: bytes) -> dict:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _record(out: Path) -> Path:
+    """The size-and-hash record written beside a built library (`NAME.so.json`)."""
+    return out.with_name(out.name + ".json")
+
+
+def verified(out: Path) -> tuple[bytes | None, str]:
+    """(the library's bytes, "") when `out` matches its record's size and SHA-256, else
+    (None, what is wrong). A cached binary is trusted only so: dlopen of a truncated one
+    kills the process with SIGBUS."""
+    record = _record(out)
+    try:
+        want = json.loads(record.read_text("utf-8"))
+        if not isinstance(want, dict) or set(want) != {"size", "sha256"}:
+            return None, f"its record {record.name} is not a size-and-hash record"
+    except FileNotFoundError:
+        return None, f"no record {record.name} of its size and hash"
+    except (OSError, ValueError) as e:
+        return None, f"its record {record.name} is unreadable ({e})"
+    try:
+        data = out.read_bytes()
+    except OSError as e:
+        return None, f"it is unreadable ({e})"
+    got = _digest(data)
+    if got["size"] != want["size"]:
+        return None, f"it is {got['size']} bytes, its record says {want['size']}"
+    if got["sha256"] != want["sha256"]:
+        return None, "its SHA-256 differs from its record's"
+    return data, ""
+
+
 def build(cxx: str | None = None) -> Path:
-    """Compile the kernel (once per source, jax version, compiler flags and CPU) -> the .so path."""
+    """Compile the kernel (once per source, jax version, compiler flags and CPU) -> the .so path.
+
+    A cached library is reused only when its size and SHA-256 match the record written at
+    its build (`verified`); otherwise it is rebuilt, with one notice line on stderr.
+    """
     cxx = cxx or os.environ.get("CXX", "g++")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), " ".join(flags()).encode(),
                                      cxx.encode(), _cpu_id().encode()])).hexdigest()[:16]
     out = _cache_dir() / f"decode_attention-{key}.so"
-    if out.exists():
-        return out
+    if out.exists() or _record(out).exists():
+        data, problem = verified(out)
+        if data is not None:
+            return out
+        print(f"kvjax: rebuilding the CPU kernel {out}: {problem}", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
+    record = partial.with_name(partial.name + ".json")
     try:
         subprocess.run([cxx, *flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
                         str(partial)], check=True, capture_output=True, text=True)
-        os.replace(partial, out)  # atomic: concurrent builders (pytest -n 2) never see half a file
+        record.write_text(json.dumps(_digest(partial.read_bytes())), encoding="utf-8")
+        # atomic: concurrent builders (pytest -n 2) never see half a file; the library first,
+        # so a reader between the two renames sees a stale record and rebuilds, never trusts
+        os.replace(partial, out)
+        os.replace(record, _record(out))
     finally:
         partial.unlink(missing_ok=True)
+        record.unlink(missing_ok=True)
     return out
+
+
+def _load(path: Path):
+    """dlopen the verified bytes of `path`: from a private in-memory copy where the system
+    has one (nobody can truncate it under the mapping), else from `path` itself."""
+    data, problem = verified(path)
+    if data is None:
+        raise OSError(f"{path}: {problem}")
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("kvjax-cpu-kernel")
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        _open_fds.append(fd)  # kept open: the library stays mapped for the process
+        return ctypes.cdll.LoadLibrary(f"/proc/self/fd/{fd}")
+    return ctypes.cdll.LoadLibrary(str(path))
+
+
+_open_fds: list[int] = []
 
 
 @functools.cache
 def _registered() -> bool:
     """Build, load and register the kernel once per process; False (one warning) if it cannot."""
     try:
-        library = ctypes.cdll.LoadLibrary(str(build()))
+        library = _load(build())
     except (OSError, subprocess.CalledProcessError) as err:
         detail = getattr(err, "stderr", "") or err
         warnings.warn(f"kvjax: the CPU decode-attention kernel could not be built ({detail}); "

@@ -36,8 +36,9 @@ from kvjax.cache import EMPTY, CacheSpec, ResidualCache, TokenCache, init_model_
 from kvjax.stats import LayerStats, StatsSpec, init_stats
 from kvjax.stores import PackedChannels, _resize_rows, is_dense
 
-FORMAT = 1
-"""Version of the artifact layout (`manifest.json["format"]`); another one is refused."""
+FORMAT = 2
+"""Version of the artifact layout (`manifest.json["format"]`); another one is refused.
+2: the manifest lists every file's size and SHA-256 (`files`), checked at load."""
 
 KIND = "kvjax-exported-decoder"
 MANIFEST = "manifest.json"
@@ -253,15 +254,133 @@ class Generated:
     first_token_seconds: float = 0.0  # from the call to the first token on the host
 
 
-def _read_manifest(directory: Path) -> dict[str, Any]:
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory}: no {MANIFEST}; not an artifact of `kvjax export`")
-    manifest = json.loads(path.read_text("utf-8"))
+_NUMBER = (int, float)
+MANIFEST_SCHEMA: dict[str, Any] = {
+    "kind": str, "format": int, "source": str, "model": dict, "cache_spec": dict,
+    "method": str, "stats": dict, "chunk": int, "max_len": int, "buckets": [int],
+    "platforms": [str], "batch": str, "sampling": str, "eos_ids": [int], "pad_id": int,
+    "bos_id": (int, type(None)), "inv_freq": [_NUMBER], "weights": dict, "functions": dict,
+    "shapes": dict, "versions": dict, "files": dict,
+}
+"""Every key of `manifest.json` and its JSON type (`[t]`: a list of t); no other key."""
+
+_MODEL_KEYS = {"vocab_size": int, "num_heads": int, "max_position": int}
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    """{"size", "sha256"} of one artifact file, as the manifest's `files` holds it."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _type_ok(value: Any, kind: Any) -> bool:
+    if isinstance(kind, list):
+        return isinstance(value, list) and all(_type_ok(v, kind[0]) for v in value)
+    if kind in (int, _NUMBER) or (isinstance(kind, tuple) and int in kind):
+        if isinstance(value, bool):
+            return False
+    return isinstance(value, kind)
+
+
+def _inside(directory: Path, relative: Any, where: str) -> Path:
+    """`directory / relative` for a plain relative path inside the artifact (never `..`, never
+    absolute: a manifest must not make the loader read elsewhere)."""
+    if not isinstance(relative, str) or not relative or Path(relative).is_absolute() \
+            or ".." in Path(relative).parts:
+        raise ValueError(f"{directory / MANIFEST}: {where} names {relative!r}; need a relative "
+                         f"path inside the artifact")
+    return directory / relative
+
+
+def check_manifest(directory: Path, manifest: Any) -> dict[str, Any]:
+    """ValueError naming `manifest.json` and the first thing wrong with its schema: a key
+    missing or unexpected, a value of the wrong type, a bucket without its functions."""
+    where = directory / MANIFEST
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{where}: not a JSON object")
     if manifest.get("kind") != KIND or manifest.get("format") != FORMAT:
         raise ValueError(f"{directory}: artifact kind {manifest.get('kind')!r} format "
-                         f"{manifest.get('format')!r}; this kvjax reads {KIND!r} format {FORMAT}")
+                         f"{manifest.get('format')!r}; this kvjax reads {KIND!r} format {FORMAT}"
+                         f" (export it again with this kvjax)")
+    missing = [k for k in MANIFEST_SCHEMA if k not in manifest]
+    extra = sorted(k for k in manifest if k not in MANIFEST_SCHEMA)
+    if missing or extra:
+        raise ValueError(f"{where}: keys missing {missing}, unexpected {extra}")
+    for key, kind in MANIFEST_SCHEMA.items():
+        if not _type_ok(manifest[key], kind):
+            raise ValueError(f"{where}: {key!r} is {manifest[key]!r:.80}, of the wrong type")
+    for key, kind in _MODEL_KEYS.items():
+        if not _type_ok(manifest["model"].get(key), kind) or manifest["model"][key] < 1:
+            raise ValueError(f"{where}: model.{key} is {manifest['model'].get(key)!r}; need "
+                             f"an int >= 1")
+    m = manifest
+    if not m["buckets"] or any(b < 2 or b > m["max_len"] for b in m["buckets"]):
+        raise ValueError(f"{where}: buckets {m['buckets']} must be a non-empty list of ints in "
+                         f"[2, max_len = {m['max_len']}]")
+    if m["chunk"] < 1 or m["max_len"] > m["model"]["max_position"]:
+        raise ValueError(f"{where}: chunk {m['chunk']} / max_len {m['max_len']} out of range "
+                         f"(chunk >= 1, max_len <= the model's {m['model']['max_position']} "
+                         f"positions)")
+    vocab = m["model"]["vocab_size"]
+    if not 0 <= m["pad_id"] < vocab or any(not 0 <= e < vocab for e in m["eos_ids"]):
+        raise ValueError(f"{where}: pad_id {m['pad_id']} / eos_ids {m['eos_ids']} must be in "
+                         f"[0, {vocab})")
+    names = {"prefill", "decode"} | ({"compress"} if m["method"] != "full" else set())
+    buckets = {str(b) for b in m["buckets"]}
+    if set(m["functions"]) != buckets:
+        raise ValueError(f"{where}: functions are given for buckets {sorted(m['functions'])}, "
+                         f"the manifest lists buckets {m['buckets']}")
+    for bucket, fns in m["functions"].items():
+        if not isinstance(fns, dict) or set(fns) != names:
+            raise ValueError(f"{where}: bucket {bucket} has functions {fns!r:.80}; need "
+                             f"{sorted(names)}")
+        for name, rel in fns.items():
+            _inside(directory, rel, f"functions[{bucket}][{name}]")
+    files = m["files"]
+    needed = {rel for fns in m["functions"].values() for rel in fns.values()} | {WEIGHTS}
+    if not needed <= set(files):
+        raise ValueError(f"{where}: files lists no size and hash for "
+                         f"{sorted(needed - set(files))}")
+    for rel, record in files.items():
+        _inside(directory, rel, "files")
+        if not (isinstance(record, dict) and set(record) == {"size", "sha256"}
+                and _type_ok(record["size"], int) and isinstance(record["sha256"], str)):
+            raise ValueError(f"{where}: files[{rel!r}] is {record!r:.80}; need "
+                             f"{{'size': int, 'sha256': str}}")
     return manifest
+
+
+def check_files(directory: Path, manifest: dict[str, Any]) -> None:
+    """ValueError naming the first file of the artifact that is missing or whose size or
+    SHA-256 differs from the manifest's record (truncated, altered, swapped)."""
+    for rel, want in manifest["files"].items():
+        path = _inside(directory, rel, "files")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing (listed in {MANIFEST})")
+        size = path.stat().st_size
+        if size != want["size"]:
+            raise ValueError(f"{path}: {size} bytes, the manifest says {want['size']} "
+                             f"(truncated or altered)")
+        if file_record(path)["sha256"] != want["sha256"]:
+            raise ValueError(f"{path}: SHA-256 differs from the manifest's (altered)")
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: no such artifact folder")
+    if not path.is_file():
+        raise FileNotFoundError(f"{directory}: no {MANIFEST}; not an artifact of `kvjax export`")
+    try:
+        manifest = json.loads(path.read_text("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return check_manifest(directory, manifest)
 
 
 class ExportedDecoder:
@@ -272,6 +391,7 @@ class ExportedDecoder:
 
         self.directory = Path(directory)
         self.manifest = _read_manifest(self.directory)
+        check_files(self.directory, self.manifest)
         use_compilation_cache()
         m = self.manifest
         platform = jax.default_backend()
@@ -279,18 +399,31 @@ class ExportedDecoder:
             raise ValueError(f"{self.directory}: exported for {m['platforms']}, this process "
                              f"runs on {platform!r}; export with --platforms including it")
         self.config = m["model"]
-        self.cache_spec = CacheSpec(**m["cache_spec"])
-        self.stats_spec = StatsSpec(**m["stats"])
+        try:
+            self.cache_spec = CacheSpec(**m["cache_spec"])
+            self.stats_spec = StatsSpec(**m["stats"])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self.directory / MANIFEST}: cache_spec or stats is not what "
+                             f"this kvjax writes ({e})") from None
         self.chunk = int(m["chunk"])
         self.buckets = tuple(int(b) for b in m["buckets"])
         self.eos_ids = tuple(m["eos_ids"])
         self.pad_id = int(m["pad_id"])
         self.inv_freq = np.asarray(m["inv_freq"], np.float32)
         self.compresses = m["method"] != "full"
-        weights = load_file(str(self.directory / WEIGHTS))
+        try:
+            weights = load_file(str(self.directory / WEIGHTS))
+        except Exception as e:  # safetensors' own errors on a damaged file
+            raise ValueError(f"{self.directory / WEIGHTS}: not a readable safetensors file "
+                             f"({type(e).__name__}: {e})") from None
         self.params = {k: jnp.asarray(v) for k, v in weights.items()}
         folder = self.directory / TOKENIZER
-        self.tokenizer = TextCodec(folder) if (folder / "tokenizer.json").is_file() else None
+        try:
+            self.tokenizer = (TextCodec(folder) if (folder / "tokenizer.json").is_file()
+                              else None)
+        except Exception as e:  # tokenizers' / json's errors on a damaged file
+            raise ValueError(f"{folder}: not a readable tokenizer ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
         self._fns: dict[tuple[str, int], Any] = {}
 
     def __repr__(self) -> str:
@@ -302,8 +435,12 @@ class ExportedDecoder:
         """The deserialized function `name` of `bucket`, jitted once (cache argument donated)."""
         key = (name, bucket)
         if key not in self._fns:
-            blob = (self.directory / self.manifest["functions"][str(bucket)][name]).read_bytes()
-            exported = jax.export.deserialize(bytearray(blob))
+            path = self.directory / self.manifest["functions"][str(bucket)][name]
+            try:
+                exported = jax.export.deserialize(bytearray(path.read_bytes()))
+            except Exception as e:  # flatbuffers' errors on a damaged file
+                raise ValueError(f"{path}: not a readable jax.export function "
+                                 f"({type(e).__name__}: {e})") from None
             donate = {"prefill": (3,), "decode": (3,), "compress": (0,)}[name]
             self._fns[key] = jax.jit(exported.call, donate_argnums=donate)
         return self._fns[key]
@@ -423,6 +560,7 @@ def compile_for_tpu(directory: str | Path, chip: str = "v5e", batch: int = 1,
 
     directory = Path(directory)
     manifest = _read_manifest(directory)
+    check_files(directory, manifest)
     if "tpu" not in manifest["platforms"]:
         raise ValueError(f"{directory}: exported for {manifest['platforms']}, not tpu")
     device = tpu_device(chip)

@@ -287,13 +287,38 @@ def spill(pool: PagePool, layers: Sequence[TieredLayer], pages: Any):
     """Move device pages `pages` [K] (NO_PAGE entries ignored) to free host pages.
 
     Only spillable pages move (in use, not a row's last written page); the rest, and pages
-    beyond the free host pages, stay. Every table entry listing a moved page is renamed."""
-    return _move(pool, tuple(layers), jnp.asarray(pages, jnp.int32), to_host=True)
+    beyond the free host pages, stay. Every table entry listing a moved page is renamed.
+    A page id outside the device pages [1, device_pages) (other than NO_PAGE) is a
+    ValueError (checked when `pages` is concrete)."""
+    layers = tuple(layers)
+    pages = _checked_pages("spill", pages, 1, layers[0].device_pages, "device pages")
+    return _move(pool, layers, pages, to_host=True)
 
 
 def restore(pool: PagePool, layers: Sequence[TieredLayer], pages: Any):
-    """Move host pages `pages` [K] (NO_PAGE entries ignored) back to free device pages."""
-    return _move(pool, tuple(layers), jnp.asarray(pages, jnp.int32), to_host=False)
+    """Move host pages `pages` [K] (NO_PAGE entries ignored) back to free device pages.
+    A page id outside the host pages [device_pages, num_pages) (other than NO_PAGE) is a
+    ValueError (checked when `pages` is concrete)."""
+    layers = tuple(layers)
+    pages = _checked_pages("restore", pages, layers[0].device_pages, pool.num_pages,
+                           "host pages")
+    return _move(pool, layers, pages, to_host=False)
+
+
+def _checked_pages(what: str, pages: Any, low: int, high: int, kind: str) -> jax.Array:
+    """`pages` as int32 [K]; ValueError for a float, a wrong rank or (when concrete) an id
+    outside [low, high) other than NO_PAGE -- it would otherwise be skipped silently."""
+    if isinstance(pages, jax.core.Tracer):
+        return pages.astype(jnp.int32)
+    array = np.asarray(pages)
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise ValueError(f"{what}: pages must be a 1-D array of integer page ids, got "
+                         f"{array.dtype} of shape {list(array.shape)}")
+    bad = sorted({int(p) for p in array if p != NO_PAGE and not low <= p < high})
+    if bad:
+        raise ValueError(f"{what}: pages {bad[:8]} are out of range: the {kind} are "
+                         f"[{low}, {high}) (NO_PAGE = {NO_PAGE} entries are skipped)")
+    return jnp.asarray(array, jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("to_host",))
@@ -365,6 +390,9 @@ def prefetch(layers: Sequence[TieredLayer], pages: Any) -> tuple[TieredLayer, ..
     dispatch); whatever reads the stage waits for them. A device page listed is not staged."""
     layers = tuple(layers)
     m = layers[0].stage_ids.shape[0]
+    if np.shape(pages) == (m,):
+        pages = _checked_pages("prefetch", pages, 0, layers[0].pos.shape[0],
+                               "pool's pages (a device page is not staged)")
     pages = jnp.asarray(pages, jnp.int32)
     if pages.shape != (m,):
         raise ValueError(f"prefetch: pages must have shape [{m}] (the stage size), got "

@@ -277,6 +277,10 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
     if tokenizer is not None:
         tokenizer.save(out / exported.TOKENIZER)
     import importlib.metadata as md
+    written = [rel for fns in functions.values() for rel in fns.values()] + [exported.WEIGHTS]
+    if tokenizer is not None:
+        written += sorted(str(f.relative_to(out)) for f in (out / exported.TOKENIZER).rglob("*")
+                          if f.is_file())
     manifest = {
         "kind": exported.KIND, "format": exported.FORMAT, "source": source,
         "model": cfg.to_dict(), "cache_spec": dataclasses.asdict(cfg.cache_spec),
@@ -290,6 +294,7 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
         "versions": {"jax": jax.__version__, "jaxlib": md.version("jaxlib"),
                      "kvjax": md.version("kvjax"), "flax": md.version("flax"),
                      **versions},
+        "files": {rel: exported.file_record(out / rel) for rel in written},
     }
     (out / exported.MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
     return out

@@ -245,6 +245,23 @@ def hf_config(raw: dict) -> LlamaConfig:
     return families.hf_config(raw)
 
 
+def read_hf_config(file: Path) -> LlamaConfig:
+    """`hf_config` of a config.json file; ValueError naming the file for a file that is not
+    JSON, not an object, or lacks a key or value the architecture needs."""
+    try:
+        raw = json.loads(Path(file).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{file}: not a valid JSON config ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: a config is a JSON object, got {type(raw).__name__}")
+    try:
+        return hf_config(raw)
+    except KeyError as e:
+        raise ValueError(f"{file}: key {e} is missing") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ValueError(f"{file}: {e}") from None
+
+
 def load_hf_dir(path: str | os.PathLike,
                 dtype: Any = jnp.float32) -> tuple[LlamaConfig, Params]:
     """Read a Hugging Face checkpoint directory: (config, weights by state path), each tensor
@@ -257,17 +274,30 @@ def load_hf_dir(path: str | os.PathLike,
         raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model directory")
     index = path / "model.safetensors.index.json"
     if index.is_file():  # sharded: read exactly the files the index names
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        try:
+            names = json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()
+            files = sorted({path / f for f in names})
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index}: not a safetensors index with a weight_map "
+                             f"({type(e).__name__}: {e})") from None
+        if any(".." in Path(f).parts or Path(f).is_absolute() for f in names):
+            raise ValueError(f"{index}: names a file outside {path}")
     else:  # Mistral repos also ship consolidated.safetensors in another naming scheme
         files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("consolidated"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
-    cfg = hf_config(json.loads((path / "config.json").read_text()))
+    cfg = read_hf_config(path / "config.json")
     raw: dict[str, np.ndarray] = {}
     for f in files:
-        with safe_open(str(f), framework="flax") as sf:
-            for name in sf.keys():
-                raw[name] = np.asarray(sf.get_tensor(name).astype(dtype))
+        try:
+            with safe_open(str(f), framework="flax") as sf:
+                for name in sf.keys():
+                    raw[name] = np.asarray(sf.get_tensor(name).astype(dtype))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{f}: missing (named by {path})") from None
+        except Exception as e:  # safetensors' own errors on a damaged file
+            raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: "
+                             f"{str(e)[:200]})") from None
 
     def required(name: str) -> np.ndarray:
         if name not in raw:
@@ -370,7 +400,7 @@ def model_config(name_or_path: str | os.PathLike = "smollm2") -> LlamaConfig:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model "
                                     f"directory")
-        return hf_config(json.loads((path / "config.json").read_text()))
+        return read_hf_config(path / "config.json")
     try:  # the converted store's copy: 3 s faster than parsing the GGUF
         return _converted_config(converted_dir(path))
     except (OSError, ValueError, TypeError, KeyError):

@@ -53,9 +53,9 @@ def test_plugin_modules_and_bad_plugins(tmp_path, monkeypatch):
         assert "by_module" in methods.METHODS
     finally:
         methods.METHODS.pop("by_module", None)
-    with pytest.raises(ValueError, match="plugin file .*missing.py does not exist"):
+    with pytest.raises(ValueError, match="plugin .*missing.py: no such file"):
         methods.load_plugins(str(tmp_path / "missing.py"))
-    with pytest.raises(ValueError, match="cannot import plugin module 'no_such_module_x'"):
+    with pytest.raises(ValueError, match="plugin no_such_module_x: cannot import this module"):
         methods.load_plugins("no_such_module_x")
     monkeypatch.setenv(methods.PLUGINS_ENV, "")
     with pytest.raises(ValueError, match="unknown method 'still_unknown'"):
