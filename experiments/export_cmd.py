@@ -52,6 +52,23 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
         raise ValueError(f"--{option} {text!r}: need comma-separated integers") from None
 
 
+def check_export_args(args, platforms: tuple[str, ...], buckets) -> None:
+    """ValueError naming the first option out of range (the model-dependent limits, such as
+    --max-len <= the model's positions, are `export_artifact`'s)."""
+    if not platforms or any(p not in ("cpu", "cuda", "rocm", "tpu") for p in platforms):
+        raise ValueError(f"--platforms {args.platforms!r}: must be a comma-separated list of "
+                         f"cpu, cuda, rocm, tpu")
+    if args.chunk < 1:
+        raise ValueError(f"--chunk {args.chunk}: must be an integer >= 1")
+    if args.max_len < 2 * args.chunk:
+        raise ValueError(f"--max-len {args.max_len}: must be >= 2 x --chunk ({2 * args.chunk})")
+    if buckets and any(b <= args.chunk or b > args.max_len for b in buckets):
+        raise ValueError(f"--buckets {args.buckets}: each must be in [--chunk + 1 = "
+                         f"{args.chunk + 1}, --max-len = {args.max_len}]")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out}: is a file; need a folder")
+
+
 def run_export(args) -> dict:
     from kvjax.exported import compile_for_tpu
     from models.export import export_artifact
@@ -62,6 +79,7 @@ def run_export(args) -> dict:
     if args.check_tpu and "tpu" not in platforms:
         raise ValueError(f"--check-tpu needs tpu in --platforms, got {args.platforms!r}")
     buckets = _ints(args.buckets, "buckets") or None
+    check_export_args(args, platforms, buckets)  # before the model loads
     enable_compilation_cache()
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
