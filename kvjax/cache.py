@@ -251,6 +251,9 @@ class CacheSpec:
 
     def __post_init__(self):
         if self.windows is not None:
+            object.__setattr__(self, "windows", tuple(  # hashable, also when read from JSON
+                None if w is None else int(w) if isinstance(w, (int, np.integer)) and
+                not isinstance(w, bool) else w for w in self.windows))
             if len(self.windows) != self.num_layers:
                 raise ValueError(f"CacheSpec.windows has {len(self.windows)} entries, "
                                  f"num_layers is {self.num_layers}")

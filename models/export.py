@@ -160,6 +160,12 @@ def batch_logits(model: Llama, h: jax.Array) -> jax.Array:
     rows = h.shape[0]
     if model.lm_head is not None or not jax.export.is_symbolic_dim(rows):
         return model.logits(h)
+    cap = model.config.final_softcap  # Gemma: Llama.logits caps what `_tied_logits` computes
+    logits = _tied_logits(model, h, rows)
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _tied_logits(model: Llama, h: jax.Array, rows) -> jax.Array:
     emb = model.embed[...]
     dot = lambda h: jnp.einsum("...d,vd->...v", h.astype(emb.dtype), emb,
                                preferred_element_type=jnp.float32)
@@ -196,7 +202,9 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
         >>> out.tokens.shape, out.prefill_bucket
         ((2, 3), 64)
     """
-    transform = kvjax.parse_method(method)
+    from models.sampler import for_full_layers
+    # as the sampler: a sliding-window layer keeps its window cache, methods compress the rest
+    transform = for_full_layers(model, kvjax.parse_method(method))
     kvjax.methods.check_method(method, model.config.num_layers)
     cfg = model.config
     max_len = min(DEFAULT_MAX_LEN, cfg.max_position) if max_len is None else max_len

@@ -229,3 +229,23 @@ def test_bfloat16_checkpoint_loads_as_bfloat16_without_a_float32_copy(tmp_path):
         assert v.dtype == jnp.bfloat16, k
         np.testing.assert_array_equal(np.asarray(v, np.float32),
                                       np.asarray(jnp.asarray(ref[k], jnp.bfloat16), np.float32))
+
+
+def test_exported_gemma3_with_a_compression_chain_generates_the_live_tokens(tmp_path):
+    """`export_artifact` on Gemma 3: the chain compresses the global layer only and the
+    artifact's tokens are the live sampler's. (The artifact sizes every layer to its decode
+    bucket, local ones included: correct, as a local layer keeps its newest slots and masks
+    by the window, but not yet window-sized there.)"""
+    from kvjax import exported
+    from models.export import export_artifact
+
+    spec = "snapkv:ratio=0.5,window=8+kivi:bits=4,group=8,residual=8"
+    model = build_model(*load_hf_dir(GOLDEN / "gemma3"))
+    export_artifact(model, None, tmp_path, method=spec, chunk=16, max_len=128,
+                    buckets=(64, 128))
+    prompts = [np.random.default_rng(n).integers(3, 128, n).tolist() for n in (70, 45)]
+    got = exported.load(tmp_path).generate(prompts, max_new_tokens=6)
+    live = generate(model, prompts, max_new_tokens=6, chunk=16, transform=kvjax.parse_method(spec))
+    np.testing.assert_array_equal(got.tokens, live.tokens)
+    assert isinstance(got.cache[1], kvjax.ResidualCache)  # the global layer: KIVI's layout
+    assert all(isinstance(got.cache[i], kvjax.TokenCache) for i in (0, 2))  # local: plain
