@@ -119,7 +119,9 @@ def windowed_layers(model: Llama) -> tuple[int, ...]:
 def for_full_layers(model: Llama, transform: CacheTransform) -> CacheTransform:
     """`transform` on the model's full-attention layers only (`kvjax.on_layers`); a model
     whose every layer is windowed (Mistral or Phi-3 with a sliding window) keeps its
-    window caches as they are (`full`)."""
+    window caches as they are (`full`). The transform sees the full-attention layers as its
+    whole cache, so on such a model a method's `layers=` counts them from 0 (Gemma 3 1B:
+    `layers=0-3` are its four global layers)."""
     windowed = windowed_layers(model)
     if not windowed or transform is full():
         return transform

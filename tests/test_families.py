@@ -249,3 +249,15 @@ def test_exported_gemma3_with_a_compression_chain_generates_the_live_tokens(tmp_
     np.testing.assert_array_equal(got.tokens, live.tokens)
     assert isinstance(got.cache[1], kvjax.ResidualCache)  # the global layer: KIVI's layout
     assert all(isinstance(got.cache[i], kvjax.TokenCache) for i in (0, 2))  # local: plain
+
+
+def test_context_then_prompt_equals_one_prompt_on_window_layers(family):
+    """`contexts` prefilled first, then the prompt (`extend`): through window-sized caches
+    the tokens are those of the two as one prompt."""
+    name, model, golden, _ = family
+    ids = golden["input_ids"][0].tolist()
+    context, question = ids[:130], ids[130:150]
+    split = generate(model, [question], contexts=[context], max_new_tokens=6, eos_ids=(),
+                     chunk=64)
+    whole = generate(model, [context + question], max_new_tokens=6, eos_ids=(), chunk=64)
+    np.testing.assert_array_equal(split.tokens, whole.tokens)
