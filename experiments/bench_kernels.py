@@ -188,10 +188,14 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
         v = random_pages(kv, vf, name if isinstance(vf, pf.Dense) else "v", kvh * plane, s, d)
         per_page = per_page_bytes((k, v)) + pos.shape[-1] * 4
         for npb in args.pages_per_block:  # 0: the kernel's default step
-            measure("kvjax paged" + (f" ppb={npb}" if npb else ""), name, per_page,
-                    lambda: jax.jit(functools.partial(kernel, k_format=kf, v_format=vf,
-                                                      pages_per_block=npb or None)),
-                    q, q_pos, k, v, pos, tables, counts)
+            for launch in args.launch:  # None: the kernel's default warps and stages
+                label = (f" ppb={npb}" if npb else "") + (
+                    f" warps={launch[0]} stages={launch[1]}" if launch else "")
+                measure("kvjax paged" + label, name, per_page,
+                        lambda: jax.jit(functools.partial(kernel, k_format=kf, v_format=vf,
+                                                          pages_per_block=npb or None,
+                                                          launch=launch)),
+                        q, q_pos, k, v, pos, tables, counts)
         try:
             ours = jax.jit(functools.partial(kernel, k_format=kf, v_format=vf))(
                 q, q_pos, k, v, pos, tables, counts)[:, 0]  # [B, H, D] f32
@@ -263,6 +267,37 @@ def plot(rows, path, copy_bw):
     fig.savefig(path, dpi=120)
 
 
+def launch_arg(text: str):
+    """'0' -> None (the kernel's default); 'WxS' -> (num_warps, num_stages)."""
+    if text == "0":
+        return None
+    try:
+        warps, stages = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--launch takes 0 or WARPSxSTAGES (e.g. 4x2), got "
+                                         f"{text!r}") from None
+    if warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8:
+        raise argparse.ArgumentTypeError(f"--launch {text!r}: warps must be 1, 2, 4, 8 or 16 "
+                                         f"and stages 1-8")
+    return warps, stages
+
+
+def environment() -> dict:
+    """What produced the numbers: device, driver, jax version, the command line."""
+    import subprocess
+    import sys
+    driver = None
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                                 "--format=csv,noheader"], capture_output=True, text=True,
+                                timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return dict(device=str(jax.devices()[0]), driver=driver, jax=jax.__version__,
+                command=" ".join(["python", *sys.argv]),
+                date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -274,6 +309,9 @@ def parse_args(argv=None):
                         help="flash-decoding split (pages); 32k / 64-token pages -> 8 splits")
     parser.add_argument("--pages-per-block", type=int, nargs="+", default=[0],
                         help="kvjax pages per step to try (0: the default); e.g. 0 1 2 4 to tune")
+    parser.add_argument("--launch", type=launch_arg, nargs="+", default=[None],
+                        help="GPU (num_warps x num_stages) to try, e.g. 0 4x2 8x2 4x3 (0: the "
+                             "kernel's default)")
     parser.add_argument("--mosaic-pages-per-step", type=int, default=2,
                         help="pages per pipeline step of the Mosaic GPU kernel (bf16 pages)")
     parser.add_argument("--repeats", type=int, default=10)
@@ -322,7 +360,7 @@ def main(argv=None):
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=str(jax.devices()[0]), backend=backend, interpret=bool(interpret),
+        meta = dict(**environment(), backend=backend, interpret=bool(interpret),
                     copy_gbs=round(copy_bw, 1), page_size=args.page_size,
                     pages_per_split=args.pages_per_split, repeats=args.repeats,
                     rounds=args.rounds, seconds=round(time.perf_counter() - began, 1),

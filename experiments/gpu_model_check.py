@@ -58,7 +58,8 @@ def run(args) -> dict:
     model = Llama(cfg, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in args.prompt_lengths]
-    report = dict(device=str(jax.devices()[0]), backend=pallas_backend(), rows=[],
+    from experiments.bench_kernels import environment
+    report = dict(**environment(), backend=pallas_backend(), rows=[], layers=args.layers,
                   prompt_lengths=args.prompt_lengths, new_tokens=args.new_tokens)
     for method in args.methods:
         row = dict(method=method)
@@ -76,7 +77,9 @@ def run(args) -> dict:
             row.update(
                 identical_tokens=int((~differs).sum()), tokens=int(a.size),
                 first_difference=[int(np.argmax(r)) if r.any() else None for r in differs],
-                warm_generate_s=seconds)
+                warm_generate_s=seconds,
+                generate_ms_per_new_token={i: round(1e3 * t / args.new_tokens, 2)
+                                           for i, t in seconds.items()})
             try:
                 row["pallas_kernel_calls_in_step"] = kernel_calls(model, outs["pallas"].cache,
                                                                    len(prompts))

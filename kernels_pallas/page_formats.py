@@ -66,7 +66,7 @@ def unpack_planes(words: jax.Array, bits: int) -> jax.Array:
     return jnp.concatenate(planes, axis=0).astype(jnp.float32)
 
 
-def _half_to_f32(h: jax.Array, dtype: str) -> jax.Array:
+def half_to_f32(h: jax.Array, dtype: str) -> jax.Array:
     """int32 holding 16 bits of a float16/bfloat16 -> float32, exactly, by bit operations."""
     if dtype == "bfloat16":
         return jax.lax.bitcast_convert_type(h << 16, jnp.float32)
@@ -102,8 +102,8 @@ def unpack_rows(words: jax.Array, n: int, dtype: str) -> jax.Array:
     if dtype == "float32":
         return jax.lax.bitcast_convert_type(words, jnp.float32)[:n]
     w = jax.lax.bitcast_convert_type(words, jnp.int32)
-    lo = _half_to_f32(w & 0xFFFF, dtype)
-    hi = _half_to_f32((w >> 16) & 0xFFFF, dtype)
+    lo = half_to_f32(w & 0xFFFF, dtype)
+    hi = half_to_f32((w >> 16) & 0xFFFF, dtype)
     return jnp.concatenate([lo, hi], axis=0)[:n]
 
 
@@ -234,7 +234,7 @@ def _take_params(ops: Ops, block, start: int, logical: jax.Array, n: int, dtype:
     half = -(-n // 2)
     words = jax.lax.bitcast_convert_type(ops.take(block, start + logical % half, width),
                                          jnp.int32)
-    return _half_to_f32((words >> ((logical // half) * 16)[:, None]) & 0xFFFF, dtype)
+    return half_to_f32((words >> ((logical // half) * 16)[:, None]) & 0xFFFF, dtype)
 
 
 def _take_scale_offset(ops: Ops, block, start: int, ng: int, dtype: str, width: int):
@@ -249,7 +249,7 @@ def _take_scale_offset(ops: Ops, block, start: int, ng: int, dtype: str, width: 
                                                       jnp.float32)
         return load(rows), load(rows + ng)
     words = jax.lax.bitcast_convert_type(ops.take(block, start + rows, width), jnp.int32)
-    return _half_to_f32(words & 0xFFFF, dtype), _half_to_f32((words >> 16) & 0xFFFF, dtype)
+    return half_to_f32(words & 0xFFFF, dtype), half_to_f32((words >> 16) & 0xFFFF, dtype)
 
 
 def _take_param_cols(ops: Ops, block, logical: jax.Array, n: int, dtype: str, width: int):
@@ -259,7 +259,7 @@ def _take_param_cols(ops: Ops, block, logical: jax.Array, n: int, dtype: str, wi
     half = -(-n // 2)
     words = jax.lax.bitcast_convert_type(ops.take_cols(block, jax.lax.rem(logical, half), width),
                                          jnp.int32)
-    return _half_to_f32((words >> (jax.lax.div(logical, half) * 16)) & 0xFFFF, dtype)
+    return half_to_f32((words >> (jax.lax.div(logical, half) * 16)) & 0xFFFF, dtype)
 
 
 REFERENCE_OPS = Ops(load=lambda x, slots_last=False: x, rows=_reference_rows)

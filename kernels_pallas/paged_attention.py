@@ -78,7 +78,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Dense, Format,
-                                         PackedTokenRows, PageRef, block_spec)
+                                         PackedChannels, PackedTokenRows, PackedTokens, PageRef,
+                                         block_spec, half_to_f32)
 
 EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
 NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
@@ -138,6 +139,21 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
                     k_offset[g:g + 1]
             s = s_g if s is None else s + s_g
         s = s * scale
+    m_new, l_new, p, correction = online_softmax(s, kpos, qpos, m, l, window=window,
+                                                 softcap=softcap)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v,
+                             (((1,), (1 if v_slots_last else 0,)), ((), ())),
+                             precision=prec(v), preferred_element_type=jnp.float32)  # [GT, D]
+    return m_new, l_new, acc * correction + pv
+
+
+def online_softmax(s, kpos, qpos, m, l, *, window, softcap):
+    """Scaled scores of one step into the running softmax state.
+
+    s [GT, L] float32 scaled scores; kpos [1, L], qpos [GT, 1] int32; m, l [GT, 1] float32 ->
+    (m_new, l_new, p [GT, L] (0 where a slot is not visible), correction [GT, 1]): the caller
+    adds `p @ v` to its accumulator times `correction`.
+    """
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     visible = (kpos != EMPTY) & (qpos >= 0) & (kpos <= qpos)
@@ -147,11 +163,7 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
     m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
     p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
     correction = jnp.exp(m - m_new)
-    pv = jax.lax.dot_general(p.astype(v.dtype), v,
-                             (((1,), (1 if v_slots_last else 0,)), ((), ())),
-                             precision=prec(v), preferred_element_type=jnp.float32)  # [GT, D]
-    acc = acc * correction + pv
-    return m_new, l * correction + p.sum(axis=1, keepdims=True), acc
+    return m_new, l * correction + p.sum(axis=1, keepdims=True), p, correction
 
 
 def merge(a: Partial, b: Partial) -> Partial:
@@ -360,6 +372,153 @@ def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
 # ----------------------------------------------------------------------------- GPU (Triton)
 
 
+# Packed pages as channel slabs (GPU). Plane j of a packed page's W code words per slot holds
+# channels [jW, (j+1)W) (`page_formats.unpack_planes`), so K = max(W, 16) consecutive channels
+# (a *slab*: one plane, or 16 / W planes) are cut from the words with one shift and mask, and
+# enter the dots as exact integer codes: the keys' scale and offset go on the [GT, L] scores
+# (per-token groups; KIVI's per-channel scales fold into the queries), the values' on the
+# probabilities. Nothing [D, L]-sized is dequantized in float32 and no tile is reshaped: the
+# per-element work is a shift, a mask and a bit-trick conversion (docs/DECISIONS.md, "GPU: codes
+# into the dots").
+
+
+def slab_width(fmt, head_dim: int, pages_per_step: int) -> int | None:
+    """Channels per slab where `fmt` pages enter the GPU dots as codes, else None (decode path).
+
+    Packed formats only; per-token codes need each slab inside one parameter group (group % K
+    == 0); KIVI keys (`PackedChannels`) need one page per loop step (one table window).
+    """
+    if not isinstance(fmt, (PackedTokens, PackedChannels)):
+        return None
+    k = max(head_dim * fmt.bits // 32, GPU_MIN_ROWS)
+    if k > head_dim or (isinstance(fmt, PackedTokens) and fmt.group % k):
+        return None
+    if isinstance(fmt, PackedChannels) and pages_per_step != 1:
+        return None
+    return k
+
+
+def _exact_float(codes: jax.Array) -> jax.Array:
+    """uint32 codes < 2**23 -> float32, exactly: the codes become the mantissa of 2**23 + c."""
+    return jax.lax.bitcast_convert_type(codes | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
+
+
+class _Words:
+    """One loop step's word rows of a packed page block, each loaded at most once."""
+
+    def __init__(self, block: PageRef, width: int):
+        self.block, self.width, self.loaded = block, width, {}
+
+    def row(self, r: int) -> jax.Array:  # [1, L] uint32
+        if r not in self.loaded:
+            self.loaded[r] = GPU_OPS.take(self.block, jnp.full((1,), r, jnp.int32), self.width)
+        return self.loaded[r]
+
+    def codes(self, fmt, head_dim: int, k: int, i: int, dtype) -> jax.Array:
+        """Slab i's codes: channels [i*K, (i+1)*K) -> [K, L] in `dtype` (exact integers)."""
+        w = head_dim * fmt.bits // 32
+        mask = jnp.uint32((1 << fmt.bits) - 1)
+        if k == w:  # slab i is plane i of the W word rows, loaded once for all planes
+            if "plane" not in self.loaded:
+                self.loaded["plane"] = GPU_OPS.take(self.block, jax.lax.iota(jnp.int32, w),
+                                                    self.width)
+            codes = (self.loaded["plane"] >> jnp.uint32(i * fmt.bits)) & mask
+        else:  # K / W planes of the same W rows side by side (re-read from L1)
+            r = jax.lax.iota(jnp.int32, k)
+            shift = (i * (k // w) + jax.lax.div(r, w)) * fmt.bits
+            words = GPU_OPS.take(self.block, jax.lax.rem(r, w), self.width)
+            codes = (words >> shift.astype(jnp.uint32)[:, None]) & mask
+        return _exact_float(codes).astype(dtype)
+
+
+def _param_row(load, start: int, logical: int, n: int, dtype: str) -> jax.Array:
+    """Logical parameter row `logical` of n packed by `pack_rows` from word row `start` -> f32.
+
+    `load(word_row)` returns that row's words (any shape)."""
+    if dtype == "float32":
+        return jax.lax.bitcast_convert_type(load(start + logical), jnp.float32)
+    half = -(-n // 2)
+    words = jax.lax.bitcast_convert_type(load(start + logical % half), jnp.int32)
+    return half_to_f32((words >> (16 * (logical // half))) & 0xFFFF, dtype)
+
+
+def _token_params(fmt: PackedTokens, words: _Words, head_dim: int, g: int):
+    """Group g's per-slot scale and offset -> ([1, L], [1, L]) float32."""
+    start, n = head_dim * fmt.bits // 32, fmt.n_params(head_dim)
+    scale = _param_row(words.row, start, g, n, fmt.param_dtype)
+    if fmt.symmetric:
+        return scale, -(2.0 ** (fmt.bits - 1)) * scale
+    return scale, _param_row(words.row, start, head_dim // fmt.group + g, n, fmt.param_dtype)
+
+
+def _slab_dot(a, b, contract_b: int):
+    prec = (jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else jax.lax.Precision.DEFAULT)
+    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=prec,
+                               preferred_element_type=jnp.float32)
+
+
+def _slab_scores(q_slabs, k_format, k_blocks, head_dim: int, k: int, table_page, dtype):
+    """Unscaled scores [GT, L] of the step's keys, entering the dots as codes.
+
+    q_slabs: [GT, K] query slabs in `dtype`. Per-token keys: sum over groups of scale_g *
+    (q_g . c) + offset_g * sum(q_g). KIVI keys: slot s uses table row t = id_s of its page,
+    q . k_s = (q * scale_t) . c_s + q . offset_t, one dot per (slab, table row), selected per
+    slot. table_page: the step's page (scalar), KIVI only.
+    """
+    words = _Words(k_blocks[0], k_format.page_size([k_blocks[0].ref], head_dim))
+    if isinstance(k_format, PackedTokens):
+        per_group = {}
+        for i, q_i in enumerate(q_slabs):
+            g = i * k // k_format.group
+            d = _slab_dot(q_i, words.codes(k_format, head_dim, k, i, dtype), 0)  # [GT, L]
+            q_sum = jnp.sum(q_i.astype(jnp.float32), axis=1, keepdims=True)
+            d0, q0 = per_group.get(g, (0.0, 0.0))
+            per_group[g] = (d0 + d, q0 + q_sum)
+        out = 0.0
+        for g, (d, q_sum) in per_group.items():
+            scale, offset = _token_params(k_format, words, head_dim, g)
+            out = out + d * scale + q_sum * offset
+        return out
+    # KIVI: the table window of the step's one page, [1, K] per (table row, slab)
+    n_words = head_dim * k_format.bits // 32
+    ids = jax.lax.bitcast_convert_type(words.row(n_words), jnp.int32)  # [1, L]
+    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, k), 1)
+    table = k_blocks[1].ref
+    tw, n = k_format.window, k_format.n_params()
+    per_row = [0.0] * tw
+    for i, q_i in enumerate(q_slabs):
+        codes = words.codes(k_format, head_dim, k, i, dtype)  # [K, L]
+        q_f = q_i.astype(jnp.float32)
+        load = lambda r: table[table_page, 0, r * head_dim + i * k + lanes]  # noqa: B023
+        for t in range(tw):
+            scale = _param_row(load, 0, t, n, k_format.param_dtype)  # [1, K]
+            offset = (-(2.0 ** (k_format.bits - 1)) * scale if k_format.symmetric
+                      else _param_row(load, 0, tw + t, n, k_format.param_dtype))
+            d = _slab_dot((q_f * scale).astype(dtype), codes, 0)
+            per_row[t] = per_row[t] + d + jnp.sum(q_f * offset, axis=1, keepdims=True)
+    out = 0.0
+    for t in range(tw):
+        out = out + jnp.where(ids == t, per_row[t], 0.0)
+    return out
+
+
+def _slab_values(p, correction, acc, v_format, v_blocks, head_dim: int, k: int, dtype):
+    """acc: per-slab accumulators [GT, K] -> acc * correction + p @ v, slab by slab.
+
+    v_s = scale_s * c_s + offset_s per group: p @ v = (p * scale) @ c + (p . offset)."""
+    words = _Words(v_blocks[0], v_format.page_size([v_blocks[0].ref], head_dim))
+    groups, out = {}, []
+    for i, acc_i in enumerate(acc):
+        g = i * k // v_format.group
+        if g not in groups:
+            scale, offset = _token_params(v_format, words, head_dim, g)
+            groups[g] = ((p * scale).astype(dtype), jnp.sum(p * offset, axis=1, keepdims=True))
+        p_scaled, p_offset = groups[g]
+        pv = _slab_dot(p_scaled, words.codes(v_format, head_dim, k, i, dtype), 1)  # [GT, K]
+        out.append(acc_i * correction + pv + p_offset)
+    return tuple(out)
+
+
 def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format,
                 v_format, pages_per_split, pages_per_step, math, head_stride):
     # tables_ref [B, KVH, NP] or shared [B, NP], counts_ref / starts_ref [B, KVH]: whole arrays;
@@ -370,7 +529,7 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
     k_refs, v_refs = refs[:nk], refs[nk:nk + nv]
     acc_out, m_out, l_out = refs[nk + nv:]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q = q_ref[...]
+    rows, d = q_ref.shape
     qpos = qpos_ref[...]
     first = starts_ref[b, h] + split * pages_per_split
     last = jnp.minimum(first + pages_per_split, counts_ref[b, h])
@@ -379,25 +538,45 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
     col = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
     which = jax.lax.div(col, page_size)  # [1, L] the column's page within the step
     slot = jax.lax.rem(col, page_size)
+    k_slab = slab_width(k_format, d, pages_per_step)
+    v_slab = slab_width(v_format, d, pages_per_step)
+    slabs = k_slab is not None and v_slab == k_slab and isinstance(v_format, PackedTokens)
+    dtype = math["compute_dtype"]
+    if slabs:
+        q_slabs = [q_ref[:, pl.ds(i * k_slab, k_slab)] for i in range(d // k_slab)]
+        acc0 = tuple(jnp.zeros((rows, k_slab), jnp.float32) for _ in q_slabs)
+    else:
+        q = q_ref[...]
+        acc0 = jnp.zeros((rows, d), jnp.float32)
+    lookup = lambda i: (tables_ref[b, h, i] if head_stride is None
+                        else tables_ref[b, i] + h * head_stride)
 
     def body(step, carry):
         idx = first + step * pages_per_step + which  # [1, L] table entries
         live = idx < last
         # a column past the row's pages re-reads the row's last page (finite data), masked EMPTY
-        idx = jnp.minimum(idx, last - 1)
-        page = (tables_ref[b, h, idx] if head_stride is None
-                else tables_ref[b, idx] + h * head_stride)
+        page = lookup(jnp.minimum(idx, last - 1))
         kpos = jnp.where(live, pos_ref[page, 0, slot], EMPTY)  # [1, L]
         blocks = lambda fmt_refs: [PageRef(r, page) for r in fmt_refs]
-        return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), kpos, qpos,
-                          carry, GPU_OPS, head_dim=q.shape[-1], **math)
+        if not slabs:
+            return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), kpos, qpos,
+                              carry, GPU_OPS, head_dim=d, **math)
+        m, l, acc = carry
+        table_page = lookup(jnp.minimum(first + step, last - 1))  # KIVI: one page a step
+        s = _slab_scores(q_slabs, k_format, blocks(k_refs), d, k_slab, table_page, dtype)
+        m, l, p, correction = online_softmax(s * math["scale"], kpos, qpos, m, l,
+                                             window=math["window"], softcap=math["softcap"])
+        return m, l, _slab_values(p, correction, acc, v_format, blocks(v_refs), d, v_slab, dtype)
 
-    rows, d = q.shape
-    init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, d), jnp.float32))
+    init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32), acc0)
     steps = jax.lax.div(jnp.maximum(last - first, 0) + pages_per_step - 1, pages_per_step)
     m, l, acc = jax.lax.fori_loop(0, steps, body, init)
-    acc_out[...], m_out[...], l_out[...] = acc, m, l
+    if slabs:
+        for i, acc_i in enumerate(acc):
+            acc_out[:, pl.ds(i * k_slab, k_slab)] = acc_i
+    else:
+        acc_out[...] = acc
+    m_out[...], l_out[...] = m, l
 
 
 def gpu_launch(rows: int, head_dim: int, cols: int, quantized: bool) -> tuple[int, int]:
@@ -415,7 +594,7 @@ def gpu_launch(rows: int, head_dim: int, cols: int, quantized: bool) -> tuple[in
 
 def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
               v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages,
-              head_stride):
+              head_stride, launch=None):
     b, kvh, rows, d = qg.shape
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
@@ -424,7 +603,8 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
                                pages_per_split=pages_per_split, pages_per_step=pages_per_block,
                                math=math, head_stride=head_stride)
     quantized = not (isinstance(k_format, Dense) and isinstance(v_format, Dense))
-    num_warps, num_stages = gpu_launch(rows, d, pages_per_block * pos_pages.shape[-1], quantized)
+    num_warps, num_stages = launch or gpu_launch(rows, d, pages_per_block * pos_pages.shape[-1],
+                                                 quantized)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid=(b, kvh, splits),
@@ -598,7 +778,7 @@ def window_pages(window: int | None, q_len: int, page_size: int) -> int | None:
 @functools.partial(jax.jit, static_argnames=("k_format", "v_format", "pages_per_split", "window",
                                              "softcap", "scale", "backend", "interpret",
                                              "compute_dtype", "pages_per_block",
-                                             "head_stride", "row_pages"))
+                                             "head_stride", "row_pages", "launch"))
 def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
                             k_format: Format = DENSE, v_format: Format = DENSE,
                             pages_per_split: int = 8, window: int | None = None,
@@ -606,7 +786,8 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                             backend: str = "tpu", interpret=False,
                             compute_dtype=None, pages_per_block: int | None = None,
                             head_stride: int | None = None,
-                            row_pages: int | None = None) -> Partial:
+                            row_pages: int | None = None,
+                            launch: tuple[int, int] | None = None) -> Partial:
     """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     rows_ = None
@@ -634,7 +815,13 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     qg, qpos = group_queries(q.astype(cdt), q_pos, kvh, rows)
     math = _math(k_format, v_format, dict(scale=q.shape[-1] ** -0.5 if scale is None else scale,
                                           window=window, softcap=softcap), cdt)
-    call = (functools.partial(_tpu_call, rows_=rows_) if backend == "tpu" else _gpu_call)
+    if launch is not None and (backend != "gpu" or not isinstance(launch, tuple) or
+                               len(launch) != 2 or
+                               not all(isinstance(n, int) and n >= 1 for n in launch)):
+        raise ValueError(f"paged_attention: launch must be (num_warps, num_stages), positive "
+                         f"ints, with backend='gpu'; got {launch!r} with backend={backend!r}")
+    call = (functools.partial(_tpu_call, rows_=rows_) if backend == "tpu" else
+            functools.partial(_gpu_call, launch=launch))
     starts = window_start_pages(q_pos, pos_pages, per_head_tables(block_tables, kvh, head_stride),
                                 num_pages, window)
     acc, m, l = call(qg, qpos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, starts,
@@ -717,6 +904,8 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
         pages per loop step, a power of two (default: 64 slots).
       head_stride: with shared [B, NP] tables (static): KV head h of row b
         reads page `block_tables[b, i] + h * head_stride`.
+      launch: GPU only, (num_warps, num_stages) of the Triton program (static; default
+        `gpu_launch`'s choice), for tuning.
       row_pages: (static) the pools are *row pools*, a cache's own rows: pos
         [R, 1, C], dense keys/values [R, C, D] (or [R, D, C] slot-last), page
         r * row_pages + i being slots [i*S, (i+1)*S) of row r (S = C /

@@ -141,7 +141,7 @@ def _params(words_smem, first_row: int, n: int, dtype: str) -> list:
     out = []
     for i in range(n):
         w = lax.bitcast_convert_type(words_smem[first_row + i % half], jnp.int32)  # [S]
-        out.append(pf._half_to_f32((w >> (16 * (i // half))) & 0xFFFF, dtype))
+        out.append(pf.half_to_f32((w >> (16 * (i // half))) & 0xFFFF, dtype))
     return out
 
 

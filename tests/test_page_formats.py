@@ -35,7 +35,7 @@ def f32_close(got, want):
 def test_half_widening_is_exact_for_every_bit_pattern(dtype):
     """All 65536 16-bit patterns widen like numpy's cast (NaNs stay NaN)."""
     bits = np.arange(2 ** 16, dtype=np.uint32)
-    got = np.asarray(pf._half_to_f32(jnp.asarray(bits.astype(np.int32)), dtype))
+    got = np.asarray(pf.half_to_f32(jnp.asarray(bits.astype(np.int32)), dtype))
     want = bits.astype(np.uint16).view(NP_DTYPES[dtype]).astype(np.float32)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
