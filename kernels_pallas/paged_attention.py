@@ -382,18 +382,23 @@ def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
 # into the dots").
 
 
+SLAB_WINDOW = 8  # most KIVI table rows a page may use on the slab path
+
+
 def slab_width(fmt, head_dim: int, pages_per_step: int) -> int | None:
     """Channels per slab where `fmt` pages enter the GPU dots as codes, else None (decode path).
 
     Packed formats only; per-token codes need each slab inside one parameter group (group % K
-    == 0); KIVI keys (`PackedChannels`) need one page per loop step (one table window).
+    == 0); KIVI keys (`PackedChannels`) need one page per loop step (one table window) of at
+    most `SLAB_WINDOW` rows (a dot per slab and row: a whole-table window, `wide` in
+    `kvjax.kernel_attention`, would unroll thousands).
     """
     if not isinstance(fmt, (PackedTokens, PackedChannels)):
         return None
     k = max(head_dim * fmt.bits // 32, GPU_MIN_ROWS)
     if k > head_dim or (isinstance(fmt, PackedTokens) and fmt.group % k):
         return None
-    if isinstance(fmt, PackedChannels) and pages_per_step != 1:
+    if isinstance(fmt, PackedChannels) and (pages_per_step != 1 or fmt.window > SLAB_WINDOW):
         return None
     return k
 

@@ -129,6 +129,8 @@ def test_packed_pages_take_the_slab_path_where_the_shapes_allow():
     assert slab_width(pf.PackedTokens(4, 8), 64, 1) is None  # a slab would span two groups
     assert slab_width(pf.PackedChannels(4, 3), 128, 1) == 16
     assert slab_width(pf.PackedChannels(4, 3), 128, 2) is None  # KIVI: one table window a step
+    assert slab_width(pf.PackedChannels(4, 9), 128, 1) is None  # a dot per table row: <= 8
+    assert slab_width(pf.PackedChannels(4, 1024), 128, 1) is None  # a whole-table window
     assert slab_width(pf.DENSE, 128, 1) is None
 
 
