@@ -391,13 +391,13 @@ class ExportedDecoder:
 
         self.directory = Path(directory)
         self.manifest = _read_manifest(self.directory)
-        check_files(self.directory, self.manifest)
         use_compilation_cache()
         m = self.manifest
         platform = jax.default_backend()
         if platform not in m["platforms"]:
             raise ValueError(f"{self.directory}: exported for {m['platforms']}, this process "
                              f"runs on {platform!r}; export with --platforms including it")
+        check_files(self.directory, m)  # sizes and hashes before anything is read
         self.config = m["model"]
         try:
             self.cache_spec = CacheSpec(**m["cache_spec"])
