@@ -68,7 +68,11 @@ def _layers(raw: dict, model_type: str, num_layers: int) -> tuple[int | None, tu
         return None, None
     types = raw.get("layer_types")
     if types is None:  # Mistral, Phi-3: every layer slides (Qwen: from max_window_layers)
-        if model_type in ("qwen2", "qwen3"):
+        if model_type == "gemma3_text":  # configs before transformers 4.53: a pattern
+            pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                     for i in range(num_layers)]
+        elif model_type in ("qwen2", "qwen3"):
             first = raw.get("max_window_layers", num_layers)
             types = ["sliding_attention" if i >= first else "full_attention"
                      for i in range(num_layers)]

@@ -261,3 +261,18 @@ def test_context_then_prompt_equals_one_prompt_on_window_layers(family):
                      chunk=64)
     whole = generate(model, [context + question], max_new_tokens=6, eos_ids=(), chunk=64)
     np.testing.assert_array_equal(split.tokens, whole.tokens)
+
+
+def test_gemma3_config_without_layer_types_uses_its_sliding_pattern():
+    """Gemma 3 configs written before `layer_types` existed (the released 1B's): every
+    sixth layer is global, RoPE from rope_theta / rope_local_base_freq, no scaling."""
+    raw = {**BASE, "model_type": "gemma3_text", "num_hidden_layers": 12, "head_dim": 32,
+           "sliding_window": 512, "sliding_window_pattern": 6, "rope_scaling": None,
+           "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+           "query_pre_attn_scalar": 32, "eos_token_id": [1, 106]}
+    cfg = hf_config(raw)
+    assert cfg.layer_windows == tuple(None if i in (5, 11) else 512 for i in range(12))
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling) == (1e6, 1e4, None)
+    assert cfg.eos_ids == (1, 106) and cfg.tie_embeddings
+    linear = hf_config({**raw, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert linear.rope_scaling.rope_type == "linear" and linear.rope_theta == 1e6
