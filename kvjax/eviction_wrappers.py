@@ -4,6 +4,9 @@
   blocks would be: start from the first `budget` tokens, then for each next
   block of `block_size` tokens score the kept tokens plus the block with the
   inner scorer (it sees only those tokens) and keep the best `budget`.
+* `chunkkv` (kvpress ChunkKVPress): keep whole chunks of `chunk_length`
+  tokens, the same chunks in every KV head, ranked by the inner scores
+  summed over heads and averaged over the chunk.
 
 The inner method is named by its registered name (`inner="keydiff"`) and
 runs at its defaults; it must be a scored policy (`kvjax.eviction`).
@@ -21,10 +24,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import EMPTY
-from kvjax.eviction import Scorer, ScoredUpdate, check_int, scored_policy
+import functools
+
+from kvjax.cache import EMPTY, view
+from kvjax.eviction import Scorer, ScoredUpdate, _check_budget, check_int, scored_policy
 from kvjax.eviction_sequence import gather, in_sequence, to_slots
-from kvjax.selection import rank
+from kvjax.layout import compact, map_layers
+from kvjax.selection import BudgetState, init_budget, layer_budgets, rank
 from kvjax.stats import StatsSpec
 from kvjax.transforms import CacheTransform
 
@@ -95,3 +101,102 @@ def block(inner: str = "keydiff", ratio: float | None = None, budget: int | None
     scorer, stats = _inner(inner, "block", ratio)
     return scored_policy("block", BlockScorer(scorer, block_size), ratio=ratio, budget=budget,
                          stats=stats, **options)
+
+
+# ----------------------------------------------------------------------------- ChunkKV
+
+
+def _press_scores(scores: jax.Array, protect: jax.Array, valid: jax.Array) -> jax.Array:
+    """[B, KVH, C] scores as a kvpress press returns them: protected slots (SnapKV's window)
+    at the row's largest unprotected score over all heads + 1."""
+    free = valid & ~protect
+    top = jnp.max(jnp.where(free, scores, -jnp.inf), axis=(1, 2), keepdims=True)
+    return jnp.where(protect, top + 1, scores)
+
+
+def chunk_keep(scores: jax.Array, n: jax.Array, chunk: int, n_chunks: jax.Array) -> jax.Array:
+    """[B, C] bool in token order: the `n_chunks` [B] best chunks of `chunk` tokens.
+
+    Args:
+      scores: [B, KVH, C] press scores in token order (zero past `n`).
+      n: [B] tokens per row. Chunks start at token 0; the last, partial chunk
+        (`n % chunk` tokens) competes with the mean of its own tokens.
+    """
+    b, _, c = scores.shape
+    width = -(-c // chunk) * chunk
+    summed = jnp.pad(scores.sum(axis=1), ((0, 0), (0, width - c))).reshape(b, -1, chunk)
+    i = jnp.arange(width).reshape(-1, chunk)  # [NC, chunk] token index
+    inside = (i[None] < n[:, None, None]).astype(jnp.float32)  # [B, NC, chunk]
+    count = inside.sum(-1)
+    means = jnp.where(count > 0, (summed * inside).sum(-1) / jnp.maximum(count, 1), -jnp.inf)
+    chosen = rank(means, count > 0) < n_chunks[:, None]  # [B, NC]
+    return jnp.repeat(chosen, chunk, axis=1)[:, :c] & (jnp.arange(c)[None] < n[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKVUpdate:
+    """The `update` of `chunkkv`: whole chunks kept, their number set by the ratio.
+
+    First update: `max(1, floor(chunks * (1 - ratio)))` chunks (kvpress's
+    rule; with a token `budget`, `max(1, budget // chunk_length)`), so the
+    kept count is a multiple of the chunk (plus the partial chunk when it
+    wins), not `n * (1 - ratio)`. Later updates keep `kept // chunk_length`
+    chunks of what the row holds then. Rows shorter than one chunk fall back to
+    the inner scorer's own top-k, as kvpress does.
+    """
+
+    scorer: Scorer
+    chunk_length: int = 20
+
+    def __call__(self, cache, state: BudgetState, stats=None):
+        budgets = layer_budgets(state, cache, "uniform", 64, 20.0)  # [L, B] n_kept
+        first = state.layer_budget[0] < 0  # [B]
+        ratio = state.ratio
+
+        def evict(layer, layer_stats, budget, index):
+            seen = view(layer)
+            key = jax.random.fold_in(state.key, index)
+            scores, protect = self.scorer(seen, layer_stats, budget, key)
+            valid = seen.pos != EMPTY
+            seq = in_sequence(seen)
+            press = _press_scores(jnp.where(valid, scores.astype(jnp.float32), 0.0), protect,
+                                  valid)
+            press = jnp.where(seq.valid, gather(seq, press[..., None])[..., 0], 0.0)
+            n = seq.n[:, 0]  # [B] (every head holds the same tokens)
+            chunks = -(-n // self.chunk_length)
+            by_ratio = jnp.floor(chunks.astype(jnp.float32) * (1 - ratio)).astype(jnp.int32)
+            n_chunks = jnp.where(first & (ratio >= 0), by_ratio, budget // self.chunk_length)
+            keep = jnp.broadcast_to(chunk_keep(press, n, self.chunk_length,
+                                               jnp.maximum(n_chunks, 1))[:, None], seq.valid.shape)
+            keep = to_slots(seq, keep)
+            top = (rank(jnp.where(protect, jnp.inf, scores), valid) < budget[:, None, None])
+            short = (n < self.chunk_length)[:, None, None]
+            keep = jnp.where(short, top, keep) & valid
+            kept = jnp.max(jnp.sum(keep, axis=-1), axis=-1).astype(jnp.int32)  # [B]
+            return compact(layer, keep), kept
+
+        per_layer = (cache, stats if stats is not None else (None,) * len(cache),
+                     tuple(budgets), tuple(range(len(cache))))
+        out = map_layers(evict, *per_layer)
+        layers = tuple(o[0] for o in out)
+        kept = jnp.stack([o[1] for o in out])  # [L, B]
+        return layers, state._replace(layer_budget=jnp.where(state.layer_budget < 0, kept,
+                                                             state.layer_budget))
+
+
+def chunkkv(inner: str = "snapkv", ratio: float | None = None, budget: int | None = None,
+            chunk_length: int = 20, seed: int = 0) -> CacheTransform:
+    """ChunkKV (Liu et al. 2025): keep whole chunks, ranked by the inner method's scores.
+
+    As kvpress ChunkKVPress(press=INNER(compression_ratio=ratio),
+    chunk_length): the inner scores (protected slots at the row's maximum + 1,
+    as kvpress presses return them) summed over KV heads and averaged over
+    each chunk of `chunk_length` tokens; the best chunks are kept in every
+    head. kvpress picks batch row 0's chunks for every row; kvjax each row's own.
+    """
+    check_int("chunkkv", "chunk_length", chunk_length, 1)
+    check_int("chunkkv", "seed", seed, 0)
+    _check_budget("chunkkv", ratio, budget)
+    scorer, stats = _inner(inner, "chunkkv", ratio)
+    return CacheTransform(functools.partial(init_budget, ratio, budget, seed),
+                          ChunkKVUpdate(scorer, chunk_length), stats)

@@ -60,6 +60,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "non_causal_attn": eviction_compactor.non_causal_attn,
     "compactor": eviction_compactor.compactor,
     "block": eviction_wrappers.block,
+    "chunkkv": eviction_wrappers.chunkkv,
     "quantize": codecs.quantize,
     "kivi": codecs.kivi,
     "fp8": codecs.fp8,
@@ -108,6 +109,8 @@ METHOD_INFO: dict[str, MethodInfo] = {
     "compactor": MethodInfo(_COMPACTOR, "CompactorPress", "compactor:ratio={r}", _ZOO),
     "block": MethodInfo("Park et al. 2025, https://arxiv.org/abs/2504.15364", "BlockPress",
                         "block:inner=keydiff,ratio={r}", _ZOO),
+    "chunkkv": MethodInfo("Liu et al. 2025, https://arxiv.org/abs/2502.00299", "ChunkKVPress",
+                          "chunkkv:inner=snapkv,ratio={r}", _ZOO),
     "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""

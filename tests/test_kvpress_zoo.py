@@ -16,11 +16,13 @@ from kvjax import EMPTY
 from kvjax.eviction_compactor import leverage_scores, non_causal_attention
 from kvjax.eviction_sequence import in_sequence, unrope
 from kvjax.methods import METHODS, describe_methods, parse_method
-from models.sampler import prefill_and_compress
+from models.sampler import _compress, compress, prefill_batch
 from tests.conftest import TraceCounter
 
 ZOO = ["keydiff", "lagkv:lag=8", "cur", "leverage", "non_causal_attn:chunk=16",
-       "compactor", "block:inner=keydiff,block_size=16"]
+       "compactor", "block:inner=keydiff,block_size=16", "chunkkv:inner=knorm,chunk_length=16"]
+STATS = kvjax.StatsSpec(window=128)  # every query of the prompts below, RoPE frequencies
+PROMPTS = [80, 53]  # tokens of two prompts batched together (left padding)
 
 
 def _spec(method: str, ratio: float) -> str:
@@ -40,46 +42,62 @@ def _kept_positions(cache, row: int) -> list[list[list[int]]]:
     return out
 
 
+def _expected_kept(method: str, n: int, ratio: float) -> int:
+    if method.startswith("chunkkv"):  # whole chunks of 16: max(1, floor(chunks (1 - r)))
+        return max(1, int(-(-n // 16) * (1 - ratio))) * 16
+    return int(n * (1 - ratio))
+
+
+@pytest.fixture(scope="module")
+def prefilled(tiny_model):
+    """(batch of two prompts of different lengths, each prompt alone), prefilled once."""
+    prompts = [_prompt(n, i) for i, n in enumerate(PROMPTS)]
+    batch = prefill_batch(tiny_model, prompts, stats=STATS)
+    alone = [prefill_batch(tiny_model, [p], stats=STATS) for p in prompts]
+    return batch, alone
+
+
 @pytest.mark.parametrize("method", ZOO)
-def test_cache_shrinks_as_the_ratio_says(tiny_model, method):
-    """Each row keeps floor(n (1 - r)) tokens per layer and head; nbytes falls with them."""
-    prompt = _prompt(96, 0)
-    full = prefill_and_compress(tiny_model, [prompt])
+def test_cache_shrinks_as_the_ratio_says(prefilled, method):
+    """Each row keeps floor(n (1 - r)) tokens per layer and head (chunkkv: whole chunks);
+    after `shrink`, nbytes falls with them."""
+    _, alone = prefilled
+    pre = alone[0]
+    n = PROMPTS[0]
+    full = kvjax.nbytes(kvjax.shrink(pre.cache, room=0))
     for ratio in (0.5, 0.75):
-        pre = prefill_and_compress(tiny_model, [prompt], transform=parse_method(_spec(method, ratio)))
-        kept = {len(h) for layer in _kept_positions(pre.cache, 0) for h in layer}
-        assert kept == {int(96 * (1 - ratio))}, (method, ratio, kept)
-        assert kvjax.nbytes(pre.cache) <= kvjax.nbytes(full.cache) * (1 - ratio) + 64, (
-            method, ratio, kvjax.nbytes(pre.cache), kvjax.nbytes(full.cache))
+        out = compress(pre, parse_method(_spec(method, ratio)), keep_input=True)
+        kept = {len(h) for layer in _kept_positions(out.cache, 0) for h in layer}
+        assert kept == {_expected_kept(method, n, ratio)}, (method, ratio, kept)
+        share = _expected_kept(method, n, ratio) / n
+        assert kvjax.nbytes(out.cache) <= full * share + 64, (
+            method, ratio, kvjax.nbytes(out.cache), full)
 
 
 @pytest.mark.parametrize("method", ZOO)
-def test_batched_rows_equal_alone(tiny_model, method):
+def test_batched_rows_equal_alone(prefilled, method):
     """Prompts of different lengths in one batch keep what each keeps alone (left padding,
     token order and per-sequence normalisation do not leak between rows)."""
-    prompts = [_prompt(80, 1), _prompt(53, 2)]
+    batch, alone = prefilled
     transform = parse_method(_spec(method, 0.5))
-    batch = prefill_and_compress(tiny_model, prompts, transform=transform, shrink=False)
-    for row, prompt in enumerate(prompts):
-        alone = prefill_and_compress(tiny_model, [prompt], transform=transform, shrink=False)
-        assert _kept_positions(batch.cache, row) == _kept_positions(alone.cache, 0), (method, row)
+    out = compress(batch, transform, keep_input=True, shrink=False)
+    for row in range(len(PROMPTS)):
+        one = compress(alone[row], transform, keep_input=True, shrink=False)
+        assert _kept_positions(out.cache, row) == _kept_positions(one.cache, 0), (method, row)
 
 
-@pytest.mark.parametrize("method", ["keydiff", "lagkv:lag=8", "cur", "leverage",
-                                    "non_causal_attn:chunk=16", "block:inner=keydiff,block_size=16"])
-def test_compiles_once_per_shape(tiny_model, method):
-    """A second update of the same shapes, at another ratio, traces nothing."""
-    from models.sampler import _compress
-    prompt = _prompt(64, 3)
-    first = parse_method(_spec(method, 0.5))
-    probe = kvjax.CacheTransform(lambda c: (), lambda c, s, st=None: (c, s), first.stats)
-    pre = prefill_and_compress(tiny_model, [prompt, prompt[:40]], transform=probe, shrink=False)
-    _compress(first.update, pre.cache, first.init(pre.cache), pre.stats)
-    second = parse_method(_spec(method, 0.75))
+@pytest.mark.parametrize("method", [m for m in ZOO if not m.startswith("compactor")])
+def test_compiles_once_per_shape(prefilled, method):
+    """A second update of the same shapes, at another ratio, traces nothing (Compactor's
+    blend is its ratio, so it compiles per ratio: see docs/DECISIONS.md)."""
+    batch, _ = prefilled
+    first, second = parse_method(_spec(method, 0.5)), parse_method(_spec(method, 0.75))
+    _compress(first.update, batch.cache, first.init(batch.cache), batch.stats)
     with TraceCounter() as traces:
-        out, _ = _compress(second.update, pre.cache, second.init(pre.cache), pre.stats)
+        out, _ = _compress(second.update, batch.cache, second.init(batch.cache), batch.stats)
     assert traces.count == 0, (method, traces.count)
-    assert {len(h) for layer in _kept_positions(out, 0) for h in layer} == {16}
+    kept = {len(h) for layer in _kept_positions(out, 0) for h in layer}
+    assert kept == {_expected_kept(method, PROMPTS[0], 0.75)}, (method, kept)
 
 
 def test_compactor_blending_is_the_ratio():
@@ -99,6 +117,8 @@ def test_compactor_blending_is_the_ratio():
     ("block:inner=kivi,ratio=0.5", ["inner", "kivi"]),
     ("block:inner=nope,ratio=0.5", ["inner", "nope"]),
     ("block:ratio=0.5,block_size=0", ["block_size", "0"]),
+    ("chunkkv:ratio=0.5,chunk_length=0", ["chunk_length", "0"]),
+    ("chunkkv:inner=fp8,ratio=0.5", ["inner", "fp8"]),
     ("keydiff:ratio=1.5", ["ratio", "1.5"]),
 ])
 def test_bad_arguments_name_argument_and_value(spec, words):
@@ -172,7 +192,8 @@ def test_in_sequence_orders_by_position():
 def test_every_method_is_described():
     described = {m["name"]: m for m in describe_methods()}
     assert set(described) == set(METHODS)
-    for name in ("keydiff", "lagkv", "cur", "leverage", "non_causal_attn", "compactor", "block"):
+    for name in ("keydiff", "lagkv", "cur", "leverage", "non_causal_attn", "compactor", "block",
+                 "chunkkv"):
         m = described[name]
         assert m["description"] and m["paper"] and m["kvpress"].endswith("Press"), m
         assert m["spec"].format(r=0.5) and parse_method(m["spec"].format(r=0.5)), m

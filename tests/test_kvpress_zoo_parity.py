@@ -26,7 +26,7 @@ from kvjax.methods import parse_method
 from models.sampler import _compress, prefill_and_compress
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo.npz")
-STATS = kvjax.StatsSpec(window=1024)  # every query of both texts; RoPE frequencies
+STATS = kvjax.StatsSpec(window=1024)  # every query of both texts (SnapKV's last 64 too)
 
 # golden press name -> kvjax spec at kvpress's defaults ({r} = the ratio)
 SPECS = {
@@ -36,6 +36,9 @@ SPECS = {
     "leverage": "leverage:ratio={r}",
     "cur": "cur:ratio={r}",
     "compactor": "compactor:ratio={r}",
+    "block_keydiff": "block:inner=keydiff,ratio={r}",
+    "chunkkv_snapkv": "chunkkv:inner=snapkv,ratio={r}",
+    "chunkkv_knorm": "chunkkv:inner=knorm,ratio={r}",
 }
 
 # case -> (rows allowed to differ, why). A row is (layer, KV head). Every other row must be
