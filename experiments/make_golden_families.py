@@ -13,7 +13,10 @@ safe_serialization=True)``: ``config.json``, ``model.safetensors``,
 * ``gemma3``: ``Gemma3ForCausalLM`` (text): layers sliding / full / sliding,
   window 40, RoPE bases 10 000 (local) and 1e6 with linear scaling 8 (global),
   ``query_pre_attn_scalar`` 24, final logit soft-capping 30, tied;
-* ``phi3``: ``Phi3ForCausalLM`` (fused qkv and gate/up), ``sliding_window`` 64.
+* ``phi3``: ``Phi3ForCausalLM`` (fused qkv and gate/up), ``sliding_window`` 64;
+* ``gemma3_multimodal``: ``Gemma3ForConditionalGeneration`` (how Gemma 3 4B-27B ship)
+  holding ``gemma3``'s text weights without final soft-capping and a tiny random vision
+  tower; its ``golden.npz`` has ``input_ids`` and ``logits`` (text only) and no greedy tokens.
 
 Common shapes: hidden 64, 2 query heads sharing 1 KV head of 32 (the codecs'
 default channel group), vocab 128, float32, eager attention. The weights are drawn from a seeded normal with std 1/8; norm
@@ -153,15 +156,56 @@ def draw(family: str, kwargs: dict, seed: int):
                        torch_version=np.array(torch.__version__))
 
 
+def make_multimodal(out: Path) -> None:
+    """``gemma3_multimodal/``: a ``Gemma3ForConditionalGeneration`` (the class of the released
+    4B-27B Gemma 3) whose text model holds the tiny ``gemma3`` weights, without final
+    soft-capping (as the released configs; transformers 5.2's multimodal class would not
+    apply it anyway), and a tiny random SigLIP vision tower; ``golden.npz``: its text-only
+    logits over ``gemma3``'s 272 ids."""
+    import torch
+    import transformers as tf
+
+    text = tf.Gemma3ForCausalLM.from_pretrained(out / "gemma3", dtype=torch.float32).eval()
+    vision = tf.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, image_size=32, patch_size=16)
+    text_config = {**text.config.to_dict(), "final_logit_softcapping": None}
+    config = tf.Gemma3Config(text_config=text_config, vision_config=vision.to_dict(),
+                             mm_tokens_per_image=4, eos_token_id=2, bos_token_id=1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(config).float().eval()
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    golden = np.load(out / "gemma3" / "golden.npz")
+    ids = torch.from_numpy(golden["input_ids"])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits.float().numpy()
+        text.config.final_logit_softcapping = None  # the text class without the cap agrees
+        plain = text(input_ids=ids).logits.float().numpy()
+    assert np.abs(logits - plain).max() <= 1e-6 * np.abs(plain).max()
+    target = out / "gemma3_multimodal"
+    if target.exists():
+        shutil.rmtree(target)
+    model.save_pretrained(target, safe_serialization=True)
+    np.savez(target / "golden.npz", input_ids=golden["input_ids"], logits=logits,
+             transformers_version=np.array(tf.__version__),
+             torch_version=np.array(torch.__version__))
+    size = max(f.stat().st_size for f in target.iterdir())
+    print(f"gemma3_multimodal: {sorted(f.name for f in target.iterdir())}, largest file "
+          f"{size / 1000:.0f} KB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("names", nargs="*", default=list(MODELS))
+    parser.add_argument("names", nargs="*", default=[*MODELS, "gemma3_multimodal"])
     args = parser.parse_args()
     import torch
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.names:
+        if name == "gemma3_multimodal":
+            make_multimodal(args.out)
+            continue
         family, kwargs, seed = MODELS[name]
         make(name, family, kwargs, seed, args.out)
 

@@ -14,6 +14,8 @@ this module reads those fields from a checkpoint's config.json (transformers
 | gemma3_text   | (1 + w) norms around attention and MLP, GELU-tanh, scaled embeddings,     |
 |               | query_pre_attn_scalar, q/k norm, local/global layers with two RoPE bases, |
 |               | tied embeddings, logit soft-capping when configured                       |
+| gemma3        | the multimodal Gemma 3 (4B-27B): its text decoder, as gemma3_text; the    |
+|               | vision tower's tensors are not read                                       |
 
 Example:
     >>> cfg = hf_config({"model_type": "qwen3", "vocab_size": 128, "hidden_size": 64,
@@ -85,13 +87,52 @@ def _layers(raw: dict, model_type: str, num_layers: int) -> tuple[int | None, tu
     return int(window), tuple(_LAYER_TYPES[t] for t in types)
 
 
+# transformers' Gemma3TextConfig defaults: a released multimodal config.json (Gemma 3
+# 4B/12B/27B) leaves out of its text_config the keys that equal them
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+    "tie_word_embeddings": True,
+}
+_VISION = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+           "model.multi_modal_projector.")
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+
+
+def text_config(raw: dict) -> dict:
+    """The decoder's config.json dict: a multimodal Gemma 3's (model_type 'gemma3',
+    Gemma3ForConditionalGeneration) `text_config` with transformers' defaults filled in and
+    the top level's token ids; any other config as it is."""
+    if raw.get("model_type") != "gemma3":
+        return raw
+    text = {**GEMMA3_TEXT_DEFAULTS, **(raw.get("text_config") or {}),
+            "model_type": "gemma3_text"}
+    for key in ("eos_token_id", "bos_token_id"):
+        if key in raw:
+            text.setdefault(key, raw[key])
+    return text
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name in the text model's scheme ('model.layers...',
+    'lm_head.weight'; transformers 4.x and 5.x spellings), None for the vision tower's."""
+    if name.startswith(_VISION):
+        return None
+    for old, new in _TEXT_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
 def hf_config(raw: dict) -> LlamaConfig:
-    """LlamaConfig from a Hugging Face config.json dict; ValueError naming what is unsupported."""
+    """LlamaConfig from a Hugging Face config.json dict; ValueError naming what is unsupported.
+    A multimodal Gemma 3 config gives its text decoder's (`text_config`)."""
+    raw = text_config(raw)
     model_type = raw.get("model_type")
-    if model_type == "gemma3":
-        raise ValueError("model_type 'gemma3' is the multimodal Gemma3ForConditionalGeneration; "
-                         "kvjax loads its text model (Gemma3ForCausalLM, model_type "
-                         "'gemma3_text')")
     if model_type not in FAMILIES:
         raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
                          f"kvjax loads {FAMILIES}")

@@ -292,7 +292,9 @@ def load_hf_dir(path: str | os.PathLike,
         try:
             with safe_open(str(f), framework="flax") as sf:
                 for name in sf.keys():
-                    raw[name] = np.asarray(sf.get_tensor(name).astype(dtype))
+                    ours = families.text_tensor_name(name)  # a multimodal Gemma 3's text model
+                    if ours is not None:  # (None: its vision tower, not read)
+                        raw[ours] = np.asarray(sf.get_tensor(name).astype(dtype))
         except FileNotFoundError:
             raise FileNotFoundError(f"{f}: missing (named by {path})") from None
         except Exception as e:  # safetensors' own errors on a damaged file

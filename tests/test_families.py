@@ -171,7 +171,6 @@ BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 48, "num_hidd
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"model_type": "gemma3"}, "multimodal"),
     ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
     ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
     ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0],
@@ -276,3 +275,32 @@ def test_gemma3_config_without_layer_types_uses_its_sliding_pattern():
     assert cfg.eos_ids == (1, 106) and cfg.tie_embeddings
     linear = hf_config({**raw, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert linear.rope_scaling.rope_type == "linear" and linear.rope_theta == 1e6
+
+
+def test_multimodal_gemma3_loads_its_text_decoder(tmp_path):
+    """A Gemma3ForConditionalGeneration directory (how Gemma 3 4B-27B ship): kvjax reads the
+    text config and the text model's tensors (vision tower left unread) and equals its
+    text-only logits; transformers 5.x's tensor names ('model.language_model.') too."""
+    import shutil
+    from safetensors.numpy import load_file, save_file
+
+    d = GOLDEN / "gemma3_multimodal"
+    golden = np.load(d / "golden.npz")
+    cfg, params = load_hf_dir(d)
+    assert cfg.layer_windows == (40, None, 40) and cfg.final_softcap is None
+    model = build_model(cfg, params)
+    ids = jnp.asarray(golden["input_ids"], jnp.int32)
+    t = ids.shape[1]
+    logits, _ = model(ids, jnp.arange(t)[None], kvjax.init_model_cache(cfg.cache_spec, 1, t))
+    assert relative_error(logits, golden["logits"]) <= F32_REL
+    text = load_hf_dir(GOLDEN / "gemma3")[1]
+    assert params.keys() == text.keys()
+    renamed = tmp_path / "v5_names"
+    shutil.copytree(d, renamed)
+    tensors = load_file(str(renamed / "model.safetensors"))
+    assert any(k.startswith("vision_tower.") for k in tensors)
+    save_file({k.replace("language_model.model.", "model.language_model.", 1): v
+               for k, v in tensors.items()}, str(renamed / "model.safetensors"))
+    again = load_hf_dir(renamed)[1]
+    for k, v in params.items():
+        np.testing.assert_array_equal(again[k], v)
