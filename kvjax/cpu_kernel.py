@@ -176,6 +176,10 @@ def build(cxx: str | None = None) -> Path:
     with tempfile.NamedTemporaryFile(dir=out.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
     record = partial.with_name(partial.name + ".json")
+    if os.environ.get("KVJAX_QUIET", "") in ("", "0"):  # a first run's longest silent step
+        print(f"kvjax: building the CPU attention kernel with {cxx} (once per machine and jax "
+              f"version, about a minute on 2 cores) into {out.parent}", file=sys.stderr,
+              flush=True)
     try:
         subprocess.run([cxx, *flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o",
                         str(partial)], check=True, capture_output=True, text=True)

