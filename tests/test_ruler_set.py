@@ -289,3 +289,18 @@ def test_a_ruler_cell_runs_on_the_real_model():
                                 max_new_tokens=16))
     assert row["status"] == "ok" and len(row["scores"]) == 2 == len(row["outputs"])
     assert all(s in (0.0, 1.0) for s in row["scores"])
+
+
+def test_dictionary_documents_and_their_question_sentences():
+    entries = ruler.dictionary_entries()
+    assert len(entries) == 963 and sum(bool(e.clause) for e in entries) == 764
+    first = entries[0]
+    assert first.headword == "ABASEMENT" and first.document.startswith("ABASEMENT, n. A decent")
+    assert first.clause == ("A decent and customary mental attitude in the presence of wealth "
+                            "of power.")
+    abdication = next(e for e in entries if e.headword == "ABDICATION")
+    assert "Poor Isabella's Dead" in abdication.document  # the verse stays with its entry
+    whole = " ".join(e.document for e in entries)
+    for e in entries:
+        if e.clause:
+            assert whole.count(e.clause) == 1 and e.headword.lower() not in e.clause.lower()
