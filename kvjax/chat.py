@@ -37,8 +37,10 @@ import json
 import re
 from typing import Any, Sequence
 
-__all__ = ["encode_text", "encode_pieces", "render", "special_ids", "check_messages"]
+__all__ = ["encode_text", "encode_pieces", "render", "special_ids", "check_messages", "check_text",
+           "token_id_lists"]
 
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 _SENTINEL = "\ue000kvjax-content-{}-{}\ue001"
 _SENTINEL_RE = re.compile("\ue000kvjax-content-(\\d+)-(\\d+)\ue001")
 
@@ -64,9 +66,14 @@ def _plain(backend):
     return entry[1], entry[2]
 
 
-def _check_text(text: Any, what: str) -> str:
+def check_text(text: Any, what: str) -> str:
     if not isinstance(text, str):
         raise TypeError(f"{what} must be a str, got {type(text).__name__} {text!r:.80}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # lone surrogates: bytes that were not UTF-8 (argv, files)
+        raise ValueError(f"{what}: not valid Unicode text ({text[e.start:e.end]!r} at index "
+                         f"{e.start}; was it read from bytes that are not UTF-8?)") from None
     return text
 
 
@@ -77,7 +84,7 @@ def encode_text(backend, text: str, *, what: str = "text") -> list[int]:
     vocabulary holding the spelling, or BPE merges that reach it), that token's text is
     encoded one character at a time instead; a special id left after that is a ValueError.
     """
-    _check_text(text, what)
+    check_text(text, what)
     if not text:
         return []
     plain, specials = _plain(backend)
@@ -117,7 +124,7 @@ def encode_pieces(backend, pieces: Sequence[tuple[str, bool]]) -> list[int]:
             run.clear()
 
     for text, trusted in pieces:
-        _check_text(text, "a prompt piece")
+        check_text(text, "a prompt piece")
         if not trusted or pattern is None:
             run.append(text)
             continue
@@ -140,6 +147,14 @@ def check_messages(messages: Any) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise TypeError(f"messages[{i}] must be a dict with a str 'role', got {m!r:.80}")
+        # the role is rendered as template text (trusted): a plain word, never a spelling
+        if not _ROLE.fullmatch(m["role"]):
+            raise ValueError(f"messages[{i}]['role'] is {m['role']!r:.80}; a role is a plain "
+                             f"word such as 'system', 'user', 'assistant' or 'tool'")
+        if set(m) - {"role", "content"}:
+            raise ValueError(f"messages[{i}] has keys {sorted(set(m) - {'role', 'content'})}; "
+                             f"only 'role' and 'content' are rendered (anything else would "
+                             f"reach the template as trusted text)")
         content = m.get("content")
         parts = content if isinstance(content, (list, tuple)) else [content]
         if not parts or not all(isinstance(p, str) for p in parts):
@@ -241,6 +256,9 @@ def token_id_lists(prompts: Any, what: str = "prompts") -> list[list[int]]:
             if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
                 raise TypeError(f"{what}[{i}]: token ids must be integers, got {t!r} "
                                 f"({type(t).__name__}) at index {j}")
+            if not -2 ** 31 <= t < 2 ** 31:
+                raise ValueError(f"{what}[{i}]: token id {t} at index {j} is out of the int32 "
+                                 f"range (ids are in [0, vocabulary size))")
             ids.append(int(t))
         if not ids:
             raise ValueError(f"{what}[{i}]: every prompt needs at least one token")

@@ -390,7 +390,9 @@ def prefetch(layers: Sequence[TieredLayer], pages: Any) -> tuple[TieredLayer, ..
     dispatch); whatever reads the stage waits for them. A device page listed is not staged."""
     layers = tuple(layers)
     m = layers[0].stage_ids.shape[0]
-    if np.shape(pages) == (m,):
+    if not isinstance(pages, jax.Array) and np.shape(pages) == (m,):
+        # host values only: reading a device array's ids would wait for it, and an eager
+        # prefetch must return before its copies finish (ids from host_pages_in_use are valid)
         pages = _checked_pages("prefetch", pages, 0, layers[0].pos.shape[0],
                                "pool's pages (a device page is not staged)")
     pages = jnp.asarray(pages, jnp.int32)

@@ -202,11 +202,9 @@ class Tokenizer:
             tok.encode("<|im_start|>user", allow_special=True)  # [1, 4093]
             tok.encode("Hi", add_bos=True)                      # [tok.bos_id, ...]
         """
-        from kvjax.chat import encode_text
+        from kvjax.chat import check_text, encode_text
 
-        if not isinstance(text, str):
-            raise TypeError(f"encode: text must be a str, got {type(text).__name__} "
-                            f"{text!r:.80}")
+        check_text(text, "encode: text")  # TypeError for a non-str, ValueError for bad Unicode
         if allow_special:
             ids = self.backend.encode(text, add_special_tokens=False).ids
         else:
