@@ -51,6 +51,14 @@ DEFAULT_SPECS = {
     "low_rank": f"low_rank:rank=16,basis={BASIS}",
     "linear_state": "linear_state",
     "fold": "snapkv:ratio=0.5+fold",  # folds what the part before it evicts
+    "keydiff": "keydiff:ratio=0.5",
+    "lagkv": "lagkv:ratio=0.5",
+    "cur": "cur:ratio=0.5",
+    "leverage": "leverage:ratio=0.5",
+    "non_causal_attn": "non_causal_attn:ratio=0.5",
+    "compactor": "compactor:ratio=0.5",
+    "block": "block:inner=keydiff,ratio=0.5",
+    "chunkkv": "chunkkv:inner=snapkv,ratio=0.5",
 }
 """A spec with sensible parameters (the factory's defaults where it has them) for every
 method in `kvjax.METHODS`."""
