@@ -34,13 +34,18 @@ draw, per layer, by ``jax.random.normal(jax.random.fold_in(jax.random.key(0),
 layer), (KVH, head_dim, 48))`` (float32) -- the sketch kvjax's scorer draws
 from its policy key at ``seed=0``. kvpress still computes everything else.
 
+``ctx2_rerotate_knorm_r0.75_keys_l{0,29}`` float32 [KVH, n_kept, D]: the keys
+KeyRerotationPress left in layers 0 and 29 (re-rotated to positions 0..n_kept-1).
+
 Metadata as in ``kvpress_golden.npz`` plus ``band_rtol`` and ``presses``.
+``--only a,b`` redoes those presses and keeps the rest of an existing file.
 """
 
 from __future__ import annotations
 
 import time
 from importlib import metadata
+from pathlib import Path
 
 import numpy as np
 
@@ -53,7 +58,9 @@ BAND_RTOL = 1e-4
 SKETCH_DIM = 48
 # press name -> wrapper (None = plain ScorerPress)
 ZOO_PRESSES = ["keydiff", "lagkv", "non_causal_attn", "leverage", "cur", "compactor",
-               "chunkkv_snapkv", "chunkkv_knorm", "block_keydiff"]
+               "chunkkv_snapkv", "chunkkv_knorm", "block_keydiff", "rerotate_knorm"]
+# (press, context, ratio) whose re-rotated keys are stored too (float32, these layers only)
+KEYS_STORED = {("rerotate_knorm", 2, 0.75): (0, 29)}
 
 
 def make_zoo_press(name: str, ratio: float):
@@ -69,6 +76,8 @@ def make_zoo_press(name: str, ratio: float):
         return kvpress.ChunkKVPress(press=scorers[name[8:]](compression_ratio=ratio))
     if name.startswith("block_"):
         return kvpress.BlockPress(press=scorers[name[6:]](compression_ratio=ratio))
+    if name.startswith("rerotate_"):
+        return kvpress.KeyRerotationPress(press=scorers[name[9:]](compression_ratio=ratio))
     return scorers[name](compression_ratio=ratio)
 
 
@@ -97,8 +106,12 @@ def kept_from_cache(keys, new_keys) -> np.ndarray:
 
 
 def run_zoo_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_layers: int,
-                  kvh: int, head_dim: int):
-    """One prefill with the press active -> (keep [L, KVH, T], band, margin or None)."""
+                  kvh: int, head_dim: int, keys_out: dict | None = None):
+    """One prefill with the press active -> (keep [L, KVH, T], band, margin or None).
+
+    KeyRerotationPress changes the keys, so its keep mask comes from `topk` of the inner
+    score (checked against the values kvpress kept); `keys_out[layer]` receives its keys.
+    """
     from kvpress.utils import compute_n_kept
 
     press = make_zoo_press(name, ratio)
@@ -126,6 +139,14 @@ def run_zoo_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_laye
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         layer = module.layer_idx
         new_k, new_v = orig_compress(module, hidden_states, keys, values, attentions, kwargs)
+        if name.startswith("rerotate_"):
+            idx = stash[layer].topk(compute_n_kept(t, ratio), dim=-1).indices.sort(-1).values
+            gathered = values.gather(2, idx[..., None].expand(-1, -1, -1, head_dim))
+            assert torch.equal(gathered, new_v), f"{name} layer {layer}: values differ"
+            np.put_along_axis(keep[layer], idx[0].numpy(), True, axis=-1)
+            if keys_out is not None:
+                keys_out[layer] = new_k[0].numpy().copy()  # [KVH, n_kept, D]
+            return new_k, new_v
         keep[layer] = kept_from_cache(keys, new_k)
         if not wrapped:
             s = stash[layer][0].numpy().astype(np.float64)  # [KVH, T]
@@ -172,6 +193,12 @@ def main_zoo(args) -> int:
     n_layers, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
     head_dim = model.model.layers[0].self_attn.head_dim
     out: dict[str, np.ndarray] = {}
+    if args.only and Path(out_path).exists():  # add to (or redo part of) an existing file
+        with np.load(out_path) as old:
+            out.update({k: old[k] for k in old.files})
+        names_all = list(dict.fromkeys([str(p) for p in out["presses"]] + names))
+    else:
+        names_all = names
     full = TEXT_PATH.read_text(encoding="utf-8")
     ctx_ids = {}
     for c, (offset, n) in CONTEXTS.items():
@@ -185,9 +212,12 @@ def main_zoo(args) -> int:
             for ratio in RATIOS:
                 t1 = time.perf_counter()
                 torch.manual_seed(SEED)
+                keys_out = {}
                 keep, band, margin = run_zoo_press(model, torch, ids, name, ratio, n_layers,
-                                                   kvh, head_dim)
+                                                   kvh, head_dim, keys_out)
                 prefix = f"ctx{c}_{name}_r{ratio:.2f}"
+                for layer in KEYS_STORED.get((name, c, ratio), ()):
+                    out[f"{prefix}_keys_l{layer}"] = keys_out[layer]
                 out[f"{prefix}_keep"] = np.packbits(keep.ravel())
                 extra = ""
                 if band is not None:
@@ -205,6 +235,6 @@ def main_zoo(args) -> int:
     out["num_layers"] = np.int32(n_layers)
     out["kv_heads"] = np.int32(kvh)
     out["band_rtol"] = np.float64(BAND_RTOL)
-    out["presses"] = np.asarray(names)
+    out["presses"] = np.asarray(names_all)
     save_golden(out_path, out, timings)
     return 0

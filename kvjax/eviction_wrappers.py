@@ -200,3 +200,54 @@ def chunkkv(inner: str = "snapkv", ratio: float | None = None, budget: int | Non
     scorer, stats = _inner(inner, "chunkkv", ratio)
     return CacheTransform(functools.partial(init_budget, ratio, budget, seed),
                           ChunkKVUpdate(scorer, chunk_length), stats)
+
+
+# ----------------------------------------------------------------------------- key re-rotation
+
+
+def rotate(k: jax.Array, delta: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Keys `k` [..., C, D] moved by `delta` [..., C] positions in RoPE (rotate-half):
+    `k cos(delta f) + rotate_half(k) sin(delta f)`, float32 angles (kvpress's formula)."""
+    from kvjax.eviction_sequence import rotate_half
+    angles = delta.astype(jnp.float32)[..., None] * inv_freq  # [..., C, D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)
+    return k * cos + rotate_half(k) * sin
+
+
+def rerotate_layer(layer, inv_freq: jax.Array):
+    """One plain layer with its tokens moved to positions 0..n-1 in order, keys re-rotated."""
+    from kvjax.cache import TokenCache
+    if not isinstance(layer, TokenCache) or layer.pooled or layer.k.dtype.kind != "f":
+        raise ValueError("rerotate: needs plain float token caches (put it before any codec, "
+                         f"without headwise budgets); got {type(layer).__name__}")
+    seq = in_sequence(layer)
+    index = to_slots(seq, jnp.broadcast_to(jnp.arange(layer.capacity), seq.order.shape))
+    valid = layer.pos != EMPTY
+    delta = jnp.where(valid, index - layer.pos, 0)  # [B, KVH, C]
+    k = rotate(layer.logical_k.astype(jnp.float32), delta, inv_freq).astype(layer.k.dtype)
+    return layer.replace(k=k.reshape(layer.k.shape),
+                         pos=jnp.where(valid, index, EMPTY).astype(layer.pos.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class RerotateUpdate:
+    """`rerotate`'s update: every layer's kept tokens at contiguous positions."""
+
+    def __call__(self, cache, state, stats=None):
+        if stats is None:
+            raise ValueError("rerotate needs the model's RoPE frequencies: run the model with "
+                             "the transform's StatsSpec (the sampler does this)")
+        return tuple(rerotate_layer(layer, s.inv_freq) for layer, s in zip(cache, stats)), state
+
+
+def rerotate() -> CacheTransform:
+    """Key re-rotation (kvpress KeyRerotationPress): after the parts before it evict, move
+    the kept tokens to positions 0..n_kept-1 in order and re-rotate their keys to match.
+
+    `knorm:ratio=0.5+rerotate` equals KeyRerotationPress(KnormPress(0.5)): the same kept
+    tokens, keys rotated by `new - old` positions with float32 angles. New tokens keep
+    their own positions (the prompt's length onwards), as in kvpress; under decode-time
+    compression every update closes the gaps again.
+    """
+    return CacheTransform(lambda cache: (), RerotateUpdate(), StatsSpec(window=1))

@@ -61,6 +61,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "compactor": eviction_compactor.compactor,
     "block": eviction_wrappers.block,
     "chunkkv": eviction_wrappers.chunkkv,
+    "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
     "kivi": codecs.kivi,
     "fp8": codecs.fp8,
@@ -111,6 +112,8 @@ METHOD_INFO: dict[str, MethodInfo] = {
                         "block:inner=keydiff,ratio={r}", _ZOO),
     "chunkkv": MethodInfo("Liu et al. 2025, https://arxiv.org/abs/2502.00299", "ChunkKVPress",
                           "chunkkv:inner=snapkv,ratio={r}", _ZOO),
+    "rerotate": MethodInfo("SinkCache / FINCH (Corallo & Papotti 2024)", "KeyRerotationPress",
+                           "knorm:ratio={r}+rerotate", _ZOO),
     "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""

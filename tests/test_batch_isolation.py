@@ -32,6 +32,7 @@ SPECIAL = {
     "low_rank": "low_rank:rank=16,basis={basis}",
     "linear_state": "linear_state",
     "fold": "snapkv:ratio=0.5+fold",
+    "rerotate": "knorm:ratio=0.5+rerotate",
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""
 

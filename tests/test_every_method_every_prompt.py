@@ -59,6 +59,7 @@ DEFAULT_SPECS = {
     "compactor": "compactor:ratio=0.5",
     "block": "block:inner=keydiff,ratio=0.5",
     "chunkkv": "chunkkv:inner=snapkv,ratio=0.5",
+    "rerotate": "knorm:ratio=0.5+rerotate",
 }
 """A spec with sensible parameters (the factory's defaults where it has them) for every
 method in `kvjax.METHODS`."""

@@ -209,3 +209,28 @@ def test_methods_command_json(capsys):
     assert main(["methods", "lagkv"]) == 0
     assert "LagKVPress" in capsys.readouterr().out
     assert main(["methods", "nope"]) == 2
+
+
+def test_rerotate_moves_kept_keys_to_contiguous_positions():
+    """After eviction, token at position p (n-th kept) holds RoPE(k, n) and pos n."""
+    from kvjax.eviction_wrappers import rerotate_layer, rotate
+    from models.llama import LlamaConfig, rope_frequencies
+    inv = jnp.asarray(rope_frequencies(LlamaConfig.tiny()))
+    raw = jax.random.normal(jax.random.key(5), (1, 1, 6, 16))  # pre-RoPE keys [B, KVH, C, D]
+    pos = jnp.array([[[9, 2, EMPTY, 5, 11, EMPTY]]])
+    roped = rotate(raw, jnp.maximum(pos, 0), inv)
+    layer = kvjax.init_cache(batch=1, kv_heads=1, capacity=6, head_dim=16)
+    layer = layer.replace(k=roped.reshape(layer.k.shape), pos=pos)
+    out = rerotate_layer(layer, inv)
+    assert out.pos[0, 0].tolist() == [2, 0, EMPTY, 1, 3, EMPTY]
+    want = rotate(raw, jnp.maximum(out.pos, 0), inv)
+    valid = np.asarray(pos != EMPTY)[0, 0]
+    np.testing.assert_allclose(np.asarray(out.logical_k)[0, 0][valid],
+                               np.asarray(want)[0, 0][valid], atol=2e-5)
+
+
+def test_rerotate_refuses_encoded_caches():
+    with pytest.raises(ValueError, match="rerotate"):
+        from kvjax.eviction_wrappers import rerotate_layer
+        layer = kvjax.init_cache(batch=1, kv_heads=1, capacity=4, head_dim=8)
+        rerotate_layer(layer.replace(k=layer.k.astype(jnp.int8)), jnp.ones(4))

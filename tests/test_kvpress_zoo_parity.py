@@ -125,3 +125,41 @@ def test_kept_positions_match_kvpress(prefilled, golden, case):
         band = unpack(golden, f"{case}_band", n)
         outside = (ours != theirs) & ~band
         assert not outside.any(), (case, why, np.argwhere(outside).tolist())
+
+
+def rerotate_cases() -> list[str]:
+    g = _golden()
+    return sorted(k[:-len("_keep")] for k in g.files
+                  if k.endswith("_keep") and "_rerotate_knorm_" in k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", rerotate_cases())
+def test_rerotation_matches_kvpress(prefilled, golden, case):
+    """`knorm:ratio=r+rerotate` = KeyRerotationPress(KnormPress(r)): Knorm's kept tokens
+    (kvpress's, but for the Knorm tie of tests/test_kvpress_parity.py), moved to positions
+    0..n_kept-1 in order, values untouched, keys re-rotated as kvpress re-rotates them."""
+    ctx, rest = case.split("_", 1)
+    ratio = float(rest.rsplit("_r", 1)[1])
+    cache, stats, n = prefilled[ctx]
+    inner = parse_method(f"knorm:ratio={ratio}")
+    both = parse_method(f"knorm:ratio={ratio}+rerotate")
+    kept, _ = _compress(inner.update, cache, inner.init(cache), stats)
+    moved, _ = _compress(both.update, cache, both.init(cache), stats)
+    ours, theirs = keep_by_position(kept, n), unpack(golden, f"{case}_keep", n)
+    differ = (ours != theirs).any(-1)
+    # the Knorm tie named in test_kvpress_parity.py (ctx2, layer 0, KV head 1: positions 30,
+    # 48 and 78 hold one token)
+    assert set(map(tuple, np.argwhere(differ).tolist())) <= ({(0, 1)} if ctx == "ctx2" else set())
+    for layer_kept, layer_moved in zip(kept, moved):
+        count = (np.asarray(layer_kept.pos) != EMPTY).sum(-1)  # [B, KVH]
+        pos = np.asarray(layer_moved.pos)[0]
+        for h in range(pos.shape[0]):
+            np.testing.assert_array_equal(pos[h][:count[0, h]], np.arange(count[0, h]))
+        np.testing.assert_array_equal(np.asarray(layer_moved.v), np.asarray(layer_kept.v))
+    for key in (k for k in golden.files if k.startswith(case + "_keys_l")):
+        layer = int(key.rsplit("_l", 1)[1])
+        want = golden[key]  # [KVH, n_kept, D]
+        got = np.asarray(moved[layer].logical_k)[0, :, :want.shape[1]]
+        scale = np.linalg.norm(want, axis=-1, keepdims=True)
+        assert np.max(np.abs(got - want) / scale) < 1e-4, (case, layer)
