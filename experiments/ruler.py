@@ -401,17 +401,43 @@ def _assemble(units: Sequence[str], sep: str, inserts: Sequence[tuple[float, str
     return sep.join(parts)
 
 
-def _largest(fits, lo: int, hi: int) -> int:
-    """The largest n in [lo, hi] with fits(n), given fits(lo) (binary search)."""
+def _largest(fits, lo: int, hi: int, guess: int | None = None) -> int:
+    """The largest n in [lo, hi] with fits(n), given fits(lo) and that fits is monotone
+    (true up to some n, false after). A `guess` near the answer narrows the bracket first
+    (steps doubling away from it), so a good guess costs a few calls of `fits`."""
+    if guess is not None and lo < hi:
+        guess, step = min(max(guess, lo), hi), 1 + (hi - lo) // 256
+        if fits(guess):
+            lo = guess
+            while lo < hi:
+                probe = min(lo + step, hi)
+                if not fits(probe):
+                    hi = probe - 1
+                    break
+                lo, step = probe, 2 * step
+        else:
+            hi = guess - 1
+            while lo < hi:
+                probe = max(hi - step, lo)
+                if fits(probe):
+                    lo = probe
+                    break
+                hi, step = probe - 1, 2 * step
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
 
 
+def _count_for(sizes: Sequence[int], chars: float) -> int:
+    """How many items of character `sizes`, from the first, fit in `chars` characters."""
+    return int(np.searchsorted(np.cumsum(sizes), chars, side="right"))
+
+
 def _fit(tokenizer, length: int, units: Sequence[str], tail_words: bool, compose, task: str):
     """(context, question) ids with as many `units` as fit `length` context tokens, then (with
-    `tail_words`) as many words of the next unit. `compose(units) -> (context, question)`."""
+    `tail_words`) as many words of the next unit. `compose(units) -> (context, question)`.
+    Both counts are searched from a guess at the tokens-per-character rate of a first probe."""
     built: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
 
     def build(n, w=0):
@@ -422,16 +448,24 @@ def _fit(tokenizer, length: int, units: Sequence[str], tail_words: bool, compose
             built[n, w] = compose(body)
         return built[n, w]
 
-    if len(build(0)[0]) > length:
+    base = len(build(0)[0])
+    if base > length:
         raise ValueError(f"{task}: context_tokens={length} is too small for the instruction "
-                         f"and needles alone ({len(build(0)[0])} tokens)")
-    n = _largest(lambda m: len(build(m)[0]) <= length, 0, len(units) - 1)
+                         f"and needles alone ({base} tokens)")
+    sizes = [len(u) + 1 for u in units]
+    probe_at = min(max(_count_for(sizes, 3.5 * (length - base)), 1), len(units) - 1)
+    rate = max(len(build(probe_at)[0]) - base, 1) / sum(sizes[:probe_at])  # tokens per char
+    n = _largest(lambda m: len(build(m)[0]) <= length, 0, len(units) - 1,
+                 _count_for(sizes, (length - base) / rate))
     if n == len(units) - 1:  # the next unit (for a tail) must exist, and more might have fit
         raise ValueError(f"{task}: the haystack material ({len(units)} units) is too short for "
                          f"context_tokens={length}")
     w = 0
     if tail_words:
-        w = _largest(lambda m: len(build(n, m)[0]) <= length, 0, len(units[n].split()))
+        words = units[n].split()
+        guess = _count_for([len(x) + 1 for x in words] or [1],
+                           (length - len(build(n)[0])) / rate)
+        w = _largest(lambda m: len(build(n, m)[0]) <= length, 0, len(words), guess)
     return build(n, w)
 
 
@@ -643,7 +677,9 @@ def _fwe_ruler(tokenizer, length, rng, alpha: float = 2.0, word_len: int = 6):
     hi = 2 * length
     if fits(hi):
         raise AssertionError(f"fwe: {hi} words fit {length} tokens")
-    n = _largest(fits, 0, hi)
+    base, probe = len(compose(0)[0]), length // 4  # tokens per word from a probe
+    rate = max(len(compose(probe)[0]) - base, 1) / probe
+    n = _largest(fits, 0, hi, int((length - base) / rate))
     context, q = built[n]
     _check_length(len(context), length, TOLERANCE["fwe"], "fwe")
     c = counts(n)

@@ -304,3 +304,21 @@ def test_dictionary_documents_and_their_question_sentences():
     for e in entries:
         if e.clause:
             assert whole.count(e.clause) == 1 and e.headword.lower() not in e.clause.lower()
+
+
+def test_the_length_search_finds_the_largest_fit_from_any_guess():
+    """`_largest` with a guess (how the generators fit a length in few encodes) returns what
+    plain bisection returns, for every threshold, bracket and guess, including bad guesses."""
+    for lo, hi in [(0, 0), (0, 1), (0, 7), (3, 40), (0, 1000)]:
+        for answer in sorted({lo, (lo + hi) // 2, hi, min(lo + 1, hi)}):
+            for guess in [None, lo - 5, lo, answer - 1, answer, answer + 1, hi, hi + 9]:
+                calls = []
+
+                def fits(n, answer=answer, calls=calls):
+                    calls.append(n)
+                    return n <= answer
+                assert ruler._largest(fits, lo, hi, guess) == answer, (lo, hi, answer, guess)
+                assert all(lo <= n <= hi for n in calls)
+    calls = []
+    ruler._largest(lambda n: calls.append(n) or n <= 5000, 0, 100_000, 4990)
+    assert len(calls) <= 12  # a close guess: a few probes, not 17 bisection steps
