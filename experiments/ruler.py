@@ -299,10 +299,11 @@ def make_task_trials(tokenizer, task: str, length: int, trials: int, seed: int =
     `text_paths` replaces the built-in haystack prose (the needle tasks and
     variable tracking; common_words is a word list).
 
-    Options: `keys` (niah_multikey needles), `values` (niah_multivalue
-    numbers), `hops` (variable_tracking chain length after the first
-    assignment), `common`/`freq`/`rare` (common_words: how many frequent
-    words, and how often frequent and other words appear).
+    Options of the first four tasks (the RULER set has RULER's counts): `keys`
+    (niah_multikey needles), `values` (niah_multivalue numbers), `hops`
+    (variable_tracking chain length after the first assignment),
+    `common`/`freq`/`rare` (common_words: how many frequent words, and how often
+    frequent and other words appear).
     """
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; tasks: {TASKS}")
