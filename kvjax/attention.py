@@ -285,6 +285,22 @@ def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int
     carrying one running softmax. An evicted, shrunk layer reads only its
     kept slots.
     """
+    _, l, acc = blockwise_state(q, q_pos, cache, block=block, window=window, softcap=softcap,
+                                scale=scale)
+    first = cache.recent if isinstance(cache, ResidualCache) else cache
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that saw nothing returns zeros
+    return _ungroup(out, q.shape, first.kv_heads)
+
+
+def blockwise_state(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int | None = None,
+                    window: int | None = None, softcap: float | None = None,
+                    scale: float | None = None):
+    """`attend_blockwise`'s running softmax state before it normalises.
+
+    -> (m [R, GT], l [R, GT], acc [R, GT, D]) float32, rows R = B*KVH in (b, kvh) order and GT
+    in (g, t) order (`_group_queries`): out = acc / l. The kernel path takes it for layers its
+    kernel does not read well (`kvjax.kernel_attention`).
+    """
     parts = _parts(cache)
     first = cache.recent if isinstance(cache, ResidualCache) else cache
     # float32 unless the layer is one dense bf16 array (a residual layer is read as float32)
@@ -327,9 +343,7 @@ def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int
     carry = (jnp.full((n, rows), NEG_INF), jnp.zeros((n, rows)), jnp.zeros((n, rows, d)))
     for part in parts:
         carry = run_part(part, carry)
-    _, l, acc = carry
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that saw nothing returns zeros
-    return _ungroup(out, q.shape, first.kv_heads)
+    return carry
 
 
 def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",

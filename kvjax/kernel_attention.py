@@ -40,7 +40,8 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import page_formats as pf
-from kernels_pallas.paged_attention import Partial, finish, merge, paged_attention_partial
+from kernels_pallas.paged_attention import (NEG_INF, Partial, finish, merge,
+                                            paged_attention_partial)
 from kvjax.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.paging import PagedLayer
 from kvjax.stores import PackedChannels, PackedTokens, is_dense
@@ -230,14 +231,31 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
                          f"{type(layer).__name__} of this layout (pooled, low-rank, capacity "
                          f"without a page size >= {MIN_PAGE}, or on GPU a head dim or page size "
                          f"that is not a power of two); use impl='xla'")
-    call = lambda wide: paged_attention_partial(q, q_pos, **kernel_inputs(layer, wide, backend),
-                                                **kwargs)
+    kernel = lambda: paged_attention_partial(q, q_pos, **kernel_inputs(layer, False, backend),
+                                             **kwargs)
     fits = _windows_fit(layer, page_size_for(layer.capacity) or 0, backend) \
         if isinstance(layer, TokenCache) else None
     if fits is None:
-        return call(False)
-    # KIVI: narrow per-page table windows unless eviction spread some page's groups
-    return jax.lax.cond(fits, lambda: call(False), lambda: call(True))
+        return kernel()
+    # KIVI: the kernel with narrow per-page table windows, unless eviction spread some page's
+    # groups wider; then XLA's block loop over the store as it is (a whole-table window per
+    # page would cost ~200 GB of temporaries at 64 x 32k: docs/BENCHMARKS.md)
+    xla = lambda: _blockwise_partial(q, q_pos, layer, jax.eval_shape(kernel),
+                                     window=kwargs.get("window"), softcap=kwargs.get("softcap"))
+    return jax.lax.cond(fits, kernel, xla)
+
+
+def _blockwise_partial(q, q_pos, layer: TokenCache, like: Partial, *, window, softcap) -> Partial:
+    """`attention.blockwise_state` of a layer in the kernel's `Partial` layout and row count
+    (`like`: [B, KVH, rows, D], rows >= G*T padded with rows that saw nothing)."""
+    from kvjax.attention import blockwise_state  # attention imports this module
+    m, l, acc = blockwise_state(q, q_pos, layer, window=window, softcap=softcap)  # [R, GT, .]
+    b, kvh, rows = like.m.shape
+    gt = m.shape[1]
+    pad = lambda x, value: jnp.pad(x.reshape(b, kvh, gt, *x.shape[2:]),
+                                   [(0, 0), (0, 0), (0, rows - gt)] + [(0, 0)] * (x.ndim - 2),
+                                   constant_values=value)
+    return Partial(acc=pad(acc, 0.0), m=pad(m, NEG_INF), l=pad(l, 0.0))
 
 
 def query_tokens_per_call(group: int, backend: str) -> int:
