@@ -41,8 +41,12 @@ def keep_top_k(scores: jax.Array, k: int, valid: jax.Array | None = None) -> jax
         raise ValueError(f"keep_top_k: k={k} must be within [0, {c}] slots")
     valid = jnp.ones(scores.shape, bool) if valid is None else valid
     order = best_first(scores, valid)[..., :k]  # [B, KVH, k]
-    rows = jnp.zeros(scores.shape, bool)
-    rows = jnp.put_along_axis(rows, order, True, axis=-1, inplace=False)
+    # put_along_axis, with the leading indices as iotas: jnp.indices needs concrete sizes, so
+    # put_along_axis failed to export with a symbolic batch (`kvjax export --method
+    # streaming_llm:...`); the scatter is the same
+    lead = tuple(jax.lax.broadcasted_iota(jnp.int32, order.shape, d)
+                 for d in range(order.ndim - 1))
+    rows = jnp.zeros(scores.shape, bool).at[(*lead, order)].set(True)
     return rows & valid
 
 
