@@ -426,3 +426,25 @@ def test_a_damaged_cached_kernel_is_rebuilt_with_one_notice(kernel_cache, damage
     if damage == "truncate":
         third = _run_kernel(kernel_cache)  # and trusted again: no notice
         assert third.returncode == 0 and "kvjax: rebuilding" not in third.stderr
+
+
+# ----------------------------------------------------------------------------- GGUF files
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from tests.test_loading import write_gguf
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", "llama_tied")
+
+
+@pytest.mark.parametrize("damage", [*DAMAGES, "magic then garbage"])
+def test_damaged_gguf_names_the_file(tiny_gguf, tmp_path, monkeypatch, damage, capsys):
+    from experiments import cli
+
+    monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    data = tiny_gguf.read_bytes()
+    path.write_bytes(b"GGUF" + garbage(data[4:]) if damage == "magic then garbage"
+                     else DAMAGES[damage](data))
+    status = cli.main(["generate", "--model", str(path), "--prompt", "Hi"])
+    assert_one_error_naming((status, capsys.readouterr().err.splitlines()), path)
