@@ -8,12 +8,13 @@ with the full cache, the latter against transformers' golden tokens.
 
     python experiments/gpu_families_check.py --out DIR     # writes DIR/families_gpu.json
 
-Measured on an H200 (jax 0.11.2, 2026-12-04; 113 s with compilation): logits within
+Measured on an H200 (jax 0.11.2, 2026-12-04; 86 s with compilation): logits within
 0.9e-6 to 1.9e-6 relative of transformers' for both impls and every family; 32 greedy tokens
-identical with `impl="pallas"`; the chain's tokens equal between impls. The kernel runs in the
-full-attention layers (1 call in the shared layer program); a sliding-window layer takes the
-XLA path (0 calls for Mistral and Phi-3, every layer windowed): its joined `window + T`-slot
-layer is not a layout the kernel reads.
+identical with `impl="pallas"`; the chain's tokens equal between impls. The kernel runs in
+every layer program: 1 call per decode step for the families of one layer kind (layers of
+one kind share one program), 2 for Gemma 3 (local and global). Before sliding layers'
+joined caches were rounded up to `models.llama.JOIN_ALIGN` slots, a window + 1-slot layer had
+no page size and took the XLA path (0 calls for Mistral and Phi-3).
 """
 
 from __future__ import annotations

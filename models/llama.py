@@ -265,27 +265,32 @@ def _norm(cfg: LlamaConfig, dim: int, dtype) -> RMSNorm:
     return RMSNorm(dim, cfg.rms_norm_eps, dtype, cfg.norm_offset)
 
 
+JOIN_ALIGN = 64  # a sliding layer's joined cache has a multiple of this many slots: pages the
+# Pallas kernel reads (kvjax.kernel_attention.page_size_for), where window + 1 would be none
+
+
 def window_attend(q: jax.Array, positions: jax.Array, cache: TokenCache, k: jax.Array,
                   v: jax.Array, window: int, impl: str, softcap: float | None = None):
     """A sliding layer's write and attention: its cache keeps the newest `capacity` slots.
 
     The new keys and values (`k`, `v` [B, KVH, T, D]) are written after the cache's slots in
-    a joined layer of `capacity + T` slots; the queries `q` [B, T, H, D] attend over it with
+    a joined layer of `capacity + T` slots (rounded up to a multiple of `JOIN_ALIGN`, free
+    slots masked); the queries `q` [B, T, H, D] attend over it with
     the window mask (each sees itself and the `window - 1` tokens before it), and the cache
     keeps the newest `capacity` written slots: a `window`-slot cache loses nothing the next
-    queries can see. Returns (output [B, T, H, D], joined layer, kept layer).
+    queries can see. Returns (output [B, T, H, D], the joined layer: `keep_newest` cuts it back).
     """
     if not isinstance(cache, TokenCache) or is_encoded(cache.k) or cache.pooled:
         raise ValueError(f"a sliding-window layer keeps a plain TokenCache (its window is its "
                          f"policy); got a {type(cache).__name__}"
                          f"{' with encoded stores' if isinstance(cache, TokenCache) else ''}: "
                          f"apply compression to the full-attention layers only")
-    t = k.shape[2]
     c = cache.capacity
-    pad = lambda x, fill, axis: jnp.concatenate(  # t empty slots after the cache's c
-        [x, jnp.full(x.shape[:axis] + (t,) + x.shape[axis + 1:], fill, x.dtype)], axis=axis)
-    joined = cache.replace(k=pad(cache.k, 0, 1), v=pad(cache.v, 0, 1),  # [B*KVH, c + t, D]
-                           pos=pad(cache.pos, EMPTY, 2),  # [B, KVH, c + t]
+    room = -(-(c + k.shape[2]) // JOIN_ALIGN) * JOIN_ALIGN - c  # >= T, c + room aligned
+    pad = lambda x, fill, axis: jnp.concatenate(  # `room` empty slots after the cache's c
+        [x, jnp.full(x.shape[:axis] + (room,) + x.shape[axis + 1:], fill, x.dtype)], axis=axis)
+    joined = cache.replace(k=pad(cache.k, 0, 1), v=pad(cache.v, 0, 1),  # [B*KVH, c + room, D]
+                           pos=pad(cache.pos, EMPTY, 2),  # [B, KVH, c + room]
                            mass=None if cache.mass is None else pad(cache.mass, 0, 2))
     joined = kvjax.write(joined, k, v, positions)
     out = kvjax.attend(q, positions, joined, impl=impl, window=window, softcap=softcap)
