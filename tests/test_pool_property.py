@@ -513,6 +513,19 @@ class TieredPoolMachine(PoolMachine):
         self.layers = plant_tiered(self.layers, jnp.asarray(pages), jnp.float32(value),
                                    jnp.arange(S, dtype=jnp.int32) + shift)
 
+    @rule(bad=st.sampled_from([-2, 0, PD - 1, P, P + 5, 2 ** 31 - 1]),
+          to_host=st.booleans())
+    def refuse_out_of_range_pages(self, bad, to_host):
+        """A page id outside the tier a move reads from is an error, never a silent skip (the
+        null page and host pages for `spill`, device pages for `restore`, ids beyond the
+        pool for both); the pool is untouched."""
+        Counter.operations += 1
+        if to_host and 1 <= bad < PD or not to_host and PD <= bad < P:
+            return  # in range for this move
+        pages = np.array([bad, tiers.NO_PAGE])
+        with pytest.raises(ValueError, match="out of range"):
+            (tiers.spill if to_host else tiers.restore)(self.pool, self.layers, pages)
+
     def release_rows(self, rows):
         super().release_rows(rows)
         self.learn_tiers()
