@@ -322,3 +322,27 @@ def test_the_length_search_finds_the_largest_fit_from_any_guess():
     calls = []
     ruler._largest(lambda n: calls.append(n) or n <= 5000, 0, 100_000, 4990)
     assert len(calls) <= 12  # a close guess: a few probes, not 17 bisection steps
+
+
+def test_the_results_table_is_the_committed_rows():
+    """docs/RESULTS.md's 1k table of the RULER set is `docs/results/ruler_smoke/cells.jsonl`,
+    cell by cell, and every row is a cell of `ruler_smoke.toml`."""
+    import json
+
+    from experiments.grid import cell_of, read_config
+    rows = [json.loads(line) for line in
+            (ROOT / "docs/results/ruler_smoke/cells.jsonl").read_text().splitlines()]
+    config = {c.key for c in read_config(ROOT / "experiments/configs/ruler_smoke.toml").cells}
+    assert all(r["status"] == "ok" and cell_of(r).key in config for r in rows)
+    by = {(r["task"], r["method"]): r for r in rows}
+    for r in rows:  # each score is the mean of its trials' RULER scores
+        assert len(r["scores"]) == 5 and r["score"] == pytest.approx(sum(r["scores"]) / 5)
+    text = (ROOT / "docs/RESULTS.md").read_text().split("## RULER's task set (issue 52)", 1)[1]
+    table = text.split("| task | metric |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    assert [line.split("`")[1] for line in table] == list(RULER_TASKS)
+    for line in table:
+        task, metric, full, snapkv = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        assert metric == METRIC[task].removeprefix("string_match_")
+        assert full == f"{by[task, 'full']['score']:.2f}"
+        other = by.get((task, "snapkv:ratio=0.5"))
+        assert snapkv == ("-" if other is None else f"{other['score']:.2f}")
