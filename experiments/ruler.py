@@ -20,7 +20,7 @@ RULER's task set (`RULER_TASKS`; its 13 tasks with one QA task for its two): con
 | `niah_multikey_3` | needles, UUID keys and values (tolerance 96) | 1 | 1 | all |
 | `niah_multivalue` | essay (the first four tasks' generator; tolerance 64) | 4 values of 1 key | 4 | all |
 | `niah_multiquery` | essay | 4 keys, all asked | 4 | all |
-| `vt` | noise | a chain "VAR ABCDE = 12345", "VAR FGHIJ = VAR ABCDE", 4 hops | 5 names | all |
+| `vt` | RULER's one-shot example, then noise | a chain "VAR ABCDE = 12345", "VAR FGHIJ = VAR ABCDE", 4 hops | 5 names | all |
 | `cwe` | a one-shot example, then a numbered word list: 10 words 30x, the rest 3x (6x/1x below 4096 tokens; tolerance 32) | - | 10 words | all |
 | `fwe` | coded 6-letter words, Zipf (alpha 2) over `context_tokens // 50` of them, the first "..." | - | words 2-4 | all |
 | `qa` | "Document i:" entries of The Devil's Dictionary; the question quotes one entry's first definition sentence (unique in the dictionary) | the answering entry | its headword | part |
@@ -583,22 +583,42 @@ def _niah_ruler(task, tokenizer, length, rng, depth, text_paths):
 
 
 def _vt_ruler(tokenizer, length, rng, depth, hops: int = 4):
-    """RULER's `vt`: one chain of `hops` + 1 assignments in the noise haystack."""
-    names = _names(rng, hops + 1)
-    value = str(int(rng.integers(10000, 100000)))
-    chain = [f"VAR {names[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in zip(names, names[1:])]
+    """RULER's `vt`: one chain of `hops` + 1 assignments in the noise haystack, after RULER's
+    one-shot example (a short noise text with its own chain, question and answer: 12 noise
+    lines, about 400 tokens, from 3072 context tokens on; fewer below, 2 at 512)."""
+    example_lines = min(12, max(2, length // 256))
+    names = _names(rng, 2 * (hops + 1))
+    names, shown = names[:hops + 1], names[hops + 1:]
+    value, shown_value = (str(v) for v in rng.choice(np.arange(10000, 100000), 2, replace=False))
+
+    def chain_of(names, value):
+        return [f"VAR {names[0]} = {value}"] + [f"VAR {b} = VAR {a}" for a, b in
+                                               zip(names, names[1:])]
+
+    def ask(value):
+        return (f"Question: Find all variables that are assigned the value {value} in the "
+                f"text above.", f"Answer: According to the chain(s) of variable assignment in "
+                f"the text above, {hops + 1} variables are assigned the value {value}, they are:")
+
+    shown_at = np.sort(rng.random(hops + 1))
+    shown_q, shown_prefix = ask(shown_value)
+    shown_text = _assemble([NOISE] * example_lines, "\n",
+                           list(zip(shown_at, chain_of(shown, shown_value))))
+    example = (f"{VT_INSTRUCTION}\n\n{shown_text}\n{shown_q} {shown_prefix} {' '.join(shown)}"
+               f"\n\n{VT_INSTRUCTION}")
+    chain = chain_of(names, value)
     start = float(depth) if depth is not None else float(rng.random())
     depths = [start] + sorted(float(x) for x in rng.uniform(start, 1.0, hops))
-    question = (f"Question: Find all variables that are assigned the value {value} in the text "
-                f"above.")
-    prefix = (f"Answer: According to the chain(s) of variable assignment in the text above, "
-              f"{hops + 1} variables are assigned the value {value}, they are:")
+    question, prefix = ask(value)
     units = [NOISE] * (length // 8 + 8)
     context, q = _fit(tokenizer, length, units, True, lambda body: render(
-        tokenizer, _assemble(body, "\n", list(zip(depths, chain))), VT_INSTRUCTION, question,
+        tokenizer, _assemble(body, "\n", list(zip(depths, chain))), example, question,
         prefix), "vt")
     _check_length(len(context), length, TOLERANCE["vt"], "vt")
-    _check_once(tokenizer, context, [value] + [f"VAR {n} =" for n in names], "vt")
+    text = _check_once(tokenizer, context, [value] + [f"VAR {n} =" for n in names + shown], "vt")
+    if _occurrences(text, shown_value) != 3:  # the example's chain, question and answer prefix
+        raise AssertionError(f"vt: the example's value {shown_value} occurs "
+                             f"{_occurrences(text, shown_value)} times, not 3")
     return context, q, tuple(names), start
 
 

@@ -113,8 +113,18 @@ def test_vt_chain_resolves_to_the_answers(trials, tok, length):
             holders.add(name)
     assert holders - {value} == set(t.answers) and len(t.answers) == 5
     assert f"{len(t.answers)} variables are assigned" in tok.decode(t.question)
-    noise = re.sub(r"VAR [A-Z]{5} = (VAR [A-Z]{5}|\d{5})", "", haystack_of(tok, t))
+    example, hay = text.split("\n\n", 1)[1].rsplit(ruler.VT_INSTRUCTION, 1)
+    noise = re.sub(r"VAR [A-Z]{5} = (VAR [A-Z]{5}|\d{5})", "", hay)
     assert set(re.findall(r"[A-Za-z]+", noise)) <= set(re.findall(r"[A-Za-z]+", NOISE))
+    assert noise.count("The grass is green.") > length // 60  # what the example leaves
+    # RULER's one-shot example first: its own chain, question and the answer, all correct
+    shown = re.search(r"assigned the value (\d{5}), they are: ([A-Z ]+)\n", example)
+    holders = {shown.group(1)}
+    for name, source in re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d{5})", example):
+        if source.removeprefix("VAR ") in holders:
+            holders.add(name)
+    assert holders - {shown.group(1)} == set(shown.group(2).split()) and len(holders) == 6
+    assert not holders & set(t.answers)
 
 
 @pytest.mark.parametrize("length", LENGTHS)
@@ -173,7 +183,8 @@ def test_depth_places_the_first_answer(tok, task, depth):
     (t,) = make_task_trials(tok, task, 1024, 1, seed=2, depth=depth)
     assert t.depth == depth
     hay = haystack_of(tok, t)
-    if task == "vt":
+    if task == "vt":  # the haystack after the one-shot example
+        hay = hay.rsplit(ruler.VT_INSTRUCTION, 1)[1]
         mark = re.search(r"VAR [A-Z]{5} = \d{5}", hay).group(0)
     elif task == "qa":  # the answering document: first, last, or in the middle
         docs = re.findall(r"Document \d+:\n(.*?)(?=\n\nDocument \d+:|$)", hay, re.S)
