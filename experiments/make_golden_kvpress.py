@@ -100,6 +100,10 @@ in the cache (AdaKV: re-deriving its safeguard + global bottom-k gives the same
 mask). Boundary ties are not an error; they are printed and ``..._margin``
 records them.
 
+The other presses (KeyDiff, LagKV, CUR, Leverage, NonCausalAttn, Compactor, ChunkKV,
+BlockPress, KeyRerotation) have their own golden, ``tests/golden/kvpress_zoo.npz``, made
+by ``experiments/make_golden_kvpress_zoo.py`` on the same model and passages.
+
 How to run
 ----------
     pip install -e '.[compare]' kvpress
@@ -292,15 +296,8 @@ def describe_ties(name: str, keep, scores, margins) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", default=DEFAULT_GGUF, help="path of the SmolLM2 GGUF file")
-    ap.add_argument("--out", default=None, help="output .npz path (default: by --zoo)")
-    ap.add_argument("--zoo", action="store_true",
-                    help="make tests/golden/kvpress_zoo.npz (the presses of ZOO_PRESSES) instead")
-    ap.add_argument("--only", help="comma-separated zoo press names (default: all)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="output .npz path")
     args = ap.parse_args(argv)
-    if args.zoo:
-        from experiments.make_golden_kvpress_zoo import main_zoo
-        return main_zoo(args)
-    args.out = args.out or str(DEFAULT_OUT)
 
     import torch
     import transformers

@@ -8,11 +8,11 @@
   tokens, the same chunks in every KV head, ranked by the inner scores
   summed over heads and averaged over the chunk.
 
-The inner method is named by its registered name (`inner="keydiff"`) and
-runs at its defaults; it must be a scored policy (`kvjax.eviction`).
+The inner method is a scored-policy factory (`kvjax.keydiff`...; in a spec
+string its registered name, `block:inner=keydiff`) and runs at its defaults.
 
 Example:
-    >>> t = block(inner="keydiff", ratio=0.5)     # the KeyDiff paper's block-wise prefill
+    >>> t = block(inner=keydiff, ratio=0.5)     # the KeyDiff paper's block-wise prefill
     >>> t.update.scorer.block_size
     128
 """
@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import functools
 
 from kvjax.cache import EMPTY, view
-from kvjax.eviction import Scorer, ScoredUpdate, _check_budget, check_int, scored_policy
+from kvjax.eviction import Scorer, ScoredUpdate, _check_budget, check_int, scored_policy, snapkv
+from kvjax.eviction_geometry import keydiff
 from kvjax.eviction_sequence import gather, in_sequence, to_slots
 from kvjax.layout import compact, map_layers
 from kvjax.selection import BudgetState, init_budget, layer_budgets, rank
@@ -35,22 +36,20 @@ from kvjax.stats import StatsSpec
 from kvjax.transforms import CacheTransform
 
 
-def _inner(name: str, wrapper: str, ratio: float | None) -> tuple[Scorer, StatsSpec]:
-    """(scorer, stats) of the registered scored method `name` at its defaults (and the
-    wrapper's ratio, for scorers that depend on it: Compactor's blending)."""
-    from kvjax.methods import METHODS, did_you_mean
-
-    if not isinstance(name, str) or name not in METHODS:
-        raise ValueError(f"{wrapper}: inner={name!r} is not a registered method"
-                         f"{did_you_mean(str(name), METHODS)}; give a scored policy such as "
-                         f"inner=keydiff")
+def _inner(factory, wrapper: str, ratio: float | None) -> tuple[Scorer, StatsSpec]:
+    """(scorer, stats) of the scored-policy `factory` at its defaults (and the wrapper's
+    ratio, for scorers that depend on it: Compactor's blending)."""
+    name = getattr(factory, "__name__", repr(factory))
+    if not callable(factory):
+        raise ValueError(f"{wrapper}: inner={factory!r} is not a method; give a scored policy "
+                         f"such as inner=keydiff")
     try:
-        transform = METHODS[name](ratio=0.5 if ratio is None else ratio)
+        transform = factory(ratio=0.5 if ratio is None else ratio)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{wrapper}: inner={name!r} takes no ratio, so it is not a scored "
+        raise ValueError(f"{wrapper}: inner={name} takes no ratio, so it is not a scored "
                          f"policy ({e})") from None
     if not isinstance(transform.update, ScoredUpdate) or transform.update.headwise:
-        raise ValueError(f"{wrapper}: inner={name!r} is not a per-head scored policy")
+        raise ValueError(f"{wrapper}: inner={name} is not a per-head scored policy")
     return transform.update.scorer, transform.stats
 
 
@@ -88,7 +87,7 @@ class BlockScorer:
         return to_slots(seq, kept.astype(jnp.float32)), jnp.zeros(seq.valid.shape, bool)
 
 
-def block(inner: str = "keydiff", ratio: float | None = None, budget: int | None = None,
+def block(inner=keydiff, ratio: float | None = None, budget: int | None = None,
           block_size: int = 128, **options) -> CacheTransform:
     """BlockPress (KeyDiff paper, Park et al. 2025): compress block by block with `inner`.
 
@@ -184,7 +183,7 @@ class ChunkKVUpdate:
                                                              state.layer_budget))
 
 
-def chunkkv(inner: str = "snapkv", ratio: float | None = None, budget: int | None = None,
+def chunkkv(inner=snapkv, ratio: float | None = None, budget: int | None = None,
             chunk_length: int = 20, seed: int = 0) -> CacheTransform:
     """ChunkKV (Liu et al. 2025): keep whole chunks, ranked by the inner method's scores.
 

@@ -42,6 +42,22 @@ def _low_rank_from_file(rank: int, basis: str, key_rank: int | None = None,
     return low_rank(loaded, rank, key_rank, value_rank)
 
 
+def _inner_by_name(wrapper: Callable[..., CacheTransform]) -> Callable[..., CacheTransform]:
+    """`wrapper` taking its `inner` method by registered name, as a spec string gives it."""
+
+    @functools.wraps(wrapper)
+    def factory(*args, inner=None, **kwargs):
+        if inner is not None:
+            if not isinstance(inner, str) or inner not in METHODS:
+                raise ValueError(f"{wrapper.__name__}: inner={inner!r} is not a registered "
+                                 f"method{did_you_mean(str(inner), METHODS)}; give a scored "
+                                 f"policy such as inner=keydiff")
+            kwargs["inner"] = METHODS[inner]
+        return wrapper(*args, **kwargs)
+
+    return factory
+
+
 METHODS: dict[str, Callable[..., CacheTransform]] = {
     "full": full,
     "streaming_llm": eviction.streaming_llm,
@@ -59,8 +75,8 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "leverage": eviction_compactor.leverage,
     "non_causal_attn": eviction_compactor.non_causal_attn,
     "compactor": eviction_compactor.compactor,
-    "block": eviction_wrappers.block,
-    "chunkkv": eviction_wrappers.chunkkv,
+    "block": _inner_by_name(eviction_wrappers.block),
+    "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
     "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
     "kivi": codecs.kivi,
@@ -141,7 +157,9 @@ def _signature_arguments(factory: Callable) -> list[dict]:
 
 
 def _json_default(value):
-    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    return getattr(value, "__name__", None) or repr(value)  # a wrapper's inner method
 
 
 def describe_methods() -> list[dict]:
