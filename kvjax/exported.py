@@ -264,7 +264,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
 }
 """Every key of `manifest.json` and its JSON type (`[t]`: a list of t); no other key."""
 
-_MODEL_KEYS = {"vocab_size": int, "num_heads": int, "max_position": int}
+_MODEL_KEYS = {"vocab_size": int, "num_heads": int, "max_position": int, "head_dim": int}
 
 
 def file_record(path: Path) -> dict[str, Any]:
@@ -326,6 +326,9 @@ def check_manifest(directory: Path, manifest: Any) -> dict[str, Any]:
         raise ValueError(f"{where}: chunk {m['chunk']} / max_len {m['max_len']} out of range "
                          f"(chunk >= 1, max_len <= the model's {m['model']['max_position']} "
                          f"positions)")
+    if len(m["inv_freq"]) != m["model"]["head_dim"] // 2:
+        raise ValueError(f"{where}: inv_freq has {len(m['inv_freq'])} entries; the model's "
+                         f"head_dim {m['model']['head_dim']} needs {m['model']['head_dim'] // 2}")
     vocab = m["model"]["vocab_size"]
     if not 0 <= m["pad_id"] < vocab or any(not 0 <= e < vocab for e in m["eos_ids"]):
         raise ValueError(f"{where}: pad_id {m['pad_id']} / eos_ids {m['eos_ids']} must be in "

@@ -216,7 +216,7 @@ def load_plugins(spec: str | None = None) -> None:
                 module = importlib.util.module_from_spec(module_spec)
                 sys.modules.setdefault(path.stem, module)
                 module_spec.loader.exec_module(module)
-            except Exception as e:  # a syntax error, or the plugin's own code raising
+            except (Exception, SystemExit) as e:  # a syntax error, the plugin raising/exiting
                 raise ValueError(f"plugin {item}: {_plugin_error(e)}") from None
         else:
             try:
@@ -224,7 +224,7 @@ def load_plugins(spec: str | None = None) -> None:
             except ImportError as e:
                 raise ValueError(f"plugin {item}: cannot import this module ({e}; from "
                                  f"${PLUGINS_ENV})") from None
-            except Exception as e:
+            except (Exception, SystemExit) as e:
                 raise ValueError(f"plugin {item}: {_plugin_error(e)}") from None
         _loaded_plugins.add(item)
 

@@ -143,6 +143,9 @@ MANIFEST_EDITS = {
     "file record missing": lambda m: m["files"].pop("weights.safetensors"),
     "wrong size record": lambda m: m["files"]["weights.safetensors"].update(size=5),
     "not an object": lambda m: m.clear() or m.update(kind="x"),
+    "inv_freq of another head size": lambda m: m.update(inv_freq=m["inv_freq"][:-1]),
+    "model without head_dim": lambda m: m["model"].pop("head_dim"),
+    "bool chunk": lambda m: m.update(chunk=True),
 }
 
 
@@ -273,6 +276,7 @@ def test_checkpoint_manifest_with_the_wrong_schema(saved_checkpoint, tmp_path, e
 PLUGIN_SOURCES = {
     "syntax error": "def broken(:\n    pass\n",
     "raises at import": "raise RuntimeError('plugin refuses to load')\n",
+    "exits at import": "import sys\nsys.exit(3)\n",
     "garbage": None,  # bytes, below
     "empty": "",
     "truncate": "from kvjax import methods\nmethods.register_method('half', lambda ratio",
