@@ -42,6 +42,6 @@ def run(args) -> int:
         if m["paper"]:
             print(f"    paper: {m['paper']}")
         if m["kvpress"]:
-            print(f"    equals kvpress {m['kvpress']}(compression_ratio=r) as {m['spec']} "
-                  f"({m['proof']})")
+            print(f"    equals kvpress {m['kvpress']} at compression_ratio=r, other arguments "
+                  f"at kvpress's defaults: {m['spec']} ({m['proof']})")
     return 0
