@@ -1,7 +1,8 @@
 """kvjax: KV-cache optimization as pure, jit-compiled transforms of an explicit cache."""
 
-from kvjax.attention import (attend, attend_blockwise, attend_reference, attention_mask,
+from kvjax.attention import (attend_blockwise, attend_reference, attention_mask,
                              attention_mass, attention_weights)
+from kvjax.dispatch import attend
 from kvjax.cache import (EMPTY, Cache, CacheSpec, ResidualCache, TokenCache, check_cache,
                          free_tokens, init_cache, init_model_cache, nbytes, num_valid,
                          shard_cache, view, write)

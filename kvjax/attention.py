@@ -1,8 +1,9 @@
-"""Attention over a token cache that may have holes.
+"""Attention over a token cache that may have holes: the XLA and reference paths.
 
-`attend` is the single entry point every model uses. `impl="xla"` is the
-plain-jnp reference and the ground truth for tests; kernels plug in behind
-`impl=` without changing callers.
+`kvjax.attend` (`kvjax.dispatch`) is the single entry point every model uses;
+it picks these paths or the Pallas kernels by `impl=`. `attend_reference` is
+the plain-jnp definition and the ground truth for tests; `attend_blockwise`
+(impl="xla") reads only the written slots, a block at a time.
 
 GQA convention (as in Llama / Hugging Face `repeat_kv`): query head `h` reads
 KV head `h // G`, where `G = num_heads // kv_heads`. Queries are grouped as
@@ -19,12 +20,8 @@ import numpy as np
 
 from kvjax import cpu_kernel
 from kvjax.cache import EMPTY, Layer, ResidualCache, TokenCache, view
-from kvjax.kernel_attention import attend_pallas, pallas_backend, supports_pallas
-from kvjax.paging import PagedLayer, dense_view
-from kvjax.sharded_attention import PallasOnMesh, attend_on_mesh
 from kvjax.stores import Latent, PackedChannels, count_true, is_encoded, map_slot_leaves, read
 
-IMPLS = ("xla", "reference", "pallas")
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
 
 
@@ -344,50 +341,3 @@ def blockwise_state(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int 
     for part in parts:
         carry = run_part(part, carry)
     return carry
-
-
-def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",
-           window: int | None = None, softcap: float | None = None) -> jax.Array:
-    """Attention of queries over a layer cache; dispatches on `impl`.
-
-    `"xla"` (default) is `attend_blockwise`; `"reference"` is
-    `attend_reference`, the plain definition tests compare against;
-    `"pallas"` runs the paged attention kernel on TPU or GPU
-    (`kvjax.kernel_attention`) and falls back to `"xla"` on CPU and for
-    layouts the kernel does not read (pooled, low-rank). A `PagedLayer` is
-    gathered into a dense view for the XLA paths.
-    `PallasOnMesh(mesh)` (kvjax.sharded_attention) runs that kernel under
-    `jax.shard_map`, per shard of a cache split over `mesh` by `shard_cache`.
-
-    Example:
-        >>> from kvjax import init_cache, write
-        >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 1, 3, 4))  # [B, KVH, T, D]
-        >>> cache = write(init_cache(1, 1, 8, 4), k, v, jnp.arange(3)[None])
-        >>> q = jax.random.normal(jax.random.key(1), (1, 1, 2, 4))      # [B, T, H, D]
-        >>> out = attend(q, jnp.array([[2]]), cache)
-        >>> out.shape, bool(jnp.allclose(out, attend(q, jnp.array([[2]]), cache,
-        ...                                          impl="reference"), atol=1e-6))
-        ((1, 1, 2, 4), True)
-    """
-    if isinstance(impl, PallasOnMesh):  # the kernel per shard of a mesh-split cache
-        backend = impl.backend or pallas_backend()
-        if backend is not None and not hasattr(cache, "attend") \
-                and supports_pallas(cache, backend):
-            return attend_on_mesh(q, q_pos, cache, impl._replace(backend=backend),
-                                  window=window, softcap=softcap)
-        impl = "pallas"  # no kernel here or for this layout: as plain "pallas" (falls back)
-    if impl not in IMPLS:
-        raise ValueError(f"attend: unknown impl {impl!r}; available: {IMPLS} or a "
-                         f"kvjax.sharded_attention.PallasOnMesh")
-    if hasattr(cache, "attend"):  # a layer that attends itself (kvjax.recurrent state layers)
-        return cache.attend(q, q_pos, impl=impl, window=window, softcap=softcap)
-    if impl == "pallas":
-        backend = pallas_backend()
-        if backend is not None and supports_pallas(cache):
-            return attend_pallas(q, q_pos, cache, window=window, softcap=softcap,
-                                 backend=backend)
-        impl = "xla"
-    if isinstance(cache, PagedLayer):
-        cache = dense_view(cache)
-    fn = attend_blockwise if impl == "xla" else attend_reference
-    return fn(q, q_pos, cache, window=window, softcap=softcap)

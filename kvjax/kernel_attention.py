@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import (NEG_INF, Partial, finish, merge,
                                             paged_attention_partial)
+from kvjax.attention import blockwise_state
 from kvjax.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.paging import PagedLayer
 from kvjax.stores import PackedChannels, PackedTokens, is_dense
@@ -248,7 +249,6 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
 def _blockwise_partial(q, q_pos, layer: TokenCache, like: Partial, *, window, softcap) -> Partial:
     """`attention.blockwise_state` of a layer in the kernel's `Partial` layout and row count
     (`like`: [B, KVH, rows, D], rows >= G*T padded with rows that saw nothing)."""
-    from kvjax.attention import blockwise_state  # attention imports this module
     m, l, acc = blockwise_state(q, q_pos, layer, window=window, softcap=softcap)  # [R, GT, .]
     b, kvh, rows = like.m.shape
     gt = m.shape[1]

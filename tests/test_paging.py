@@ -190,8 +190,8 @@ def contiguous_logits(model, cfg, tokens):
 @pytest.fixture
 def kernel_on_cpu(monkeypatch):
     """Make impl="pallas" run the TPU kernel body in interpret mode on CPU."""
-    monkeypatch.setattr(kvjax.attention, "pallas_backend", lambda: "tpu")
-    monkeypatch.setattr(kvjax.attention, "attend_pallas",
+    monkeypatch.setattr(kvjax.dispatch, "pallas_backend", lambda: "tpu")
+    monkeypatch.setattr(kvjax.dispatch, "attend_pallas",
                         functools.partial(ka.attend_pallas, interpret=True))
 
 

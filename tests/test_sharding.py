@@ -284,18 +284,18 @@ PALLAS_MODEL = textwrap.dedent("""
     import json
     import jax, numpy as np
     import kvjax
-    import kvjax.attention
+    import kvjax.dispatch
     from flax import nnx
     from models import sampler
     from models.llama import Llama, LlamaConfig
     from models.sharding import cache_placer, make_mesh, on_mesh, pallas_impl, shard_model
 
     calls = []  # layers that took the per-shard kernel (counted while tracing)
-    real = kvjax.attention.attend_on_mesh
+    real = kvjax.dispatch.attend_on_mesh
     def counting(q, q_pos, layer, impl, **kw):
         calls.append(type(layer).__name__)
         return real(q, q_pos, layer, impl, **kw)
-    kvjax.attention.attend_on_mesh = counting
+    kvjax.dispatch.attend_on_mesh = counting
 
     cfg = LlamaConfig.tiny(num_kv_heads=4, num_heads=8, head_dim=64, hidden_size=80,
                            intermediate_size=120)

@@ -205,11 +205,11 @@ def test_smollm2_decode_step_with_kivi_chain_compiles(monkeypatch, capsys):
     from flax import nnx
 
     import kvjax
-    from kvjax import attention
+    from kvjax import dispatch
     from models.llama import Llama, LlamaConfig, new_cache
 
     # on a CPU host `pallas_backend()` is None and attend would fall back to XLA
-    monkeypatch.setattr(attention, "pallas_backend", lambda: "tpu")
+    monkeypatch.setattr(dispatch, "pallas_backend", lambda: "tpu")
     cfg = dataclasses.replace(LlamaConfig.smollm2_135m(), num_layers=4)
     batch, capacity = 8, 1024
     abstract_model = nnx.eval_shape(lambda: Llama(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -238,8 +238,9 @@ def test_smollm2_decode_step_with_kivi_chain_compiles(monkeypatch, capsys):
         print(f"\nSmolLM2-shaped decode step (4 layers, KIVI-2 chain, batch {batch}, capacity "
               f"{capacity}) compiles for v5e: {kernels} Mosaic kernel calls, "
               f"{time.time() - start:.0f} s")
-    # per layer: the recent part, and the body with narrow and wide KIVI table windows
-    assert kernels == cfg.num_layers * 3
+    # per layer: the recent part, and the body with narrow KIVI table windows (pages whose
+    # groups spread take XLA's block loop, no kernel: kvjax.kernel_attention.attend_partial)
+    assert kernels == cfg.num_layers * 2
 
 
 def test_window_shrinks_the_compiled_cost_in_proportion(capsys):
