@@ -77,8 +77,10 @@ def test_every_listed_heavy_test_still_exists():
     nodes = tiers()
     files = {n.split("::")[0] for n in nodes}
     functions = {n.split("[")[0] for n in nodes}
+    # a file that exists but collected nothing failed to import: its own error reports that
     stale = [e for e in [*tiers_conftest.HEAVY, *tiers_conftest.NOT_REAL_MODEL]
-             if e not in files and e not in functions]
+             if e not in files and e not in functions
+             and (e.split("::")[0] in files or not (ROOT / e.split("::")[0]).is_file())]
     assert not stale, stale
 
 
