@@ -36,7 +36,7 @@ from models.loading import build_model, load_hf_dir  # noqa: E402
 from models.sampler import generate  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1] / "tests" / "golden" / "families"
-FAMILIES = ("qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
 CHAIN = "snapkv:ratio=0.5+kivi:bits=4,group=32,residual=32"
 
 

@@ -7,6 +7,8 @@ family, each written by ``transformers`` itself (``save_pretrained(...,
 safe_serialization=True)``: ``config.json``, ``model.safetensors``,
 ``generation_config.json``) plus ``golden.npz``:
 
+* ``llama3``: ``LlamaForCausalLM``, untied, Llama-3 RoPE scaling (factor 8, original
+  context 64, theta 500 000: the frequencies fall in all three bands);
 * ``qwen2``: ``Qwen2ForCausalLM`` (q/k/v biases), tied;
 * ``qwen3``: ``Qwen3ForCausalLM`` (q/k RMSNorm, head_dim 64 != hidden / heads);
 * ``mistral_sw``: ``MistralForCausalLM`` with ``sliding_window`` 48;
@@ -26,8 +28,8 @@ and biases are non-zero (std 0.1), so that loading them wrongly shows.
 ``golden.npz`` holds ``input_ids`` int64 [1, 272] (seeded), ``logits`` float32
 [1, 272, 128] (``model(input_ids).logits``: positions 0-271, no cache, every
 window crossed many times), ``prompt_len`` (200) and ``greedy`` int64 [32]:
-``model.generate(input_ids[:, :200], do_sample=False, max_new_tokens=32,
-min_new_tokens=32)``, transformers' own cached decoding, plus the versions and
+``model.generate(input_ids[:, :200], do_sample=False, max_new_tokens=32)`` with no
+end token (an end token is generated, not suppressed), transformers' own cached decoding, plus the versions and
 the ``seed`` used (the first of seed, seed + 100, ... whose greedy tokens hold
 at least 8 distinct ids, else the one of the first 20 with the most: tiny random
 models often repeat one token).
@@ -57,6 +59,9 @@ COMMON = dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_att
 
 MODELS = {
     # name: (family, config kwargs, seed)
+    "llama3": ("llama", dict(tie_word_embeddings=False, rms_norm_eps=1e-5, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}, rope_theta=500_000.0), 15),
     "qwen2": ("qwen2", dict(tie_word_embeddings=True, rope_theta=1_000_000.0,
                             rms_norm_eps=1e-6, use_sliding_window=False), 10),
     "qwen3": ("qwen3", dict(tie_word_embeddings=True, rope_theta=1_000_000.0, head_dim=64,
@@ -81,7 +86,8 @@ SEQ, PROMPT, NEW = 272, 200, 32
 
 def classes(family: str):
     import transformers as tf
-    return {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+    return {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
             "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
             "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
             "gemma3_text": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
@@ -146,8 +152,11 @@ def draw(family: str, kwargs: dict, seed: int):
     with torch.no_grad():
         logits = model(input_ids=torch.from_numpy(input_ids)).logits.float().numpy()
         prompt = torch.from_numpy(input_ids[:, :PROMPT])
+        eos = model.generation_config.eos_token_id
+        model.generation_config.eos_token_id = None  # plain argmax: an end token is a token
         greedy = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0)
+                                max_new_tokens=NEW, pad_token_id=0)
+        model.generation_config.eos_token_id = eos
     greedy = greedy[0, PROMPT:].numpy()
     assert logits.shape == (1, SEQ, COMMON["vocab_size"]) and greedy.shape == (NEW,)
 

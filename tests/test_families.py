@@ -2,9 +2,9 @@
 
 Reference: ``tests/golden/families/<name>/`` holds a tiny random checkpoint of
 each family written by transformers 5.2 and its float32 logits over 272 tokens
-and 32 greedy tokens (``experiments/make_golden_families.py``): Qwen2 (q/k/v
-biases), Qwen3 (q/k norm, head_dim 64), Mistral with a 48-token sliding window,
-Gemma 3 text (sliding / full / sliding layers, window 40, two RoPE bases,
+and 32 greedy tokens (``experiments/make_golden_families.py``): Llama 3 (its RoPE
+scaling, untied), Qwen2 (q/k/v biases), Qwen3 (q/k norm, head_dim 64), Mistral with a
+48-token sliding window, Gemma 3 text (sliding / full / sliding layers, window 40, two RoPE bases,
 (1 + w) sandwich norms, GELU-tanh, scaled embeddings, query_pre_attn_scalar,
 final soft-capping, tied) and Phi-3 (fused qkv and gate/up, window 64). No
 transformers here: the tests read the committed files.
@@ -33,8 +33,8 @@ from models.loading import build_model, load_hf_dir
 from models.sampler import generate
 
 GOLDEN = Path(__file__).parent / "golden" / "families"
-FAMILIES = ("qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
-WINDOWS = {"qwen2": (None, None), "qwen3": (None, None), "mistral_sw": (48, 48),
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
+WINDOWS = {"llama3": (None, None), "qwen2": (None, None), "qwen3": (None, None), "mistral_sw": (48, 48),
            "gemma3": (40, None, 40), "phi3": (64, 64)}
 F32_REL = 1e-5  # the bound; measured 1.3e-6 - 1.6e-6
 

@@ -29,7 +29,7 @@ from tests.test_every_method_every_prompt import (BASIS, SPECS, check_stores, is
                                                   one_step)
 
 GOLDEN = Path(__file__).parent / "golden" / "families"
-FAMILIES = ("qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
 LENGTHS = (7, 33, 129)
 MAX_NEW = 5
 
