@@ -9,10 +9,11 @@ scaling, untied), Qwen2 (q/k/v biases), Qwen3 (q/k norm, head_dim 64), Mistral w
 final soft-capping, tied) and Phi-3 (fused qkv and gate/up, window 64). No
 transformers here: the tests read the committed files.
 
-Measured (float32, max |ours - theirs| / max |theirs|): 1.3e-6 to 1.6e-6 for
-all five over the 272 tokens in one call; the chunked prefill (64-token chunks
-through window-sized caches) and token-by-token decoding stay within the same
-bound. Greedy tokens: all 32 identical for every family.
+Measured (float32, max |ours - theirs| / max |theirs|) over the 272 tokens in one
+call: 1.3e-6 to 1.6e-6 for Qwen2, Qwen3, Mistral, Gemma 3 and Phi-3, 4.3e-6 for Llama 3
+(its scaled RoPE frequencies); the chunked prefill (64-token chunks through window-sized
+caches) and token-by-token decoding stay within the same bound. Greedy tokens: all 32
+identical for every family.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ GOLDEN = Path(__file__).parent / "golden" / "families"
 FAMILIES = ("llama3", "qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
 WINDOWS = {"llama3": (None, None), "qwen2": (None, None), "qwen3": (None, None), "mistral_sw": (48, 48),
            "gemma3": (40, None, 40), "phi3": (64, 64)}
-F32_REL = 1e-5  # the issue's bound; measured 1.3e-6 - 1.6e-6
+F32_REL = 1e-5  # the issue's bound; measured 1.3e-6 - 4.3e-6
 
 
 def relative_error(ours, theirs) -> float:
