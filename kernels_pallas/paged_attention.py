@@ -78,7 +78,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Dense, Format,
-                                         PackedChannels, PackedTokenRows, PackedTokens, PageRef,
+                                         PackedTokenRows, PackedTokens, PageRef,
                                          block_spec, half_to_f32)
 
 EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
@@ -373,34 +373,37 @@ def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
 
 
 # Packed pages as channel slabs (GPU). Plane j of a packed page's W code words per slot holds
-# channels [jW, (j+1)W) (`page_formats.unpack_planes`), so K = max(W, 16) consecutive channels
-# (a *slab*: one plane, or 16 / W planes) are cut from the words with one shift and mask, and
-# enter the dots as exact integer codes: the keys' scale and offset go on the [GT, L] scores
-# (per-token groups; KIVI's per-channel scales fold into the queries), the values' on the
-# probabilities. Nothing [D, L]-sized is dequantized in float32 and no tile is reshaped: the
-# per-element work is a shift, a mask and a bit-trick conversion (docs/DECISIONS.md, "GPU: codes
-# into the dots").
+# channels [jW, (j+1)W) (`page_formats.unpack_planes`), so each plane is a *slab* of W
+# consecutive channels cut from the words with one shift and mask; it enters the dots as exact
+# integer codes, the keys' scale and offset on the [GT, L] scores and the values' on the
+# probabilities. Nothing [D, L]-sized is dequantized and no tile is reshaped. Measured on an
+# H200 (docs/BENCHMARKS.md, "Codes into the dots"): 2.8x faster than the decode path for int8
+# pages of D = 128 (W = 32), but 3-6x slower for W = 16 (int4 at D = 128, int8 at D = 64) and
+# for KIVI keys, so only slabs of at least `SLAB_MIN_WORDS` words take it (docs/DECISIONS.md,
+# "GPU: codes into the dots").
+
+SLAB_MIN_WORDS = 32  # narrower planes measured slower than the decode path on an H200
 
 
-SLAB_WINDOW = 8  # most KIVI table rows a page may use on the slab path
-
-
-def slab_width(fmt, head_dim: int, pages_per_step: int) -> int | None:
+def slab_width(fmt, head_dim: int) -> int | None:
     """Channels per slab where `fmt` pages enter the GPU dots as codes, else None (decode path).
 
-    Packed formats only; per-token codes need each slab inside one parameter group (group % K
-    == 0); KIVI keys (`PackedChannels`) need one page per loop step (one table window) of at
-    most `SLAB_WINDOW` rows (a dot per slab and row: a whole-table window, `wide` in
-    `kvjax.kernel_attention`, would unroll thousands).
+    Per-token packed codes (`PackedTokens`) whose planes hold >= `SLAB_MIN_WORDS` word rows
+    (W = D * bits / 32: 8-bit codes at D >= 128), each plane inside one parameter group
+    (group % W == 0).
     """
-    if not isinstance(fmt, (PackedTokens, PackedChannels)):
+    if not isinstance(fmt, PackedTokens):
         return None
-    k = max(head_dim * fmt.bits // 32, GPU_MIN_ROWS)
-    if k > head_dim or (isinstance(fmt, PackedTokens) and fmt.group % k):
+    w = head_dim * fmt.bits // 32
+    if w < SLAB_MIN_WORDS or fmt.group % w:
         return None
-    if isinstance(fmt, PackedChannels) and (pages_per_step != 1 or fmt.window > SLAB_WINDOW):
-        return None
-    return k
+    return w
+
+
+def uses_slabs(k_format, v_format, head_dim: int) -> bool:
+    """True when the GPU kernel reads both keys and values as code slabs of one width."""
+    k = slab_width(k_format, head_dim)
+    return k is not None and slab_width(v_format, head_dim) == k
 
 
 def _exact_float(codes: jax.Array) -> jax.Array:
@@ -419,20 +422,15 @@ class _Words:
             self.loaded[r] = GPU_OPS.take(self.block, jnp.full((1,), r, jnp.int32), self.width)
         return self.loaded[r]
 
-    def codes(self, fmt, head_dim: int, k: int, i: int, dtype) -> jax.Array:
-        """Slab i's codes: channels [i*K, (i+1)*K) -> [K, L] in `dtype` (exact integers)."""
+    def codes(self, fmt, head_dim: int, i: int, dtype) -> jax.Array:
+        """Plane i's codes: channels [i*W, (i+1)*W) -> [W, L] in `dtype` (exact integers); the
+        W word rows are loaded once for all planes."""
         w = head_dim * fmt.bits // 32
+        if "planes" not in self.loaded:
+            self.loaded["planes"] = GPU_OPS.take(self.block, jax.lax.iota(jnp.int32, w),
+                                                 self.width)
         mask = jnp.uint32((1 << fmt.bits) - 1)
-        if k == w:  # slab i is plane i of the W word rows, loaded once for all planes
-            if "plane" not in self.loaded:
-                self.loaded["plane"] = GPU_OPS.take(self.block, jax.lax.iota(jnp.int32, w),
-                                                    self.width)
-            codes = (self.loaded["plane"] >> jnp.uint32(i * fmt.bits)) & mask
-        else:  # K / W planes of the same W rows side by side (re-read from L1)
-            r = jax.lax.iota(jnp.int32, k)
-            shift = (i * (k // w) + jax.lax.div(r, w)) * fmt.bits
-            words = GPU_OPS.take(self.block, jax.lax.rem(r, w), self.width)
-            codes = (words >> shift.astype(jnp.uint32)[:, None]) & mask
+        codes = (self.loaded["planes"] >> jnp.uint32(i * fmt.bits)) & mask
         return _exact_float(codes).astype(dtype)
 
 
@@ -462,48 +460,22 @@ def _slab_dot(a, b, contract_b: int):
                                preferred_element_type=jnp.float32)
 
 
-def _slab_scores(q_slabs, k_format, k_blocks, head_dim: int, k: int, table_page, dtype):
-    """Unscaled scores [GT, L] of the step's keys, entering the dots as codes.
-
-    q_slabs: [GT, K] query slabs in `dtype`. Per-token keys: sum over groups of scale_g *
-    (q_g . c) + offset_g * sum(q_g). KIVI keys: slot s uses table row t = id_s of its page,
-    q . k_s = (q * scale_t) . c_s + q . offset_t, one dot per (slab, table row), selected per
-    slot. table_page: the step's page (scalar), KIVI only.
-    """
+def _slab_scores(q_slabs, k_format, k_blocks, head_dim: int, k: int, dtype):
+    """Unscaled scores [GT, L] of the step's per-token keys, entering the dots as codes:
+    sum over groups g of scale_g * (q_g . c) + offset_g * sum(q_g). q_slabs: [GT, K] query
+    slabs in `dtype`."""
     words = _Words(k_blocks[0], k_format.page_size([k_blocks[0].ref], head_dim))
-    if isinstance(k_format, PackedTokens):
-        per_group = {}
-        for i, q_i in enumerate(q_slabs):
-            g = i * k // k_format.group
-            d = _slab_dot(q_i, words.codes(k_format, head_dim, k, i, dtype), 0)  # [GT, L]
-            q_sum = jnp.sum(q_i.astype(jnp.float32), axis=1, keepdims=True)
-            d0, q0 = per_group.get(g, (0.0, 0.0))
-            per_group[g] = (d0 + d, q0 + q_sum)
-        out = 0.0
-        for g, (d, q_sum) in per_group.items():
-            scale, offset = _token_params(k_format, words, head_dim, g)
-            out = out + d * scale + q_sum * offset
-        return out
-    # KIVI: the table window of the step's one page, [1, K] per (table row, slab)
-    n_words = head_dim * k_format.bits // 32
-    ids = jax.lax.bitcast_convert_type(words.row(n_words), jnp.int32)  # [1, L]
-    lanes = jax.lax.broadcasted_iota(jnp.int32, (1, k), 1)
-    table = k_blocks[1].ref
-    tw, n = k_format.window, k_format.n_params()
-    per_row = [0.0] * tw
+    per_group = {}
     for i, q_i in enumerate(q_slabs):
-        codes = words.codes(k_format, head_dim, k, i, dtype)  # [K, L]
-        q_f = q_i.astype(jnp.float32)
-        load = lambda r: table[table_page, 0, r * head_dim + i * k + lanes]  # noqa: B023
-        for t in range(tw):
-            scale = _param_row(load, 0, t, n, k_format.param_dtype)  # [1, K]
-            offset = (-(2.0 ** (k_format.bits - 1)) * scale if k_format.symmetric
-                      else _param_row(load, 0, tw + t, n, k_format.param_dtype))
-            d = _slab_dot((q_f * scale).astype(dtype), codes, 0)
-            per_row[t] = per_row[t] + d + jnp.sum(q_f * offset, axis=1, keepdims=True)
+        g = i * k // k_format.group
+        d = _slab_dot(q_i, words.codes(k_format, head_dim, i, dtype), 0)  # [GT, L]
+        q_sum = jnp.sum(q_i.astype(jnp.float32), axis=1, keepdims=True)
+        d0, q0 = per_group.get(g, (0.0, 0.0))
+        per_group[g] = (d0 + d, q0 + q_sum)
     out = 0.0
-    for t in range(tw):
-        out = out + jnp.where(ids == t, per_row[t], 0.0)
+    for g, (d, q_sum) in per_group.items():
+        scale, offset = _token_params(k_format, words, head_dim, g)
+        out = out + d * scale + q_sum * offset
     return out
 
 
@@ -519,7 +491,7 @@ def _slab_values(p, correction, acc, v_format, v_blocks, head_dim: int, k: int, 
             scale, offset = _token_params(v_format, words, head_dim, g)
             groups[g] = ((p * scale).astype(dtype), jnp.sum(p * offset, axis=1, keepdims=True))
         p_scaled, p_offset = groups[g]
-        pv = _slab_dot(p_scaled, words.codes(v_format, head_dim, k, i, dtype), 1)  # [GT, K]
+        pv = _slab_dot(p_scaled, words.codes(v_format, head_dim, i, dtype), 1)  # [GT, K]
         out.append(acc_i * correction + pv + p_offset)
     return tuple(out)
 
@@ -543,13 +515,12 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
     col = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
     which = jax.lax.div(col, page_size)  # [1, L] the column's page within the step
     slot = jax.lax.rem(col, page_size)
-    k_slab = slab_width(k_format, d, pages_per_step)
-    v_slab = slab_width(v_format, d, pages_per_step)
-    slabs = k_slab is not None and v_slab == k_slab and isinstance(v_format, PackedTokens)
+    width = slab_width(k_format, d)  # channels per code slab (slab path only)
+    slabs = uses_slabs(k_format, v_format, d)
     dtype = math["compute_dtype"]
     if slabs:
-        q_slabs = [q_ref[:, pl.ds(i * k_slab, k_slab)] for i in range(d // k_slab)]
-        acc0 = tuple(jnp.zeros((rows, k_slab), jnp.float32) for _ in q_slabs)
+        q_slabs = [q_ref[:, pl.ds(i * width, width)] for i in range(d // width)]
+        acc0 = tuple(jnp.zeros((rows, width), jnp.float32) for _ in q_slabs)
     else:
         q = q_ref[...]
         acc0 = jnp.zeros((rows, d), jnp.float32)
@@ -567,18 +538,17 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
             return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), kpos, qpos,
                               carry, GPU_OPS, head_dim=d, **math)
         m, l, acc = carry
-        table_page = lookup(jnp.minimum(first + step, last - 1))  # KIVI: one page a step
-        s = _slab_scores(q_slabs, k_format, blocks(k_refs), d, k_slab, table_page, dtype)
+        s = _slab_scores(q_slabs, k_format, blocks(k_refs), d, width, dtype)
         m, l, p, correction = online_softmax(s * math["scale"], kpos, qpos, m, l,
                                              window=math["window"], softcap=math["softcap"])
-        return m, l, _slab_values(p, correction, acc, v_format, blocks(v_refs), d, v_slab, dtype)
+        return m, l, _slab_values(p, correction, acc, v_format, blocks(v_refs), d, width, dtype)
 
     init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32), acc0)
     steps = jax.lax.div(jnp.maximum(last - first, 0) + pages_per_step - 1, pages_per_step)
     m, l, acc = jax.lax.fori_loop(0, steps, body, init)
     if slabs:
         for i, acc_i in enumerate(acc):
-            acc_out[:, pl.ds(i * k_slab, k_slab)] = acc_i
+            acc_out[:, pl.ds(i * width, width)] = acc_i
     else:
         acc_out[...] = acc
     m_out[...], l_out[...] = m, l
@@ -607,7 +577,10 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
     kernel = functools.partial(_gpu_kernel, k_format=k_format, v_format=v_format,
                                pages_per_split=pages_per_split, pages_per_step=pages_per_block,
                                math=math, head_stride=head_stride)
-    quantized = not (isinstance(k_format, Dense) and isinstance(v_format, Dense))
+    # codes in the dots keep no [D, L] float tile in registers: launched as dense pages are
+    # (measured on an H200: 4 warps 3.62 ms, 8 warps 5.33 ms for Llama-3-8B int8 at 64 x 32k)
+    quantized = not (isinstance(k_format, Dense) and isinstance(v_format, Dense)
+                     or uses_slabs(k_format, v_format, d))
     num_warps, num_stages = launch or gpu_launch(rows, d, pages_per_block * pos_pages.shape[-1],
                                                  quantized)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)

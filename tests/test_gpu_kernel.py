@@ -85,53 +85,49 @@ def _pool(group=3, t=1, page_size=16, lengths=(70, 128, 5), head_dim=64):
     return q, jnp.maximum(q_pos, 0), k, v, pos, tables, counts
 
 
-def _dot_shapes(kf, vf, head_dim: int, cols: int, pages_per_step: int):
+def _dot_shapes(kf, vf, head_dim: int, cols: int):
     """The (M, K, N) of every tl.dot one loop step should issue: two [D, L] dots on decoded
-    pages, or per-slab dots on codes (`slab_width`): q_i [16, K] @ codes [K, L] per key slab
-    (times the table window for KIVI keys), p [16, L] @ codes.T [L, K] per value slab."""
-    k = slab_width(kf, head_dim, pages_per_step)
-    if k is None or slab_width(vf, head_dim, pages_per_step) != k or \
-            not isinstance(vf, pf.PackedTokens):
+    pages, or per-slab dots on codes (`slab_width`): q_i [16, W] @ codes [W, L] per key plane,
+    p [16, L] @ codes.T [L, W] per value plane."""
+    k = slab_width(kf, head_dim)
+    if k is None or slab_width(vf, head_dim) != k:
         return sorted([(16, head_dim, cols), (16, cols, head_dim)])
-    per_slab = kf.window if isinstance(kf, pf.PackedChannels) else 1
     n = head_dim // k
-    return sorted([(16, k, cols)] * (n * per_slab) + [(16, cols, k)] * n)
+    return sorted([(16, k, cols)] * n + [(16, cols, k)] * n)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("name,pages_per_block", [(n, None) for n in FORMATS] +
-                         [("kivi4-keys-int4-values", 1)])
-def test_triton_dots_take_bf16_operands(name, pages_per_block, head_dim):
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_triton_dots_take_bf16_operands(name, head_dim):
     """bf16 queries: every tl.dot of every format takes bf16 x bf16 -> f32 (tensor cores), over
-    L = 64 columns a step (4 pages of 16, or 1 page of 64), on GQA-3 rows padded to 16 (tl.dot's
-    minimum). Packed pages enter the dots as codes, one dot per channel slab (no [D, L] decode)."""
+    L = 4 pages x 16 slots = 64 columns a step, on GQA-3 rows padded to 16 (tl.dot's minimum).
+    8-bit pages of D = 128 enter the dots as codes, one dot per plane (no [D, L] decode); the
+    other formats as two dots on decoded pages."""
     kf, vf, encode = FORMATS[name]
-    page_size = 64 if pages_per_block == 1 else 16
-    q, q_pos, k, v, pos, tables, counts = _pool(head_dim=head_dim, page_size=page_size)
+    q, q_pos, k, v, pos, tables, counts = _pool(head_dim=head_dim)
     kp, vp = encode(k, v)
     fn = functools.partial(paged_attention, k_format=kf, v_format=vf, backend="gpu",
-                           pages_per_split=8, pages_per_block=pages_per_block)
+                           pages_per_split=8)
     (text, launch), = triton_modules(fn, q.astype(jnp.bfloat16), q_pos, kp, vp, pos, tables,
                                      counts)
     dots = DOT.findall(text)
     for m, kdim, a, k2, n, b, m2, n2, acc in dots:
         assert (a, b, acc) == ("bf16", "bf16", "f32"), (a, b, acc)
     shapes = sorted((int(d[0]), int(d[1]), int(d[4])) for d in dots)
-    assert shapes == _dot_shapes(kf, vf, head_dim, 64, 64 // page_size), shapes
+    assert shapes == _dot_shapes(kf, vf, head_dim, 64), shapes
     assert launch["num_warps"] in (4, 8) and launch["num_stages"] == 2
 
 
 def test_packed_pages_take_the_slab_path_where_the_shapes_allow():
-    """Which formats enter the dots as codes: K = max(W, 16) channels a slab, inside one group."""
-    assert slab_width(pf.PackedTokens(4, 32), 128, 1) == 16  # W = 16: one plane a slab
-    assert slab_width(pf.PackedTokens(8, 32), 128, 4) == 32
-    assert slab_width(pf.PackedTokens(4, 32), 64, 1) == 16  # W = 8: two planes a slab
-    assert slab_width(pf.PackedTokens(4, 8), 64, 1) is None  # a slab would span two groups
-    assert slab_width(pf.PackedChannels(4, 3), 128, 1) == 16
-    assert slab_width(pf.PackedChannels(4, 3), 128, 2) is None  # KIVI: one table window a step
-    assert slab_width(pf.PackedChannels(4, 9), 128, 1) is None  # a dot per table row: <= 8
-    assert slab_width(pf.PackedChannels(4, 1024), 128, 1) is None  # a whole-table window
-    assert slab_width(pf.DENSE, 128, 1) is None
+    """Which formats enter the dots as codes: per-token planes of W >= 32 word rows (8-bit at
+    D >= 128; narrower planes and KIVI keys measured slower on an H200), inside one group."""
+    assert slab_width(pf.PackedTokens(8, 32), 128) == 32
+    assert slab_width(pf.PackedTokens(8, 64, True), 256) == 64
+    assert slab_width(pf.PackedTokens(4, 32), 128) is None  # W = 16
+    assert slab_width(pf.PackedTokens(8, 32), 64) is None  # W = 16
+    assert slab_width(pf.PackedTokens(8, 16), 128) is None  # a plane would span two groups
+    assert slab_width(pf.PackedChannels(8, 3), 128) is None  # KIVI keys: the decode path
+    assert slab_width(pf.DENSE, 128) is None
 
 
 LOAD = re.compile(r"tt\.load .*: tensor<(\d+)x(\d+)x!tt\.ptr<i32>>")
@@ -141,10 +137,9 @@ LOAD = re.compile(r"tt\.load .*: tensor<(\d+)x(\d+)x!tt\.ptr<i32>>")
                                            ("int8-tokens", 64), ("int4-tokens", 64)])
 def test_each_page_word_is_loaded_once_per_step(name, head_dim):
     """The loop's i32 loads of a step of 64 slots: the block table entries and positions (one
-    row each), then for keys and values the W code word rows once (one [W, 64] load, cut into
-    planes in registers) and each parameter word row once: the step reads exactly its pages'
-    bytes. Where W < 16 (int4 at D = 64) a slab of 16 channels is 16 / W planes of the same W
-    rows, gathered again per slab: D rows of loads, the repeats served from L1."""
+    row each), then for keys and values the W code word rows once (one [W, 64] load; on the
+    slab path cut into planes in registers) and the parameter word rows once: the step reads
+    exactly its pages' bytes."""
     kf, vf, encode = FORMATS[name]
     q, q_pos, k, v, pos, tables, counts = _pool(head_dim=head_dim)
     kp, vp = encode(k, v)
@@ -152,11 +147,11 @@ def test_each_page_word_is_loaded_once_per_step(name, head_dim):
     (text, _), = triton_modules(fn, q.astype(jnp.bfloat16), q_pos, kp, vp, pos, tables, counts)
     rows = sorted(int(r) for r, cols in LOAD.findall(text) if cols == "64")
     words, params = head_dim * kf.bits // 32, kf.param_words(head_dim)
-    k_slab = slab_width(kf, head_dim, 4)
-    code_loads = [words] if k_slab == words else [k_slab] * (head_dim // k_slab)
-    assert rows == sorted([1, 1] + 2 * (code_loads + [1] * params)), rows
-    if k_slab == words:
-        assert sum(rows) == 2 + 2 * kf.rows(head_dim)  # table + positions + both pages' rows
+    if slab_width(kf, head_dim):  # the code rows at once, each parameter row on its own
+        assert rows == sorted([1, 1] + 2 * ([words] + [1] * params)), rows
+    else:
+        assert rows == sorted([1, 1, words, words, params, params]), rows
+    assert sum(rows) == 2 + 2 * kf.rows(head_dim)  # table + positions + both pages' rows
 
 
 def test_float32_queries_get_bf16_dots_when_asked():
@@ -196,12 +191,11 @@ def test_bf16_operands_match_the_reference(name, pages_per_block):
 
 
 SLAB_FORMATS = {
-    **{n: FORMATS[n] for n in ("int8-tokens", "int4-tokens", "int4-sym-scores",
-                               "kivi4-keys-int4-values")},
-    "kivi2-sym-int2-sym": (pf.PackedChannels(2, 3, True), pf.PackedTokens(2, 32, True),
-                           lambda k, v: (packed_channels(np.random.default_rng(0), k, 2, window=3,
-                                                         symmetric=True),
-                                         packed_tokens(v, 2, 32, True))),
+    "int8-g32": (pf.PackedTokens(8, 32), pf.PackedTokens(8, 32),
+                 lambda k, v: (packed_tokens(k, 8, 32, False), packed_tokens(v, 8, 32, False))),
+    "int8-sym-g64-int8-g32": (pf.PackedTokens(8, 64, True), pf.PackedTokens(8, 32),
+                              lambda k, v: (packed_tokens(k, 8, 64, True),
+                                            packed_tokens(v, 8, 32, False))),
     "int8-f32-params": (pf.PackedTokens(8, 32, param_dtype="float32"),
                         pf.PackedTokens(8, 32, param_dtype="bfloat16"),
                         lambda k, v: (packed_tokens(k, 8, 32, False, "float32"),
@@ -209,26 +203,24 @@ SLAB_FORMATS = {
 }
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("name", list(SLAB_FORMATS))
-def test_codes_in_the_dots_match_float32(name, head_dim):
+def test_codes_in_the_dots_match_float32(name):
     """The slab path (codes into the dots, scales on scores and probabilities) at float32:
-    equal to the reference that dequantizes every page, to float32 rounding; every packed
-    format it takes (per-token 8/4/2 bits, symmetric or not, 16/32-bit parameters, KIVI keys
-    with their table window), one page of 16 a step so KIVI takes it too, ragged rows."""
+    equal to the reference that dequantizes every page, to float32 rounding; 8-bit pages of
+    D = 128, symmetric or not, 16/32-bit parameters, one or two planes a group, ragged rows."""
     kf, vf, encode = SLAB_FORMATS[name]
-    assert slab_width(kf, head_dim, 1) and slab_width(vf, head_dim, 1)
-    rng = np.random.default_rng(head_dim)
+    assert slab_width(kf, 128) and slab_width(vf, 128)
+    rng = np.random.default_rng(7)
     lengths = [0, 1, 17, 50, 112]
     k, v, pos, tables, counts = make_pool(rng, batch=5, kv_heads=2, page_size=16,
-                                          head_dim=head_dim, lengths=lengths)
-    q, q_pos = queries(rng, 5, 1, 4, head_dim, lengths)
+                                          head_dim=128, lengths=lengths)
+    q, q_pos = queries(rng, 5, 1, 4, 128, lengths)
     kp, vp = encode(k, v)
     want = paged_attention_reference(q, q_pos, kp, vp, pos, tables, counts, k_format=kf,
                                      v_format=vf)
     backend, interpret = kernel_mode.mode("gpu")
     got = paged_attention(q, q_pos, kp, vp, pos, tables, counts, k_format=kf, v_format=vf,
-                          backend=backend, interpret=interpret, pages_per_block=1,
+                          backend=backend, interpret=interpret, pages_per_block=2,
                           pages_per_split=3)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
