@@ -17,9 +17,9 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.low_rank import LowRankBasis
 from models.llama import Llama, LlamaConfig
 from models.sampler import generate
+from tests.test_every_method_every_prompt import random_basis
 
 CONFIG = LlamaConfig.tiny(head_dim=32, max_position=512, num_layers=1)
 MAX_NEW = 4
@@ -48,14 +48,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def basis_file(tmp_path_factory):
-    rng = np.random.default_rng(0)
-    shape = (CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.head_dim)
-    keys, values = (np.linalg.qr(rng.standard_normal(shape))[0].astype(np.float32)
-                    for _ in range(2))
-    energy = np.tile(np.arange(CONFIG.head_dim, 0, -1, dtype=np.float32), shape[:2] + (1,))
-    path = tmp_path_factory.mktemp("basis") / "basis.npz"
-    LowRankBasis(keys, values, energy, energy, 1).save(path)
-    return str(path)
+    return random_basis(tmp_path_factory.mktemp("basis") / "basis.npz", CONFIG.num_layers,
+                        CONFIG.num_kv_heads, CONFIG.head_dim)
 
 
 def test_every_registered_method_has_a_spec(basis_file):

@@ -83,17 +83,22 @@ def model():
     return Llama(CONFIG, rngs=nnx.Rngs(0))
 
 
-@pytest.fixture(scope="module")
-def basis_file(tmp_path_factory):
-    """A random orthonormal basis per layer and KV head (what `kvjax calibrate` writes)."""
+def random_basis(path, layers: int, kv_heads: int, head_dim: int) -> str:
+    """Save a random orthonormal basis per layer and KV head (what `kvjax calibrate` writes)
+    at `path`; returns the path as a string."""
     rng = np.random.default_rng(0)
-    shape = (CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.head_dim)
+    shape = (layers, kv_heads, head_dim, head_dim)
     keys, values = (np.linalg.qr(rng.standard_normal(shape))[0].astype(np.float32)
                     for _ in range(2))
-    energy = np.tile(np.arange(CONFIG.head_dim, 0, -1, dtype=np.float32), shape[:2] + (1,))
-    path = tmp_path_factory.mktemp("basis") / "random_basis.npz"
+    energy = np.tile(np.arange(head_dim, 0, -1, dtype=np.float32), shape[:2] + (1,))
     LowRankBasis(keys, values, energy, energy, 1).save(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def basis_file(tmp_path_factory):
+    return random_basis(tmp_path_factory.mktemp("basis") / "random_basis.npz",
+                        CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim)
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -145,10 +150,12 @@ def one_step(graphdef, state, tokens, pos, cache, decoded: bool):
         return model(tokens, pos, cache)[0]
 
 
-def step_equals_decoded_step(model, cache, tokens, next_pos) -> None:
-    """One more step over `cache` gives the logits attention over its decoded values gives."""
+def step_equals_decoded_step(model, cache, tokens, next_pos, windowed=()) -> None:
+    """One more step over `cache` gives the logits attention over its decoded values gives
+    (`windowed` layers have no free slot by design: they make room by dropping the oldest)."""
     for i, layer in enumerate(cache):
-        assert kvjax.free_tokens(layer) >= 1, f"layer {i} has no room for one more token"
+        assert i in windowed or kvjax.free_tokens(layer) >= 1, \
+            f"layer {i} has no room for one more token"
     graphdef, state = nnx.split(model)
     tokens = jnp.asarray(tokens, jnp.int32)[:, None]
     pos = jnp.asarray(next_pos, jnp.int32)[:, None]

@@ -32,7 +32,8 @@ from flax import nnx
 import kvjax
 from kvjax.stats import NO_STATS, accumulate_mass, observe
 from models.sampler import generate
-from tests.test_every_method_every_prompt import BASIS, SPECS, check_stores
+from tests.test_every_method_every_prompt import (  # noqa: F401 (_quick_compiles: autouse)
+    BASIS, SPECS, _quick_compiles, check_stores)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,14 +102,6 @@ class TinyDecoder(nnx.Module):
         freqs = np.zeros(self.config.head_dim // 2, np.float32)  # no RoPE: nothing rotates
         return kvjax.init_stats(spec, cache, self.config.num_heads, freqs)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    """XLA with most optimizations off (the sweep's setting: ~30 small programs)."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
 
 
 @pytest.fixture(scope="module")

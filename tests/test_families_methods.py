@@ -15,32 +15,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import kvjax
-from kvjax.low_rank import LowRankBasis
 from models.loading import build_model, load_hf_dir
 from models.sampler import generate, windowed_layers
-from tests.test_every_method_every_prompt import (BASIS, SPECS, check_stores, is_codec,
-                                                  one_step)
+from tests.test_every_method_every_prompt import (  # noqa: F401 (_quick_compiles: autouse)
+    BASIS, SPECS, _quick_compiles, check_stores, is_codec, random_basis,
+    step_equals_decoded_step)
 
 GOLDEN = Path(__file__).parent / "golden" / "families"
 FAMILIES = ("llama3", "qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
 LENGTHS = (7, 33, 129)
 MAX_NEW = 5
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    """XLA with most optimizations off (the sweep's setting: ~40 small programs a family)."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -50,33 +39,14 @@ def family(request, tmp_path_factory):
     cfg, params = load_hf_dir(GOLDEN / request.param)
     model = build_model(cfg, params)
     full_layers = cfg.num_layers - len(windowed_layers(model))
-    rng = np.random.default_rng(0)
-    shape = (max(full_layers, 1), cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
-    keys, values = (np.linalg.qr(rng.standard_normal(shape))[0].astype(np.float32)
-                    for _ in range(2))
-    energy = np.tile(np.arange(cfg.head_dim, 0, -1, dtype=np.float32), shape[:2] + (1,))
-    path = tmp_path_factory.mktemp("basis") / f"{request.param}_basis.npz"
-    LowRankBasis(keys, values, energy, energy, 1).save(path)
-    return request.param, model, str(path)
+    path = random_basis(tmp_path_factory.mktemp("basis") / f"{request.param}_basis.npz",
+                        max(full_layers, 1), cfg.num_kv_heads, cfg.head_dim)
+    return request.param, model, path
 
 
 def prompts(vocab: int) -> list[list[int]]:
     return [np.random.default_rng(n).integers(3, vocab, n).tolist() for n in LENGTHS]
 
-
-def step_equals_decoded_step(model, cache, tokens, next_pos) -> None:
-    """One more step over `cache` gives the logits attention over its decoded values gives
-    (windowed layers have no free slot by design: they make room by dropping the oldest)."""
-    windowed = windowed_layers(model)
-    for i, layer in enumerate(cache):
-        assert i in windowed or kvjax.free_tokens(layer) >= 1, f"layer {i} is full"
-    graphdef, state = nnx.split(model)
-    tokens = jnp.asarray(tokens, jnp.int32)[:, None]
-    pos = jnp.asarray(next_pos, jnp.int32)[:, None]
-    encoded, decoded = (np.asarray(one_step(graphdef, state, tokens, pos, cache, decoded=d))
-                        for d in (False, True))
-    assert np.isfinite(encoded).all()
-    np.testing.assert_allclose(encoded, decoded, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -97,4 +67,5 @@ def test_method_generates_on_every_family(family, spec):
         np.testing.assert_array_equal(out.tokens, full.tokens)
     if is_codec(out.cache):
         next_pos = [n + MAX_NEW - 1 for n in LENGTHS]  # the last drawn token is unwritten
-        step_equals_decoded_step(model, out.cache, out.tokens[:, -1], next_pos)
+        step_equals_decoded_step(model, out.cache, out.tokens[:, -1], next_pos,
+                                 windowed=windowed_layers(model))

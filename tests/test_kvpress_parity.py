@@ -65,17 +65,22 @@ def golden():
     return np.load(GOLDEN)
 
 
-@pytest.fixture(scope="module")
-def prefilled(smollm2, golden):
-    """ctx -> the full cache and statistics after prefilling the golden ids."""
-    model, _ = smollm2
-    probe = kvjax.CacheTransform(lambda cache: (), lambda c, s, st=None: (c, s), STATS)
+def prefill_contexts(model, golden, stats: kvjax.StatsSpec) -> dict:
+    """ctx -> (full cache, statistics, tokens) after prefilling each golden context's ids once,
+    collecting `stats`."""
+    probe = kvjax.CacheTransform(lambda cache: (), lambda c, s, st=None: (c, s), stats)
     out = {}
     for ctx in ("ctx1", "ctx2"):
         ids = golden[f"{ctx}_ids"].tolist()
         pre = prefill_and_compress(model, [ids], transform=probe, shrink=False)
         out[ctx] = (pre.cache, pre.stats, len(ids))
     return out
+
+
+@pytest.fixture(scope="module")
+def prefilled(smollm2, golden):
+    """ctx -> the full cache and statistics after prefilling the golden ids."""
+    return prefill_contexts(smollm2[0], golden, STATS)
 
 
 def keep_by_position(cache, n):

@@ -23,7 +23,8 @@ import pytest
 import kvjax
 from kvjax import EMPTY
 from kvjax.methods import parse_method
-from models.sampler import _compress, prefill_and_compress
+from models.sampler import _compress
+from tests.test_kvpress_parity import prefill_contexts
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo.npz")
 STATS = kvjax.StatsSpec(window=1024)  # every query of both texts (SnapKV's last 64 too)
@@ -97,14 +98,7 @@ def golden():
 @pytest.fixture(scope="module")
 def prefilled(smollm2, golden):
     """ctx -> (full cache, statistics, tokens) after prefilling the golden ids once."""
-    model, _ = smollm2
-    probe = kvjax.CacheTransform(lambda cache: (), lambda c, s, st=None: (c, s), STATS)
-    out = {}
-    for ctx in ("ctx1", "ctx2"):
-        ids = golden[f"{ctx}_ids"].tolist()
-        pre = prefill_and_compress(model, [ids], transform=probe, shrink=False)
-        out[ctx] = (pre.cache, pre.stats, len(ids))
-    return out
+    return prefill_contexts(smollm2[0], golden, STATS)
 
 
 @pytest.mark.slow
