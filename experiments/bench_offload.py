@@ -254,7 +254,8 @@ def ordering_probe(pages: int = 32, page_size: int = 512, dim: int = 128, layers
 
     A tiered pool of `layers` layers with `pages` host pages of `page_size` x `dim` float32
     keys and values each (`moved_bytes` in all) is staged; medians of `repeats`:
-    - `issued_ms`: until the eager `prefetch` call returns;
+    - `issued_ms`: until the eager `prefetch` call returns (`issued_min_ms`: the fastest repeat,
+      the one a loaded host's scheduler delayed least);
     - `copies_ms`: until its copies are done (`block_until_ready`);
     - `read_ms`: from the call to the end of an attention reading the last layer's stage
       (its output equals the all-device pool's; it cannot start before the copies end);
@@ -307,6 +308,7 @@ def ordering_probe(pages: int = 32, page_size: int = 512, dim: int = 128, layers
         rows.append(row)
     med = {f: statistics.median(r[f] for r in rows) for f in rows[0]}
     result = {f"{f}_ms": round(1e3 * t, 3) for f, t in med.items()}
+    result["issued_min_ms"] = round(1e3 * min(r["issued"] for r in rows), 3)
     result.update(moved_bytes=2 * layers * n * s * dim * 4, repeats=repeats,
                   backend=jax.default_backend(),
                   hidden=round((med["copies"] + med["busy"] - med["total"]) / med["copies"], 3),
