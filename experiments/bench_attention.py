@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 
 import kvjax
-from kvjax import attention
-from kvjax.methods import parse_method
+from kvjax.core import attention
+from kvjax.policies.methods import parse_method
 
 METHODS = ["full", "random:ratio=0.75", "kivi:bits=4", "random:ratio=0.5+kivi:bits=4",
            "quantize:bits=4", "random:ratio=0.5,headwise=true"]

@@ -2,7 +2,7 @@
 
 30 SmolLM2-shaped layers (3 KV heads of 64; `experiments.bench_attention.make_layer`: random
 tokens, compressed by the method) attended by one decode query per row in one jitted
-program, compiled twice: as shipped (the kernel) and under `kvjax.cpu_kernel.disabled()`
+program, compiled twice: as shipped (the kernel) and under `kvjax.core.cpu_kernel.disabled()`
 (the blockwise XLA loop). The two programs' calls alternate, `--repeats` rounds; rows hold
 median wall ms, the cache bytes read and the kernel's GB/s. Outputs are compared (max abs
 difference of the summed outputs) so a broken kernel cannot look fast.
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 import kvjax
 from experiments.bench_attention import make_layer
-from kvjax import cpu_kernel
+from kvjax.core import cpu_kernel
 
 LAYERS, HEADS, HEAD_DIM = 30, 9, 64
 

@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax.transforms import full
+from kvjax.core.transforms import full
 from models.loading import build_model, load_weights, resolve_model_path
 from models.sampler import decode, prefill_and_compress
 

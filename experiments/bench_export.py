@@ -6,13 +6,13 @@ Exports SmolLM2-135M-Instruct (`kvjax export`, one capacity bucket of 256, chunk
 method, then times, in fresh Python processes run alternately, from the interpreter's start to
 the first generated token of one chat prompt:
 
-* `artifact`: `import kvjax.exported` + `load(dir)` + `generate(..., max_new_tokens=1)`;
+* `artifact`: `import kvjax.tools.exported` + `load(dir)` + `generate(..., max_new_tokens=1)`;
 * `gguf`: `import models...` + `load_model(GGUF)` (which reads kvjax's converted float32 store
   after the first load, as every CLI call does) + `ask`-style `generate(..., max_new_tokens=1)`.
 
 Each run's phases (imports, weight load, first token = prefill compile/run) are recorded;
 medians over `--runs`. jax's persistent compilation cache is on for both (the default of
-`models` and of `kvjax.exported`), and warmed by one untimed run of each, so the numbers are
+`models` and of `kvjax.tools.exported`), and warmed by one untimed run of each, so the numbers are
 a warm start, not XLA compile time. The machine is shared with other jobs: absolute seconds
 are noisy, the two paths are measured alternately in the same run.
 """
@@ -35,7 +35,7 @@ PROMPT = "What is the capital of France?"
 ARTIFACT = r"""
 import time, json, sys
 t0 = float(sys.argv[1])
-from kvjax import exported
+from kvjax.tools import exported
 t1 = time.time()
 d = exported.load(sys.argv[2])
 t2 = time.time()

@@ -1,4 +1,4 @@
-"""The few-row matmul kernel (`kvjax.cpu_kernel.matmul`) beside XLA's dot, one decode row.
+"""The few-row matmul kernel (`kvjax.core.cpu_kernel.matmul`) beside XLA's dot, one decode row.
 
 For each SmolLM2 weight shape, `--layers` distinct float32 weights (so they are read from
 memory, not the cache) multiply one row in one jitted program, compiled twice: through the
@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 
 from experiments.bench_decode import emit, read_bandwidth_gbs
-from kvjax import cpu_kernel
+from kvjax.core import cpu_kernel
 
 SHAPES = [(576, 1536), (1536, 576), (576, 576)]  # MLP up/gate, MLP down, attention q/o
 

@@ -16,9 +16,9 @@ takes several weights per call (as the shipped one since c08044e), so both progr
 same calls. `--method` compresses every layer of the step's cache by a kvjax method (e.g.
 `quantize:bits=8`), so the two sources' compressed-cache paths are compared.
 
-    git show 654706d:kvjax/cpu_kernels/decode_attention.cc > /tmp/old.cc
+    git show 654706d:kvjax/core/cpu_kernels/decode_attention.cc > /tmp/old.cc
     python -m experiments.bench_kernel_ab --other /tmp/old.cc --batch 1 --context 4096
-    git show HEAD:kvjax/cpu_kernels/decode_attention.cc > /tmp/head.cc   # a working-tree change
+    git show HEAD:kvjax/core/cpu_kernels/decode_attention.cc > /tmp/head.cc   # a working-tree change
     python -m experiments.bench_kernel_ab --other /tmp/head.cc --several-weights
     python -m experiments.bench_kernel_ab --other /tmp/head.cc --several-weights --method kivi:bits=4
 """
@@ -43,8 +43,8 @@ from flax import nnx
 
 import kvjax
 from experiments.bench_attention import make_layer
-from kvjax import cpu_kernel
-from kvjax.methods import parse_method
+from kvjax.core import cpu_kernel
+from kvjax.policies.methods import parse_method
 from models.llama import Llama, LlamaConfig
 
 TARGETS = {"TARGET": "KvjaxDecodeAttention", "MATMUL_TARGET": "KvjaxFewRowsMatmul",
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{args.context}, {args.repeats}")
     if not args.other.is_file():
         p.error(f"--other {args.other}: no such file")
-    if not cpu_kernel._registered():
+    if not cpu_kernel.registered():
         p.error("the shipped CPU kernels could not be built here (see the warning)")
     try:
         parse_method(args.method)

@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 
 from experiments.bench_decode import emit
-from kvjax import cpu_kernel
+from kvjax.core import cpu_kernel
 
 DRIVER = Path(__file__).with_name("kernel_parts.cc")
 

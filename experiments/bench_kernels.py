@@ -53,7 +53,7 @@ import jax.numpy as jnp
 
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import paged_attention
-from kvjax.kernel_attention import pallas_backend
+from kvjax.backends.pallas import pallas_backend
 
 SHAPES = {
     "smollm2": dict(kv_heads=3, heads=9, head_dim=64),  # SmolLM2-135M
@@ -228,7 +228,7 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
                     fallbacks=[(f"pages_per_step={n}", mosaic_run(n)) for n in steps])
         if name == "bf16" and batch == min(args.batches):
             import kvjax
-            from kvjax.cache import TokenCache
+            from kvjax.core.cache import TokenCache
             rows_of = lambda x: (x.reshape(kvh, plane, s, d)[:, tables]  # [KVH, B, NP, S, D]
                                  .transpose(1, 0, 2, 3, 4).reshape(batch * kvh, context, d))
             cache = TokenCache(k=rows_of(k), v=rows_of(v),

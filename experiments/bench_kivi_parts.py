@@ -33,8 +33,8 @@ import jax.numpy as jnp
 
 import kvjax
 from experiments.bench_attention import HEAD_DIM, HEADS, make_layer
-from kvjax import attention, stores
-from kvjax.quant import unpack
+from kvjax.core import attention, stores
+from kvjax.core.quant import unpack
 
 
 def _words(store, start, size):  # [R, size, D] float32 from the packed words, nothing decoded
@@ -65,7 +65,7 @@ def _keys_gathered(self, start, size, length=None):
 @contextlib.contextmanager
 def _patched(keys=None, values_words=False):
     """Replace the key block decode and/or the value block decode while tracing."""
-    read_slots, block = stores.PackedChannels.read_slots, attention._block
+    read_slots, block = stores.PackedChannels.read_slots, attention.read_block
 
     def value_words(store, start, size, length=None):
         if isinstance(store, stores.PackedTokens):
@@ -75,10 +75,10 @@ def _patched(keys=None, values_words=False):
         if keys is not None:
             stores.PackedChannels.read_slots = keys
         if values_words:
-            attention._block = value_words
+            attention.read_block = value_words
         yield
     finally:
-        stores.PackedChannels.read_slots, attention._block = read_slots, block
+        stores.PackedChannels.read_slots, attention.read_block = read_slots, block
 
 
 VARIANTS = {

@@ -12,7 +12,7 @@ tokens in pages of `--page-size`, measured side by side in one run, medians of `
 - `host_sync`: `--host-fraction` of each row's pages spilled to pinned host memory, no
   prefetch: every layer fetches its host pages inside its attention (prefetch misses);
 - `host_prefetch`: the same pool, layer-ahead prefetch: layer l+1's host pages are staged
-  (`kvjax.tiers.prefetch`, asynchronous dispatch) before layer l's attention is issued, so the
+  (`kvjax.memory.tiers.prefetch`, asynchronous dispatch) before layer l's attention is issued, so the
   copy overlaps the compute; one layer's stage is live at a time (FlexGen-style);
 - `transfer`: the prefetch copies alone (the physical cost the prefetch tries to hide),
   and the host->device bandwidth they reach.
@@ -49,10 +49,10 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax import tiers
-from kvjax.paging import init_paged_cache, reserve
-from kvjax.tiers import (coldest_pages, host_pages_in_use, init_tiered_cache, keep_on_host,
-                         prefetch, recency_scores, spill, tier_counts)
+from kvjax.memory import tiers
+from kvjax.memory.paging import init_paged_cache, reserve
+from kvjax.memory.tiers import (coldest_pages, host_pages_in_use, init_tiered_cache, keep_on_host,
+                                prefetch, recency_scores, spill, tier_counts)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -64,7 +64,7 @@ def _forward(graphdef, state, tokens, positions, cache):
 
 def _keep_on_host(pool, layers, fraction: float):
     """Spill the coldest pages (by recency) until `fraction` of the allocated pages are on
-    the host (as far as spillable pages allow): `kvjax.tiers.keep_on_host`, one jitted call."""
+    the host (as far as spillable pages allow): `kvjax.memory.tiers.keep_on_host`, one jitted call."""
     return keep_on_host(pool, layers, fraction)
 
 
@@ -112,12 +112,12 @@ def greedy_kivi(model, prompt, steps: int, method: str, *, host_fraction: float 
                 prefetch_pages: bool = True):
     """Greedy tokens of `model` for one prompt compressed by a KIVI `method` (e.g.
     ``"snapkv:ratio=0.5+kivi:bits=4,group=16,residual=16"``): `host_fraction=None` decodes
-    over the unpaged KIVI cache; a number loads it into pages (`kvjax.paged_kivi`) and keeps
+    over the unpaged KIVI cache; a number loads it into pages (`kvjax.memory.paged_kivi`) and keeps
     that share of the allocated pages in host memory after every step (0: all on device).
 
     Returns (tokens, info) as `greedy_paged` (info empty for the unpaged run)."""
-    from kvjax.methods import parse_method
-    from kvjax.paged_kivi import bodies, flush_tokens, from_residual, with_bodies
+    from kvjax.policies.methods import parse_method
+    from kvjax.memory.paged_kivi import bodies, flush_tokens, from_residual, with_bodies
     from models.sampler import prefill_and_compress
     pre = prefill_and_compress(model, [prompt], transform=parse_method(method), room=steps)
     cache = pre.cache
@@ -312,7 +312,7 @@ def ordering_probe(pages: int = 32, page_size: int = 512, dim: int = 128, layers
     result.update(moved_bytes=2 * layers * n * s * dim * 4, repeats=repeats,
                   backend=jax.default_backend(),
                   hidden=round((med["copies"] + med["busy"] - med["total"]) / med["copies"], 3),
-                  misses=int(np.asarray(tiers._miss(staged[-1])).sum()))
+                  misses=int(np.asarray(tiers.stage_misses(staged[-1])).sum()))
     return result
 
 

@@ -116,7 +116,7 @@ def run_retrieval_cell(cell: Cell) -> dict:
 
     model, tokenizer, transform, place_cache = _setup(cell)
     if cell.method != "full":  # the row carries a summary of what the method did
-        from kvjax.monitor import monitored
+        from kvjax.tools.monitor import monitored
         transform = monitored(transform)
     prompts = make_prompts(cell, tokenizer)
     if cell.query_aware:  # one prompt per trial, compressed whole
@@ -136,8 +136,8 @@ def run_retrieval_cell(cell: Cell) -> dict:
         texts += [tokenizer.decode(row[:n].tolist()) for row, n in zip(out.tokens, out.num_tokens)]
         cache_bytes.append(nbytes(out.cache) / len(out.tokens))
     measured = dict(cache_bytes_per_seq=max(cache_bytes))
-    if cell.method != "full":  # kvjax.monitor, summed/averaged over the last batch
-        from kvjax.monitor import find_monitor, refresh, summary
+    if cell.method != "full":  # kvjax.tools.monitor, summed/averaged over the last batch
+        from kvjax.tools.monitor import find_monitor, refresh, summary
         measured["monitor"] = summary(refresh(find_monitor(out.transform_state), out.cache))
     return retrieval_row(cell, prompts, texts, time.perf_counter() - start, **measured)
 
@@ -233,7 +233,7 @@ def theoretical_bytes(method: str, n: int, layers: int = 30, kv_heads: int = 3,
         >>> theoretical_bytes("quantize:bits=4,group=32", 4096) / 23400
         0.3230769230769231
     """
-    from kvjax.methods import split_part
+    from kvjax.policies.methods import split_part
 
     parts = [split_part(p) for p in method.split("+") if p.strip()]
     kept, mass, codec = n, 0, ("full", {})

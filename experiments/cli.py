@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--compress-every", type=int, default=0,
                    help="also apply --method every N decode steps (0 = only after prefill)")
     g.add_argument("--monitor", action="store_true",
-                   help="report what the method did (kvjax.monitor): tokens kept and evicted, "
+                   help="report what the method did (kvjax.tools.monitor): tokens kept and evicted, "
                         "attention mass retained, key/value error; on stderr, or in --json")
 
     p = sub.add_parser("ppl", help="perplexity of a text file with sliding windows")
@@ -235,7 +235,7 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
 
 def check_model_args(args, cfg) -> None:
     """Checks that need the model: `layers=` of the method, lengths within its positions."""
-    from kvjax.methods import check_method
+    from kvjax.policies.methods import check_method
 
     check_method(getattr(args, "method", "full"), cfg.num_layers)
     limit = cfg.max_position
@@ -283,7 +283,7 @@ def cmd_generate(args, model, tokenizer) -> dict:
 
     method, place_cache = _on_mesh(args, args.method)
     if getattr(args, "monitor", False):
-        from kvjax.monitor import monitored
+        from kvjax.tools.monitor import monitored
         method = monitored(_transform(method) if isinstance(method, str) else method)
     answer = ask(model, tokenizer, args.prompt, method=method, chat=args.chat,
                  context=read_text(args.context_file) if args.context_file else None,
@@ -295,7 +295,7 @@ def cmd_generate(args, model, tokenizer) -> dict:
               "context_tokens": answer.context_tokens, "cache_bytes": answer.cache_bytes,
               "method": args.method, "seconds": answer.seconds}
     if getattr(args, "monitor", False):
-        from kvjax.monitor import find_monitor, refresh, summary
+        from kvjax.tools.monitor import find_monitor, refresh, summary
         result["monitor"] = summary(refresh(find_monitor(answer.transform_state), answer.cache))
         if not args.json:
             print("monitor: " + json.dumps(result["monitor"]), file=sys.stderr)
@@ -433,7 +433,7 @@ def check_results_file(path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # $KVJAX_PLUGINS for every command: a bad one is an error, never silently ignored
-        from kvjax.methods import load_plugins
+        from kvjax.policies.methods import load_plugins
         load_plugins()
     except ValueError as e:
         print(f"kvjax: error: {e}", file=sys.stderr)

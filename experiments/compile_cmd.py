@@ -162,7 +162,7 @@ def _one_sequence(cfg, transform, layers: int, kvh: int, context: int, room: int
     import jax
     import jax.numpy as jnp
     import kvjax
-    from kvjax.stats import init_stats
+    from kvjax.core.stats import init_stats
     from models.llama import rope_frequencies
 
     d, query_heads = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads * kvh
@@ -241,7 +241,7 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
     from flax import nnx
     import kvjax
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from kvjax.stats import NO_STATS, init_stats
+    from kvjax.core.stats import NO_STATS, init_stats
     from models import sampler
     from models.llama import rope_frequencies
     from models.sharding import abstract_model, cache_shardings, on_mesh

@@ -6,8 +6,8 @@
 
 `export` loads the model (`--model`, as for every command), writes the artifact
 (`models.export.export_artifact`) and, with `--check-tpu`, compiles its TPU entry for a
-deviceless TPU slice (`kvjax.exported.compile_for_tpu`). `run-exported` needs only the
-artifact: it goes through `kvjax.exported`, which imports neither Flax nor `models`.
+deviceless TPU slice (`kvjax.tools.exported.compile_for_tpu`). `run-exported` needs only the
+artifact: it goes through `kvjax.tools.exported`, which imports neither Flax nor `models`.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def check_export_args(args, platforms: tuple[str, ...], buckets) -> None:
 
 
 def run_export(args) -> dict:
-    from kvjax.exported import compile_for_tpu
+    from kvjax.tools.exported import compile_for_tpu
     from models.export import export_artifact
     from models.hub import enable_compilation_cache
     from models.loading import load_model
@@ -97,7 +97,7 @@ def run_export(args) -> dict:
 
 
 def run_exported(args) -> dict:
-    from kvjax import exported
+    from kvjax.tools import exported
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens {args.max_new_tokens}: must be an integer >= 1")

@@ -31,7 +31,7 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax.kernel_attention import pallas_backend
+from kvjax.backends.pallas import pallas_backend
 from models.llama import Llama, LlamaConfig
 from models.sampler import generate
 

@@ -142,7 +142,7 @@ def prepare_bases(grid: Grid, cells: Iterable[Cell], out: Path,
 def check_models(cells: Iterable[Cell]) -> None:
     """ValueError for a cell its model cannot run: a length past the model's positions or
     a `layers=` past its layers (read from the model's metadata, before any worker starts)."""
-    from kvjax.methods import check_method
+    from kvjax.policies.methods import check_method
     from models.loading import model_config
 
     by_model: dict[str, list[Cell]] = {}

@@ -6,7 +6,7 @@
 For context 32k / 128k, batch 8 / 32 and the methods `full`,
 `snapkv:ratio=0.5+kivi:bits=4` and `kivi:bits=2` (bf16 weights and cache, 16 new
 tokens), every chip's bytes come from the shardings `kvjax compile` gives the
-arrays (`models.sharding`, `kvjax.cache.cache_axes`), summed over the shards one
+arrays (`models.sharding`, `kvjax.core.cache.cache_axes`), summed over the shards one
 chip holds, with no weight materialized:
 
 - weights: the Llama-3-8B shape split over `model` (heads, MLP, vocabulary);
@@ -45,7 +45,7 @@ def shard_plan(mesh, cfg, method: str, context: int, batch: int) -> dict:
     import jax
     import jax.numpy as jnp
     import kvjax
-    from kvjax.stats import init_stats
+    from kvjax.core.stats import init_stats
     from experiments.compile_cmd import _abstract, _by_batch, planned_cache, shard_bytes
     from models.llama import rope_frequencies
     from models.sharding import abstract_model, cache_shardings

@@ -5,7 +5,7 @@
 
 The prompt (or the context, when `--context-file` is given: it is what a method compresses,
 as in `kvjax generate`) is prefilled with the statistics the method needs, and the method's
-first update runs through `kvjax.monitor.monitored`. Three panels:
+first update runs through `kvjax.tools.monitor.monitored`. Three panels:
 
 1. kept positions: one row per (layer, KV head), one column per token position; a kept
    token is coloured by the relative error of its stored key (0 = exact), an evicted one is
@@ -45,7 +45,7 @@ def add_arguments(p) -> None:
 def kept_matrix(before, after) -> tuple[np.ndarray, np.ndarray]:
     """([KVH, N] bool kept, [KVH, N] float relative key error per position) of one layer of
     batch row 0, N = one past the largest position held before."""
-    from kvjax.monitor import dense, match_positions
+    from kvjax.tools.monitor import dense, match_positions
     db, da = dense(before), dense(after)
     pb, pa = np.asarray(db.pos)[0], np.asarray(da.pos)[0]  # [KVH, C]
     n = int(pb.max()) + 1
@@ -67,7 +67,7 @@ def inspect(model, ids: list[int], method: str):
     """(cache before, cache after, monitor) of `method`'s first update on one prompt."""
     import jax
     import kvjax
-    from kvjax.monitor import monitored
+    from kvjax.tools.monitor import monitored
     from models.sampler import prefill_batch
 
     transform = monitored(kvjax.parse_method(method))
@@ -82,7 +82,7 @@ def draw(before, after, monitor, title: str, out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from kvjax.monitor import per_head
+    from kvjax.tools.monitor import per_head
 
     rows = [kept_matrix(b, a) for b, a in zip(before, after)]
     n = max(k.shape[1] for k, _ in rows)
@@ -123,7 +123,7 @@ def draw(before, after, monitor, title: str, out: Path) -> None:
 
 
 def run(args) -> int:
-    from kvjax.monitor import per_head, summary
+    from kvjax.tools.monitor import per_head, summary
     from models.loading import load_model
     from models.pipeline import chat_prompt
 

@@ -37,7 +37,7 @@ PRESSES = {"streaming_llm": "StreamingLLMPress", "snapkv": "SnapKVPress",
 
 def parse_press_spec(method: str) -> tuple[str, float, bool] | None:
     """(name, ratio, headwise) of a method kvpress can run; None for `full`; else raises."""
-    from kvjax.methods import split_part
+    from kvjax.policies.methods import split_part
 
     if method.strip() == "full":
         return None

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from kvjax.methods import METHODS, describe_methods, did_you_mean, load_plugins
+    from kvjax.policies.methods import METHODS, describe_methods, did_you_mean, load_plugins
 
     load_plugins()
     methods = describe_methods()

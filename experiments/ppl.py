@@ -26,8 +26,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from kvjax.cache import EMPTY
-from kvjax.transforms import CacheTransform, full
+from kvjax.core.cache import EMPTY
+from kvjax.core.transforms import CacheTransform, full
 from models.llama import Llama
 from models.loading import progress_enabled
 from models.scoring import continuation_logprobs, token_logprobs

@@ -6,7 +6,7 @@ for the attention shapes of SmolLM2-135M (3 KV heads, 9 query heads, D = 64)
 and Llama-3-8B (8 KV heads, 32 query heads, D = 128), one layer, pages of
 256 slots, full block tables, bf16 queries. Per row:
 
-- `store_mb`: bytes kvjax's cache stores for these slots (`kvjax.stores`
+- `store_mb`: bytes kvjax's cache stores for these slots (`kvjax.core.stores`
   layout: codes, 16-bit parameters, KIVI's int16 group ids and per-row
   tables, int32 positions);
 - `kernel_args_mb`: `memory_analysis().argument_size_in_bytes` of the
@@ -60,7 +60,7 @@ MiB = 2 ** 20
 def formats(ctx: int, head_dim: int):
     """name -> (k_format, v_format, dense dtype, store bytes per slot for k and v at head_dim d).
 
-    Dense pages are read slot-last below 128 lanes, as `kvjax.kernel_attention` does on TPU.
+    Dense pages are read slot-last below 128 lanes, as `kvjax.backends.pallas` does on TPU.
     """
     ng = ctx // GROUP
     dense = pf.DENSE_T if head_dim % 128 else pf.DENSE
@@ -128,7 +128,7 @@ def measure(chip: str, model: str, name: str, batch: int, ctx: int, pages_per_sp
 
 def step_stores(batch: int, kv_heads: int, ctx: int, head_dim: int):
     """name -> a function building one abstract layer's (k, v) stores in kvjax's layout."""
-    from kvjax import stores
+    from kvjax.core import stores
 
     r = batch * kv_heads
     dense = lambda dtype: lambda: (jnp.zeros((r, ctx, head_dim), dtype),) * 2
@@ -144,8 +144,8 @@ def step_stores(batch: int, kv_heads: int, ctx: int, head_dim: int):
 def measure_step(chip: str, model: str, name: str, batch: int, ctx: int) -> dict:
     """Whole attend_pallas step over one TokenCache layer: bytes now, before, and the kernel's."""
     from kernels_pallas.paged_attention import block_sizes, rows_as_pages
-    from kvjax import kernel_attention as ka
-    from kvjax.cache import EMPTY, TokenCache
+    from kvjax.backends import pallas as ka
+    from kvjax.core.cache import EMPTY, TokenCache
 
     device = tc.tpu_device(chip)
     shape = MODELS[model]
@@ -162,7 +162,7 @@ def measure_step(chip: str, model: str, name: str, batch: int, ctx: int) -> dict
     q_pos = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
     args = tc.abstract_like((q, q_pos, layer), device)
     step = functools.partial(ka.attend_pallas, backend="tpu")
-    in_place = ka._row_pool
+    in_place = ka.row_pool
 
     def bytes_of(fn):
         """Compiled bytes accessed, or the compiler's out-of-memory message (temporaries)."""
@@ -175,11 +175,11 @@ def measure_step(chip: str, model: str, name: str, batch: int, ctx: int) -> dict
 
     step_b = bytes_of(step)
     try:  # the page-pool conversion every call, as before row pools
-        ka._row_pool = lambda store: None
+        ka.row_pool = lambda store: None
         # a new function object: jit would reuse the first trace of `step`
         before_b = bytes_of(functools.partial(ka.attend_pallas, backend="tpu"))
     finally:
-        ka._row_pool = in_place
+        ka.row_pool = in_place
     statics = {}
 
     def inputs(layer):

@@ -27,13 +27,13 @@ float32 parameters travel as their bits. Mosaic does not load float16
 vectors, and a `[S, D/G]` parameter array would be padded to 128 lanes in
 TPU memory; this layout avoids both.
 
-`from_store` converts `kvjax.stores`' layout (`[P, S, ...]`, slot axis
+`from_store` converts `kvjax.core.stores`' layout (`[P, S, ...]`, slot axis
 second) to this one; KIVI's per-row tables become per-page windows of
 `window` table rows (the groups a page's slots use), so the work per page
 is constant and attention is linear in context.
 
 Example:
-    >>> from kvjax import stores
+    >>> from kvjax.core import stores
     >>> x = jax.random.normal(jax.random.key(0), (2, 16, 64))          # 2 pages of S = 16
     >>> s = stores.put(stores.PackedTokens.empty(2, 16, 64, bits=4, group=32), x, jnp.int32(0))
     >>> fmt = PackedTokens(bits=4, group=32)
@@ -396,7 +396,7 @@ class PackedTokens(_PerTokenCodes):
         return (jax.ShapeDtypeStruct((n_pages, 1, self.rows(head_dim) * page_size), jnp.uint32),)
 
     def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array | None):
-        """kvjax.stores layout -> kernel layout.
+        """kvjax.core.stores layout -> kernel layout.
 
         words [P, S, W] uint32, scale/offset [P, S, D/G] -> ([P, 1, (W + NW) * S] uint32,).
         """
@@ -474,7 +474,7 @@ class PackedTokens(_PerTokenCodes):
 
 @dataclasses.dataclass(frozen=True)
 class PackedTokenRows(_PerTokenCodes):
-    """Per-token codes as two slot-last arrays: the layout a `kvjax.stores.PackedTokens` holds.
+    """Per-token codes as two slot-last arrays: the layout a `kvjax.core.stores.PackedTokens` holds.
 
     Arrays: words `[P, W, S]` uint32 (W = D*bits/32: a store's `[R, C, W]` words
     seen as `[R, W, C]`, which is how XLA:TPU lays them out, so the view is
@@ -514,7 +514,7 @@ class PackedTokenRows(_PerTokenCodes):
                 jax.ShapeDtypeStruct((n_pages, self.param_words(head_dim), page_size), jnp.uint32))
 
     def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array | None):
-        """kvjax.stores layout [R, C, ...] -> (words [R, W, C], params [R, NW, C]) uint32.
+        """kvjax.core.stores layout [R, C, ...] -> (words [R, W, C], params [R, NW, C]) uint32.
 
         The words' view is free on TPU; the parameters are repacked (a copy of them only,
         one XLA fusion: 16-bit asymmetric word g is scale g | offset g << 16, which is
@@ -640,7 +640,7 @@ class PackedChannels:
         return first, fits
 
     def from_store(self, words, group_id, valid, scale, offset, page_row):
-        """kvjax.stores layout -> kernel layout (exact where `window_start` says it fits).
+        """kvjax.core.stores layout -> kernel layout (exact where `window_start` says it fits).
 
         words [P, S, W] uint32, group_id [P, S] int, valid [P, S] bool,
         scale/offset [R, NG, D] per-row tables, page_row [P] int32 (the row

@@ -185,7 +185,7 @@ def finish(p: Partial, q_shape: Sequence[int]) -> jax.Array:
 def group_queries(q: jax.Array, q_pos: jax.Array, kv_heads: int, rows: int | None = None):
     """[B, T, H, D], [B, T] -> queries [B, KVH, G*T, D] (q's dtype) and positions [B, G*T, 1].
 
-    Row order is (g, t), as in `kvjax.attention`. `rows` pads the row axis
+    Row order is (g, t), as in `kvjax.core.attention`. `rows` pads the row axis
     (padding rows have position -1 and see nothing).
     """
     b, t, h, d = q.shape

@@ -1,27 +1,29 @@
 """kvjax: KV-cache optimization as pure, jit-compiled transforms of an explicit cache."""
 
-from kvjax.attention import (attend_blockwise, attend_reference, attention_mask,
-                             attention_mass, attention_weights)
-from kvjax.dispatch import attend
-from kvjax.cache import (EMPTY, Cache, CacheSpec, ResidualCache, TokenCache, check_cache,
-                         free_tokens, init_cache, init_model_cache, nbytes, num_valid,
-                         shard_cache, view, write)
-from kvjax.codecs import fp8, kivi, quantize
-from kvjax.eviction import (Scorer, debug_checks, expected_attention, h2o, knorm, pyramidkv,
-                            random, scored_policy, sliding_window, snapkv, streaming_llm, tova)
-from kvjax.layout import compact, pool_heads, resize, shrink
-from kvjax.selection import keep_top_k
-from kvjax.kernel_attention import attend_pallas, supports_pallas
-from kvjax.sharded_attention import PallasOnMesh
-from kvjax.paging import (NULL_PAGE, PagedLayer, PagePool, PoolError, check_pool,
-                          drop_lowest_pages, evict_pages, fork, init_paged_cache, page_scores,
-                          release, reserve)
-from kvjax.methods import METHODS, check_method, parse_method, register_method
-from kvjax.feature_maps import FeatureMap, elu_map, hedgehog, load_maps, random_features, save_maps
-from kvjax.recurrent import (FoldedLayer, LinearLayer, RecurrentState, fold_evicted,
-                             init_linear_layer, linear_state)
-from kvjax.stats import LayerStats, StatsSpec, init_stats
-from kvjax.transforms import CacheTransform, chain, full, on_layers
+from kvjax.core.attention import (attend_blockwise, attend_reference, attention_mask,
+                                  attention_mass, attention_weights)
+from kvjax.backends.dispatch import attend
+from kvjax.core.cache import (EMPTY, Cache, CacheSpec, ResidualCache, TokenCache, check_cache,
+                              free_tokens, init_cache, init_model_cache, nbytes, num_valid,
+                              shard_cache, view, write)
+from kvjax.policies.codecs import fp8, kivi, quantize
+from kvjax.policies.eviction import (Scorer, debug_checks, expected_attention, h2o, knorm,
+                                     pyramidkv, random, scored_policy, sliding_window, snapkv,
+                                     streaming_llm, tova)
+from kvjax.core.layout import compact, pool_heads, resize, shrink
+from kvjax.core.selection import keep_top_k
+from kvjax.backends.pallas import attend_pallas, supports_pallas
+from kvjax.backends.sharded import PallasOnMesh
+from kvjax.memory.paging import (NULL_PAGE, PagedLayer, PagePool, PoolError, check_pool,
+                                 drop_lowest_pages, evict_pages, fork, init_paged_cache,
+                                 page_scores, release, reserve)
+from kvjax.policies.methods import METHODS, check_method, parse_method, register_method
+from kvjax.policies.feature_maps import (FeatureMap, elu_map, hedgehog, load_maps, random_features,
+                                         save_maps)
+from kvjax.policies.recurrent import (FoldedLayer, LinearLayer, RecurrentState, fold_evicted,
+                                      init_linear_layer, linear_state)
+from kvjax.core.stats import LayerStats, StatsSpec, init_stats
+from kvjax.core.transforms import CacheTransform, chain, full, on_layers
 
 __all__ = [
     "EMPTY", "Cache", "CacheSpec", "CacheTransform", "LayerStats", "METHODS", "ResidualCache",

@@ -1,4 +1,4 @@
-"""Calibration runs on real text: per-head low-rank bases for `kvjax.low_rank`.
+"""Calibration runs on real text: per-head low-rank bases for `kvjax.policies.low_rank`.
 
 Example:
     >>> from flax import nnx
@@ -18,7 +18,7 @@ from typing import Sequence
 
 from tqdm import tqdm
 
-from kvjax.low_rank import LowRankBasis, accumulate_moments, basis_from_moments
+from kvjax.policies.low_rank import LowRankBasis, accumulate_moments, basis_from_moments
 from models.llama import Llama
 
 

@@ -8,7 +8,7 @@
   records the model's fingerprint and the method spec; restoring it for
   another model or method raises a `ValueError` naming both.
 
-Both build on `kvjax.checkpoint` (numbered steps written atomically by orbax:
+Both build on `kvjax.tools.checkpoint` (numbered steps written atomically by orbax:
 a save killed midway leaves the previous step readable).
 
 Example:
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from kvjax import checkpoint
+from kvjax.tools import checkpoint
 from models.llama import Llama, LlamaConfig
 from models.sampler import Prefilled
 

@@ -32,9 +32,9 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax import cpu_kernel
-import kvjax.methods
-from kvjax import exported
+from kvjax.core import cpu_kernel
+import kvjax.policies.methods
+from kvjax.tools import exported
 from models.llama import FEW_ROWS, Llama, rope_frequencies
 
 
@@ -181,7 +181,7 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
                     platforms: Sequence[str] = ("cpu",), max_len: int | None = None,
                     chunk: int = DEFAULT_CHUNK, buckets: Sequence[int] | None = None,
                     source: str = "") -> Path:
-    """Write an artifact that `kvjax.exported.load` generates from without Flax or `models`.
+    """Write an artifact that `kvjax.tools.exported.load` generates from without Flax or `models`.
 
     The directory holds, per capacity bucket, the prefill chunk (`chunk` tokens), the
     method's compression and the decode step, each `jax.export`ed with a symbolic batch
@@ -190,9 +190,9 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
     the smaller of 1024 and the model's positions) is the largest capacity served.
     Returns the directory.
 
-    Example (a tiny random model; `kvjax.exported.load` needs neither Flax nor `models`):
+    Example (a tiny random model; `kvjax.tools.exported.load` needs neither Flax nor `models`):
         >>> import tempfile
-        >>> from kvjax import exported
+        >>> from kvjax.tools import exported
         >>> from models.llama import LlamaConfig
         >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
         >>> path = export_artifact(model, None, tempfile.mkdtemp(), max_len=64, chunk=16,
@@ -205,7 +205,7 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
     from models.sampler import for_full_layers
     # as the sampler: a sliding-window layer keeps its window cache, methods compress the rest
     transform = for_full_layers(model, kvjax.parse_method(method))
-    kvjax.methods.check_method(method, model.config.num_layers)
+    kvjax.policies.methods.check_method(method, model.config.num_layers)
     cfg = model.config
     max_len = min(DEFAULT_MAX_LEN, cfg.max_position) if max_len is None else max_len
     for name, value, low in (("chunk", chunk, 1), ("max_len", max_len, 2)):

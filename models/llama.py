@@ -37,10 +37,10 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax import cpu_kernel
-from kvjax.cache import EMPTY, Cache, CacheSpec, TokenCache
-from kvjax.stores import is_encoded
-from kvjax.stats import NO_STATS, LayerStats, StatsSpec, accumulate_mass, init_stats, observe
+from kvjax.core import cpu_kernel
+from kvjax.core.cache import EMPTY, Cache, CacheSpec, TokenCache
+from kvjax.core.stores import is_encoded
+from kvjax.core.stats import NO_STATS, LayerStats, StatsSpec, accumulate_mass, init_stats, observe
 
 
 ROPE_TYPES = ("llama3", "linear")
@@ -239,7 +239,7 @@ class Dense(nnx.Module):
 
 def dense_together(x: jax.Array, layers: tuple[Dense, ...]) -> tuple[jax.Array, ...]:
     """Each of `layers` applied to x, their products in one few-row kernel call on the CPU
-    (`kvjax.cpu_kernel.matmuls`: a layer's q, k and v share one round of the thread pool)."""
+    (`kvjax.core.cpu_kernel.matmuls`: a layer's q, k and v share one round of the thread pool)."""
     ys = cpu_kernel.matmuls(x, [layer.kernel[...] for layer in layers])
     return tuple(y if layer.bias is None else y + layer.bias[...].astype(jnp.float32)
                  for layer, y in zip(layers, ys))
@@ -266,7 +266,7 @@ def _norm(cfg: LlamaConfig, dim: int, dtype) -> RMSNorm:
 
 
 JOIN_ALIGN = 64  # a sliding layer's joined cache has a multiple of this many slots: pages the
-# Pallas kernel reads (kvjax.kernel_attention.page_size_for), where window + 1 would be none
+# Pallas kernel reads (kvjax.backends.pallas.page_size_for), where window + 1 would be none
 
 
 def window_attend(q: jax.Array, positions: jax.Array, cache: TokenCache, k: jax.Array,
@@ -469,7 +469,7 @@ class Llama(nnx.Module):
         """[..., hidden] float32 -> [..., vocab] float32.
 
         Tied embeddings [V, D]: a decode step's 1-8 rows on the CPU run in kvjax's few-row
-        kernel, reading the embedding in place (`kvjax.cpu_kernel.matmul_t`); elsewhere up to
+        kernel, reading the embedding in place (`kvjax.core.cpu_kernel.matmul_t`); elsewhere up to
         `FEW_ROWS` rows on XLA:CPU are a multiply-reduce over the contiguous hidden axis,
         which XLA fuses into one loop that reads the embedding once (~35% less CPU than its
         dot at 2-32 rows, docs/DECISIONS.md); one row and long blocks keep the dot.

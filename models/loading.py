@@ -359,7 +359,12 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.flo
     read that instead (about 1 s). `use_converted=False` skips the store.
     That first conversion draws a progress bar on stderr (`progress_enabled`:
     a terminal, $KVJAX_PROGRESS=1 or `progress=True`).
+
+    Loading switches on jax's persistent compilation cache in the kvjax cache directory, so
+    a second session skips XLA compilation (`models.hub.enable_compilation_cache`; opt out
+    with `KVJAX_COMPILATION_CACHE=0`; a `jax_compilation_cache_dir` you set is kept).
     """
+    from models.hub import enable_compilation_cache
     from models.tokenizer import Tokenizer, load_tokenizer
 
     try:
@@ -370,6 +375,7 @@ def load_model(name_or_path: str | os.PathLike = "smollm2", dtype: Any = jnp.flo
         raise ValueError(f"dtype must be a floating-point type such as jnp.float32 or "
                          f"jnp.bfloat16, got {dtype!r}")
     path = resolve_model_path(name_or_path)
+    enable_compilation_cache()
     if path.is_dir():
         cfg, params = load_hf_dir(path, dtype)  # read as `dtype`: no float32 copy for bf16
         tokenizer = load_tokenizer(path)

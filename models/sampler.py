@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax.cache import EMPTY, Cache
-from kvjax.stats import NO_STATS, StatsSpec
-from kvjax.transforms import CacheTransform, full
+from kvjax.core.cache import EMPTY, Cache
+from kvjax.core.stats import NO_STATS, StatsSpec
+from kvjax.core.transforms import CacheTransform, full
 
 from models.llama import Llama
 
@@ -94,7 +94,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int, pad_id: int = 0
 
     Ids must be integers (a float id is a TypeError, never truncated; a str prompt too).
     """
-    from kvjax.chat import token_id_lists
+    from kvjax.tools.chat import token_id_lists
 
     if not isinstance(prompts, (str, bytes)) and prompts is not None and not len(prompts):
         raise ValueError("every prompt needs at least one token")
@@ -174,8 +174,8 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
 
 def _observe_flush(tstate, before: Cache, after: Cache):
     """A monitored transform's state with the error of the tokens this step's write flushed
-    into a quantized body (`kvjax.monitor.observe_flush`); any other state is unchanged."""
-    from kvjax.monitor import find_monitor, observe_flush
+    into a quantized body (`kvjax.tools.monitor.observe_flush`); any other state is unchanged."""
+    from kvjax.tools.monitor import find_monitor, observe_flush
     monitor = find_monitor(tstate)
     return tstate if monitor is None else (tstate[0], observe_flush(monitor, before, after))
 
@@ -219,20 +219,20 @@ def _decode(model, logits, cache, tstate, stats, next_pos, key, max_new, samplin
 
 @functools.partial(jax.jit, static_argnames=("update",))
 def _compress_stacked(update, cache: Cache, tstate,
-                      stats) -> tuple[kvjax.layout.StackedLayers, Any]:
+                      stats) -> tuple[kvjax.core.layout.StackedLayers, Any]:
     """A transform update outside the decode loop (after prefill), compiled. The new cache
     comes back stacked by group of equal layers: per-layer outputs would cost the program a
     copy kernel per layer and leaf (DECISIONS "Compression compiles one layer body...").
     `cache` is not donated: no stacked output can take a layer's buffer (XLA would refuse the
     donation with a warning per call)."""
     cache, tstate = update(cache, tstate, stats)
-    return kvjax.layout.stack_layers(cache), tstate
+    return kvjax.core.layout.stack_layers(cache), tstate
 
 
 def _compress(update, cache: Cache, tstate, stats) -> tuple[Cache, Any]:
     """`update(cache, tstate, stats)`, compiled, as per-layer caches."""
     stacked, tstate = _compress_stacked(update, cache, tstate, stats)
-    return kvjax.layout.unstack_layers(stacked), tstate
+    return kvjax.core.layout.unstack_layers(stacked), tstate
 
 
 class Prefilled(NamedTuple):
@@ -316,7 +316,7 @@ def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink
     else:
         stacked, tstate = _compress_stacked(transform.update, cache, tstate, pre.stats)
         cache = kvjax.shrink(stacked, room, max_write) if shrink else \
-            kvjax.layout.unstack_layers(stacked)
+            kvjax.core.layout.unstack_layers(stacked)
     return pre._replace(cache=cache, transform_state=tstate)
 
 
@@ -417,7 +417,7 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     if not isinstance(compress_every, (int, np.integer)) or compress_every < 0:
         raise ValueError(f"compress_every must be an int >= 0 (0 = only after prefill), got "
                          f"{compress_every!r}")
-    from kvjax.chat import token_id_lists
+    from kvjax.tools.chat import token_id_lists
 
     if not isinstance(prompts, (str, bytes)) and prompts is not None and not len(prompts):
         raise ValueError("every prompt needs at least one token")

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax.transforms import CacheTransform
+from kvjax.core.transforms import CacheTransform
 from models.llama import Llama
 
 

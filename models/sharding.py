@@ -54,7 +54,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import kvjax
-from kvjax.cache import Cache, cache_shardings as _cache_shardings
+from kvjax.core.cache import Cache, cache_shardings as _cache_shardings
 from models.llama import Llama, LlamaConfig
 
 AXES = ("data", "model")
@@ -299,7 +299,7 @@ def pallas_impl(mesh: Mesh, *, backend: str | None = None,
 
     `generate(sharded, prompts, place_cache=cache_placer(mesh), impl=pallas_impl(mesh))`
     runs attention in the kernel on each device's block of the cache
-    (`kvjax.sharded_attention`), never on a gathered cache. On CPU there is no
+    (`kvjax.backends.sharded`), never on a gathered cache. On CPU there is no
     compiled kernel: it falls back to XLA unless `backend="tpu"`, `interpret=True`.
 
     Example:
@@ -314,7 +314,7 @@ def pallas_impl(mesh: Mesh, *, backend: str | None = None,
 def attend_on_mesh(q: jax.Array, q_pos: jax.Array, layer: Any, mesh: Mesh, *,
                    backend: str | None = None, interpret: Any = False) -> jax.Array:
     """`kvjax.attend_pallas` under `jax.shard_map`: each device runs the kernel on its shard
-    (`kvjax.sharded_attention.attend_on_mesh` with `pallas_impl(mesh)`).
+    (`kvjax.backends.sharded.attend_on_mesh` with `pallas_impl(mesh)`).
 
     q [B, T, H, D] and q_pos [B, T] are split like the layer's `pos` (`cache_axes`:
     sequences over `data`, or over `data` x `model`; query heads over `model` when
@@ -322,6 +322,6 @@ def attend_on_mesh(q: jax.Array, q_pos: jax.Array, layer: Any, mesh: Mesh, *,
     GQA groups) and no collective is needed. On CPU pass `backend="tpu"` with
     `interpret=True`. Returns [B, T, H, D] float32 with q's split.
     """
-    from kvjax.sharded_attention import attend_on_mesh as run
+    from kvjax.backends.sharded import attend_on_mesh as run
 
     return run(q, q_pos, layer, pallas_impl(mesh, backend=backend, interpret=interpret))

@@ -202,7 +202,7 @@ class Tokenizer:
             tok.encode("<|im_start|>user", allow_special=True)  # [1, 4093]
             tok.encode("Hi", add_bos=True)                      # [tok.bos_id, ...]
         """
-        from kvjax.chat import check_text, encode_text
+        from kvjax.tools.chat import check_text, encode_text
 
         check_text(text, "encode: text")  # TypeError for a non-str, ValueError for bad Unicode
         if allow_special:
@@ -260,8 +260,8 @@ class Tokenizer:
     def chat_pieces(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
                     ) -> list[tuple[str, bool]]:
         """The rendered chat prompt as [(text, trusted)]: the template's own text trusted,
-        message contents (a str, or a list of str parts) not (`kvjax.chat.render`)."""
-        from kvjax.chat import compile_template, render
+        message contents (a str, or a list of str parts) not (`kvjax.tools.chat.render`)."""
+        from kvjax.tools.chat import compile_template, render
 
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
@@ -273,8 +273,8 @@ class Tokenizer:
 
     def encode_pieces(self, pieces: Sequence[tuple[str, bool]]) -> list[int]:
         """Ids of [(text, trusted)] pieces: control ids only where a trusted piece spells one
-        (`kvjax.chat.encode_pieces`)."""
-        from kvjax.chat import encode_pieces
+        (`kvjax.tools.chat.encode_pieces`)."""
+        from kvjax.tools.chat import encode_pieces
 
         return encode_pieces(self.backend, pieces)
 
@@ -500,6 +500,6 @@ def _hf_chat_template(value: Any) -> str | None:
 
 def _compile_chat_template(source: str):
     """Compiles a chat template in a sandbox, with HF's environment settings."""
-    from kvjax.chat import compile_template
+    from kvjax.tools.chat import compile_template
 
     return compile_template(source)

@@ -1,8 +1,8 @@
 """Train LESS / Hedgehog-style feature maps on a model's own queries and keys, with optax.
 
-The learned maps (`kvjax.feature_maps.hedgehog`: per layer and KV head, a
+The learned maps (`kvjax.policies.feature_maps.hedgehog`: per layer and KV head, a
 query map `phi` and a key map `psi`, `x -> [exp(xW + b), exp(-(xW + b))]`) are
-fitted so that the hybrid attention of `kvjax.recurrent.hybrid_attend` —
+fitted so that the hybrid attention of `kvjax.policies.recurrent.hybrid_attend` —
 softmax over kept tokens plus the state's estimate of the evicted ones —
 matches full softmax attention:
 
@@ -50,9 +50,9 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax.feature_maps import (FeatureMap, elu_map, hedgehog, hedgehog_features,
-                                random_features, save_maps, with_params)
-from kvjax.stats import StatsSpec
+from kvjax.policies.feature_maps import (FeatureMap, elu_map, hedgehog, hedgehog_features,
+                                         random_features, save_maps, with_params)
+from kvjax.core.stats import StatsSpec
 from models.llama import Llama
 
 SINKS, WINDOW = 4, 16  # an eviction policy keeps the first tokens and its observation window

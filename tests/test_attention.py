@@ -132,7 +132,7 @@ def test_bad_shapes_and_impl_raise():
 
 def _per_head_and_pooled(rng, b=2, kvh=3, c=7, d=4):
     """A random per-head cache, a random keep mask, and the same kept tokens pooled."""
-    from kvjax.layout import compact, pool_heads
+    from kvjax.core.layout import compact, pool_heads
     k = rng.standard_normal((b, kvh, c, d))
     v = rng.standard_normal((b, kvh, c, d))
     pos = np.tile(np.arange(c), (b, kvh, 1))

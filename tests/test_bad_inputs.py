@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import eviction
-from kvjax.cache import EMPTY
-from kvjax.eviction import debug_checks, scored_policy
-from kvjax.selection import best_first, keep_top_k, rank
-from kvjax.methods import check_method, parse_method
+from kvjax.policies import eviction
+from kvjax.core.cache import EMPTY
+from kvjax.policies.eviction import debug_checks, scored_policy
+from kvjax.core.selection import best_first, keep_top_k, rank
+from kvjax.policies.methods import check_method, parse_method
 
 DATA = Path(__file__).parents[1] / "experiments" / "data"
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import kvjax
-from kvjax import tiers
+from kvjax.memory import tiers
 
 
 @pytest.mark.parametrize("spec, part", [("snapkv:ratio=0.5+", "part 2 of 2 ('')"),
@@ -86,7 +86,7 @@ def test_run_exported_rejects_a_missing_folder_and_bad_counts(tmp_path, capsys):
 def tiered():
     pool, layers = tiers.init_tiered_cache(device_pages=6, host_pages=4, page_size=4, batch=1,
                                            kv_heads=1, max_pages=8, head_dim=2, num_layers=2)
-    pool, layers = kvjax.paging.reserve(pool, layers, jnp.array([10]))
+    pool, layers = kvjax.memory.paging.reserve(pool, layers, jnp.array([10]))
     k = jnp.arange(20.).reshape(1, 1, 10, 2)
     layers = [l.write(k, -k, jnp.arange(10)[None]) for l in layers]
     return pool, layers

@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax import checkpoint
+from kvjax.tools import checkpoint
 from models.checkpoints import (fingerprint, load_prompt, load_weights, save_prompt,
                                 save_weights)
 from models.llama import Llama, LlamaConfig
@@ -156,7 +156,7 @@ INTERRUPTED = textwrap.dedent("""
     import sys, time
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
-    from kvjax import checkpoint
+    from kvjax.tools import checkpoint
 
     checkpoint.save(sys.argv[1], {"x": jnp.arange(10.0)})
     def hang(self, directory):  # the arrays are written; the step is not yet committed

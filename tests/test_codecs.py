@@ -11,10 +11,10 @@ from hypothesis import given, settings, strategies as st
 
 import kvjax
 from kvjax import EMPTY
-from kvjax.cache import ResidualCache, init_cache, view, write
-from kvjax.layout import compact
-from kvjax.low_rank import LowRankBasis, accumulate_moments, basis_from_moments, low_rank
-from kvjax.stores import Latent, PackedChannels, PackedTokens, put, read, take
+from kvjax.core.cache import ResidualCache, init_cache, view, write
+from kvjax.core.layout import compact
+from kvjax.policies.low_rank import LowRankBasis, accumulate_moments, basis_from_moments, low_rank
+from kvjax.core.stores import Latent, PackedChannels, PackedTokens, put, read, take
 from models.sampler import _compress, generate, prefill_batch
 
 D = 32  # head_dim of the store-level tests

@@ -1,6 +1,6 @@
-"""The library switches on jax's persistent compilation cache when `models` is imported (so a
-restarted notebook kernel reuses compiled code), leaves a user's own setting alone, and can be
-switched off. Each case runs in a fresh process."""
+"""Loading a model switches on jax's persistent compilation cache (so a restarted notebook
+kernel reuses compiled code), importing `models` does not, a user's own setting is left alone,
+and it can be switched off. Each case runs in a fresh process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,20 @@ import os
 import subprocess
 import sys
 
-CODE = "import jax, models; print(jax.config.jax_compilation_cache_dir)"
+from pathlib import Path
+
+TINY_HF = Path(__file__).parent / "golden" / "tiny_hf" / "llama_tied"  # weights, no tokenizer
+CODE = f"""
+import os, jax, models
+own = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+assert jax.config.jax_compilation_cache_dir == own, "changed by the import"
+from models.loading import load_model
+try:
+    load_model({str(TINY_HF)!r})
+except FileNotFoundError:  # no tokenizer.json: the weights were read, the cache switched on
+    pass
+print(jax.config.jax_compilation_cache_dir)
+"""
 
 
 def cache_dir_after_import(tmp_path, **env) -> str:

@@ -6,7 +6,7 @@ equal `attend_reference` on the same layer, which decodes it whole with
 differs, so the tolerance is float32 rounding of a D-term dot and a softmax.
 
 On a one-device CPU a decode step's parts go through the C++ kernel
-(`kvjax.cpu_kernel`) wherever it reads their format; everywhere else (a multi-device run,
+(`kvjax.core.cpu_kernel`) wherever it reads their format; everywhere else (a multi-device run,
 `jax.export`, a TPU or GPU) through XLA's block-by-block loop. Both paths are checked: each
 case runs once as the process chooses (`cpu_kernel`, and the compiled program must call the
 kernel where it serves) and once under `cpu_kernel.disabled()` (`xla_loop`, and the program
@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import cpu_kernel
-from kvjax.attention import MATVEC_ROWS, _scores
-from kvjax.stores import PackedChannels, read
+from kvjax.core import cpu_kernel
+from kvjax.core.attention import MATVEC_ROWS, _scores
+from kvjax.core.stores import PackedChannels, read
 
 from experiments.bench_attention import make_layer
 

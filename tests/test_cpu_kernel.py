@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (kvjax/cpu_kernel.py) against the XLA loop it replaces.
+"""The CPU decode-attention kernel (kvjax/core/cpu_kernel.py) against the XLA loop it replaces.
 
 Each case traces `kvjax.attend` twice: as shipped (the kernel on this CPU) and under
 `cpu_kernel.disabled()` (the blockwise XLA loop), on the same layer and queries. Both
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import cpu_kernel
-from kvjax.attention import MATVEC_ROWS
+from kvjax.core import cpu_kernel
+from kvjax.core.attention import MATVEC_ROWS
 
 from experiments.bench_attention import make_layer
 
@@ -42,7 +42,7 @@ def _queries(b, t, h, d, ctx, seed=1):
 
 def test_the_kernel_builds_here():
     """CI has a C++ compiler: the kernel must build and register, not fall back silently."""
-    assert cpu_kernel._registered()
+    assert cpu_kernel.registered()
     assert cpu_kernel.build().exists()
 
 
@@ -257,7 +257,7 @@ def test_kernel_ab_benchmark_runs_another_source_beside_the_shipped(tmp_path):
     the shipped program; the source is built once for both runs). `method` compresses the
     step's cache (`--method`)."""
     from experiments.bench_kernel_ab import compare, filled_cache
-    from kvjax.stores import PackedTokens
+    from kvjax.core.stores import PackedTokens
     from models.llama import LlamaConfig
     source = cpu_kernel.SOURCE.read_text()
     cut = source.index("XLA_FFI_DEFINE_HANDLER_SYMBOL(\n    KvjaxFewRowsMatmulT")
@@ -354,7 +354,7 @@ def test_quantize_packed_equals_quantize_and_pack_bit_for_bit(bits, symmetric, p
     a mask of valid tokens, one group all invalid), also under `jax.vmap`. Infinite elements
     included (their group's scale saturates, its reciprocal is subnormal: XLA flushes it to 0,
     and so does the kernel)."""
-    from kvjax.quant import pack, quantize
+    from kvjax.core.quant import pack, quantize
     x = jnp.asarray(_tokens_to_quantize(bits))  # [4, 6, 64]
     valid = jnp.asarray(np.random.default_rng(bits).random((4, 6)) < 0.7).at[0, :3].set(False)
     cases = [(-1, group, None) for group in (8, 32, 64)]
@@ -403,7 +403,7 @@ def test_quantize_packed_leaves_what_it_cannot_take_to_otherwise():
         cpu_kernel.quantize_packed(jnp.zeros(shape), bits, group, axis, False, jnp.float16,
                                    otherwise)
     assert seen == [(3, 48), (3, 36), (3, 64), (2, 30, 64)]
-    from kvjax.stores import PackedTokens
+    from kvjax.core.stores import PackedTokens
     store = PackedTokens.empty(3, 1, 64, bits=8, group=64)
     with pytest.raises(ValueError, match="48 is not a multiple of the group size 64"):
         store.encode(jnp.zeros((3, 1, 48)))
@@ -413,7 +413,7 @@ def test_packed_stores_quantize_in_one_kernel_call():
     """`PackedTokens.encode` (an int8 cache's or KIVI's values' write) and
     `PackedChannels.put_groups` (KIVI's keys) are one kernel call on the CPU, the XLA
     quantization under the opt-out, with equal stores."""
-    from kvjax.stores import PackedChannels, PackedTokens
+    from kvjax.core.stores import PackedChannels, PackedTokens
     tokens = PackedTokens.empty(3, 1, 64, bits=8, group=64)
     channels = PackedChannels.empty(3, 8, 64, bits=4, group=4)
     x = jnp.asarray(_tokens_to_quantize(0)[:3])  # [3, 6, 64]

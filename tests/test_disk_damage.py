@@ -3,7 +3,7 @@
 A table of file kinds x damages (truncated, empty, garbage of the same size, wrong schema).
 Each case reads the damaged file the way kvjax does -- the `kvjax` command where one reads it
 (`run-exported`, `generate --model DIR`, `$KVJAX_PLUGINS`), else the API a program calls
-(`kvjax.checkpoint.restore`) run through the command line's own error handling -- and must
+(`kvjax.tools.checkpoint.restore`) run through the command line's own error handling -- and must
 end in exactly one `kvjax: error:` line that names the damaged file, exit status 2. A damaged
 compiled CPU kernel (kvjax owns it) is rebuilt instead, with one notice line, in a fresh
 process: never a traceback, never a signal (a truncated .so used to die of SIGBUS).
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import checkpoint
+from kvjax.tools import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_HF = REPO / "tests" / "golden" / "tiny_hf" / "llama_tied"
@@ -250,7 +250,7 @@ def _rewrite_manifest(copy: Path, edit) -> Path:
 
 
 CHECKPOINT_EDITS = {
-    "unexpected object": lambda m: m.update(namedtuples=["kvjax.checkpoint.save"]),
+    "unexpected object": lambda m: m.update(namedtuples=["kvjax.tools.checkpoint.save"]),
     "untrusted module": lambda m: m.update(namedtuples=["os.system"]),
     "module that is not there": lambda m: m.update(namedtuples=["kvjax.no_such.Thing"]),
     "missing key": lambda m: m.pop("structure"),
@@ -279,14 +279,14 @@ PLUGIN_SOURCES = {
     "exits at import": "import sys\nsys.exit(3)\n",
     "garbage": None,  # bytes, below
     "empty": "",
-    "truncate": "from kvjax import methods\nmethods.register_method('half', lambda ratio",
+    "truncate": "from kvjax.policies import methods\nmethods.register_method('half', lambda ratio",
 }
 
 
 @pytest.mark.parametrize("kind", PLUGIN_SOURCES)
 def test_damaged_plugin_is_one_error_naming_it(tmp_path, monkeypatch, kind, capsys):
     from experiments import cli
-    from kvjax import methods
+    from kvjax.policies import methods
 
     path = tmp_path / f"plugin_{kind.replace(' ', '_')}.py"
     source = PLUGIN_SOURCES[kind]
@@ -304,7 +304,7 @@ def test_damaged_plugin_is_one_error_naming_it(tmp_path, monkeypatch, kind, caps
 def test_a_plugin_path_that_is_not_a_file_is_an_error(tmp_path, monkeypatch, where, capsys):
     """Even when the method is a built-in one (the plugin would never be needed)."""
     from experiments import cli
-    from kvjax import methods
+    from kvjax.policies import methods
 
     (tmp_path / "a_folder").mkdir()
     path = tmp_path / where
@@ -369,8 +369,8 @@ exit 1
 
 KERNEL_RUN = textwrap.dedent("""
     import jax, jax.numpy as jnp
-    from kvjax import cpu_kernel
-    assert cpu_kernel._registered(), "the kernel did not register"
+    from kvjax.core import cpu_kernel
+    assert cpu_kernel.registered(), "the kernel did not register"
     x, w = jax.random.normal(jax.random.key(0), (1, 64)), jnp.ones((64, 32))
     assert bool(jnp.allclose(cpu_kernel.matmul(x, w), x @ w, atol=1e-4))
     print("kernel ok")
@@ -380,7 +380,7 @@ KERNEL_RUN = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def kernel_cache(tmp_path_factory):
     """A cache dir whose kernel is built by a fake compiler that copies the real library."""
-    from kvjax import cpu_kernel
+    from kvjax.core import cpu_kernel
 
     library = cpu_kernel.build()  # the real build (cached once per machine)
     root = tmp_path_factory.mktemp("kernel")

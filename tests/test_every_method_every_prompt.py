@@ -22,9 +22,9 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.cache import ResidualCache, TokenCache, flush_span, init_cache, view, write
-from kvjax.low_rank import LowRankBasis
-from kvjax.stores import PackedChannels, is_encoded
+from kvjax.core.cache import ResidualCache, TokenCache, flush_span, init_cache, view, write
+from kvjax.policies.low_rank import LowRankBasis
+from kvjax.core.stores import PackedChannels, is_encoded
 from models.llama import Llama, LlamaConfig
 from models.sampler import generate
 
@@ -114,7 +114,7 @@ def check_stores(cache) -> None:
     """Table cursors within their tables; every decoded key and value finite."""
     for i, layer in enumerate(cache):
         if not isinstance(layer, (TokenCache, ResidualCache)):
-            continue  # a recurrent state (kvjax.recurrent): no stores
+            continue  # a recurrent state (kvjax.policies.recurrent): no stores
         body = layer.body if isinstance(layer, ResidualCache) else layer
         for store in (body.k, body.v):
             if isinstance(store, PackedChannels):

@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 
 import kvjax
 from kvjax import EMPTY
-from kvjax.layout import compact
-from kvjax.selection import keep_top_k
+from kvjax.core.layout import compact
+from kvjax.core.selection import keep_top_k
 
 
 def random_cache(rng, b=2, kvh=2, c=9, d=3):

@@ -141,14 +141,14 @@ def test_export_rejects_a_missing_or_double_layout(model):
 
 
 # ----------------------------------------------------------------------------- artifacts
-# `export_artifact` + `kvjax.exported`: prefill chunk, compression and decode step with a
+# `export_artifact` + `kvjax.tools.exported`: prefill chunk, compression and decode step with a
 # symbolic batch, in capacity buckets, generating like the live sampler (the real model, in
 # a process without Flax: tests/test_run_exported.py).
 
 import json  # noqa: E402
 import shutil  # noqa: E402
 
-from kvjax import exported  # noqa: E402
+from kvjax.tools import exported  # noqa: E402
 from models.export import export_artifact  # noqa: E402
 from models.sampler import generate  # noqa: E402
 

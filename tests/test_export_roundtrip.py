@@ -2,7 +2,7 @@
 
 Each case draws a tiny Llama config (layers, heads, KV heads, head size, tied or untied
 embeddings), a method (full, an eviction policy, a codec, a chain), a chunk and buckets from
-a seeded generator, exports it, reloads the artifact through `kvjax.exported` (no Flax, no
+a seeded generator, exports it, reloads the artifact through `kvjax.tools.exported` (no Flax, no
 model code) and compares a random batch's greedy tokens with the live sampler's. Also: the
 artifact's manifest passes its own schema check and every file matches its recorded hash.
 """
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax import exported
+from kvjax.tools import exported
 from models.export import export_artifact
 from models.llama import Llama, LlamaConfig
 from models.sampler import generate

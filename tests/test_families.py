@@ -236,7 +236,7 @@ def test_exported_gemma3_with_a_compression_chain_generates_the_live_tokens(tmp_
     artifact's tokens are the live sampler's. (The artifact sizes every layer to its decode
     bucket, local ones included: correct, as a local layer keeps its newest slots and masks
     by the window, but not yet window-sized there.)"""
-    from kvjax import exported
+    from kvjax.tools import exported
     from models.export import export_artifact
 
     spec = "snapkv:ratio=0.5,window=8+kivi:bits=4,group=8,residual=8"

@@ -8,8 +8,8 @@ The contract `models.sampler` (generate, prefill, decode, compression) asks of a
 * `forward(tokens [B, T], positions [B, T], cache, stats, spec, *, impl) -> (hidden
   [B, T, D], cache, stats)`, where each attention layer writes its keys and values with
   `kvjax.write`, attends with `kvjax.attend(q, positions, layer_cache, impl=impl)`, folds
-  attention mass in with `kvjax.stats.accumulate_mass` (H2O and other accumulated-attention
-  policies) and, when `stats` is not None, its queries with `kvjax.stats.observe` (SnapKV's
+  attention mass in with `kvjax.core.stats.accumulate_mass` (H2O and other accumulated-attention
+  policies) and, when `stats` is not None, its queries with `kvjax.core.stats.observe` (SnapKV's
   window, ExpectedAttention's moments);
 * `logits(hidden) -> [..., vocab]` and `init_stats(spec, cache)` (None when the spec needs
   nothing: `kvjax.init_stats` otherwise).
@@ -30,7 +30,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.stats import NO_STATS, accumulate_mass, observe
+from kvjax.core.stats import NO_STATS, accumulate_mass, observe
 from models.sampler import generate
 from tests.test_every_method_every_prompt import (  # noqa: F401 (_quick_compiles: autouse)
     BASIS, SPECS, _quick_compiles, check_stores)

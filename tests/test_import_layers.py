@@ -19,7 +19,7 @@ PACKAGES = ("kernels_pallas", "kvjax", "models", "experiments")  # lowest layer 
 
 
 def module_name(path: Path) -> str:
-    """`kvjax/quant/__init__.py` -> `kvjax.quant`; `kvjax/cache.py` -> `kvjax.cache`."""
+    """`kvjax/quant/__init__.py` -> `kvjax.core.quant`; `kvjax/core/cache.py` -> `kvjax.core.cache`."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
@@ -33,7 +33,7 @@ def project_modules() -> dict[str, Path]:
 
 def resolve(name: str, modules: dict[str, Path]) -> str | None:
     """The project module `name` refers to: itself, or its longest project prefix
-    (`kvjax.cache.EMPTY` -> `kvjax.cache`); None outside the project."""
+    (`kvjax.core.cache.EMPTY` -> `kvjax.core.cache`); None outside the project."""
     while name:
         if name in modules:
             return name
@@ -157,3 +157,91 @@ def test_experiments_layers():
         assert not graph[engine] & {"experiments.harness", "experiments.report",
                                     "experiments.cli"}, engine
     assert not graph["experiments.harness"] & {"experiments.report", "experiments.cli"}
+
+
+# ----------------------------------------------------------------------------- kvjax subsystems
+SUBSYSTEMS = ("core", "memory", "backends", "policies", "tools")
+"""kvjax's subsystems; each imports only those allowed below (README "Layout")."""
+ALLOWED = {"core": set(), "memory": {"core"}, "backends": {"core", "memory"},
+           "policies": {"core"}, "tools": {"core", "memory"}}
+
+
+def subsystem(module: str) -> str:
+    """`kvjax.memory.tiers` -> `kvjax.memory`; other project modules -> their package."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "kvjax" and len(parts) > 2 else parts[0]
+
+
+def test_every_kvjax_module_lives_in_a_subsystem():
+    """kvjax's top level holds only `__init__.py` (the public API); every module sits in one
+    of the subsystems, each with a docstring saying what it holds."""
+    flat = sorted(p.name for p in (ROOT / "kvjax").glob("*.py") if p.name != "__init__.py")
+    assert flat == [], flat
+    folders = sorted(p.parent.name for p in (ROOT / "kvjax").glob("*/__init__.py"))
+    assert folders == sorted(SUBSYSTEMS)
+    for name in SUBSYSTEMS:
+        assert ast.get_docstring(ast.parse((ROOT / "kvjax" / name / "__init__.py").read_text()))
+
+
+def test_kvjax_subsystems_import_only_those_below_them():
+    bad = sorted(f"{m} imports {t}" for m, targets in import_graph().items()
+                 if subsystem(m).startswith("kvjax.") for t in targets
+                 if subsystem(t).startswith("kvjax.") and subsystem(t) != subsystem(m)
+                 and subsystem(t).split(".")[1] not in ALLOWED[subsystem(m).split(".")[1]])
+    assert not bad, "\n".join(bad)
+
+
+def private_imports(module: str, path: Path, modules: dict[str, Path]) -> set[tuple[str, str]]:
+    """(project module, private name) pairs that `module` reads: `from m import _x`, and
+    `alias._x` where `alias` names a project module (`from pkg import m`, `import m as alias`)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    aliases, found = {}, set()
+    private = lambda name: name.startswith("_") and not name.startswith("__")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                if f"{node.module}.{a.name}" in modules:
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                elif private(a.name) and resolve(node.module, modules):
+                    found.add((resolve(node.module, modules), a.name))
+        elif isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names
+                            if a.asname and a.name in modules})
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and private(node.attr)):
+            found.add((aliases[node.value.id], node.attr))
+    return found
+
+
+def test_private_names_stay_inside_their_kvjax_subsystem(tmp_path):
+    """No module (of kvjax, models or experiments) reads a private name of a kvjax module in
+    another subsystem. Tests may: they check internals."""
+    modules = project_modules()
+    bad = sorted(f"{m} reads {t}.{name}" for m, p in modules.items()
+                 for t, name in private_imports(m, p, modules)
+                 if t.startswith("kvjax.") and subsystem(t) != subsystem(m))
+    assert not bad, "\n".join(bad)
+    # the check sees both spellings
+    probe = tmp_path / "probe.py"
+    probe.write_text("from kvjax.memory import tiers\nfrom kvjax.core.cache import _x\n"
+                     "tiers._y\n")
+    assert private_imports("experiments.probe", probe, modules) == {
+        ("kvjax.core.cache", "_x"), ("kvjax.memory.tiers", "_y")}
+
+
+def test_importing_the_packages_changes_no_jax_setting():
+    """`import kvjax, models, experiments.cli` leaves every jax setting alone (the compilation
+    cache is switched on by `load_model` and the CLI, not by an import)."""
+    import subprocess
+    import sys
+    code = ("import jax; before = dict(jax.config.values); import kvjax, models, models.loading, "
+            "models.sampler, experiments.cli; after = dict(jax.config.values); "
+            "changed = {k for k in before if before[k] != after.get(k)}; "
+            "assert not changed, changed; print(after['jax_compilation_cache_dir'])")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if not k.startswith(("JAX_COMPILATION_CACHE", "KVJAX_COMPILATION_CACHE"))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "None"

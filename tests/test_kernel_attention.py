@@ -10,8 +10,8 @@ import kvjax
 from kernel_mode import compiled, device_backend, mode
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import finish
-from kvjax import kernel_attention as ka
-from kvjax.cache import init_cache, write
+from kvjax.backends import pallas as ka
+from kvjax.core.cache import init_cache, write
 
 TOL = dict(rtol=3e-5, atol=3e-5)
 
@@ -203,7 +203,7 @@ def test_packed_token_cache_codes_are_read_in_place(method):
 def test_packed_paged_layer_reads_like_the_reference():
     """A PagedLayer of PackedTokens pages goes to the TPU kernel as `PackedTokenRows` page pools
     (the store's words as [P, W, S]) and gives the reference's attention over its dense view."""
-    from kvjax.paging import dense_view, init_paged_cache, reserve
+    from kvjax.memory.paging import dense_view, init_paged_cache, reserve
     rng = np.random.default_rng(8)
     pool, layers = init_paged_cache(12, 16, 2, 2, 4, 64, num_layers=1, bits=4, group=32)
     pool, (layer,) = reserve(pool, layers, jnp.array([40, 29]))
@@ -223,7 +223,7 @@ def test_packed_paged_layer_reads_like_the_reference():
 
 def _paged_pair_history(shared_tables, bits):
     """One history (reserve, write, fork, copy-on-write, evict) run on a PagedLayer pool."""
-    from kvjax.paging import check_pool, evict_pages, fork, init_paged_cache, reserve
+    from kvjax.memory.paging import check_pool, evict_pages, fork, init_paged_cache, reserve
     rng = np.random.default_rng(9)
     b, kvh, s, d = 3, 2, 16, 64
     pool, layers = init_paged_cache(30, s, b, kvh, 4, d, num_layers=1, bits=bits,
@@ -252,8 +252,8 @@ def test_shared_table_paged_layer_equals_the_per_head_pool(bits):
     gets one [B, NP] table with head_stride 1, and its attention equals the per-head pool's
     kernel output and the reference."""
     from kernels_pallas.paged_attention import per_head_tables
-    from kvjax.paging import dense_view
-    from kvjax.stores import read
+    from kvjax.memory.paging import dense_view
+    from kvjax.core.stores import read
     _, per_head = _paged_pair_history(False, bits)
     _, shared = _paged_pair_history(True, bits)
     a, b = dense_view(per_head), dense_view(shared)

@@ -42,7 +42,7 @@ import pytest
 
 import kvjax
 from kvjax import EMPTY
-from kvjax import eviction as ev
+from kvjax.policies import eviction as ev
 from models.sampler import _compress, prefill_and_compress
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_golden.npz")

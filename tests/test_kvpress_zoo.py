@@ -13,9 +13,9 @@ import pytest
 
 import kvjax
 from kvjax import EMPTY
-from kvjax.eviction_compactor import leverage_scores, non_causal_attention
-from kvjax.eviction_sequence import in_sequence, unrope
-from kvjax.methods import METHODS, describe_methods, parse_method
+from kvjax.policies.eviction_compactor import leverage_scores, non_causal_attention
+from kvjax.policies.eviction_sequence import in_sequence, unrope
+from kvjax.policies.methods import METHODS, describe_methods, parse_method
 from models.sampler import _compress, compress, prefill_batch
 from tests.conftest import TraceCounter
 
@@ -213,7 +213,7 @@ def test_methods_command_json(capsys):
 
 def test_rerotate_moves_kept_keys_to_contiguous_positions():
     """After eviction, token at position p (n-th kept) holds RoPE(k, n) and pos n."""
-    from kvjax.eviction_wrappers import rerotate_layer, rotate
+    from kvjax.policies.eviction_wrappers import rerotate_layer, rotate
     from models.llama import LlamaConfig, rope_frequencies
     inv = jnp.asarray(rope_frequencies(LlamaConfig.tiny()))
     raw = jax.random.normal(jax.random.key(5), (1, 1, 6, 16))  # pre-RoPE keys [B, KVH, C, D]
@@ -231,6 +231,6 @@ def test_rerotate_moves_kept_keys_to_contiguous_positions():
 
 def test_rerotate_refuses_encoded_caches():
     with pytest.raises(ValueError, match="rerotate"):
-        from kvjax.eviction_wrappers import rerotate_layer
+        from kvjax.policies.eviction_wrappers import rerotate_layer
         layer = kvjax.init_cache(batch=1, kv_heads=1, capacity=4, head_dim=8)
         rerotate_layer(layer.replace(k=layer.k.astype(jnp.int8)), jnp.ones(4))

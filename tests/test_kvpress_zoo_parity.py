@@ -22,7 +22,7 @@ import pytest
 
 import kvjax
 from kvjax import EMPTY
-from kvjax.methods import parse_method
+from kvjax.policies.methods import parse_method
 from models.sampler import _compress
 from tests.test_kvpress_parity import prefill_contexts
 

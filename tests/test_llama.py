@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax import cpu_kernel
+from kvjax.core import cpu_kernel
 from models.llama import Llama, LlamaConfig, RopeScaling, apply_rope, new_cache, rope_frequencies
 
 

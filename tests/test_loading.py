@@ -369,7 +369,7 @@ def test_bfloat16_build_is_float32_on_bfloat16_rounded_operands(monkeypatch):
     """The bf16 build computes a float32 model on bf16-rounded weights whose matmuls round
     their inputs to bf16 (products of bf16 numbers are exact in float32), to float32
     rounding: the exact statement behind "tracks float32" above (see tests/test_llama.py)."""
-    from kvjax import cpu_kernel
+    from kvjax.core import cpu_kernel
     cfg, params = load_hf_dir(GOLDEN / "llama3_untied")
     assert not cfg.tie_embeddings  # logits go through lm_head, a Dense: `matmuls` covers them
     got = golden_forward(build_model(cfg, params, jnp.bfloat16), "llama3_untied")

@@ -1,4 +1,4 @@
-"""The cache monitor (kvjax/monitor.py, issue 20): every counter equals the value a plain
+"""The cache monitor (kvjax/tools/monitor.py, issue 20): every counter equals the value a plain
 numpy reference recomputes from the caches before and after the update, for an eviction
 policy, a codec, a chain, accumulated attention (H2O) and a tiered paged cache."""
 
@@ -10,11 +10,11 @@ from flax import nnx
 
 import kvjax
 from kvjax import EMPTY
-from kvjax.monitor import (LayerMonitor, dense, find_monitor, init_monitor, monitored, per_head,
-                           refresh, summary)
-from kvjax.paging import reserve
-from kvjax.tiers import (coldest_pages, host_pages_in_use, init_tiered_cache, prefetch,
-                         recency_scores, spill)
+from kvjax.tools.monitor import (LayerMonitor, dense, find_monitor, init_monitor, monitored,
+                                 per_head, refresh, summary)
+from kvjax.memory.paging import reserve
+from kvjax.memory.tiers import (coldest_pages, host_pages_in_use, init_tiered_cache, prefetch,
+                                recency_scores, spill)
 from models.llama import Llama, LlamaConfig
 from models.sampler import generate, prefill_batch
 
@@ -212,7 +212,7 @@ def test_flush_error_equals_a_numpy_recomputation():
     """KIVI flushes tokens into its quantized body during decode: the monitor's key/value
     errors, updated at each flush (`observe_flush`), equal the error of the held tokens
     recomputed from the decoded cache against the exact keys and values."""
-    from kvjax.monitor import observe_flush
+    from kvjax.tools.monitor import observe_flush
     b, kvh, d, n, steps = 2, 2, 32, 20, 20
     k, v = (np.asarray(x) for x in jax.random.normal(jax.random.key(0), (2, b, kvh, n + steps, d)))
     t = monitored(kvjax.kivi(bits=2, group=8, residual=8))

@@ -1,4 +1,4 @@
-"""Memory tiers of the paged pool (kvjax/tiers.py, issue 20): cold pages in host memory.
+"""Memory tiers of the paged pool (kvjax/memory/tiers.py, issue 20): cold pages in host memory.
 
 - attention over a partly offloaded pool is identical (bit for bit) to the same pool all on
   the device, staged or not, dense or 4-bit pages, with sharing by fork;
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import EMPTY, tiers
-from kvjax.paging import check_pool, dense_view, fork, init_paged_cache, release, reserve
-from kvjax.tiers import (NO_PAGE, coldest_pages, host_pages_in_use, init_tiered_cache, prefetch,
-                         recency_scores, restore, spill, tier_counts)
+from kvjax import EMPTY
+from kvjax.memory import tiers
+from kvjax.memory.paging import check_pool, dense_view, fork, init_paged_cache, release, reserve
+from kvjax.memory.tiers import (NO_PAGE, coldest_pages, host_pages_in_use, init_tiered_cache,
+                                prefetch, recency_scores, restore, spill, tier_counts)
 
 S, D, NP, B, KVH = 4, 8, 6, 2, 2
 PD, PH = 24, 12
@@ -153,7 +154,7 @@ def test_prefetched_page_is_never_read_before_its_copy_completes(monkeypatch):
     finally:
         tiers._prefetch.clear_cache()
     # every host page read came from the stage (no miss), and the result is the finished copy
-    assert not np.asarray(tiers._miss(staged[1])).any()
+    assert not np.asarray(tiers.stage_misses(staged[1])).any()
     np.testing.assert_array_equal(got, np.asarray(want))
     assert waited >= 0.5 * 2 * 2  # two layers x (keys, values) copies of 0.5 s each, in order
     print(f"prefetch issued in {issued * 1e3:.1f} ms; the read waited {waited:.2f} s")
@@ -244,7 +245,7 @@ def test_smollm2_greedy_tokens_identical_with_half_the_pages_on_host(bits):
 
 
 def test_smollm2_kivi_chain_tokens_identical_with_half_the_pages_on_host():
-    """The KIVI chain offloaded (kvjax.paged_kivi: one KIVI group per page): SnapKV keeps half
+    """The KIVI chain offloaded (kvjax.memory.paged_kivi: one KIVI group per page): SnapKV keeps half
     of the prompt, KIVI-4 quantizes it in groups of 16 (16 newest exact); greedy tokens with
     half of the allocated KIVI pages in host memory equal the all-device paged run and the
     unpaged KIVI chain (`ResidualCache`)."""

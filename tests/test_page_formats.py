@@ -5,7 +5,7 @@ runs, so the kernel/reference equality tests cannot catch a decode that is
 wrong in both. Here every format's decode is checked against (1) a numpy
 dequantization written from the format's definition (codes, strided bit
 planes, 16-bit parameter pairs built with numpy's own float16/bfloat16
-views), and (2) kvjax's own `stores.read()` through `kvjax.kernel_attention`'s
+views), and (2) kvjax's own `stores.read()` through `kvjax.backends.pallas`'s
 conversion of a real cache layer.
 """
 
@@ -18,8 +18,8 @@ import pytest
 import kvjax
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import decode_pages
-from kvjax import kernel_attention as ka
-from kvjax.cache import init_cache, write
+from kvjax.backends import pallas as ka
+from kvjax.core.cache import init_cache, write
 
 NP_DTYPES = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 

@@ -19,7 +19,7 @@ from kernel_mode import mode
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import (EMPTY, merge, paged_attention,
                                             paged_attention_partial, paged_attention_reference)
-from kvjax.quant import pack, quantize
+from kvjax.core.quant import pack, quantize
 
 TOL = dict(rtol=2e-5, atol=2e-5)  # float32 inputs; the kernel and reference sum in different orders
 
@@ -174,7 +174,7 @@ def test_bfloat16_pages():
 
 
 def packed_tokens(x, bits, group, symmetric, param_dtype="float16"):
-    """x [P, S, D] quantized per token by kvjax.quant, in the kernel's page layout."""
+    """x [P, S, D] quantized per token by kvjax.core.quant, in the kernel's page layout."""
     q = quantize(x, bits, group, axis=-1, symmetric=symmetric, param_dtype=jnp.dtype(param_dtype))
     fmt = pf.PackedTokens(bits, group, symmetric, param_dtype)
     return fmt.from_store(pack(q.codes, bits), q.scale, None if symmetric else q.offset)

@@ -1,4 +1,4 @@
-"""Paged KIVI (kvjax/paged_kivi.py, issue 20): KIVI groups in pool pages, offloadable.
+"""Paged KIVI (kvjax/memory/paged_kivi.py, issue 20): KIVI groups in pool pages, offloadable.
 
 - every flushed page holds bit for bit the codes and parameters the unpaged KIVI layer stores
   for the same tokens, through a prompt (with left padding) and decode writes;
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax import tiers
-from kvjax.cache import EMPTY
-from kvjax.paged_kivi import (bodies, flush_tokens, from_residual, unpaged_groups, with_bodies)
-from kvjax.paging import check_pool, reserve
+from kvjax.memory import tiers
+from kvjax.core.cache import EMPTY
+from kvjax.memory.paged_kivi import (bodies, flush_tokens, from_residual, unpaged_groups, with_bodies)
+from kvjax.memory.paging import check_pool, reserve
 
 B, KVH, D, G, RES = 2, 2, 64, 8, 8
 PROMPT, STEPS, CAP = 21, 16, 64
@@ -107,7 +107,7 @@ def test_flushed_pages_bit_identical_to_unpaged_kivi(bits):
     check_pool(p0, bodies(l0))
     check_pool(p1, bodies(l1))
     # the monitor reads a paged KIVI layer: the unpaged layer's tokens, its pages per tier
-    from kvjax.monitor import init_monitor
+    from kvjax.tools.monitor import init_monitor
     mu, m0, m1 = (init_monitor(c)[0] for c in (unpaged, l0, l1))
     for m in (m0, m1):
         np.testing.assert_array_equal(np.asarray(m.tokens), np.asarray(mu.tokens))
@@ -133,7 +133,7 @@ def test_pages_released_by_one_sequence_are_never_read_by_the_other():
     """Sequence 0's KIVI pages go to the host and are staged, then it releases them; sequence
     1 keeps decoding, its flushes and spills reuse the freed ids. The stage forgets the freed
     pages, the pool audit holds, and sequence 1 reads only positions it wrote."""
-    from kvjax.paging import release
+    from kvjax.memory.paging import release
     t = kvjax.kivi(bits=4, group=G, residual=RES)
     unpaged, _ = t.update(prompt_cache(), t.init(prompt_cache()), None)
     pool, layers = from_residual(unpaged, max_pages=CAP // G, device_pages=12, host_pages=4)

@@ -12,10 +12,10 @@ from hypothesis import given, settings, strategies as st
 
 import kvjax
 from kvjax import EMPTY
-from kvjax import kernel_attention as ka
-from kvjax.paging import (NULL_PAGE, check_pool, dense_view, drop_lowest_pages, evict_pages,
-                          fork, init_paged_cache, page_scores, release, reserve)
-from kvjax.stores import PackedTokens, put, read
+from kvjax.backends import pallas as ka
+from kvjax.memory.paging import (NULL_PAGE, check_pool, dense_view, drop_lowest_pages, evict_pages,
+                                 fork, init_paged_cache, page_scores, release, reserve)
+from kvjax.core.stores import PackedTokens, put, read
 from models.llama import Llama, LlamaConfig, new_cache
 
 B, KVH, S, NP, P, D = 3, 2, 4, 4, 14, 8
@@ -190,8 +190,8 @@ def contiguous_logits(model, cfg, tokens):
 @pytest.fixture
 def kernel_on_cpu(monkeypatch):
     """Make impl="pallas" run the TPU kernel body in interpret mode on CPU."""
-    monkeypatch.setattr(kvjax.dispatch, "pallas_backend", lambda: "tpu")
-    monkeypatch.setattr(kvjax.dispatch, "attend_pallas",
+    monkeypatch.setattr(kvjax.backends.dispatch, "pallas_backend", lambda: "tpu")
+    monkeypatch.setattr(kvjax.backends.dispatch, "attend_pallas",
                         functools.partial(ka.attend_pallas, interpret=True))
 
 
@@ -286,7 +286,7 @@ def test_shared_tables_reject_bad_input_and_the_audit_catches_misaligned_tables(
     """shared_tables: a pool too small for one page group, and an evict mask that differs
     between the heads of a sequence, raise ValueErrors naming the argument; a table whose head 1
     does not list head 0's page + 1 fails `check_pool`."""
-    from kvjax.paging import PoolError
+    from kvjax.memory.paging import PoolError
     with pytest.raises(ValueError, match="num_pages >= 2 \\* kv_heads"):
         init_paged_cache(3, S, B, KVH, NP, D, num_layers=1, shared_tables=True)
     pool, layers = init_paged_cache(P, S, B, KVH, NP, D, num_layers=1, shared_tables=True)

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import kvjax
-from kvjax import methods
+from kvjax.policies import methods
 
 PLUGIN = textwrap.dedent('''
     import jax.numpy as jnp

@@ -16,8 +16,8 @@ from hypothesis import given, settings, strategies as st
 
 import kvjax
 from kvjax import EMPTY
-from kvjax.eviction import broadcast_heads, earliest, no_protect
-from kvjax.selection import pyramid_budgets
+from kvjax.policies.eviction import broadcast_heads, earliest, no_protect
+from kvjax.core.selection import pyramid_budgets
 from models.sampler import generate, prefill_and_compress, prefill_batch
 
 W = 4  # observation window of the window-based policies (tiny prompts)

@@ -19,9 +19,9 @@ import pytest
 
 import kvjax
 from kvjax import EMPTY
-from kvjax import kernel_attention as ka
-from kvjax.paging import (NULL_PAGE, PoolError, check_pool, evict_pages, fork, init_paged_cache,
-                          release, reserve)
+from kvjax.backends import pallas as ka
+from kvjax.memory.paging import (NULL_PAGE, PoolError, check_pool, evict_pages, fork,
+                                 init_paged_cache, release, reserve)
 
 S, D = 4, 8
 
@@ -49,8 +49,8 @@ def readable(layer, b, h=0):
 @pytest.fixture
 def kernel_on_cpu(monkeypatch):
     """Make impl="pallas" run the TPU kernel body in interpret mode on CPU."""
-    monkeypatch.setattr(kvjax.dispatch, "pallas_backend", lambda: "tpu")
-    monkeypatch.setattr(kvjax.dispatch, "attend_pallas",
+    monkeypatch.setattr(kvjax.backends.dispatch, "pallas_backend", lambda: "tpu")
+    monkeypatch.setattr(kvjax.backends.dispatch, "attend_pallas",
                         functools.partial(ka.attend_pallas, interpret=True))
 
 

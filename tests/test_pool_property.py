@@ -25,9 +25,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, r
                                  run_state_machine_as_test)
 
 from kvjax import EMPTY
-from kvjax.kernel_attention import kernel_inputs
-from kvjax.paging import (NULL_PAGE, check_pool, dense_view, evict_pages, fork,
-                          init_paged_cache, release, reserve)
+from kvjax.backends.pallas import kernel_inputs
+from kvjax.memory.paging import (NULL_PAGE, check_pool, dense_view, evict_pages, fork,
+                                 init_paged_cache, release, reserve)
 
 B, KVH, S, NP, P, D, LAYERS = 3, 2, 4, 4, 19, 4, 2
 PD = 12  # the tiered machine: page ids below PD on the device, the other 7 in host memory
@@ -410,7 +410,7 @@ def test_pool_against_shadow_model():
 # Across memory tiers (issue 20): the same machine over a tiered pool, with spill, restore and
 # prefetch steps; what each row reads goes through the stage (`tiered_view`).
 
-from kvjax import tiers  # noqa: E402
+from kvjax.memory import tiers  # noqa: E402
 
 
 class TieredShadow(Shadow):

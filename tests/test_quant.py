@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kvjax.quant import dequantize, pack, quantize, to_fp8, unpack
+from kvjax.core.quant import dequantize, pack, quantize, to_fp8, unpack
 
 
 @settings(max_examples=40, deadline=None)

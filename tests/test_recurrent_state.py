@@ -1,4 +1,4 @@
-"""Recurrent-state layers (kvjax.recurrent), feature maps, the linear_state / fold transforms."""
+"""Recurrent-state layers (kvjax.policies.recurrent), feature maps, the linear_state / fold transforms."""
 
 import jax
 import jax.numpy as jnp
@@ -7,10 +7,10 @@ import pytest
 from flax import nnx
 
 import kvjax
-from kvjax.cache import EMPTY
-from kvjax.feature_maps import elu_map, hedgehog, random_features
-from kvjax.recurrent import (FoldedLayer, LinearLayer, evicted_mask, hybrid_attend,
-                             init_linear_layer, init_state, resize_window, state_of)
+from kvjax.core.cache import EMPTY
+from kvjax.policies.feature_maps import elu_map, hedgehog, random_features
+from kvjax.policies.recurrent import (FoldedLayer, LinearLayer, evicted_mask, hybrid_attend,
+                                      init_linear_layer, init_state, resize_window, state_of)
 from models.llama import Llama, LlamaConfig
 
 B, KVH, H, D = 2, 2, 4, 8

@@ -237,7 +237,7 @@ def _low_rank(q):
 
 
 def _kivi4(q):
-    from kvjax.codecs import kivi
+    from kvjax.policies.codecs import kivi
     same(q[0], grid_vs("kivi:bits=4"))
     same(q[1], grid_of_full("kivi:bits=4"))
     assert grid_of_full("kivi:bits=4") > grid_of_full("quantize:bits=8,group=32")

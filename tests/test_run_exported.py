@@ -1,7 +1,7 @@
 """An exported SmolLM2 artifact generates the live model's tokens, in a process without Flax.
 
 One artifact per method is exported once for the module (`full`, and
-`snapkv:ratio=0.5+kivi:bits=4`); a fresh Python subprocess that imports only `kvjax.exported`
+`snapkv:ratio=0.5+kivi:bits=4`); a fresh Python subprocess that imports only `kvjax.tools.exported`
 (it asserts that neither `flax` nor `models` was imported) generates greedily for batches of
 1, 3 and 8 real-text prompts from each, and the tokens must equal the live model's
 `models.sampler.generate` with the same method and prefill chunk, element for element.
@@ -40,7 +40,7 @@ CHUNK = 64
 
 RUNNER = r"""
 import json, sys
-from kvjax import exported
+from kvjax.tools import exported
 jobs = json.loads(sys.stdin.read())
 out = []
 for job in jobs:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.sharded_attention import PallasOnMesh, query_specs
+from kvjax.backends.sharded import PallasOnMesh, query_specs
 
 
 def _layer(b=2, kvh=2, t=40, cap=64, d=16):

@@ -156,7 +156,7 @@ def _check_tokens_and_collectives(rows: dict) -> None:
 
 BASIS = textwrap.dedent("""
     import numpy as np
-    from kvjax.low_rank import LowRankBasis
+    from kvjax.policies.low_rank import LowRankBasis
     rng = np.random.default_rng(0)  # random orthonormal per-head bases, [L, KVH, D, D]
     q = np.linalg.qr(rng.normal(size=(2, 4, 64, 64)))[0].astype(np.float32)
     energy = np.sort(rng.random((2, 4, 64)), -1)[..., ::-1].astype(np.float32)
@@ -284,18 +284,18 @@ PALLAS_MODEL = textwrap.dedent("""
     import json
     import jax, numpy as np
     import kvjax
-    import kvjax.dispatch
+    import kvjax.backends.dispatch
     from flax import nnx
     from models import sampler
     from models.llama import Llama, LlamaConfig
     from models.sharding import cache_placer, make_mesh, on_mesh, pallas_impl, shard_model
 
     calls = []  # layers that took the per-shard kernel (counted while tracing)
-    real = kvjax.dispatch.attend_on_mesh
+    real = kvjax.backends.dispatch.attend_on_mesh
     def counting(q, q_pos, layer, impl, **kw):
         calls.append(type(layer).__name__)
         return real(q, q_pos, layer, impl, **kw)
-    kvjax.dispatch.attend_on_mesh = counting
+    kvjax.backends.dispatch.attend_on_mesh = counting
 
     cfg = LlamaConfig.tiny(num_kv_heads=4, num_heads=8, head_dim=64, hidden_size=80,
                            intermediate_size=120)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
-from kvjax.stats import mean_rotation, query_mean_cov
+from kvjax.core.stats import mean_rotation, query_mean_cov
 from models.llama import apply_rope, rope_frequencies
 from models.sampler import prefill_batch
 

@@ -35,7 +35,7 @@ import pytest
 from kernels_pallas import page_formats as pf
 from kernels_pallas import tpu_compile as tc
 from kernels_pallas.paged_attention import paged_attention
-from kvjax.kernel_attention import MAX_QUERY_ROWS
+from kvjax.backends.pallas import MAX_QUERY_ROWS
 
 if not tc.libtpu_available():
     pytest.skip("libtpu is not importable: install the extra, pip install -e '.[tpu-compile]'",
@@ -205,7 +205,7 @@ def test_smollm2_decode_step_with_kivi_chain_compiles(monkeypatch, capsys):
     from flax import nnx
 
     import kvjax
-    from kvjax import dispatch
+    from kvjax.backends import dispatch
     from models.llama import Llama, LlamaConfig, new_cache
 
     # on a CPU host `pallas_backend()` is None and attend would fall back to XLA
@@ -239,7 +239,7 @@ def test_smollm2_decode_step_with_kivi_chain_compiles(monkeypatch, capsys):
               f"{capacity}) compiles for v5e: {kernels} Mosaic kernel calls, "
               f"{time.time() - start:.0f} s")
     # per layer: the recent part, and the body with narrow KIVI table windows (pages whose
-    # groups spread take XLA's block loop, no kernel: kvjax.kernel_attention.attend_partial)
+    # groups spread take XLA's block loop, no kernel: kvjax.backends.pallas.attend_partial)
     assert kernels == cfg.num_layers * 2
 
 
@@ -316,8 +316,8 @@ def test_shared_table_paged_layer_fits_smem_where_per_head_tables_do_not(capsys)
     heads in int4 pages of 64 (v5e): with per-head [B, KVH, NP] tables (1 MiB) Mosaic rejects it
     for SMEM; with `init_paged_cache(shared_tables=True)` the kernel gets [B, NP] tables
     (128 KiB, head_stride=1) and it compiles."""
-    from kvjax import kernel_attention as ka
-    from kvjax.paging import init_paged_cache
+    from kvjax.backends import pallas as ka
+    from kvjax.memory.paging import init_paged_cache
 
     b, kvh, heads, d, s, ctx = 64, 8, 32, 128, 64, 32768
     n_table = ctx // s
@@ -359,8 +359,8 @@ def _token_cache_step_bytes(chip, store, b, kvh, heads, d, c, hlo=False):
     """(whole compiled attend(impl="pallas") step bytes, the kernel's own estimate, kernel
     inputs) over an abstract TokenCache whose k and v are `store()` ([R, C, D] rows)."""
     from kernels_pallas.paged_attention import block_sizes, cost_estimate, rows_as_pages
-    from kvjax import kernel_attention as ka
-    from kvjax.cache import EMPTY, TokenCache
+    from kvjax.backends import pallas as ka
+    from kvjax.core.cache import EMPTY, TokenCache
 
     device = tc.tpu_device(chip)
     layer = jax.eval_shape(lambda: TokenCache(k=store(), v=store(), pos=jnp.full(
@@ -415,7 +415,7 @@ def test_packed_token_cache_step_reads_codes_in_place(chip, bits, group, symmetr
     layout copy of the positions and XLA's prefetches of small arrays into VMEM; before: 11-13x,
     a converted copy of the whole cache, docs/drafts/kernels.md). g = D covers scales applied
     on the scores."""
-    from kvjax import stores
+    from kvjax.core import stores
 
     b, c = 64, 32768
     kvh, heads = (3, 9) if d == 64 else (8, 32)

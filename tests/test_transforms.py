@@ -118,7 +118,7 @@ def test_a_compression_compiles_no_integer_tree_reductions(method):
     boolean reduction over more than 32 slots into three separately compiled kernels (two
     reduce-windows and a reduce). The compiled compression and `shrink`'s reader hold no
     integer or boolean reduce-window (before: 1-5 in these compressions, 1 in the reader)."""
-    from kvjax.layout import _usage
+    from kvjax.core.layout import _usage
     from models import sampler
     cache = _filled_layers([128, 128], tokens=100)
     t = parse_method(method)
@@ -132,7 +132,7 @@ def test_count_true_counts_exactly_on_short_and_long_axes():
     rng = np.random.default_rng(0)
     for shape, axis in (((3, 4112), -1), ((5, 40, 7), 1), ((1, 2 ** 24 + 3), 1)):
         mask = rng.random(shape) < 0.999
-        got = kvjax.stores.count_true(jnp.asarray(mask), axis)
+        got = kvjax.core.stores.count_true(jnp.asarray(mask), axis)
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(got, np.count_nonzero(mask, axis=axis))
 
@@ -144,7 +144,7 @@ def test_shrink_takes_stacked_layers_apart_with_one_program_per_layout(method):
     apart, element-wise, and compiles one reader of the cursors and table usage and one
     take-and-cut per layer layout and size (the three equal layers share both), not one per
     layer or part."""
-    from kvjax.layout import _take_resized, _usage, unstack_layers
+    from kvjax.core.layout import _take_resized, _usage, unstack_layers
     from models import sampler
     cache = _filled_layers([32, 32, 48, 32])
     t = parse_method(method)
@@ -168,7 +168,7 @@ def test_map_layers_reads_an_earlier_result_stacked_only_in_its_own_order(reorde
     xs = (jnp.arange(3.0), jnp.ones(5), 2 * jnp.ones(3), jnp.arange(3.0) + 7)
     first = lambda x: (x * 2, x.sum())
     second = lambda y: y[0] + y[1]
-    run = lambda xs: kvjax.layout.map_layers(second, reorder(kvjax.layout.map_layers(first, xs)))
+    run = lambda xs: kvjax.core.layout.map_layers(second, reorder(kvjax.core.layout.map_layers(first, xs)))
     want = run(xs)
     got = jax.jit(run)(xs)
     jax.tree_util.tree_map(np.testing.assert_array_equal, got, want)
@@ -177,7 +177,7 @@ def test_map_layers_reads_an_earlier_result_stacked_only_in_its_own_order(reorde
 def test_map_layers_groups_by_shape_and_keeps_layer_order():
     xs = (jnp.ones(3), jnp.ones(5), 2 * jnp.ones(3), 3 * jnp.ones(3))
     ws = (1.0, 2.0, 3.0, 4.0)
-    f = jax.jit(lambda xs, ws: kvjax.layout.map_layers(lambda x, w: w * x, xs, ws))
+    f = jax.jit(lambda xs, ws: kvjax.core.layout.map_layers(lambda x, w: w * x, xs, ws))
     out = f(xs, ws)
     for x, w, y in zip(xs, ws, out):
         np.testing.assert_array_equal(y, w * x)

@@ -1,0 +1,291 @@
+"""`attend(impl="pallas")`: the cache layers as page pools for the Pallas kernel.
+
+Every layer kind the kernel reads is a pool of pages plus block tables:
+
+- `PagedLayer`: as it is.
+- `TokenCache` (per-head layout): each row's `C` slots are `C/S` pages of
+  `S` slots; its KV heads share one block table per sequence (`[B, C/S]`,
+  head h at page offset `h * C/S`: KVH times less SMEM than per-head
+  tables); only the pages below the write cursor are read.
+  `S` is the largest power of two <= 256 that divides `C` (at least 8).
+  On TPU with `S` a multiple of 128, dense and `PackedTokens` stores go to
+  the kernel as *row pools* (`row_pages`): the kernel DMAs each page out of
+  the cache's own `[R, D, C]` / `[R, C, D]` rows (packed: the code words
+  `[R, W, C]`; only the float16 parameters are repacked, as Mosaic takes no
+  float16 arguments), so no page pool is built per call. Other layouts are
+  converted to a page pool each call (a copy of the cache).
+- `ResidualCache` (KIVI): the encoded body and the exact recent part are two
+  kernel calls whose softmax states are merged.
+
+Dense (float32/bf16/fp8), `PackedTokens` and `PackedChannels` stores are
+decoded inside the kernel. Pooled (head-wise budget) and low-rank layers are
+not: `supports_pallas` says no and `attend` uses the XLA path for them.
+
+Example:
+    >>> import kvjax
+    >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 1, 12, 8))   # [B, KVH, T, D]
+    >>> cache = kvjax.write(kvjax.init_cache(1, 1, 16, 8), k, v, jnp.arange(12)[None])
+    >>> q, q_pos = jax.random.normal(jax.random.key(1), (1, 1, 2, 8)), jnp.array([[11]])
+    >>> out = attend_pallas(q, q_pos, cache, backend="tpu", interpret=True)  # on CPU
+    >>> ref = kvjax.attend(q, q_pos, cache, impl="reference")
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
+    ((1, 1, 2, 8), True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import page_formats as pf
+from kernels_pallas.paged_attention import (NEG_INF, Partial, finish, merge,
+                                            paged_attention_partial)
+from kvjax.core.attention import blockwise_state
+from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
+from kvjax.memory.paging import PagedLayer
+from kvjax.core.stores import PackedChannels, PackedTokens, is_dense
+
+MAX_PAGE = 256
+MIN_PAGE = 8
+# Query rows (query tokens x query heads per KV head) one kernel call holds on chip. Measured
+# on an H200 (jax 0.11.2): a 256-token prefill chunk of SmolLM2 (768 rows) asked Triton for
+# 834 KiB of shared memory (232 KiB there); a 508-token chunk (1524 rows) failed to compile
+# for a v5e, out of VMEM (deviceless). Longer query blocks are split along T into calls of at
+# most this many rows.
+MAX_QUERY_ROWS = {"gpu": 64, "tpu": 256}
+
+
+def pallas_backend() -> str | None:
+    """The kernel backend of the default device: "tpu", "gpu", or None (CPU: no compiled Pallas)."""
+    platform = jax.default_backend()
+    return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
+
+
+def page_size_for(capacity: int) -> int | None:
+    """Largest power of two <= MAX_PAGE dividing `capacity`, or None below MIN_PAGE."""
+    if capacity < MIN_PAGE:
+        return None
+    size = MAX_PAGE
+    while size >= MIN_PAGE:
+        if capacity % size == 0:
+            return size
+        size //= 2
+    return None
+
+
+def _param_dtype(store) -> str:
+    return jnp.dtype(store.scale.dtype).name
+
+
+def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False,
+                 backend: str = "tpu"):
+    """(format, arrays) of a store whose slot leaves are [R, C, ...], as pages of `page` slots.
+
+    valid [R*C/page, page] bool marks the slots that hold tokens (KIVI's
+    table windows are placed by them). `wide`: KIVI windows span the whole
+    table (always exact; the fallback when a page's groups spread wider).
+    """
+    as_pages = lambda x: x.reshape(-1, page, *x.shape[2:])
+    if is_dense(store):
+        if backend == "tpu" and store.shape[-1] % 128:  # D < 128 lanes: XLA keeps it page-minor
+            return pf.DENSE_T, (jnp.swapaxes(as_pages(store), 1, 2),)
+        return pf.DENSE, (as_pages(store),)
+    if isinstance(store, PackedTokens) and backend == "tpu":
+        # the store's words as [P, W, S]: free for a page pool (XLA:TPU keeps [P, S, W]
+        # slot-minor), a transpose for a TokenCache's [R, C, W] rows cut in pages
+        fmt = pf.PackedTokenRows(store.bits, store.group, symmetric=store.offset is None,
+                                 param_dtype=_param_dtype(store))
+        offset = None if store.offset is None else as_pages(store.offset)
+        return fmt, fmt.from_store(as_pages(store.words), as_pages(store.scale), offset)
+    if isinstance(store, PackedTokens):
+        fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None,
+                              param_dtype=_param_dtype(store))
+        offset = None if store.offset is None else as_pages(store.offset)
+        return fmt, fmt.from_store(as_pages(store.words), as_pages(store.scale), offset)
+    if isinstance(store, PackedChannels):
+        fmt = channel_format(store, page, wide, backend)
+        words, ids = as_pages(store.words), as_pages(store.group_id)
+        page_row = jnp.arange(words.shape[0], dtype=jnp.int32) // (store.words.shape[1] // page)
+        return fmt, fmt.from_store(words, ids, valid, store.scale, store.offset, page_row)
+    return None
+
+
+def channel_format(store: PackedChannels, page: int, wide: bool = False,
+                   backend: str = "tpu") -> pf.PackedChannels:
+    """The kernel format of a KIVI key store read in pages of `page` slots.
+
+    The window is the groups a page of consecutive slots overlaps (`wide`:
+    the whole table). Both backends take any window (the GPU kernel gathers
+    each slot's table row; `backend` is kept for callers).
+    """
+    window = (pf.window_for(store.table_rows * store.group, store.group, store.table_rows)
+              if wide else pf.window_for(page, store.group, store.table_rows))
+    return pf.PackedChannels(store.bits, window, symmetric=store.offset is None,
+                             param_dtype=_param_dtype(store))
+
+
+def _windows_fit(layer: Any, page: int, backend: str) -> jax.Array | None:
+    """For a KIVI key store: do all pages' groups fit the narrow window? None otherwise."""
+    if not isinstance(layer, TokenCache) or not isinstance(layer.k, PackedChannels):
+        return None
+    store = layer.k
+    fmt = channel_format(store, page, backend=backend)
+    valid = (layer.pos != EMPTY).reshape(-1, page)
+    return fmt.window_start(store.group_id.reshape(-1, page), valid, store.table_rows)[1]
+
+
+def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict | None:
+    """The kernel's keyword arguments for one layer, or None if the kernel cannot read it."""
+    if isinstance(layer, PagedLayer):
+        # a page store's slot leaves are already [P, S, ...]: the reshape is the identity
+        valid = layer.pos[:, 0] != EMPTY
+        (kf, ka), (vf, va) = (_store_pages(layer.k, layer.page_size, valid, wide, backend),
+                              _store_pages(layer.v, layer.page_size, valid, wide, backend))
+        if layer.shared_tables:  # head h's page is head 0's + h: one [B, NP] table in SMEM
+            tables = dict(block_tables=layer.tables[:, 0], head_stride=1)
+        else:
+            tables = dict(block_tables=layer.tables)
+        return dict(k_pages=ka, v_pages=va, k_format=kf, v_format=vf, pos_pages=layer.pos,
+                    num_pages=layer.num_pages_used, **tables)
+    if not isinstance(layer, TokenCache) or layer.pooled:
+        return None
+    page = page_size_for(layer.capacity)
+    if page is None:
+        return None
+    b, kvh, c = layer.pos.shape
+    per_row = c // page
+    # one table per sequence, shared by its heads: row (b, h)'s page i is (b*KVH + h)*per_row + i
+    tables = (jnp.arange(b, dtype=jnp.int32)[:, None] * (kvh * per_row)
+              + jnp.arange(per_row, dtype=jnp.int32))
+    used = jnp.full((b, kvh), (layer.length + page - 1) // page, jnp.int32)
+    shared = dict(block_tables=tables, num_pages=used, head_stride=per_row)
+    k_rows, v_rows = row_pool(layer.k), row_pool(layer.v)
+    if backend == "tpu" and page % 128 == 0 and k_rows and v_rows:
+        # the kernel DMAs pages out of the cache's own rows (row_pages): no page pool is built
+        return dict(k_pages=k_rows[1], v_pages=v_rows[1], k_format=k_rows[0],
+                    v_format=v_rows[0], pos_pages=layer.pos.reshape(b * kvh, 1, c),
+                    row_pages=per_row, **shared)
+    valid = (layer.pos != EMPTY).reshape(-1, page)
+    k, v = (_store_pages(layer.k, page, valid, wide, backend),
+            _store_pages(layer.v, page, valid, wide, backend))
+    if k is None or v is None:
+        return None
+    return dict(k_pages=k[1], v_pages=v[1], k_format=k[0], v_format=v[0],
+                pos_pages=layer.pos.reshape(-1, 1, page), **shared)
+
+
+def row_pool(store: Any):
+    """(format, arrays) of a store read by the TPU kernel as its own rows (`row_pages`), or None.
+
+    Dense [R, C, D]: slot-last [R, D, C] below 128 lanes (XLA:TPU keeps such an
+    array slot-minor, so the view is free), row-major [R, C, D] otherwise.
+    `PackedTokens`: words as [R, W, C] (free, as for dense) and the 16-bit
+    parameters repacked into uint32 rows (a copy of the parameters only:
+    Mosaic takes no float16 arguments). KIVI keys: None (their per-row tables
+    become per-page windows, a conversion).
+    """
+    if is_dense(store):
+        if store.shape[-1] % 128:
+            return pf.DENSE_T, (jnp.swapaxes(store, 1, 2),)
+        return pf.DENSE, (store,)
+    if isinstance(store, PackedTokens):
+        fmt = pf.PackedTokenRows(store.bits, store.group, symmetric=store.offset is None,
+                                 param_dtype=_param_dtype(store))
+        return fmt, fmt.from_store(store.words, store.scale, store.offset)
+    return None
+
+
+def supports_pallas(layer: Any, backend: str | None = None) -> bool:
+    """True if `attend_pallas` reads this layer in the kernel of `backend` (default: the device's).
+
+    The GPU (Triton) kernel also needs a power-of-two head dim >= 16 and page size; other
+    layers take the XLA path there.
+    """
+    backend = backend or pallas_backend()
+    if isinstance(layer, ResidualCache):  # a body of 0 slots (all tokens in the window) is skipped
+        return ((layer.body.capacity == 0 or supports_pallas(layer.body, backend))
+                and supports_pallas(layer.recent, backend))
+    if isinstance(layer, PagedLayer):
+        page = layer.page_size
+    elif kernel_inputs(layer) is not None:
+        page = page_size_for(layer.capacity)
+    else:
+        return False
+    if backend == "gpu":
+        pow2 = lambda n: n >= 1 and n & (n - 1) == 0
+        return pow2(page) and pow2(layer.head_dim) and layer.head_dim >= 16
+    return True
+
+
+def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
+    """The kernel's softmax state of `q` over one layer (both parts of a residual layer)."""
+    if isinstance(layer, ResidualCache):
+        if layer.body.capacity == 0:
+            return attend_partial(q, q_pos, layer.recent, **kwargs)
+        return merge(attend_partial(q, q_pos, layer.body, **kwargs),
+                     attend_partial(q, q_pos, layer.recent, **kwargs))
+    backend = kwargs.get("backend", "tpu")
+    if not supports_pallas(layer, backend):
+        raise ValueError(f"attend_pallas: the {backend} kernel does not read a "
+                         f"{type(layer).__name__} of this layout (pooled, low-rank, capacity "
+                         f"without a page size >= {MIN_PAGE}, or on GPU a head dim or page size "
+                         f"that is not a power of two); use impl='xla'")
+    kernel = lambda: paged_attention_partial(q, q_pos, **kernel_inputs(layer, False, backend),
+                                             **kwargs)
+    fits = _windows_fit(layer, page_size_for(layer.capacity) or 0, backend) \
+        if isinstance(layer, TokenCache) else None
+    if fits is None:
+        return kernel()
+    # KIVI: the kernel with narrow per-page table windows, unless eviction spread some page's
+    # groups wider; then XLA's block loop over the store as it is (a whole-table window per
+    # page would cost ~200 GB of temporaries at 64 x 32k: docs/BENCHMARKS.md)
+    xla = lambda: _blockwise_partial(q, q_pos, layer, jax.eval_shape(kernel),
+                                     window=kwargs.get("window"), softcap=kwargs.get("softcap"))
+    return jax.lax.cond(fits, kernel, xla)
+
+
+def _blockwise_partial(q, q_pos, layer: TokenCache, like: Partial, *, window, softcap) -> Partial:
+    """`attention.blockwise_state` of a layer in the kernel's `Partial` layout and row count
+    (`like`: [B, KVH, rows, D], rows >= G*T padded with rows that saw nothing)."""
+    m, l, acc = blockwise_state(q, q_pos, layer, window=window, softcap=softcap)  # [R, GT, .]
+    b, kvh, rows = like.m.shape
+    gt = m.shape[1]
+    pad = lambda x, value: jnp.pad(x.reshape(b, kvh, gt, *x.shape[2:]),
+                                   [(0, 0), (0, 0), (0, rows - gt)] + [(0, 0)] * (x.ndim - 2),
+                                   constant_values=value)
+    return Partial(acc=pad(acc, 0.0), m=pad(m, NEG_INF), l=pad(l, 0.0))
+
+
+def query_tokens_per_call(group: int, backend: str) -> int:
+    """Query tokens one kernel call takes when each has `group` query heads per KV head."""
+    if backend not in MAX_QUERY_ROWS:
+        raise ValueError(f"attend_pallas: backend must be one of {tuple(MAX_QUERY_ROWS)}, got "
+                         f"{backend!r}")
+    return max(1, MAX_QUERY_ROWS[backend] // group)
+
+
+def attend_pallas(q: jax.Array, q_pos: jax.Array, layer: Any, *, window: int | None = None,
+                  softcap: float | None = None, backend: str | None = None, interpret=False,
+                  pages_per_split: int = 8) -> jax.Array:
+    """Attention over a layer with the Pallas kernel; the result `attend` gives, [B, T, H, D] f32.
+
+    `backend` defaults to the device's (`pallas_backend`); on CPU pass
+    `backend="tpu"` or `"gpu"` with `interpret=True` (tests do). A block of
+    more query rows than `MAX_QUERY_ROWS` (a prefill chunk) is attended in
+    calls over consecutive query tokens, one kernel launch each.
+    """
+    backend = backend or pallas_backend()
+    if backend is None:
+        raise ValueError("attend_pallas: no TPU or GPU; pass backend= with interpret=True")
+    tokens = query_tokens_per_call(q.shape[2] // layer.kv_heads, backend)
+    if q.shape[1] > tokens:  # a prefill chunk: calls over query blocks (queries are independent)
+        return jnp.concatenate([
+            attend_pallas(q[:, i:i + tokens], q_pos[:, i:i + tokens], layer, window=window,
+                          softcap=softcap, backend=backend, interpret=interpret,
+                          pages_per_split=pages_per_split)
+            for i in range(0, q.shape[1], tokens)], axis=1)
+    partial = attend_partial(q, q_pos, layer, window=window, softcap=softcap, backend=backend,
+                             interpret=interpret, pages_per_split=pages_per_split)
+    return finish(partial, q.shape)

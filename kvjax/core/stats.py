@@ -1,0 +1,158 @@
+"""Statistics the model collects for cache policies, passed to `CacheTransform.update`.
+
+Scoring policies need more than the cache: SnapKV and TOVA score slots by
+the attention of the latest queries, ExpectedAttention by the mean and
+covariance of the queries seen so far, H2O by the attention each slot has
+received. A policy declares what it needs in a `StatsSpec`; the model fills
+one `LayerStats` per layer while it runs (prefill chunk by chunk, then every
+decode step), so no statistic ever needs a `T x T` matrix:
+
+* `window`: the post-RoPE queries of the last `window` tokens and their
+  positions (a rolling buffer).
+* `query_moments`: running sums of the pre-RoPE queries and of their outer
+  products, over tokens at positions `>= moments_skip`, with the model's RoPE
+  frequencies (to rotate the statistics to future positions).
+* `attention_mass`: not here but in the cache (`TokenCache.mass`), because it
+  belongs to slots and must move with them when a policy compacts the cache.
+
+Example:
+    >>> from flax import nnx
+    >>> from kvjax import init_model_cache
+    >>> from models.llama import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))   # 4 query heads of 16
+    >>> cache = init_model_cache(model.config.cache_spec, batch=1, capacity=16)
+    >>> spec = StatsSpec(window=4)
+    >>> stats = model.init_stats(spec, cache)   # init_stats(spec, cache, 4, inv_freq)
+    >>> tokens = jnp.arange(8)[None]             # 8 tokens at positions 0..7
+    >>> h, cache, stats = model.forward(tokens, tokens, cache, stats, spec)
+    >>> stats[0].queries.shape, stats[0].query_pos.tolist()   # [B, window, H, D]: the last 4
+    ((1, 4, 4, 16), [[4, 5, 6, 7]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.core.attention import attention_mass
+from kvjax.core.cache import EMPTY, Layer, ResidualCache, TokenCache, split_slots
+
+
+@dataclasses.dataclass(frozen=True)
+class StatsSpec:
+    """What a policy needs the model to collect (hashable: it keys compilation)."""
+
+    window: int = 0  # keep the post-RoPE queries of the last `window` tokens
+    query_moments: bool = False  # running mean / covariance of pre-RoPE queries
+    moments_skip: int = 0  # positions below this are left out of the moments (sinks)
+    attention_mass: bool = False  # the cache accumulates attention per slot
+
+    def __post_init__(self):
+        if self.window < 0 or self.moments_skip < 0:
+            raise ValueError(f"StatsSpec: window and moments_skip must be >= 0, got {self}")
+
+    @property
+    def needed(self) -> bool:
+        return bool(self.window or self.query_moments or self.attention_mass)
+
+    def merge(self, other: "StatsSpec") -> "StatsSpec":
+        """The union of two needs (the larger window; moments must skip alike)."""
+        if self.query_moments and other.query_moments and self.moments_skip != other.moments_skip:
+            raise ValueError("StatsSpec.merge: two policies want query moments skipping "
+                             f"{self.moments_skip} and {other.moments_skip} positions")
+        return StatsSpec(
+            window=max(self.window, other.window),
+            query_moments=self.query_moments or other.query_moments,
+            moments_skip=self.moments_skip if self.query_moments else other.moments_skip,
+            attention_mass=self.attention_mass or other.attention_mass)
+
+
+NO_STATS = StatsSpec()
+
+
+class LayerStats(NamedTuple):
+    """One layer's statistics; a field that was not requested has a zero-sized axis."""
+
+    queries: jax.Array  # [B, W, H, D] float32 post-RoPE queries of the last W tokens
+    query_pos: jax.Array  # [B, W] int32 their positions, EMPTY where fewer tokens exist
+    q_sum: jax.Array  # [B, H, D'] float32 sum of pre-RoPE queries (D' = D or 0)
+    q_outer: jax.Array  # [B, H, D', D'] float32 sum of their outer products
+    q_count: jax.Array  # [B] float32 tokens in the sums
+    inv_freq: jax.Array  # [D/2] float32 the model's RoPE inverse frequencies
+
+
+def init_stats(spec: StatsSpec, cache: Sequence[TokenCache], num_heads: int,
+               inv_freq: np.ndarray) -> tuple[LayerStats, ...]:
+    """Empty statistics for every layer of `cache`."""
+    layer = cache[0]
+    b, d = layer.batch, layer.head_dim
+    dm = d if spec.query_moments else 0
+    empty = LayerStats(
+        queries=jnp.zeros((b, spec.window, num_heads, d), jnp.float32),
+        query_pos=jnp.full((b, spec.window), EMPTY, jnp.int32),
+        q_sum=jnp.zeros((b, num_heads, dm), jnp.float32),
+        q_outer=jnp.zeros((b, num_heads, dm, dm), jnp.float32),
+        q_count=jnp.zeros((b,), jnp.float32),
+        inv_freq=jnp.asarray(inv_freq, jnp.float32))
+    return tuple(empty for _ in cache)
+
+
+def observe(spec: StatsSpec, stats: LayerStats, q_pre: jax.Array, q: jax.Array,
+            positions: jax.Array) -> LayerStats:
+    """Fold one step's queries into a layer's statistics.
+
+    Args:
+      q_pre: [B, T, H, D] queries before RoPE; q: the same after RoPE.
+      positions: [B, T] int32, negative on padding tokens (ignored).
+    """
+    if spec.window:
+        w = spec.window
+        pos = jnp.where(positions < 0, EMPTY, positions).astype(jnp.int32)
+        queries = jnp.concatenate([stats.queries, q.astype(jnp.float32)], axis=1)[:, -w:]
+        query_pos = jnp.concatenate([stats.query_pos, pos], axis=1)[:, -w:]
+        stats = stats._replace(queries=queries, query_pos=query_pos)
+    if spec.query_moments:
+        use = (positions >= spec.moments_skip).astype(jnp.float32)  # [B, T]
+        x = q_pre.astype(jnp.float32) * use[:, :, None, None]
+        stats = stats._replace(
+            q_sum=stats.q_sum + x.sum(axis=1),
+            q_outer=stats.q_outer + jnp.einsum("bthi,bthj->bhij", x, x),
+            q_count=stats.q_count + use.sum(axis=1))
+    return stats
+
+
+def accumulate_mass(cache: Layer, q: jax.Array, positions: jax.Array) -> Layer:
+    """Add the attention that queries `q` [B, T, H, D] pay to each slot to `cache.mass`."""
+    if cache.mass is None:
+        return cache
+    added = attention_mass(q, positions, cache)  # [B, KVH, C] (body then recent slots)
+    if isinstance(cache, ResidualCache):
+        body, recent = split_slots(cache, added)
+        return cache.replace(body=cache.body.replace(mass=cache.body.mass + body),
+                             recent=cache.recent.replace(mass=cache.recent.mass + recent))
+    return cache.replace(mass=cache.mass + added)
+
+
+def query_mean_cov(stats: LayerStats) -> tuple[jax.Array, jax.Array]:
+    """Mean [B, H, D] and population covariance [B, H, D, D] of the observed pre-RoPE queries."""
+    n = jnp.maximum(stats.q_count, 1.0)[:, None, None]
+    mean = stats.q_sum / n
+    cov = stats.q_outer / n[..., None] - mean[..., :, None] * mean[..., None, :]
+    return mean, cov
+
+
+def mean_rotation(inv_freq: jax.Array, start: jax.Array, count: int) -> jax.Array:
+    """[B, D, D] the RoPE rotation (rotate-half convention) averaged over positions
+    `start[b] .. start[b] + count - 1`: the expected rotation of a future query."""
+    pos = start[:, None].astype(jnp.float32) + jnp.arange(count, dtype=jnp.float32)  # [B, N]
+    angles = pos[..., None] * inv_freq  # [B, N, D/2]
+    c, s = jnp.cos(angles).mean(axis=1), jnp.sin(angles).mean(axis=1)  # [B, D/2]
+    eye = jnp.eye(inv_freq.shape[0], dtype=jnp.float32)
+    block = lambda x: x[:, :, None] * eye  # [B, D/2, D/2] diagonal
+    top = jnp.concatenate([block(c), -block(s)], axis=2)
+    bottom = jnp.concatenate([block(s), block(c)], axis=2)
+    return jnp.concatenate([top, bottom], axis=1)

@@ -1,0 +1,198 @@
+"""Query-free scorers on the cached keys and values: KeyDiff, LagKV, CUR (kvpress 0.5.5).
+
+Each is a `Scorer` (see `kvjax.policies.eviction`) behind `scored_policy`, so budgets,
+per-layer schedules, Ada-KV head-wise budgets, compaction and `shrink` are
+shared with every other policy. Defaults are kvpress's. They need no
+statistics from the model: they read only the cache, so they also run during
+decode (`--compress-every`), where kvpress runs them at prefill only.
+
+Sequence-structured rules (LagKV's partitions, CUR's local windows, sinks)
+count tokens in position order per row (`kvjax.policies.eviction_sequence`), so a
+left-padded prompt in a batch scores exactly as it does alone.
+
+Example:
+    >>> import jax, jax.numpy as jnp, kvjax
+    >>> cache = kvjax.init_model_cache(kvjax.CacheSpec(1, 2, 4), batch=1, capacity=8)
+    >>> k, v = jax.random.normal(jax.random.key(0), (2, 1, 2, 8, 4))
+    >>> cache = (kvjax.write(cache[0], k, v, jnp.arange(8)[None]),)
+    >>> t = keydiff(ratio=0.5)
+    >>> out, _ = t.update(cache, t.init(cache), None)
+    >>> kvjax.num_valid(out[0]).tolist()
+    [[4, 4]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.policies.eviction import check_int, scored_policy
+from kvjax.policies.eviction_sequence import in_sequence, keys_values, to_slots
+from kvjax.core.transforms import CacheTransform
+
+# ----------------------------------------------------------------------------- KeyDiff
+
+
+def _normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x / max(||x||, eps) over the last axis (torch's F.normalize / cosine_similarity)."""
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), eps)
+
+
+def keydiff_scores(layer, stats, budget, key):
+    """KeyDiff: minus the cosine similarity of each key to the mean of the unit keys.
+
+    anchor = mean over the row's tokens of k / ||k||; score = -cos(k, anchor):
+    keys least like the average are kept (kvpress KeyDiffPress).
+    """
+    seq = in_sequence(layer)
+    k, _ = keys_values(seq, layer)  # [B, KVH, C, D] token order, zero past n
+    n = jnp.maximum(seq.n, 1).astype(jnp.float32)[..., None]  # [B, KVH, 1]
+    anchor = _normalize(k, 1e-12).sum(axis=2) / n  # [B, KVH, D]
+    cos = (_normalize(k, 1e-8) * _normalize(anchor, 1e-8)[:, :, None]).sum(-1)  # [B, KVH, C]
+    return to_slots(seq, jnp.where(seq.valid, -cos, 0.0)), jnp.zeros(seq.valid.shape, bool)
+
+
+# ----------------------------------------------------------------------------- LagKV
+
+
+def _lag_block_scores(x: jax.Array, lag: int) -> jax.Array:
+    """[B, KVH, NB, lag, D] blocks -> [B, KVH, NB, lag]: softmax over the block of the std
+    (over D) of each token min-max normalised by the NEXT block's per-channel range."""
+    ref = jnp.concatenate([x[:, :, 1:], jnp.zeros_like(x[:, :, :1])], axis=2)
+    lo, hi = ref.min(axis=3, keepdims=True), ref.max(axis=3, keepdims=True)
+    spread = jnp.std((x - lo) / (hi - lo), axis=-1, ddof=1)
+    return jax.nn.softmax(spread, axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class LagKVScorer:
+    """LagKV (kvpress LagKVPress, `cross_scoring=False`).
+
+    Tokens after `sinks` are cut into partitions of `lag`; each partition is
+    scored against the next one (the lag reference): per channel, min-max
+    normalise by the reference's range, take the std over channels, softmax
+    over the partition, average keys' and values' scores, and replace it by
+    its rank in the partition over `lag`. The sinks and the last full
+    partition plus the remainder score 1 (always kept first). Rows shorter
+    than `sinks + 2 * lag` score `(i - sinks) / (n - sinks)` (recency).
+    Many scores tie exactly (every partition holds the ranks 0..lag-1); ties
+    go to the earlier slot here, to torch's `topk` order in kvpress.
+    """
+
+    sinks: int = 4
+    lag: int = 128
+
+    def __call__(self, layer, stats, budget, key):
+        seq = in_sequence(layer)
+        k, v = keys_values(seq, layer)  # [B, KVH, C, D]
+        b, kvh, c, d = k.shape
+        i = jnp.arange(c)[None, None]  # [1, 1, C] token index
+        n = seq.n[..., None]  # [B, KVH, 1]
+        recency = jnp.where(i < self.sinks, 1.0, (i - self.sinks).astype(jnp.float32)
+                            / jnp.maximum(n - self.sinks, 1).astype(jnp.float32))
+        blocks = -(-max(c - self.sinks, 0) // self.lag)
+        width = blocks * self.lag
+        pad = lambda x: jnp.pad(x[:, :, self.sinks:], ((0, 0), (0, 0),
+                                                      (0, width - (c - self.sinks)), (0, 0)))
+        shape = (b, kvh, blocks, self.lag, d)
+        score = (_lag_block_scores(pad(k).reshape(shape), self.lag)
+                 + _lag_block_scores(pad(v).reshape(shape), self.lag)) / 2
+        ranks = jnp.argsort(jnp.argsort(score, axis=-1), axis=-1)
+        ranked = (ranks.astype(jnp.float32) / self.lag).reshape(b, kvh, width)
+        ranked = jnp.pad(ranked, ((0, 0), (0, 0), (self.sinks, 0)))[:, :, :c]  # token order
+        partitions = (n - self.sinks) // self.lag  # [B, KVH, 1] full partitions
+        scored = (i >= self.sinks) & (i < self.sinks + (partitions - 1) * self.lag)
+        lagged = jnp.where(scored, ranked, 1.0)
+        out = jnp.where(n < self.sinks + 2 * self.lag, recency, lagged)
+        return to_slots(seq, jnp.where(seq.valid, out, 0.0)), jnp.zeros(seq.valid.shape, bool)
+
+
+# ----------------------------------------------------------------------------- CUR
+
+
+def _local_share(x: jax.Array, window: int) -> jax.Array:
+    """[B, KVH, C] -> each token's share of its `window`-token block's sum (blocks from token 0)."""
+    b, kvh, c = x.shape
+    width = -(-c // window) * window
+    blocks = jnp.pad(x, ((0, 0), (0, 0), (0, width - c))).reshape(b, kvh, -1, window)
+    return (blocks / blocks.sum(-1, keepdims=True)).reshape(b, kvh, width)[:, :, :c]
+
+
+LEVERAGE_TYPES = ("key", "value", "kv_avg", "kv_product")
+
+
+@dataclasses.dataclass(frozen=True)
+class CURScorer:
+    """CurDKV's approximate leverage (kvpress CURPress, `use_random_leverage=False`).
+
+    k2 = ||k||^2 and v2 = ||v||^2 per token, each divided by its local
+    window's sum (`local_window` tokens, windows from the first token) when
+    `local_approximation`; combined as `leverage_type` (product by default),
+    normalised over the row; the first `sinks` tokens are kept.
+    """
+
+    sinks: int = 4
+    leverage_type: str = "kv_product"
+    local_approximation: bool = True
+    local_window: int = 16
+
+    def __call__(self, layer, stats, budget, key):
+        seq = in_sequence(layer)
+        k, v = keys_values(seq, layer)
+        k2, v2 = jnp.sum(k * k, -1), jnp.sum(v * v, -1)  # [B, KVH, C] zero past n
+        if self.local_approximation:
+            k2, v2 = _local_share(k2, self.local_window), _local_share(v2, self.local_window)
+        scores = {"key": k2, "value": v2, "kv_avg": (k2 + v2) / 2,
+                  "kv_product": k2 * v2}[self.leverage_type]
+        scores = jnp.where(seq.valid, scores, 0.0)
+        scores = scores / scores.sum(-1, keepdims=True)
+        i = jnp.arange(seq.valid.shape[-1])[None, None]
+        protect = seq.valid & (i < self.sinks)
+        return to_slots(seq, jnp.where(seq.valid, scores, 0.0)), to_slots(seq, protect)
+
+
+# ----------------------------------------------------------------------------- policies
+
+
+def keydiff(ratio: float | None = None, budget: int | None = None, **options) -> CacheTransform:
+    """KeyDiff (Park et al. 2025): keep the keys least similar to the mean key direction.
+
+    As kvpress KeyDiffPress: score = -cos(k, mean_t(k_t / ||k_t||)) on the
+    cached (post-RoPE) keys; no statistics needed. The paper's block-wise
+    prefill is `block` around it.
+    """
+    return scored_policy("keydiff", keydiff_scores, ratio=ratio, budget=budget, **options)
+
+
+def lagkv(ratio: float | None = None, budget: int | None = None, sinks: int = 4,
+          lag: int = 128, **options) -> CacheTransform:
+    """LagKV (Liang et al. 2025): score each partition of `lag` tokens against the next one.
+
+    As kvpress LagKVPress(n_sink=sinks, lag_size=lag); see `LagKVScorer`.
+    """
+    check_int("lagkv", "sinks", sinks, 0)
+    check_int("lagkv", "lag", lag, 1)
+    return scored_policy("lagkv", LagKVScorer(sinks, lag), ratio=ratio, budget=budget, **options)
+
+
+def cur(ratio: float | None = None, budget: int | None = None, sinks: int = 4,
+        leverage_type: str = "kv_product", local_approximation: bool = True,
+        local_window: int = 16, **options) -> CacheTransform:
+    """CurDKV (Sengupta et al. 2025): approximate key and value leverage scores.
+
+    As kvpress CURPress (without its random projection); see `CURScorer`.
+    `leverage_type` is one of key, value, kv_avg, kv_product.
+    """
+    check_int("cur", "sinks", sinks, 0)
+    check_int("cur", "local_window", local_window, 1)
+    if leverage_type not in LEVERAGE_TYPES:
+        raise ValueError(f"cur: leverage_type must be one of {', '.join(LEVERAGE_TYPES)}, "
+                         f"got {leverage_type!r}")
+    if not isinstance(local_approximation, bool):
+        raise ValueError(f"cur: local_approximation must be true or false, "
+                         f"got {local_approximation!r}")
+    scorer = CURScorer(sinks, leverage_type, local_approximation, local_window)
+    return scored_policy("cur", scorer, ratio=ratio, budget=budget, **options)
+

@@ -1,0 +1,253 @@
+"""Wrapper presses: methods that take another scored method (kvpress 0.5.5's wrappers).
+
+* `block` (kvpress BlockPress): compress block by block, as a prompt read in
+  blocks would be: start from the first `budget` tokens, then for each next
+  block of `block_size` tokens score the kept tokens plus the block with the
+  inner scorer (it sees only those tokens) and keep the best `budget`.
+* `chunkkv` (kvpress ChunkKVPress): keep whole chunks of `chunk_length`
+  tokens, the same chunks in every KV head, ranked by the inner scores
+  summed over heads and averaged over the chunk.
+
+The inner method is a scored-policy factory (`kvjax.keydiff`...; in a spec
+string its registered name, `block:inner=keydiff`) and runs at its defaults.
+
+Example:
+    >>> t = block(inner=keydiff, ratio=0.5)     # the KeyDiff paper's block-wise prefill
+    >>> t.update.scorer.block_size
+    128
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+import functools
+
+from kvjax.core.cache import EMPTY, view
+from kvjax.policies.eviction import (Scorer, ScoredUpdate, _check_budget, check_int, scored_policy,
+                                     snapkv)
+from kvjax.policies.eviction_geometry import keydiff
+from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
+from kvjax.core.layout import compact, map_layers
+from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
+from kvjax.core.stats import StatsSpec
+from kvjax.core.transforms import CacheTransform
+
+
+def _inner(factory, wrapper: str, ratio: float | None) -> tuple[Scorer, StatsSpec]:
+    """(scorer, stats) of the scored-policy `factory` at its defaults (and the wrapper's
+    ratio, for scorers that depend on it: Compactor's blending)."""
+    name = getattr(factory, "__name__", repr(factory))
+    if not callable(factory):
+        raise ValueError(f"{wrapper}: inner={factory!r} is not a method; give a scored policy "
+                         f"such as inner=keydiff")
+    try:
+        transform = factory(ratio=0.5 if ratio is None else ratio)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{wrapper}: inner={name} takes no ratio, so it is not a scored "
+                         f"policy ({e})") from None
+    if not isinstance(transform.update, ScoredUpdate) or transform.update.headwise:
+        raise ValueError(f"{wrapper}: inner={name} is not a per-head scored policy")
+    return transform.update.scorer, transform.stats
+
+
+def _keep_best(scores, protect, valid, budget) -> jax.Array:
+    """[B, KVH, C] the `budget` [B, KVH] best valid slots, protected ones first."""
+    scores = jnp.where(protect, jnp.inf, scores.astype(jnp.float32))
+    return (rank(scores, valid) < budget[..., None]) & valid
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScorer:
+    """BlockPress around `inner`: iterative block-wise selection; scores 1 = kept, 0 = not."""
+
+    inner: Scorer
+    block_size: int = 128
+
+    def __call__(self, layer, stats, budget, key):
+        seq = in_sequence(layer)
+        b, kvh, c = seq.order.shape
+        i = jnp.arange(c)[None, None]  # token index
+        n_kept = jnp.minimum(budget.reshape(-1, 1), seq.n)  # [B, KVH]
+        kept = seq.valid & (i < n_kept[..., None])  # the first n_kept tokens
+
+        def step(s, kept):
+            lo = n_kept + s * self.block_size
+            block = seq.valid & (i >= lo[..., None]) & (i < lo[..., None] + self.block_size)
+            current = kept | block  # token order
+            sub = layer.replace(pos=to_slots(seq, jnp.where(current, seq.pos, EMPTY)))
+            scores, protect = self.inner(sub, stats, budget, key)
+            keep = _keep_best(scores, protect, sub.pos != EMPTY, n_kept)  # slots
+            return gather(seq, keep[..., None])[..., 0]
+
+        steps = -(-c // self.block_size)
+        kept = jax.lax.fori_loop(0, steps, step, kept)
+        return to_slots(seq, kept.astype(jnp.float32)), jnp.zeros(seq.valid.shape, bool)
+
+
+def block(inner=keydiff, ratio: float | None = None, budget: int | None = None,
+          block_size: int = 128, **options) -> CacheTransform:
+    """BlockPress (KeyDiff paper, Park et al. 2025): compress block by block with `inner`.
+
+    As kvpress BlockPress(press=INNER(compression_ratio=ratio), block_size).
+    kvpress hands the kept tokens to the next block's scoring in score order;
+    kvjax in position order: scorers that read neighbours (LagKV, CUR, SnapKV's
+    window) differ there, order-free ones (KeyDiff, Knorm) do not.
+    """
+    check_int("block", "block_size", block_size, 1)
+    scorer, stats = _inner(inner, "block", ratio)
+    return scored_policy("block", BlockScorer(scorer, block_size), ratio=ratio, budget=budget,
+                         stats=stats, **options)
+
+
+# ----------------------------------------------------------------------------- ChunkKV
+
+
+def _press_scores(scores: jax.Array, protect: jax.Array, valid: jax.Array) -> jax.Array:
+    """[B, KVH, C] scores as a kvpress press returns them: protected slots (SnapKV's window)
+    at the row's largest unprotected score over all heads + 1."""
+    free = valid & ~protect
+    top = jnp.max(jnp.where(free, scores, -jnp.inf), axis=(1, 2), keepdims=True)
+    return jnp.where(protect, top + 1, scores)
+
+
+def chunk_keep(scores: jax.Array, n: jax.Array, chunk: int, n_chunks: jax.Array) -> jax.Array:
+    """[B, C] bool in token order: the `n_chunks` [B] best chunks of `chunk` tokens.
+
+    Args:
+      scores: [B, KVH, C] press scores in token order (zero past `n`).
+      n: [B] tokens per row. Chunks start at token 0; the last, partial chunk
+        (`n % chunk` tokens) competes with the mean of its own tokens.
+    """
+    b, _, c = scores.shape
+    width = -(-c // chunk) * chunk
+    summed = jnp.pad(scores.sum(axis=1), ((0, 0), (0, width - c))).reshape(b, -1, chunk)
+    i = jnp.arange(width).reshape(-1, chunk)  # [NC, chunk] token index
+    inside = (i[None] < n[:, None, None]).astype(jnp.float32)  # [B, NC, chunk]
+    count = inside.sum(-1)
+    means = jnp.where(count > 0, (summed * inside).sum(-1) / jnp.maximum(count, 1), -jnp.inf)
+    chosen = rank(means, count > 0) < n_chunks[:, None]  # [B, NC]
+    return jnp.repeat(chosen, chunk, axis=1)[:, :c] & (jnp.arange(c)[None] < n[:, None])
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkKVUpdate:
+    """The `update` of `chunkkv`: whole chunks kept, their number set by the ratio.
+
+    First update: `max(1, floor(chunks * (1 - ratio)))` chunks (kvpress's
+    rule; with a token `budget`, `max(1, budget // chunk_length)`), so the
+    kept count is a multiple of the chunk (plus the partial chunk when it
+    wins), not `n * (1 - ratio)`. Later updates keep `kept // chunk_length`
+    chunks of what the row holds then. Rows shorter than one chunk fall back to
+    the inner scorer's own top-k, as kvpress does.
+    """
+
+    scorer: Scorer
+    chunk_length: int = 20
+
+    def __call__(self, cache, state: BudgetState, stats=None):
+        budgets = layer_budgets(state, cache, "uniform", 64, 20.0)  # [L, B] n_kept
+        first = state.layer_budget[0] < 0  # [B]
+        ratio = state.ratio
+
+        def evict(layer, layer_stats, budget, index):
+            seen = view(layer)
+            key = jax.random.fold_in(state.key, index)
+            scores, protect = self.scorer(seen, layer_stats, budget, key)
+            valid = seen.pos != EMPTY
+            seq = in_sequence(seen)
+            press = _press_scores(jnp.where(valid, scores.astype(jnp.float32), 0.0), protect,
+                                  valid)
+            press = jnp.where(seq.valid, gather(seq, press[..., None])[..., 0], 0.0)
+            n = seq.n[:, 0]  # [B] (every head holds the same tokens)
+            chunks = -(-n // self.chunk_length)
+            by_ratio = jnp.floor(chunks.astype(jnp.float32) * (1 - ratio)).astype(jnp.int32)
+            n_chunks = jnp.where(first & (ratio >= 0), by_ratio, budget // self.chunk_length)
+            keep = jnp.broadcast_to(chunk_keep(press, n, self.chunk_length,
+                                               jnp.maximum(n_chunks, 1))[:, None], seq.valid.shape)
+            keep = to_slots(seq, keep)
+            top = (rank(jnp.where(protect, jnp.inf, scores), valid) < budget[:, None, None])
+            short = (n < self.chunk_length)[:, None, None]
+            keep = jnp.where(short, top, keep) & valid
+            kept = jnp.max(jnp.sum(keep, axis=-1), axis=-1).astype(jnp.int32)  # [B]
+            return compact(layer, keep), kept
+
+        per_layer = (cache, stats if stats is not None else (None,) * len(cache),
+                     tuple(budgets), tuple(range(len(cache))))
+        out = map_layers(evict, *per_layer)
+        layers = tuple(o[0] for o in out)
+        kept = jnp.stack([o[1] for o in out])  # [L, B]
+        return layers, state._replace(layer_budget=jnp.where(state.layer_budget < 0, kept,
+                                                             state.layer_budget))
+
+
+def chunkkv(inner=snapkv, ratio: float | None = None, budget: int | None = None,
+            chunk_length: int = 20, seed: int = 0) -> CacheTransform:
+    """ChunkKV (Liu et al. 2025): keep whole chunks, ranked by the inner method's scores.
+
+    As kvpress ChunkKVPress(press=INNER(compression_ratio=ratio),
+    chunk_length): the inner scores (protected slots at the row's maximum + 1,
+    as kvpress presses return them) summed over KV heads and averaged over
+    each chunk of `chunk_length` tokens; the best chunks are kept in every
+    head. kvpress picks batch row 0's chunks for every row; kvjax each row's own.
+    """
+    check_int("chunkkv", "chunk_length", chunk_length, 1)
+    check_int("chunkkv", "seed", seed, 0)
+    _check_budget("chunkkv", ratio, budget)
+    scorer, stats = _inner(inner, "chunkkv", ratio)
+    return CacheTransform(functools.partial(init_budget, ratio, budget, seed),
+                          ChunkKVUpdate(scorer, chunk_length), stats)
+
+
+# ----------------------------------------------------------------------------- key re-rotation
+
+
+def rotate(k: jax.Array, delta: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Keys `k` [..., C, D] moved by `delta` [..., C] positions in RoPE (rotate-half):
+    `k cos(delta f) + rotate_half(k) sin(delta f)`, float32 angles (kvpress's formula)."""
+    from kvjax.policies.eviction_sequence import rotate_half
+    angles = delta.astype(jnp.float32)[..., None] * inv_freq  # [..., C, D/2]
+    cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)
+    sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)
+    return k * cos + rotate_half(k) * sin
+
+
+def rerotate_layer(layer, inv_freq: jax.Array):
+    """One plain layer with its tokens moved to positions 0..n-1 in order, keys re-rotated."""
+    from kvjax.core.cache import TokenCache
+    if not isinstance(layer, TokenCache) or layer.pooled or layer.k.dtype.kind != "f":
+        raise ValueError("rerotate: needs plain float token caches (put it before any codec, "
+                         f"without headwise budgets); got {type(layer).__name__}")
+    seq = in_sequence(layer)
+    index = to_slots(seq, jnp.broadcast_to(jnp.arange(layer.capacity), seq.order.shape))
+    valid = layer.pos != EMPTY
+    delta = jnp.where(valid, index - layer.pos, 0)  # [B, KVH, C]
+    k = rotate(layer.logical_k.astype(jnp.float32), delta, inv_freq).astype(layer.k.dtype)
+    return layer.replace(k=k.reshape(layer.k.shape),
+                         pos=jnp.where(valid, index, EMPTY).astype(layer.pos.dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class RerotateUpdate:
+    """`rerotate`'s update: every layer's kept tokens at contiguous positions."""
+
+    def __call__(self, cache, state, stats=None):
+        if stats is None:
+            raise ValueError("rerotate needs the model's RoPE frequencies: run the model with "
+                             "the transform's StatsSpec (the sampler does this)")
+        return tuple(rerotate_layer(layer, s.inv_freq) for layer, s in zip(cache, stats)), state
+
+
+def rerotate() -> CacheTransform:
+    """Key re-rotation (kvpress KeyRerotationPress): after the parts before it evict, move
+    the kept tokens to positions 0..n_kept-1 in order and re-rotate their keys to match.
+
+    `knorm:ratio=0.5+rerotate` equals KeyRerotationPress(KnormPress(0.5)): the same kept
+    tokens, keys rotated by `new - old` positions with float32 angles. New tokens keep
+    their own positions (the prompt's length onwards), as in kvpress; under decode-time
+    compression every update closes the gaps again.
+    """
+    return CacheTransform(lambda cache: (), RerotateUpdate(), StatsSpec(window=1))

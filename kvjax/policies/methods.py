@@ -1,0 +1,390 @@
+"""Parse method specs such as ``"full"`` or ``"snapkv:ratio=0.5+kivi:bits=2"``.
+
+A spec is one or more `NAME[:key=value,...]` parts joined by ``+``; each part
+names a registered transform factory and its keyword arguments; the parts
+are chained in order. Every part also accepts ``layers=A-B`` (inclusive) or
+``layers=A;B;C``: the transform then acts on those layers only, so
+``snapkv:ratio=0.5,layers=0-14+knorm:ratio=0.5,layers=15-29`` gives each half
+of the model its own policy. Parsing the same spec twice returns the same
+`CacheTransform` object, so jitted code keyed on it does not recompile.
+
+Example:
+    >>> parse_method("full")
+    CacheTransform(init=..., update=...)
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from kvjax.policies import (codecs, eviction, eviction_compactor, eviction_geometry,
+                            eviction_wrappers)
+from kvjax.policies.low_rank import LowRankBasis, low_rank
+from kvjax.core.transforms import CacheTransform, chain, full, on_layers
+
+
+def _low_rank_from_file(rank: int, basis: str, key_rank: int | None = None,
+                        value_rank: int | None = None) -> CacheTransform:
+    """`low_rank` with its basis read from an .npz file (`kvjax calibrate --out FILE`)."""
+    if Path(str(basis)).is_dir():
+        raise ValueError(f"low_rank: basis={basis} is a directory; pass the .npz file that "
+                         f"`kvjax calibrate --out FILE` wrote")
+    try:
+        loaded = LowRankBasis.load(basis)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # numpy and zipfile errors on a file that is not a basis
+        raise ValueError(f"low_rank: basis={basis} is not a basis written by `kvjax calibrate` "
+                         f"({type(e).__name__}: {e})") from None
+    return low_rank(loaded, rank, key_rank, value_rank)
+
+
+def _inner_by_name(wrapper: Callable[..., CacheTransform]) -> Callable[..., CacheTransform]:
+    """`wrapper` taking its `inner` method by registered name, as a spec string gives it."""
+
+    @functools.wraps(wrapper)
+    def factory(*args, inner=None, **kwargs):
+        if inner is not None:
+            if not isinstance(inner, str) or inner not in METHODS:
+                raise ValueError(f"{wrapper.__name__}: inner={inner!r} is not a registered "
+                                 f"method{did_you_mean(str(inner), METHODS)}; give a scored "
+                                 f"policy such as inner=keydiff")
+            kwargs["inner"] = METHODS[inner]
+        return wrapper(*args, **kwargs)
+
+    return factory
+
+
+METHODS: dict[str, Callable[..., CacheTransform]] = {
+    "full": full,
+    "streaming_llm": eviction.streaming_llm,
+    "sliding_window": eviction.sliding_window,
+    "snapkv": eviction.snapkv,
+    "pyramidkv": eviction.pyramidkv,
+    "tova": eviction.tova,
+    "h2o": eviction.h2o,
+    "knorm": eviction.knorm,
+    "random": eviction.random,
+    "expected_attention": eviction.expected_attention,
+    "keydiff": eviction_geometry.keydiff,
+    "lagkv": eviction_geometry.lagkv,
+    "cur": eviction_geometry.cur,
+    "leverage": eviction_compactor.leverage,
+    "non_causal_attn": eviction_compactor.non_causal_attn,
+    "compactor": eviction_compactor.compactor,
+    "block": _inner_by_name(eviction_wrappers.block),
+    "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
+    "rerotate": eviction_wrappers.rerotate,
+    "quantize": codecs.quantize,
+    "kivi": codecs.kivi,
+    "fp8": codecs.fp8,
+    "low_rank": _low_rank_from_file,
+}
+"""Registered method factories by CLI name; extended by `register_method`."""
+
+from kvjax.policies import recurrent  # noqa: E402  (after METHODS: registers itself below)
+
+
+class MethodInfo(NamedTuple):
+    """What `kvjax methods` publishes about a method besides its signature."""
+
+    paper: str | None = None  # authors year, link
+    kvpress: str | None = None  # the kvpress 0.5.5 press it equals, at kvpress's defaults
+    spec: str | None = None  # the kvjax spec that equals it; {r} = kvpress's compression_ratio
+    proof: str | None = None  # the test that compares kept positions with kvpress's
+
+
+_PARITY = "tests/test_kvpress_parity.py"
+_ZOO = "tests/test_kvpress_zoo_parity.py"
+_COMPACTOR = "Chari & Van Durme 2025, https://arxiv.org/abs/2507.08143"
+METHOD_INFO: dict[str, MethodInfo] = {
+    "streaming_llm": MethodInfo("Xiao et al. 2023, https://arxiv.org/abs/2309.17453",
+                                "StreamingLLMPress", "streaming_llm:ratio={r}", _PARITY),
+    "snapkv": MethodInfo("Li et al. 2024, https://arxiv.org/abs/2404.14469", "SnapKVPress",
+                         "snapkv:ratio={r}", _PARITY),
+    "pyramidkv": MethodInfo("Cai et al. 2024, https://arxiv.org/abs/2406.02069",
+                            "PyramidKVPress", "pyramidkv:ratio={r}", _PARITY),
+    "tova": MethodInfo("Oren et al. 2024, https://arxiv.org/abs/2401.06104", "TOVAPress",
+                       "tova:ratio={r}", _PARITY),
+    "h2o": MethodInfo("Zhang et al. 2023, https://arxiv.org/abs/2306.14048"),
+    "knorm": MethodInfo("Devoto et al. 2024, https://arxiv.org/abs/2406.11430", "KnormPress",
+                        "knorm:ratio={r}", _PARITY),
+    "expected_attention": MethodInfo("Devoto et al. 2025 (kvpress)", "ExpectedAttentionPress",
+                                     "expected_attention:ratio={r}", _PARITY),
+    "keydiff": MethodInfo("Park et al. 2025, https://arxiv.org/abs/2504.15364", "KeyDiffPress",
+                          "keydiff:ratio={r}", _ZOO),
+    "lagkv": MethodInfo("Liang et al. 2025, https://arxiv.org/abs/2504.04704", "LagKVPress",
+                        "lagkv:ratio={r}", _ZOO),
+    "cur": MethodInfo("Sengupta et al. 2025, https://arxiv.org/abs/2509.15038", "CURPress",
+                      "cur:ratio={r}", _ZOO),
+    "leverage": MethodInfo(_COMPACTOR, "LeverageScorePress", "leverage:ratio={r}", _ZOO),
+    "non_causal_attn": MethodInfo(_COMPACTOR, "NonCausalAttnPress", "non_causal_attn:ratio={r}",
+                                  _ZOO),
+    "compactor": MethodInfo(_COMPACTOR, "CompactorPress", "compactor:ratio={r}", _ZOO),
+    "block": MethodInfo("Park et al. 2025, https://arxiv.org/abs/2504.15364", "BlockPress",
+                        "block:inner=keydiff,ratio={r}", _ZOO),
+    "chunkkv": MethodInfo("Liu et al. 2025, https://arxiv.org/abs/2502.00299", "ChunkKVPress",
+                          "chunkkv:inner=snapkv,ratio={r}", _ZOO),
+    "rerotate": MethodInfo("SinkCache / FINCH (Corallo & Papotti 2024)", "KeyRerotationPress",
+                           "knorm:ratio={r}+rerotate", _ZOO),
+    "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
+}
+"""Paper and kvpress equivalence per method name (absent: none known)."""
+
+
+def _signature_arguments(factory: Callable) -> list[dict]:
+    """[{name, default}] of a factory's keyword arguments (**options: scored_policy's)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return []
+    out = []
+    for name, p in params.items():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:
+            extra = inspect.signature(eviction.scored_policy).parameters
+            out += [{"name": k, "default": _json_default(q.default)} for k, q in extra.items()
+                    if k not in ("name", "scorer", "stats", "ratio", "budget") and k not in params]
+            continue
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        default = None if p.default is inspect.Parameter.empty else _json_default(p.default)
+        out.append({"name": name, "default": default,
+                    **({"required": True} if p.default is inspect.Parameter.empty else {})})
+    return out
+
+
+def _json_default(value):
+    if isinstance(value, (int, float, str, bool, type(None))):
+        return value
+    return getattr(value, "__name__", None) or repr(value)  # a wrapper's inner method
+
+
+def describe_methods() -> list[dict]:
+    """Every registered method: name, arguments with defaults, one-line description, paper,
+    the kvpress press it equals with the kvjax spec that equals it, and the test proving it.
+
+    Example:
+        >>> [m for m in describe_methods() if m["name"] == "keydiff"][0]["kvpress"]
+        'KeyDiffPress'
+    """
+    out = []
+    for name in sorted(METHODS):
+        factory = METHODS[name]
+        doc = " ".join((inspect.getdoc(factory) or "").strip().split("\n\n")[0].split())
+        info = METHOD_INFO.get(name, MethodInfo())
+        out.append({"name": name, "description": doc, "arguments": _signature_arguments(factory),
+                    **info._asdict()})
+    return out
+
+
+def register_method(name: str, factory: Callable[..., CacheTransform]) -> None:
+    """Make `factory` available to `parse_method` under `name`."""
+    METHODS[name] = factory
+
+
+PLUGINS_ENV = "KVJAX_PLUGINS"
+_loaded_plugins: set[str] = set()
+
+
+def load_plugins(spec: str | None = None) -> None:
+    """Import the plugin files or modules in `spec` (default `$KVJAX_PLUGINS`), once each.
+
+    `spec` is `os.pathsep`-separated: `.py` files or importable module names
+    whose import calls `register_method`. `parse_method` calls this when it
+    meets an unknown name, so the command line and every `kvjax eval` worker
+    (which inherit the environment) find methods defined outside kvjax.
+    """
+    import importlib
+    import importlib.util
+    import os
+    import sys
+
+    for item in filter(None, (spec if spec is not None else
+                              os.environ.get(PLUGINS_ENV, "")).split(os.pathsep)):
+        if item in _loaded_plugins:
+            continue
+        path = Path(item).expanduser()
+        if item.endswith(".py") or os.sep in item or path.exists():
+            if not path.is_file():
+                raise ValueError(f"plugin {item}: " + ("is a directory: need a .py file"
+                                 if path.is_dir() else f"no such file (from ${PLUGINS_ENV})"))
+            try:
+                module_spec = importlib.util.spec_from_file_location(path.stem, path)
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules.setdefault(path.stem, module)
+                module_spec.loader.exec_module(module)
+            except (Exception, SystemExit) as e:  # a syntax error, the plugin raising/exiting
+                raise ValueError(f"plugin {item}: {_plugin_error(e)}") from None
+        else:
+            try:
+                importlib.import_module(item)
+            except ImportError as e:
+                raise ValueError(f"plugin {item}: cannot import this module ({e}; from "
+                                 f"${PLUGINS_ENV})") from None
+            except (Exception, SystemExit) as e:
+                raise ValueError(f"plugin {item}: {_plugin_error(e)}") from None
+        _loaded_plugins.add(item)
+
+
+def _plugin_error(e: Exception) -> str:
+    """One line for an exception raised while importing a plugin (with its line for a
+    syntax error)."""
+    where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}{where}: {first}"
+
+
+def _parse_value(text: str) -> int | float | bool | str:
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return text
+
+
+def split_part(part: str) -> tuple[str, dict]:
+    """"snapkv:ratio=0.5,window=32" -> ("snapkv", {"ratio": 0.5, "window": 32})."""
+    name, _, args = part.partition(":")
+    name = name.strip()
+    kwargs = {}
+    for item in filter(None, (a.strip() for a in args.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"method {name!r}: argument {item!r} is not key=value")
+        if key.strip() in kwargs:
+            raise ValueError(f"method {name!r}: argument {key.strip()!r} is given twice")
+        kwargs[key.strip()] = _parse_value(value.strip())
+    return name, kwargs
+
+
+def did_you_mean(word: str, choices) -> str:
+    """" (did you mean 'x'?)" for the closest of `choices`, or ""."""
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_keywords(name: str, factory: Callable, kwargs: dict) -> None:
+    """ValueError naming an argument the factory does not take (with a did-you-mean)."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return
+    known = [k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    if len(known) < len(params):  # **options: a scored policy passes them to scored_policy
+        known += [k for k in inspect.signature(eviction.scored_policy).parameters
+                  if k not in ("name", "scorer", "stats")]
+        known = list(dict.fromkeys(known))
+    for key in kwargs:
+        if key not in known:
+            raise ValueError(f"method {name!r}: bad arguments: unknown argument {key!r}"
+                             f"{did_you_mean(key, known)}; it takes "
+                             f"{', '.join(known) or 'no arguments'} (and layers)")
+
+
+def _parse_part(part: str) -> CacheTransform:
+    name, kwargs = split_part(part)
+    if name not in METHODS:
+        load_plugins()
+    if name not in METHODS:
+        plugins = (f" (plugins loaded: {', '.join(sorted(_loaded_plugins))}; none registered "
+                   f"it)" if _loaded_plugins else "")
+        raise ValueError(f"unknown method {name!r}{did_you_mean(name, METHODS)}; "
+                         f"available: {', '.join(sorted(METHODS))}{plugins}")
+    layers = kwargs.pop("layers", None)
+    if layers is not None and "layers" in inspect.signature(METHODS[name]).parameters:
+        kwargs["layers"], layers = tuple(_parse_layers(str(layers))), None  # absolute indices
+    _check_keywords(name, METHODS[name], kwargs)
+    try:
+        transform = METHODS[name](**kwargs)
+    except TypeError as e:
+        raise ValueError(f"method {name!r}: bad arguments {kwargs}: {e}") from None
+    return transform if layers is None else on_layers(transform, _parse_layers(str(layers)))
+
+
+def _parse_layers(text: str) -> list[int]:
+    """"3-5" -> [3, 4, 5]; "0;2;7" -> [0, 2, 7]; ValueError for negative or reversed ranges."""
+    try:
+        if "-" in text:
+            first, last = (int(x) for x in text.split("-"))
+            layers = list(range(first, last + 1))
+        else:
+            layers = [int(x) for x in text.split(";")]
+    except ValueError:
+        raise ValueError(f"layers={text!r}: expected A-B or A;B;C with layer indices >= 0") \
+            from None
+    if not layers or min(layers) < 0:
+        raise ValueError(f"layers={text!r}: expected A-B (A <= B) or A;B;C with layer "
+                         f"indices >= 0")
+    return layers
+
+
+def method_layers(spec: str) -> list[tuple[str, list[int]]]:
+    """(part name, layers it names) for every part of `spec` with a `layers=` argument."""
+    out = []
+    for part in (p for p in spec.split("+") if p.strip()):
+        name, kwargs = split_part(part)
+        if "layers" in kwargs:
+            out.append((name, _parse_layers(str(kwargs["layers"]))))
+    return out
+
+
+def check_method(spec: str, num_layers: int) -> CacheTransform:
+    """`parse_method(spec)`, also checking every `layers=` against a model of `num_layers`.
+
+    Example:
+        >>> check_method("snapkv:ratio=0.5,layers=0-99", 30)
+        Traceback (most recent call last):
+        ...
+        ValueError: method 'snapkv': layers names layer 99; the model has 30 layers, 0-29
+    """
+    transform = parse_method(spec)
+    for name, layers in method_layers(spec):
+        if max(layers) >= num_layers:
+            raise ValueError(f"method {name!r}: layers names layer {max(layers)}; the model "
+                             f"has {num_layers} layers, 0-{num_layers - 1}")
+    return transform
+
+
+def parse_method(spec: str) -> CacheTransform:
+    """The `CacheTransform` a spec string describes (see module docstring).
+
+    Policies built under `kvjax.debug_checks()` check their scores
+    for NaN; the flag is part of the cache key.
+    """
+    if not isinstance(spec, str):
+        raise ValueError(f"a method spec is a string such as 'snapkv:ratio=0.5', got {spec!r}")
+    return _parse_method(spec, eviction.debug_checks_enabled())
+
+
+@functools.lru_cache(maxsize=None)
+def _parse_method(spec: str, debug: bool) -> CacheTransform:
+    parts = spec.split("+")
+    if not any(p.strip() for p in parts):
+        raise ValueError("empty method spec")
+    for i, part in enumerate(parts):
+        if not part.strip() or not part.partition(":")[0].strip():
+            raise ValueError(f"method spec {spec!r}: part {i + 1} of {len(parts)} "
+                             f"({part.strip()!r}) has no method name; parts are NAME[:k=v,...] "
+                             f"joined by '+' (no empty part, no trailing '+')")
+    transforms = []
+    for part in parts:
+        t = _parse_part(part)
+        if hasattr(t, "wrap"):  # fold: wraps the parts before it (kvjax.policies.recurrent.Fold)
+            if not transforms:
+                raise ValueError(f"method part {part!r} folds what the parts before it evict; "
+                                 f"put an eviction policy first, e.g. 'snapkv:ratio=0.75+{part}'")
+            t = t.wrap(transforms[0] if len(transforms) == 1 else chain(*transforms))
+            transforms = []
+        transforms.append(t)
+    return transforms[0] if len(transforms) == 1 else chain(*transforms)
+
+
+register_method("linear_state", recurrent.linear_state)
+register_method("fold", recurrent.fold)
