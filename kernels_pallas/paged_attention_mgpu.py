@@ -52,7 +52,7 @@ to find a solution"): a `[W, S]` code plane (W = 8 rows for 4-bit, D = 64)
 stored into a swizzled bf16 SMEM tile has no layout; the packed path is
 interpret-proven only. No GPU has run any of it: `attend(impl="pallas")` on a
 GPU stays on Triton, and this kernel is chosen explicitly (call
-`paged_attention_mgpu`; `experiments/bench_kernels.py` times it).
+`paged_attention_mgpu`; `experiments/bench/kernels.py` times it).
 
 Example (GPU interpret mode on CPU):
     >>> from kernels_pallas.paged_attention import paged_attention_reference

@@ -276,7 +276,7 @@ def prefill_inputs(model: Llama, prompts: Sequence[Sequence[int]], *,
     """`prefill_batch`'s checked inputs: ((tokens, positions, cache, stats, chunk, spec),
     prompt lengths [B]), the prompts left-padded to a multiple of the chunk actually used and
     an empty cache of `capacity` slots. `_prefill(model, *inputs, impl)` runs them; their
-    shapes are what a prefill compiles for (`experiments/bench_compile.py --compile-only`)."""
+    shapes are what a prefill compiles for (`experiments/bench/compile.py --compile-only`)."""
     if not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     chunk = min(chunk, max(len(p) for p in prompts)) if prompts else chunk

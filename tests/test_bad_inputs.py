@@ -246,7 +246,7 @@ def test_load_model_rejects_a_non_float_dtype(tiny_gguf):
 
 
 def test_model_entries_check_positions_and_token_ids(tiny_model):
-    from experiments.ppl import perplexity
+    from experiments.eval.ppl import perplexity
     from models.sampler import prefill_batch
     from models.scoring import token_logprobs
 
@@ -280,7 +280,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_load(tmp_path, mon
 
 
 def cli(capsys, *argv):
-    from experiments.cli import main
+    from experiments.cli.main import main
     try:
         code = main([str(a) for a in argv])
     except SystemExit as e:  # argparse's own errors
@@ -360,9 +360,9 @@ def test_cli_accepts_good_input_on_the_tiny_model(capsys, tiny_gguf):
 
 
 def test_a_nan_perplexity_is_an_error_not_invalid_json(capsys, tiny_gguf, monkeypatch):
-    import experiments.ppl
-    from experiments.ppl import Perplexity
-    monkeypatch.setattr(experiments.ppl, "perplexity",
+    import experiments.eval.ppl
+    from experiments.eval.ppl import Perplexity
+    monkeypatch.setattr(experiments.eval.ppl, "perplexity",
                         lambda *a, **k: Perplexity(float("nan"), float("nan"), 10))
     code, out, err = cli(capsys, "ppl", "--model", tiny_gguf, "--text", DATA / "kjv_genesis.txt",
                          "--context", "64", "--max-tokens", "128", "--json")

@@ -1,9 +1,9 @@
-"""experiments/bench_kernels.py --smoke: every code path of the GPU benchmark on tiny shapes in
+"""experiments/bench/kernels.py --smoke: every code path of the GPU benchmark on tiny shapes in
 interpret mode (CPU), and its outputs written; the timings themselves mean nothing here."""
 
 import json
 
-from experiments import bench_kernels
+from experiments.bench import kernels as bench_kernels
 
 
 def test_smoke_runs_every_format_and_jax_kernel(tmp_path):
@@ -29,11 +29,11 @@ def test_smoke_runs_every_format_and_jax_kernel(tmp_path):
 
 
 def test_model_check_rows_on_cpu():
-    """experiments/gpu_model_check.py's report on CPU, where impl="pallas" takes the XLA path:
+    """experiments/bench/gpu_model_check.py's report on CPU, where impl="pallas" takes the XLA path:
     every token identical, no kernel call in the step, one row per method with its timings."""
     import argparse
 
-    from experiments import gpu_model_check
+    from experiments.bench import gpu_model_check
     args = argparse.Namespace(layers=1, methods=["full", "snapkv:ratio=0.5+kivi:bits=4"],
                               prompt_lengths=[40, 9], new_tokens=3)
     report = gpu_model_check.run(args)

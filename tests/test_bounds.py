@@ -42,7 +42,7 @@ def test_method_spec_rejects_empty_parts(spec, part):
 ])
 def test_launch_rejects_out_of_range_options(argv, message, capsys, monkeypatch):
     import subprocess
-    from experiments import cli
+    from experiments.cli import main as cli
 
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process started"))
     assert cli.main(["launch", *argv, "--", "true"]) == 2
@@ -63,7 +63,7 @@ def test_launch_rejects_out_of_range_options(argv, message, capsys, monkeypatch)
 def test_export_rejects_bad_options_before_loading_the_model(argv, message, capsys, tmp_path,
                                                               monkeypatch):
     import models.loading
-    from experiments import cli
+    from experiments.cli import main as cli
 
     monkeypatch.setattr(models.loading, "load_model",
                         lambda *a, **k: pytest.fail("the model was loaded"))
@@ -73,7 +73,7 @@ def test_export_rejects_bad_options_before_loading_the_model(argv, message, caps
 
 
 def test_run_exported_rejects_a_missing_folder_and_bad_counts(tmp_path, capsys):
-    from experiments import cli
+    from experiments.cli import main as cli
 
     assert cli.main(["run-exported", str(tmp_path / "nope"), "--prompt", "x"]) == 2
     assert "no such artifact folder" in capsys.readouterr().err

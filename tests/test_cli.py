@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cli import main
+from experiments.cli.main import main
 from tests.conftest import smollm2_path
 
 DATA = Path(__file__).parents[1] / "experiments" / "data"
@@ -100,7 +100,7 @@ def test_run_exported_imports_neither_flax_nor_models(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom experiments.cli import main\n"
+    code = ("import sys\nfrom experiments.cli.main import main\n"
             f"rc = main(['run-exported', {str(tmp_path / 'none')!r}, '--prompt', 'hi'])\n"
             "print(rc, sorted(m for m in ('flax', 'models') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

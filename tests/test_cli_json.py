@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cli import build_parser, main
+from experiments.cli.main import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_eval_and_bench_report_as_json(capsys, tmp_path, command, config, folder
 
 
 def test_json_safe_turns_non_finite_numbers_into_null():
-    from experiments.cli import json_safe
+    from experiments.cli.main import json_safe
     value = json_safe({"a": float("nan"), "b": [1.0, float("inf")], "c": "x", "d": 2})
     assert value == {"a": None, "b": [1.0, None], "c": "x", "d": 2}
     json.dumps(value, allow_nan=False)

@@ -30,7 +30,7 @@ def _compile(*extra: str, timeout: int = 1500) -> subprocess.CompletedProcess:
     Only that crash earns a second run; any other failure, or a second crash, fails the test.
     """
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    command = [sys.executable, "-m", "experiments.cli", "compile", *extra]
+    command = [sys.executable, "-m", "experiments.cli.main", "compile", *extra]
     for _ in range(2):
         proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         if not libtpu_compiler_crashed(proc):
@@ -121,7 +121,7 @@ def test_a_plan_that_does_not_fit_is_a_verdict_with_numbers_not_a_traceback():
 
 
 def test_the_compilers_out_of_memory_message_becomes_a_verdict():
-    from experiments.compile_cmd import does_not_fit
+    from experiments.cli.compile_cmd import does_not_fit
     verdict = does_not_fit(RuntimeError(
         "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
         "hbm. Used 25.03G of 15.75G hbm. Exceeded hbm capacity by 9.28G."))

@@ -19,7 +19,7 @@ import kvjax
 from kvjax.core import cpu_kernel
 from kvjax.core.attention import MATVEC_ROWS
 
-from experiments.bench_attention import make_layer
+from experiments.bench.attention import make_layer
 
 TOL = 3e-6
 
@@ -131,14 +131,14 @@ def test_a_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch):
 
 
 def test_benchmark_rows_compare_kernel_and_loop():
-    from experiments.bench_cpu_kernel import measure
+    from experiments.bench.cpu_kernel import measure
     row = measure("kivi:bits=4", 1, 200, 1, n_layers=2)
     assert row["max_abs_diff"] < 1e-5 and row["kernel_ms"] > 0 and row["xla_loop_ms"] > 0
     assert row["cache_mb"] > 0 and row["layers"] == 2
 
 
 def test_matmul_benchmark_rows_compare_kernel_and_dot():
-    from experiments.bench_few_rows_matmul import bench_shape, main
+    from experiments.bench.few_rows_matmul import bench_shape, main
     row = bench_shape(64, 48, layers=2, repeats=1)
     assert row["rel_diff"] < 1e-5 and row["kernel_ms"] > 0 and row["xla_ms"] > 0
     assert row["mbytes"] == pytest.approx(2 * 64 * 48 * 4 / 1e6)
@@ -251,12 +251,12 @@ def test_matmul_opt_out_keeps_the_dot(monkeypatch):
 
 
 def test_kernel_ab_benchmark_runs_another_source_beside_the_shipped(tmp_path):
-    """`experiments.bench_kernel_ab`: a source without `matmul_t` (as before it existed) gets
+    """`experiments.bench.kernel_ab`: a source without `matmul_t` (as before it existed) gets
     XLA's logits in its program; both steps' logits agree to float32 rounding. Its products
     take one weight per call unless `several_weights` (one call for q/k/v, one for gate/up, as
     the shipped program; the source is built once for both runs). `method` compresses the
     step's cache (`--method`)."""
-    from experiments.bench_kernel_ab import compare, filled_cache
+    from experiments.bench.kernel_ab import compare, filled_cache
     from kvjax.core.stores import PackedTokens
     from models.llama import LlamaConfig
     source = cpu_kernel.SOURCE.read_text()
@@ -453,12 +453,12 @@ def test_model_layers_call_norm_and_rope_kernels():
 
 
 def test_kernel_parts_driver_builds_and_its_kernel_matches_a_float64_reference(tmp_path):
-    """`experiments/bench_kernel_parts.py` compiles its driver against the shipped kernel source
+    """`experiments/bench/kernel_parts.py` compiles its driver against the shipped kernel source
     (it includes the .cc and calls its internals: a change there must keep it building), runs
     the kernel on the data it times (its error against a float64 softmax-weighted sum within
     float32 rounding of a `slots`-term sum of values in [-0.5, 0.5]), and writes every
     measurement with consistent units."""
-    from experiments import bench_kernel_parts
+    from experiments.bench import kernel_parts as bench_kernel_parts
     out = tmp_path / "parts.json"
     slots = 256
     bench_kernel_parts.main(["--layers", "2", "--slots", str(slots), "--chunk", "64",

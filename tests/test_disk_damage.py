@@ -88,7 +88,7 @@ def artifact(tmp_path_factory, smollm2_tokenizer):
 
 
 def run_exported(directory: Path):
-    from experiments import cli
+    from experiments.cli import main as cli
     return cli.main(["run-exported", str(directory), "--prompt", "Hi <|im_start|>",
                      "--max-new-tokens", "2", "--json"])
 
@@ -285,7 +285,7 @@ PLUGIN_SOURCES = {
 
 @pytest.mark.parametrize("kind", PLUGIN_SOURCES)
 def test_damaged_plugin_is_one_error_naming_it(tmp_path, monkeypatch, kind, capsys):
-    from experiments import cli
+    from experiments.cli import main as cli
     from kvjax.policies import methods
 
     path = tmp_path / f"plugin_{kind.replace(' ', '_')}.py"
@@ -303,7 +303,7 @@ def test_damaged_plugin_is_one_error_naming_it(tmp_path, monkeypatch, kind, caps
 @pytest.mark.parametrize("where", ["missing.py", "no/such/dir/plugin.py", "a_folder"])
 def test_a_plugin_path_that_is_not_a_file_is_an_error(tmp_path, monkeypatch, where, capsys):
     """Even when the method is a built-in one (the plugin would never be needed)."""
-    from experiments import cli
+    from experiments.cli import main as cli
     from kvjax.policies import methods
 
     (tmp_path / "a_folder").mkdir()
@@ -338,7 +338,7 @@ HF_CASES = ([(name, d) for name in ("config.json", "model.safetensors") for d in
 
 @pytest.mark.parametrize("name, damage", HF_CASES)
 def test_damaged_hf_directory_names_the_file(tmp_path, monkeypatch, name, damage, capsys):
-    from experiments import cli
+    from experiments.cli import main as cli
 
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "cache"))
     out = _hf_copy(tmp_path)
@@ -443,7 +443,7 @@ def tiny_gguf(tmp_path_factory):
 
 @pytest.mark.parametrize("damage", [*DAMAGES, "magic then garbage"])
 def test_damaged_gguf_names_the_file(tiny_gguf, tmp_path, monkeypatch, damage, capsys):
-    from experiments import cli
+    from experiments.cli import main as cli
 
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "model.gguf"

@@ -9,9 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from experiments import cells, harness
-from experiments.grid import Cell
-from experiments.kvpress_engine import parse_press_spec
+from experiments.eval import cells
+
+from experiments.eval import harness
+from experiments.eval.grid import Cell
+from experiments.eval.kvpress_engine import parse_press_spec
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def test_ppl_cell_equals_a_direct_computation(smollm2, tmp_path, own_text):
     import jax
     import jax.numpy as jnp
 
-    from experiments.ppl import window_ids
+    from experiments.eval.ppl import window_ids
     from models.llama import new_cache
 
     model, tokenizer = smollm2
@@ -123,7 +125,7 @@ def test_kvpress_specs_map_to_presses_or_fail_clearly():
             parse_press_spec(bad)
     kvpress = pytest.importorskip(
         "kvpress", reason="[optional] kvpress is in the `compare` extra, not installed")
-    from experiments.kvpress_engine import press_for
+    from experiments.eval.kvpress_engine import press_for
     press = press_for("streaming_llm:ratio=0.5")
     assert isinstance(press, kvpress.StreamingLLMPress) and press.compression_ratio == 0.5
     assert isinstance(press_for("snapkv:ratio=0.5,headwise=true"), kvpress.AdaKVPress)

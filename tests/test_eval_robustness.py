@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments import grid, harness
-from experiments.grid import Cell
+from experiments.eval import grid
+
+from experiments.eval import harness
+from experiments.eval.grid import Cell
 
 ROOT = Path(__file__).parents[1]
 TINY_HF = ROOT / "tests" / "golden" / "tiny_hf" / "llama_tied"  # 2 layers, 128 positions
@@ -46,7 +48,7 @@ def slow_cell(cell: Cell) -> dict:
 
 
 def cli(capsys, *argv):
-    from experiments.cli import main
+    from experiments.cli.main import main
     try:
         code = main([str(a) for a in argv])
     except SystemExit as e:
@@ -121,7 +123,7 @@ def test_a_damaged_line_is_skipped_with_file_and_line_and_its_cell_reruns(tmp_pa
     capsys.readouterr()
     rows = grid.read_rows(path)  # the new rows were not glued onto the cut line
     assert sorted(r["length"] for r in rows) == [100, 200, 300]
-    from experiments import report
+    from experiments.eval import report
     assert "passkey" in report.report(tmp_path)
 
 
@@ -197,8 +199,8 @@ def test_an_interrupt_keeps_every_finished_row(tmp_path, capsys, monkeypatch):
 
 SCRIPT = """
 import sys
-from experiments import harness
-from experiments.cli import main
+from experiments.eval import harness
+from experiments.cli.main import main
 import tests.test_eval_robustness as t
 harness.run_cell = t.slow_cell
 harness.check_models = lambda cells: None
@@ -233,7 +235,7 @@ def test_a_nan_perplexity_cell_fails_instead_of_scoring(tmp_path, monkeypatch):
     import numpy as np
 
     import models.scoring
-    from experiments.cells import run_ppl_cell
+    from experiments.eval.cells import run_ppl_cell
     from tests.test_loading import write_gguf
 
     monkeypatch.setenv("KVJAX_CACHE", str(tmp_path / "cache"))
@@ -279,7 +281,7 @@ def test_progress_bars_go_to_stderr_only_when_asked_or_on_a_terminal(monkeypatch
     import numpy as np
     from flax import nnx
 
-    from experiments.ppl import perplexity
+    from experiments.eval.ppl import perplexity
     from models.llama import Llama, LlamaConfig
     from models.loading import PROGRESS_ENV, progress_enabled
 

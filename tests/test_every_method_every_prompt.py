@@ -274,7 +274,7 @@ def test_compact_of_a_residual_layer_with_an_empty_body():
 
 @pytest.mark.slow
 def test_cli_kivi_haiku_on_the_real_model(capsys):
-    from experiments.cli import main
+    from experiments.cli.main import main
     from tests.conftest import smollm2_path
     code = main(["generate", "--model", str(smollm2_path()), "--chat", "--prompt",
                  "Write a haiku.", "--method", "kivi:bits=4", "--max-new-tokens", "8"])

@@ -276,7 +276,7 @@ def test_artifact_tpu_entry_compiles_deviceless(model, tmp_path):
 def test_export_commands_report_bad_input_in_one_line(tmp_path, capsys):
     """`kvjax run-exported` / `kvjax export`: exit status 2 and one `kvjax: error:` line, before
     any model is loaded."""
-    from experiments.cli import main
+    from experiments.cli.main import main
     cases = ((["run-exported", str(tmp_path), "--prompt", "x"], "no manifest.json"),
              (["export", "--out", str(tmp_path / "a"), "--check-tpu"], "needs tpu in --platforms"),
              (["export", "--out", str(tmp_path / "a"), "--buckets", "128,x"],

@@ -2,7 +2,7 @@
 
 Reference: ``tests/golden/families/<name>/`` holds a tiny random checkpoint of
 each family written by transformers 5.2 and its float32 logits over 272 tokens
-and 32 greedy tokens (``experiments/make_golden_families.py``): Llama 3 (its RoPE
+and 32 greedy tokens (``experiments/golden/make_families.py``): Llama 3 (its RoPE
 scaling, untied), Qwen2 (q/k/v biases), Qwen3 (q/k norm, head_dim 64), Mistral with a
 48-token sliding window, Gemma 3 text (sliding / full / sliding layers, window 40, two RoPE bases,
 (1 + w) sandwich norms, GELU-tanh, scaled embeddings, query_pre_attn_scalar,

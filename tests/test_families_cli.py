@@ -51,7 +51,7 @@ def golden_perplexity(golden) -> float:
 
 
 def run_cli(argv, capsys) -> dict:
-    from experiments.cli import main
+    from experiments.cli.main import main
 
     code = main(argv + ["--json"])
     out = capsys.readouterr()

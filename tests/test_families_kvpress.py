@@ -1,6 +1,6 @@
 """kvpress's kept positions on the tiny Qwen3 and Gemma 3 checkpoints equal kvjax's.
 
-Golden: ``tests/golden/families_kvpress.npz`` (``experiments/make_golden_families_kvpress.py``:
+Golden: ``tests/golden/families_kvpress.npz`` (``experiments/golden/make_families_kvpress.py``:
 kvpress's SnapKV and Knorm at ratio 0.5 on the 272 golden ids of
 ``tests/golden/families/{qwen3,gemma3}``). kvjax prefills the same ids collecting the
 statistics, then compresses with `models.sampler.for_full_layers` as `generate` does: every

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cli import main
+from experiments.cli.main import main
 
 DATA = Path(__file__).resolve().parents[1] / "experiments" / "data"
 CONVERTING = "kvjax: converting tiny.gguf to float32"

@@ -1,10 +1,12 @@
-"""`experiments/gpu_report.py`: BENCHMARKS' GPU tables come from the committed JSON rows."""
+"""`experiments/bench/gpu_report.py`: BENCHMARKS' GPU tables come from the committed JSON rows."""
 
 import json
 
 import pytest
 
-from experiments import bench_kernels, gpu_report
+from experiments.bench import kernels as bench_kernels
+
+from experiments.bench import gpu_report
 
 
 def _row(method, fmt, ms, gbs=1000.0):
@@ -19,11 +21,11 @@ def test_table_rows_name_the_fastest_variant_and_the_ratio_to_bf16(tmp_path):
             _row("jax.experimental gpu paged_attention", "bf16", 3.8),
             dict(_row("kvjax paged", "kivi2", None), error="LoweringError: boom")]
     meta = dict(device="cuda:0", driver="580.1", jax="0.11.2", copy_gbs=4000.0,
-                command="python experiments/bench_kernels.py", date="2026-12-04")
+                command="python experiments/bench/kernels.py", date="2026-12-04")
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows)))
     text = gpu_report.main([str(path)])
-    assert "driver 580.1, jax 0.11.2" in text and "python experiments/bench_kernels.py" in text
+    assert "driver 580.1, jax 0.11.2" in text and "python experiments/bench/kernels.py" in text
     assert "| llama3-8b | 64 x 32768 | bf16 | 2.0 | 1.6 (ppb=2) | 1.00 |" in text
     assert "| llama3-8b | 64 x 32768 | int4 | 1.0 | 0.8 (warps=4 stages=3) | 0.50 |" in text
     assert "jax.experimental" not in text.split("failed")[0].split("|---|")[-1]  # kvjax rows only

@@ -10,8 +10,12 @@ from dataclasses import asdict
 
 import pytest
 
-from experiments import grid, harness, report
-from experiments.grid import Cell
+from experiments.eval import grid
+
+from experiments.eval import harness
+
+from experiments.eval import report
+from experiments.eval.grid import Cell
 
 
 def fake_cell(cell: Cell) -> dict:
@@ -199,7 +203,7 @@ def test_results_section_is_replaced_in_place(tmp_path):
 
 
 def test_cli_eval_reports_a_bad_config_clearly(tmp_path, capsys):
-    from experiments.cli import main
+    from experiments.cli.main import main
     path = tmp_path / "grid.toml"
     path.write_text(CONFIG.replace('"passkey"', '"trivia"'))
     assert main(["eval", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
@@ -207,7 +211,7 @@ def test_cli_eval_reports_a_bad_config_clearly(tmp_path, capsys):
 
 
 def test_cli_bench_runs_only_speed_cells(tmp_path, capsys):
-    from experiments.cli import main
+    from experiments.cli.main import main
     path = tmp_path / "grid.toml"
     path.write_text(CONFIG)
     assert main(["bench", "--config", str(path), "--out", str(tmp_path / "out")]) == 2
@@ -215,7 +219,7 @@ def test_cli_bench_runs_only_speed_cells(tmp_path, capsys):
 
 
 def test_same_numbers_flags_a_changed_score_and_ignores_timings(tmp_path):
-    from experiments.same_numbers import differences
+    from experiments.eval.same_numbers import differences
     cells = [Cell("passkey", 100, "full", trials=2), Cell("speed", 64, "full", trials=1)]
     for name in ("a", "b"):
         harness.sweep(cells, tmp_path / name, limit_gb=8, fn=fake_cell)
@@ -238,7 +242,7 @@ def test_side_by_side_cells_stay_out_of_the_quality_tables(tmp_path):
 
 def test_the_kvjax_engine_refuses_a_kvpress_cell():
     """The engine is picked by `harness.run_cell`; the kvjax engine never runs another's cell."""
-    from experiments.cells import run_kvjax_cell
+    from experiments.eval.cells import run_kvjax_cell
     with pytest.raises(ValueError, match="engine 'kvjax' cells, not 'kvpress'"):
         run_kvjax_cell(Cell("passkey", 256, "full", trials=1, engine="kvpress"))
 

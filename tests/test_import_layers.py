@@ -4,7 +4,7 @@ The graph is built from source with `ast` (nothing is imported): every `import X
 `from X import Y` naming a project module, at module level or inside a function, is an
 edge, so a lazy import that closes a circle counts. Layering: experiments → models →
 kvjax → kernels_pallas, never back; inside `experiments/`, only the console entry point
-imports `experiments.cli`.
+imports `experiments.cli.main`.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def test_the_graph_covers_every_package():
     graph = import_graph()
     for pkg in PACKAGES:
         assert pkg in graph and any(m.startswith(pkg + ".") for m in graph)
-    assert "experiments.harness" in graph["experiments.cli"]  # lazy imports are edges
+    assert "experiments.eval.harness" in graph["experiments.cli.main"]  # lazy imports are edges
 
 
 def test_no_import_cycle():
@@ -138,25 +138,25 @@ def test_only_the_console_entry_point_imports_the_cli():
     graph = import_graph()
     imported = set().union(*graph.values())
     importers = sorted(m for m, targets in graph.items()
-                       if "experiments.cli" in targets and m in imported)
+                       if "experiments.cli.main" in targets and m in imported)
     assert importers == [], importers
-    scripts = sorted(m for m, targets in graph.items() if "experiments.cli" in targets)
+    scripts = sorted(m for m, targets in graph.items() if "experiments.cli.main" in targets)
     assert all(m.startswith("experiments.") for m in scripts), scripts
     scripts = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    assert 'kvjax = "experiments.cli:main"' in scripts
+    assert 'kvjax = "experiments.cli.main:main"' in scripts
 
 
 def test_experiments_layers():
     """grid <- (cells, kvpress_engine) <- harness <- (report, cli): the grid types import no
     other pipeline module, the engines never import the harness, report or CLI."""
     graph = import_graph()
-    pipeline = {"experiments.grid", "experiments.cells", "experiments.kvpress_engine",
-                "experiments.harness", "experiments.report", "experiments.cli"}
-    assert not graph["experiments.grid"] & pipeline
-    for engine in ("experiments.cells", "experiments.kvpress_engine"):
-        assert not graph[engine] & {"experiments.harness", "experiments.report",
-                                    "experiments.cli"}, engine
-    assert not graph["experiments.harness"] & {"experiments.report", "experiments.cli"}
+    pipeline = {"experiments.eval.grid", "experiments.eval.cells", "experiments.eval.kvpress_engine",
+                "experiments.eval.harness", "experiments.eval.report", "experiments.cli.main"}
+    assert not graph["experiments.eval.grid"] & pipeline
+    for engine in ("experiments.eval.cells", "experiments.eval.kvpress_engine"):
+        assert not graph[engine] & {"experiments.eval.harness", "experiments.eval.report",
+                                    "experiments.cli.main"}, engine
+    assert not graph["experiments.eval.harness"] & {"experiments.eval.report", "experiments.cli.main"}
 
 
 # ----------------------------------------------------------------------------- kvjax subsystems
@@ -231,12 +231,12 @@ def test_private_names_stay_inside_their_kvjax_subsystem(tmp_path):
 
 
 def test_importing_the_packages_changes_no_jax_setting():
-    """`import kvjax, models, experiments.cli` leaves every jax setting alone (the compilation
+    """`import kvjax, models, experiments.cli.main` leaves every jax setting alone (the compilation
     cache is switched on by `load_model` and the CLI, not by an import)."""
     import subprocess
     import sys
     code = ("import jax; before = dict(jax.config.values); import kvjax, models, models.loading, "
-            "models.sampler, experiments.cli; after = dict(jax.config.values); "
+            "models.sampler, experiments.cli.main; after = dict(jax.config.values); "
             "changed = {k for k in before if before[k] != after.get(k)}; "
             "assert not changed, changed; print(after['jax_compilation_cache_dir'])")
     env = {k: v for k, v in __import__("os").environ.items()

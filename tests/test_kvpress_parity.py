@@ -1,6 +1,6 @@
 """Parity with kvpress 0.5.5 on the real SmolLM2: same weights, same context, same ratio.
 
-The golden file (`experiments/make_golden_kvpress.py`, the `compare` extra)
+The golden file (`experiments/golden/make_kvpress.py`, the `compare` extra)
 holds, for every press, the slots kvpress keeps per layer and KV head and the
 scores it computed. kvjax prefills the same token ids once, collecting the
 statistics every policy needs, then applies each policy to a copy of that

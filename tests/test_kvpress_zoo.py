@@ -201,7 +201,7 @@ def test_every_method_is_described():
 
 
 def test_methods_command_json(capsys):
-    from experiments.cli import main
+    from experiments.cli.main import main
     assert main(["methods", "--json"]) == 0
     listed = {m["name"]: m for m in json.loads(capsys.readouterr().out)}
     assert listed["keydiff"]["kvpress"] == "KeyDiffPress"

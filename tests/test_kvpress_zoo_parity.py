@@ -1,7 +1,7 @@
 """Parity with kvpress 0.5.5 for the rest of the press zoo, on the real SmolLM2.
 
-The golden file (`experiments/make_golden_kvpress_zoo.py`, made by running
-kvpress; see `experiments/make_golden_kvpress_zoo.py`) holds, per press, text
+The golden file (`experiments/golden/make_kvpress_zoo.py`, made by running
+kvpress; see `experiments/golden/make_kvpress_zoo.py`) holds, per press, text
 (640 and 300 tokens) and ratio (0.5, 0.75), the positions kvpress kept in
 every layer and KV head, read off the cache it returned, and for scorer
 presses the band of positions whose kvpress score is within 1e-4 row

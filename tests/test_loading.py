@@ -2,7 +2,7 @@
 
 Reference: ``tests/golden/tiny_hf/<name>/`` holds tiny random checkpoints
 written by ``transformers`` itself and its float32 logits for fixed inputs
-(made by ``experiments/make_golden_tiny_hf.py``): ``llama_tied`` (default
+(made by ``experiments/golden/make_tiny_hf.py``): ``llama_tied`` (default
 RoPE), ``llama3_untied`` (Llama-3 RoPE scaling, separate lm_head) and
 ``qwen2_tied`` (q/k/v biases). The HF loader is checked against those logits;
 GGUF files are rebuilt here from the same weights the way llama.cpp's

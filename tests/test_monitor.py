@@ -157,7 +157,7 @@ def test_monitor_of_a_tiered_paged_cache():
 
 
 def test_inspect_draws_the_three_panels(model, tmp_path):
-    from experiments.inspect_cmd import draw, inspect, kept_matrix
+    from experiments.cli.inspect_cmd import draw, inspect, kept_matrix
     ids = prompts()[0]
     before, after, mon = inspect(model, ids, "snapkv:ratio=0.5+quantize:bits=4,group=16")
     kept, err = kept_matrix(before[0], after[0])
@@ -177,7 +177,7 @@ def test_inspect_draws_the_three_panels(model, tmp_path):
     (["--prompt", "q", "--out", "x.png", "--context-file", "/nonexistent"], "file not found"),
 ])
 def test_inspect_bad_input_exits_2_before_loading(argv, message, capsys):
-    from experiments.cli import main
+    from experiments.cli.main import main
     assert main(["inspect", *argv]) == 2
     assert message in capsys.readouterr().err
 

@@ -49,7 +49,7 @@ def test_two_processes_of_four_devices_give_one_process_tokens(tmp_path: Path):
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "experiments.cli", "launch", "-n", "2",
+    proc = subprocess.run([sys.executable, "-m", "experiments.cli.main", "launch", "-n", "2",
                            "--local-devices", "4", "--timeout", "840", "--", sys.executable,
                            str(script)], cwd=root, env=env, capture_output=True, text=True,
                           timeout=900)
@@ -61,6 +61,6 @@ def test_two_processes_of_four_devices_give_one_process_tokens(tmp_path: Path):
 
 
 def test_launch_without_a_command_is_a_usage_error():
-    proc = subprocess.run([sys.executable, "-m", "experiments.cli", "launch", "-n", "2"],
+    proc = subprocess.run([sys.executable, "-m", "experiments.cli.main", "launch", "-n", "2"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "needs a command" in proc.stderr

@@ -225,7 +225,7 @@ def test_keep_on_host_spills_the_coldest_pages_up_to_the_share():
 
 @pytest.mark.parametrize("bits", [None, 4])
 def test_smollm2_greedy_tokens_identical_with_half_the_pages_on_host(bits):
-    from experiments.bench_offload import greedy_paged
+    from experiments.bench.offload import greedy_paged
     from models.loading import load_model
     model, tok = load_model("smollm2")
     prompt = tok.encode("The three primary colours of light are red, green and blue. "
@@ -249,7 +249,7 @@ def test_smollm2_kivi_chain_tokens_identical_with_half_the_pages_on_host():
     of the prompt, KIVI-4 quantizes it in groups of 16 (16 newest exact); greedy tokens with
     half of the allocated KIVI pages in host memory equal the all-device paged run and the
     unpaged KIVI chain (`ResidualCache`)."""
-    from experiments.bench_offload import greedy_kivi
+    from experiments.bench.offload import greedy_kivi
     from models.loading import load_model
     model, tok = load_model("smollm2")
     prompt = tok.encode(
@@ -276,7 +276,7 @@ def test_eager_prefetch_returns_before_its_copies_finish():
     """Real copies (32 MiB of host pages, two layers): the eager `prefetch` returns long before
     its copies are done, an attention reading the stage equals the all-device pool's output
     (asserted inside the probe), and nothing is a miss."""
-    from experiments.bench_offload import ordering_probe
+    from experiments.bench.offload import ordering_probe
     r = ordering_probe(pages=32, layers=2, repeats=5)
     # the read's own wait is not timed: on a loaded host the copies may finish before it starts.
     # A loaded host can also stall the call itself (a CI run measured a 13 ms median return

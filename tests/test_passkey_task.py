@@ -1,4 +1,4 @@
-"""Tests for experiments.passkey: passkey-retrieval prompts on real prose.
+"""Tests for experiments.eval.passkey: passkey-retrieval prompts on real prose.
 
 They use the real SmolLM2-135M-Instruct tokenizer but not its weights: from
 the converted store next to the GGUF (tokenizer.json, well under a second) when
@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from experiments.passkey import (ANSWER_PREFIX, DATA_DIR, INSTRUCTION, NEEDLE, QUESTION,
+from experiments.eval.passkey import (ANSWER_PREFIX, DATA_DIR, INSTRUCTION, NEEDLE, QUESTION,
                                  PasskeyTrial, make_trials, parse_answer, score_trials)
 
 LENGTHS = [1024, 2048, 4096]

@@ -70,7 +70,7 @@ def test_cli_answer_prefix_finds_the_pass_key(capsys, tmp_path, smollm2_file):
     the prefix, the full cache reads the number out of a context it saw before the question."""
     import json
 
-    from experiments.cli import main
+    from experiments.cli.main import main
 
     context = tmp_path / "context.txt"
     context.write_text("There is a pass key hidden in this note. The pass key is 58213. "

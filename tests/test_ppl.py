@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.ppl import perplexity, sliding_windows
+from experiments.eval.ppl import perplexity, sliding_windows
 from models.llama import new_cache
 
 

@@ -1,6 +1,6 @@
 """kvjax's KV-cache quantization against an independent float64 simulation (golden file).
 
-`experiments/crosscheck_quant_torch.py` (needs the `compare` extra) ran the
+`experiments/golden/crosscheck_quant_torch.py` (needs the `compare` extra) ran the
 real SmolLM2 in transformers + torch float64, fake-quantized the prefix's
 cache with its own numpy implementation of KIVI and of per-channel
 quantization, and stored the continuation perplexities of two 1024-token

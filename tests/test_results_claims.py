@@ -1,7 +1,7 @@
 """The hand-written reading of docs/RESULTS.md, checked number by number against its rows.
 
 The section between the `kvjax eval` markers is generated from `docs/results/eval/cells.jsonl`
-by `experiments/report.py`; everything else in RESULTS.md (the readings, the deeper sweeps'
+by `experiments/eval/report.py`; everything else in RESULTS.md (the readings, the deeper sweeps'
 tables) is written by hand. Each claim below is a regular expression that must match the
 hand-written text exactly once (whitespace normalised), so a claim cannot silently drop out
 of the document, and a check that recomputes every number it captures from the JSONL rows
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.report import policy_and_ratio
+from experiments.eval.report import policy_and_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "RESULTS.md"

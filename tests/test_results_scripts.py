@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from experiments.cells import theoretical_bytes
-from experiments.grid import cell_of, read_config, read_rows
-from experiments.harness import load_config
-from experiments.report import memory_section, pareto_front, policy_and_ratio, ratio_section
+from experiments.eval.cells import theoretical_bytes
+from experiments.eval.grid import cell_of, read_config, read_rows
+from experiments.eval.harness import load_config
+from experiments.eval.report import memory_section, pareto_front, policy_and_ratio, ratio_section
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "experiments" / "configs"
@@ -140,7 +140,7 @@ def test_compile_only_bench_compresses_a_filled_cache_to_the_real_prefills_layou
     import numpy as np
 
     import kvjax
-    from experiments.bench_compile import _filled_prefill
+    from experiments.bench.compile import _filled_prefill
     from models.sampler import compress, prefill_and_compress
 
     rng = np.random.default_rng(1)

@@ -1,4 +1,4 @@
-"""RULER's task set (experiments/ruler.py, Hsieh et al. 2024) from the shipped texts: every
+"""RULER's task set (experiments/eval/ruler.py, Hsieh et al. 2024) from the shipped texts: every
 task at 1k, 4k and 8k context tokens with the real SmolLM2 tokenizer (length on target, the
 chat split exact), each task's invariants re-derived here from the decoded text (not taken from
 the generator's own checks), needle depth, determinism, RULER's two scorers on hand-made cases,
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from experiments import ruler
-from experiments.ruler import (METRIC, NIAH_SPECS, NOISE, RULER_TASKS, TOLERANCE, TaskTrial,
+from experiments.eval import ruler
+from experiments.eval.ruler import (METRIC, NIAH_SPECS, NOISE, RULER_TASKS, TOLERANCE, TaskTrial,
                                make, make_task_trials, match_all, match_part, postprocess_pred,
                                score, string_match_all, string_match_part)
 
@@ -270,8 +270,10 @@ def test_score_uses_each_tasks_ruler_metric():
 
 
 def test_the_eval_grid_names_every_task_and_the_shipped_configs_load(tok):
-    from experiments import cells, grid, harness
-    from experiments.grid import Cell
+    from experiments.eval import cells
+    from experiments.eval import grid
+    from experiments.eval import harness
+    from experiments.eval.grid import Cell
     assert set(RULER_TASKS) <= set(grid.RETRIEVAL_TASKS) <= set(grid.TASKS)
     assert grid.RETRIEVAL_TASKS.count("niah_multivalue") == 1
     long = harness.load_config(ROOT / "experiments/configs/ruler_long.toml")
@@ -294,8 +296,8 @@ def test_the_eval_grid_names_every_task_and_the_shipped_configs_load(tok):
 @pytest.mark.slow
 def test_a_ruler_cell_runs_on_the_real_model():
     """One cell of the new set through the harness's worker path on SmolLM2 (full cache)."""
-    from experiments import harness
-    from experiments.grid import Cell
+    from experiments.eval import harness
+    from experiments.eval.grid import Cell
     row = harness.run_cell(Cell("niah_single_1", 512, "full", trials=2, batch=2,
                                 max_new_tokens=16))
     assert row["status"] == "ok" and len(row["scores"]) == 2 == len(row["outputs"])
@@ -340,7 +342,7 @@ def test_the_results_table_is_the_committed_rows():
     cell by cell, and every row is a cell of `ruler_smoke.toml`."""
     import json
 
-    from experiments.grid import cell_of, read_config
+    from experiments.eval.grid import cell_of, read_config
     rows = [json.loads(line) for line in
             (ROOT / "docs/results/ruler_smoke/cells.jsonl").read_text().splitlines()]
     config = {c.key for c in read_config(ROOT / "experiments/configs/ruler_smoke.toml").cells}

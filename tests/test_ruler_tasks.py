@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from experiments.ruler import LEGACY_TASKS, SLACK, TaskTrial, make_task_trials, score
+from experiments.eval.ruler import LEGACY_TASKS, SLACK, TaskTrial, make_task_trials, score
 
 
 @pytest.fixture(scope="module")

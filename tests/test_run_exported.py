@@ -128,7 +128,7 @@ def test_run_exported_command_matches_the_live_model(smollm2, artifacts):
     method = "snapkv:ratio=0.5+kivi:bits=4"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, "-m", "experiments.cli", "run-exported", str(artifacts[method]),
+        [sys.executable, "-m", "experiments.cli.main", "run-exported", str(artifacts[method]),
          "--prompt", "What is a cynic?", "--chat", "--max-new-tokens", "3", "--json"],
         env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]

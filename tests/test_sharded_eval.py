@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 
-from experiments import harness
-from experiments.grid import read_config
+from experiments.eval import harness
+from experiments.eval.grid import read_config
 from tests.test_sharding import run_on_8_devices
 
 GRID = """
@@ -78,7 +78,8 @@ SWEEP = textwrap.dedent("""
     from pathlib import Path
     from flax import nnx
     import models.loading
-    from experiments import cells, harness
+    from experiments.eval import cells
+    from experiments.eval import harness
     from models.llama import Llama, LlamaConfig
     from models.tokenizer import load_tokenizer
     from tests.conftest import smollm2_path

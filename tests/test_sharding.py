@@ -226,8 +226,8 @@ PPL = textwrap.dedent("""
     import kvjax
     from flax import nnx
     import models.sharding as sharding
-    from experiments import cli
-    from experiments.ppl import perplexity
+    from experiments.cli import main as cli
+    from experiments.eval.ppl import perplexity
     from models.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig.tiny(num_kv_heads=4, num_heads=8, head_dim=16, hidden_size=64,
@@ -343,7 +343,7 @@ def test_generate_impl_pallas_with_a_mesh_is_the_per_shard_kernel():
     import argparse
 
     import kvjax
-    from experiments.cli import _impl
+    from experiments.cli.main import _impl
     from models.sharding import make_mesh
 
     mesh = make_mesh("data=1,model=1")

@@ -1,6 +1,6 @@
 """The real SmolLM2-135M-Instruct against Hugging Face transformers (golden file).
 
-`experiments/make_golden_smollm2.py` (needs the `compare` extra) ran the same
+`experiments/golden/make_smollm2.py` (needs the `compare` extra) ran the same
 GGUF through transformers in float32 and stored token ids, logits, a
 perplexity and a greedy continuation; these tests need only that file.
 """
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from experiments.ppl import perplexity
+from experiments.eval.ppl import perplexity
 from models.llama import new_cache
 from models.sampler import generate
 

@@ -153,7 +153,7 @@ def test_cli_generate_passes_no_user_control_ids(tok, control, big_vocab_model, 
                                                   tmp_path, capsys):
     import models.loading
     import models.pipeline as pipeline
-    from experiments import cli
+    from experiments.cli import main as cli
 
     seen = []
     real = pipeline.generate
@@ -177,7 +177,7 @@ def test_cli_generate_passes_no_user_control_ids(tok, control, big_vocab_model, 
 def test_eval_tasks_keep_haystack_control_spellings_as_text(tok, control):
     """The passkey and RULER prompts come from the template: a haystack that spells control
     tokens (real documents do: this very file) adds none."""
-    from experiments.passkey import render
+    from experiments.eval.passkey import render
 
     head, rest = render(tok, f"The grass is green. {EVIL} The sky is blue.")
     assert [i for i in head + rest if i in control] == template_controls(tok)
@@ -263,7 +263,7 @@ def test_text_that_is_not_unicode_is_one_error(tok, big_vocab_model, monkeypatch
     """Bytes that are not UTF-8 reach Python as lone surrogates (argv): an error, not a
     traceback from the tokenizer."""
     import models.loading
-    from experiments import cli
+    from experiments.cli import main as cli
 
     with pytest.raises(ValueError, match="not valid Unicode text"):
         tok.encode("a\udcffb")
