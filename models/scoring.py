@@ -94,7 +94,7 @@ def continuation_logprobs(model: Llama, prefixes: Sequence[Sequence[int]],
                           continuations: Sequence[Sequence[int]], *,
                           transform: CacheTransform | None = None, chunk: int = 256,
                           cache_dtype: Any = jnp.float32, place_cache=None) -> list[np.ndarray]:
-    """log p(cont[b][j] | prefix[b], cont[b][:j]) with the prefix's cache compressed first.
+    """`log p(cont[b][j] | prefix[b], cont[b][:j])` with the prefix's cache compressed first.
 
     Each prefix is prefilled (batched, collecting what `transform` needs),
     compressed by `transform` and shrunk to its budget; the continuation is
