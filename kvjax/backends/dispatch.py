@@ -12,16 +12,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kvjax.core.attention import attend_blockwise, attend_reference
-from kvjax.core.cache import Layer
+from kvjax.core.layer import CacheLayer
 from kvjax.backends.pallas import attend_pallas, pallas_backend, supports_pallas
-from kvjax.memory.paging import PagedLayer, dense_view
 from kvjax.backends.sharded import PallasOnMesh, attend_on_mesh
 
 IMPLS = ("xla", "reference", "pallas")
 
 
-def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",
+def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xla",
            window: int | None = None, softcap: float | None = None) -> jax.Array:
     """Attention of queries over a layer cache; dispatches on `impl`.
 
@@ -29,8 +27,9 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",
     `attend_reference`, the plain definition tests compare against;
     `"pallas"` runs the paged attention kernel on TPU or GPU
     (`kvjax.backends.pallas`) and falls back to `"xla"` on CPU and for
-    layouts the kernel does not read (pooled, low-rank). A `PagedLayer` is
-    gathered into a dense view for the XLA paths.
+    layouts the kernel does not read (pooled, low-rank). Every other path is the
+    layer's own `attend` (`kvjax.core.layer.CacheLayer`: a `PagedLayer` gathers a dense
+    view, a recurrent layer reads its state).
     `PallasOnMesh(mesh)` (kvjax.backends.sharded) runs that kernel under
     `jax.shard_map`, per shard of a cache split over `mesh` by `shard_cache`.
 
@@ -46,23 +45,17 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: Layer, *, impl: str = "xla",
     """
     if isinstance(impl, PallasOnMesh):  # the kernel per shard of a mesh-split cache
         backend = impl.backend or pallas_backend()
-        if backend is not None and not hasattr(cache, "attend") \
-                and supports_pallas(cache, backend):
+        if backend is not None and supports_pallas(cache, backend):
             return attend_on_mesh(q, q_pos, cache, impl._replace(backend=backend),
                                   window=window, softcap=softcap)
         impl = "pallas"  # no kernel here or for this layout: as plain "pallas" (falls back)
     if impl not in IMPLS:
         raise ValueError(f"attend: unknown impl {impl!r}; available: {IMPLS} or a "
                          f"kvjax.backends.sharded.PallasOnMesh")
-    if hasattr(cache, "attend"):  # a layer that attends itself (kvjax.policies.recurrent state layers)
-        return cache.attend(q, q_pos, impl=impl, window=window, softcap=softcap)
     if impl == "pallas":
         backend = pallas_backend()
         if backend is not None and supports_pallas(cache):
             return attend_pallas(q, q_pos, cache, window=window, softcap=softcap,
                                  backend=backend)
         impl = "xla"
-    if isinstance(cache, PagedLayer):
-        cache = dense_view(cache)
-    fn = attend_blockwise if impl == "xla" else attend_reference
-    return fn(q, q_pos, cache, window=window, softcap=softcap)
+    return cache.attend(q, q_pos, impl=impl, window=window, softcap=softcap)

@@ -47,6 +47,15 @@ from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.memory.paging import PagedLayer
 from kvjax.core.stores import PackedChannels, PackedTokens, is_dense
 
+KERNEL_LAYOUTS = {TokenCache: "rows", ResidualCache: "parts", PagedLayer: "pages"}
+"""The layer kinds the kernel reads, by exact type (a subclass, e.g. a tiered layer, attends
+itself): a per-head `TokenCache`'s rows cut in pages, a residual layer part by part, pages."""
+
+
+def kernel_layout(layer: Any) -> str | None:
+    """How the kernel reads `layer` (`KERNEL_LAYOUTS`), or None: the layer attends itself."""
+    return KERNEL_LAYOUTS.get(type(layer))
+
 MAX_PAGE = 256
 MIN_PAGE = 8
 # Query rows (query tokens x query heads per KV head) one kernel call holds on chip. Measured
@@ -128,7 +137,7 @@ def channel_format(store: PackedChannels, page: int, wide: bool = False,
 
 def _windows_fit(layer: Any, page: int, backend: str) -> jax.Array | None:
     """For a KIVI key store: do all pages' groups fit the narrow window? None otherwise."""
-    if not isinstance(layer, TokenCache) or not isinstance(layer.k, PackedChannels):
+    if kernel_layout(layer) != "rows" or not isinstance(layer.k, PackedChannels):
         return None
     store = layer.k
     fmt = channel_format(store, page, backend=backend)
@@ -138,7 +147,7 @@ def _windows_fit(layer: Any, page: int, backend: str) -> jax.Array | None:
 
 def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict | None:
     """The kernel's keyword arguments for one layer, or None if the kernel cannot read it."""
-    if isinstance(layer, PagedLayer):
+    if kernel_layout(layer) == "pages":
         # a page store's slot leaves are already [P, S, ...]: the reshape is the identity
         valid = layer.pos[:, 0] != EMPTY
         (kf, ka), (vf, va) = (_store_pages(layer.k, layer.page_size, valid, wide, backend),
@@ -149,7 +158,7 @@ def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict 
             tables = dict(block_tables=layer.tables)
         return dict(k_pages=ka, v_pages=va, k_format=kf, v_format=vf, pos_pages=layer.pos,
                     num_pages=layer.num_pages_used, **tables)
-    if not isinstance(layer, TokenCache) or layer.pooled:
+    if kernel_layout(layer) != "rows" or layer.pooled:
         return None
     page = page_size_for(layer.capacity)
     if page is None:
@@ -204,10 +213,10 @@ def supports_pallas(layer: Any, backend: str | None = None) -> bool:
     layers take the XLA path there.
     """
     backend = backend or pallas_backend()
-    if isinstance(layer, ResidualCache):  # a body of 0 slots (all tokens in the window) is skipped
+    if kernel_layout(layer) == "parts":  # a body of 0 slots (all tokens in the window) is skipped
         return ((layer.body.capacity == 0 or supports_pallas(layer.body, backend))
                 and supports_pallas(layer.recent, backend))
-    if isinstance(layer, PagedLayer):
+    if kernel_layout(layer) == "pages":
         page = layer.page_size
     elif kernel_inputs(layer) is not None:
         page = page_size_for(layer.capacity)
@@ -221,7 +230,7 @@ def supports_pallas(layer: Any, backend: str | None = None) -> bool:
 
 def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
     """The kernel's softmax state of `q` over one layer (both parts of a residual layer)."""
-    if isinstance(layer, ResidualCache):
+    if kernel_layout(layer) == "parts":
         if layer.body.capacity == 0:
             return attend_partial(q, q_pos, layer.recent, **kwargs)
         return merge(attend_partial(q, q_pos, layer.body, **kwargs),
@@ -235,7 +244,7 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
     kernel = lambda: paged_attention_partial(q, q_pos, **kernel_inputs(layer, False, backend),
                                              **kwargs)
     fits = _windows_fit(layer, page_size_for(layer.capacity) or 0, backend) \
-        if isinstance(layer, TokenCache) else None
+        if kernel_layout(layer) == "rows" else None
     if fits is None:
         return kernel()
     # KIVI: the kernel with narrow per-page table windows, unless eviction spread some page's

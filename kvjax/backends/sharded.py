@@ -49,11 +49,12 @@ class PallasOnMesh(NamedTuple):
 def query_specs(layer: Any, mesh: Mesh, batch_axis: str | None, kv_axis: str | None):
     """(q spec [B, T, H, D], q_pos spec [B, T], the layer's leaf specs): the split of a
     layer by `kvjax.cache_shardings` and the query split that reads it locally."""
+    from kvjax.backends.pallas import kernel_layout
     from kvjax.core.cache import cache_shardings
 
     shardings = cache_shardings((layer,), mesh, batch_axis=batch_axis, kv_axis=kv_axis)[0]
-    pos_spec = tuple(shardings.recent.pos.spec if hasattr(shardings, "recent")
-                     else shardings.pos.spec)
+    exact = shardings.recent if kernel_layout(layer) == "parts" else shardings
+    pos_spec = tuple(exact.pos.spec)  # a residual layer: its exact part's
     batch_spec = pos_spec[0] if pos_spec else None
     head_spec = pos_spec[1] if len(pos_spec) > 1 else None
     return (P(batch_spec, None, head_spec, None), P(batch_spec, None),

@@ -19,7 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core import cpu_kernel
-from kvjax.core.cache import EMPTY, Layer, ResidualCache, TokenCache, view
+from kvjax.core.layer import EMPTY, CacheLayer
+
+Layer = CacheLayer  # a token layer (`kvjax.core.cache.Layer`: the cache module imports this one)
+TokenCache = CacheLayer  # a `kvjax.core.cache.TokenCache`, for the same reason
 from kvjax.core.stores import Latent, PackedChannels, count_true, is_encoded, map_slot_leaves, read
 
 NEG_INF = -1e30  # finite "minus infinity": a fully masked row stays NaN-free
@@ -127,7 +130,7 @@ def attend_reference(q: jax.Array, q_pos: jax.Array, cache: Layer, *,
     Returns:
       [B, T, H, D] float32. A query that sees no key (padding) returns zeros.
     """
-    cache = view(cache, keep_latent=True)
+    cache = cache.view(keep_latent=True)
     qg = _group_queries(q, q_pos, cache)
     g = q.shape[2] // cache.kv_heads
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -146,7 +149,7 @@ def attention_weights(q: jax.Array, q_pos: jax.Array, cache: Layer, *,
     `B*H*T*C` floats: call it on a window or chunk of queries, not a whole
     long prompt. Policies score slots with it (SnapKV, TOVA).
     """
-    cache = view(cache, keep_latent=True)
+    cache = cache.view(keep_latent=True)
     qg = _group_queries(q, q_pos, cache)
     b, t, h, _ = q.shape
     g = h // cache.kv_heads
@@ -164,7 +167,7 @@ def attention_mass(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int =
     two passes (log-sum-exp per query, then column sums), so a long prompt's
     chunk never materialises a `T x C` matrix per head. H2O accumulates it.
     """
-    cache = view(cache, keep_latent=True)
+    cache = cache.view(keep_latent=True)
     qg = _group_queries(q, q_pos, cache)
     g = q.shape[2] // cache.kv_heads
     scale = q.shape[-1] ** -0.5
@@ -235,16 +238,10 @@ def read_block(store, start, size: int, length=None):
 
 
 def _parts(cache: Layer) -> tuple[TokenCache, ...]:
-    """The `TokenCache`s attention reads, each with its own slots and cursor.
-
-    A residual layer is its encoded body and its exact recent part, read one
-    after the other without joining them (joining decodes the body whole).
-    """
-    if isinstance(cache, ResidualCache):
-        return _parts(cache.body) + _parts(cache.recent)
-    if cache.capacity == 0:
-        return ()
-    return (cache,)
+    """The `TokenCache`s attention reads, each with its own slots and cursor (`cache.parts()`:
+    a residual layer's encoded body, then its exact part, read one after the other without
+    joining them, which would decode the body whole); a part of no slots adds nothing."""
+    return tuple(part for part in cache.parts() if part.capacity)
 
 
 def decode_block(rows: int, n_q: int) -> int:
@@ -284,7 +281,7 @@ def attend_blockwise(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int
     """
     _, l, acc = blockwise_state(q, q_pos, cache, block=block, window=window, softcap=softcap,
                                 scale=scale)
-    first = cache.recent if isinstance(cache, ResidualCache) else cache
+    first = cache.parts()[-1]  # a residual layer's exact part: kv heads and key rows
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # a query that saw nothing returns zeros
     return _ungroup(out, q.shape, first.kv_heads)
 
@@ -299,9 +296,10 @@ def blockwise_state(q: jax.Array, q_pos: jax.Array, cache: Layer, *, block: int 
     kernel does not read well (`kvjax.backends.pallas`).
     """
     parts = _parts(cache)
-    first = cache.recent if isinstance(cache, ResidualCache) else cache
-    # float32 unless the layer is one dense bf16 array (a residual layer is read as float32)
-    as_f32 = isinstance(cache, ResidualCache)
+    first = cache.parts()[-1]  # a residual layer's exact part: kv heads and key rows
+    # float32 unless the layer is one dense bf16 array (a residual layer, of two parts, is
+    # read as float32)
+    as_f32 = len(cache.parts()) > 1
     qg = _group_queries(q, q_pos, first, exact_dtype=not as_f32)
     g = q.shape[2] // first.kv_heads
     scale = q.shape[-1] ** -0.5 if scale is None else scale

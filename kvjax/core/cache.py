@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core.stores import Latent, count_true, is_encoded, put, read, register_export
-
-EMPTY = -1
-"""`pos` value of a slot that holds no token (never written, padding, or evicted)."""
+from kvjax.core import attention
+from kvjax.core.layer import EMPTY, CacheLayer, is_layer, layer_kinds, register_layer
+from kvjax.core.stores import (Latent, count_true, is_encoded, put, read, register_export,
+                               resize_store, table_rows, table_usage)
 
 
 @jax.tree_util.register_dataclass
@@ -107,6 +107,53 @@ class TokenCache:
     def replace(self, **changes: Any) -> "TokenCache":
         return dataclasses.replace(self, **changes)
 
+    # ------------------------------------------------ CacheLayer (kvjax.core.layer)
+    def write(self, k_new: jax.Array, v_new: jax.Array, pos_new: jax.Array) -> "TokenCache":
+        return _write_tokens(self, k_new, v_new, pos_new)
+
+    def attend(self, q: jax.Array, q_pos: jax.Array, *, impl: str = "xla",
+               window: int | None = None, softcap: float | None = None) -> jax.Array:
+        return _attend_tokens(self, q, q_pos, impl, window, softcap)
+
+    def view(self, keep_latent: bool = False) -> "TokenCache":
+        decode = lambda s: s if keep_latent and isinstance(s, Latent) else read(s)
+        if not (is_encoded(self.k) or is_encoded(self.v)):
+            return self
+        return self.replace(k=decode(self.k), v=decode(self.v))
+
+    def counters(self) -> dict[str, jax.Array]:
+        return _token_counters(self, self.length, self.capacity)
+
+    def free_tokens(self) -> int:
+        return (self.capacity - int(self.length)) // self.slots_per_token
+
+    def check(self, index: int, spec: "CacheSpec", batch: int) -> None:
+        _check_tokens(index, self, spec, batch)
+
+    def shardings(self, mesh: jax.sharding.Mesh, batch_axis: str | None,
+                  kv_axis: str | None) -> "TokenCache":
+        return _token_shardings(self, mesh, batch_axis, kv_axis)
+
+    def shrink_usage(self) -> tuple:
+        """The cursor, each store's `table_usage` and the most slots in use in a row."""
+        valid = valid_rows(self)
+        return (self.length, table_usage(self.k, valid), table_usage(self.v, valid),
+                jnp.max(count_true(valid, 1)))
+
+    def shrink_plan(self, usage: tuple, room: int, max_write: int) -> tuple:
+        return resize_plan(self, usage, int(usage[0]) + room * self.slots_per_token)
+
+    def resized(self, plan: tuple) -> "TokenCache":
+        return _resize_tokens(self, plan)
+
+    def parts(self) -> tuple["TokenCache", ...]:
+        """The `TokenCache`s attention reads one after the other: this one."""
+        return (self,)
+
+    def map_parts(self, fn, *per_slot: jax.Array) -> "TokenCache":
+        """`fn(part, *per_slot)` over the parts (here: this layer, with `per_slot` [..., C])."""
+        return fn(self, *per_slot)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -148,13 +195,100 @@ class ResidualCache:
     def replace(self, **changes: Any) -> "ResidualCache":
         return dataclasses.replace(self, **changes)
 
+    # ------------------------------------------------ CacheLayer (kvjax.core.layer)
+    def write(self, k_new: jax.Array, v_new: jax.Array, pos_new: jax.Array) -> "ResidualCache":
+        """Flush whole blocks beyond `residual` into the body, then append to `recent`."""
+        slots = k_new.shape[2] * self.slots_per_token
+        # a layer that can flush keeps up to residual + block - 1 slots after a flush;
+        # one that cannot (a short prompt) is a plain dense cache (free_tokens checks the rest)
+        held = self.residual + self.block - 1 if flush_span(self) else 0
+        if not held and not isinstance(self.recent.length, jax.core.Tracer):
+            held = int(self.recent.length)  # outside jit the cursor is known: check it exactly
+        if held + slots > self.recent.capacity:
+            raise ValueError(
+                f"write: {k_new.shape[2]} new tokens do not fit the exact part of a residual "
+                f"layer ({self.recent.capacity} slots, of which up to {held} hold the "
+                f"residual); shrink with more room")
+        layer = flush_residual(self)
+        return layer.replace(recent=layer.recent.write(k_new, v_new, pos_new))
+
+    def attend(self, q: jax.Array, q_pos: jax.Array, *, impl: str = "xla",
+               window: int | None = None, softcap: float | None = None) -> jax.Array:
+        return _attend_tokens(self, q, q_pos, impl, window, softcap)
+
+    def view(self, keep_latent: bool = False) -> TokenCache:
+        """Body slots first, then the recent ones, as float32."""
+        body, recent = self.body.view(), self.recent
+        join = lambda a, b: jnp.concatenate([a.astype(jnp.float32), b.astype(jnp.float32)], axis=1)
+        return TokenCache(k=join(body.k, recent.k), v=join(body.v, recent.v), pos=self.pos,
+                          length=jnp.int32(body.capacity) + recent.length, mass=self.mass)
+
+    def counters(self) -> dict[str, jax.Array]:
+        return _token_counters(self, self.body.length + self.recent.length,
+                               self.body.capacity + self.recent.capacity)
+
+    def free_tokens(self) -> int:
+        """A layer whose exact part can flush holds at most `residual` tokens beyond its
+        body's capacity (every flush then fits the body); one that cannot
+        (`flush_span == 0`) holds what its exact part has room for."""
+        if flush_span(self) == 0:
+            free = self.recent.capacity - int(self.recent.length)
+        else:
+            free = (self.body.capacity - int(self.body.length) - int(self.recent.length)
+                    + self.residual)
+        return max(0, free) // self.slots_per_token
+
+    def check(self, index: int, spec: "CacheSpec", batch: int) -> None:
+        self.body.check(index, spec, batch)
+        self.recent.check(index, spec, batch)
+
+    def shardings(self, mesh: jax.sharding.Mesh, batch_axis: str | None,
+                  kv_axis: str | None) -> "ResidualCache":
+        return self.replace(body=self.body.shardings(mesh, batch_axis, kv_axis),
+                            recent=self.recent.shardings(mesh, batch_axis, kv_axis))
+
+    def shrink_usage(self) -> tuple:
+        return self.body.shrink_usage(), self.recent.shrink_usage()
+
+    def shrink_plan(self, usage: tuple, room: int, max_write: int) -> tuple:
+        """Keep `residual + block - 1 + max_write` exact slots and give the body room for
+        every token that can flush into it; with `room=0` both parts hold what they hold."""
+        spt = self.slots_per_token
+        body_usage, recent_usage = usage
+        recent = int(recent_usage[0])
+        flush = max(0, recent + room * spt - self.residual) if room else 0  # no write, no flush
+        if recent + room * spt < self.residual + self.block:  # never a whole block to flush:
+            flush = 0  # the exact part holds every token (a short prompt, a short generation)
+        keep = max(recent, self.residual + self.block - 1 + max_write * spt) if flush else \
+            recent + room * spt
+        return (resize_plan(self.body, body_usage, int(body_usage[0]) + flush),
+                resize_plan(self.recent, recent_usage, keep))
+
+    def resized(self, plan: tuple) -> "ResidualCache":
+        return self.replace(body=self.body.resized(plan[0]), recent=self.recent.resized(plan[1]))
+
+    def parts(self) -> tuple[TokenCache, TokenCache]:
+        """The body, then the exact part: attention reads one after the other, without
+        joining them (joining decodes the body whole)."""
+        return (self.body, self.recent)
+
+    def map_parts(self, fn, *per_slot: jax.Array) -> "ResidualCache":
+        """`fn(part, *its_slots)` for the body and the exact part, each given its own slots of
+        every `per_slot` [..., Cb + Cr] array."""
+        split = [split_slots(self, x) for x in per_slot]
+        return self.replace(body=fn(self.body, *(b for b, _ in split)),
+                            recent=fn(self.recent, *(r for _, r in split)))
+
 
 register_export(TokenCache)
 register_export(ResidualCache)
+register_layer(TokenCache)
+register_layer(ResidualCache)
 
 Layer = TokenCache | ResidualCache
-Cache = tuple[Layer, ...]
-"""A model's cache: one `TokenCache` (or `ResidualCache`) per decoder layer."""
+"""A token layer: what `attend_blockwise`, `compact` and the codecs read slot by slot."""
+Cache = tuple[CacheLayer, ...]
+"""A model's cache: one layer per decoder layer, of any registered kind (`kvjax.core.layer`)."""
 
 
 def flush_span(layer: ResidualCache) -> int:
@@ -193,21 +327,14 @@ def flush_residual(layer: ResidualCache) -> ResidualCache:
 
 
 def view(layer: Layer, keep_latent: bool = False) -> TokenCache:
-    """A dense `TokenCache` of the same slots: stores decoded, a residual layer's parts joined.
+    """A dense `TokenCache` of the same slots: stores decoded, a residual layer's parts joined,
+    pages gathered (`CacheLayer.view`).
 
     The body's slots come first, then the recent ones (attention and
     scores do not depend on slot order). `keep_latent` leaves low-rank
     stores encoded, for attention that scores in latent space.
     """
-    if isinstance(layer, ResidualCache):
-        body, recent = view(layer.body), layer.recent
-        join = lambda a, b: jnp.concatenate([a.astype(jnp.float32), b.astype(jnp.float32)], axis=1)
-        return TokenCache(k=join(body.k, recent.k), v=join(body.v, recent.v), pos=layer.pos,
-                          length=jnp.int32(body.capacity) + recent.length, mass=layer.mass)
-    decode = lambda s: s if keep_latent and isinstance(s, Latent) else read(s)
-    if not (is_encoded(layer.k) or is_encoded(layer.v)):
-        return layer
-    return layer.replace(k=decode(layer.k), v=decode(layer.v))
+    return layer.view(keep_latent=keep_latent)
 
 
 def split_slots(layer: ResidualCache, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -217,22 +344,14 @@ def split_slots(layer: ResidualCache, x: jax.Array) -> tuple[jax.Array, jax.Arra
 
 
 def free_tokens(layer: Layer) -> int:
-    """How many more tokens fit `layer` (host side), counted in tokens, not slots.
+    """How many more tokens fit `layer` (host side), counted in tokens, not slots
+    (`CacheLayer.free_tokens`).
 
     A residual layer whose exact part can flush holds at most `residual`
     tokens beyond its body's capacity (every flush then fits the body); one
     that cannot flush (`flush_span == 0`) holds what its exact part has room for.
     """
-    if isinstance(layer, ResidualCache):
-        if flush_span(layer) == 0:
-            free = layer.recent.capacity - int(layer.recent.length)
-        else:
-            free = (layer.body.capacity - int(layer.body.length) - int(layer.recent.length)
-                    + layer.residual)
-        return max(0, free) // layer.slots_per_token
-    return (layer.capacity - int(layer.length)) // layer.slots_per_token
-
-
+    return layer.free_tokens()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,8 +426,8 @@ def init_model_cache(spec: CacheSpec, batch: int, capacity: int,
 
 
 def write(cache: Layer, k_new: jax.Array, v_new: jax.Array,
-          pos_new: jax.Array) -> TokenCache:
-    """Append `T` tokens for every sequence at the write cursor.
+          pos_new: jax.Array) -> Layer:
+    """Append `T` tokens for every sequence at the write cursor (`CacheLayer.write`).
 
     Args:
       cache: the layer cache; `cache.length + T * cache.slots_per_token` must
@@ -318,22 +437,12 @@ def write(cache: Layer, k_new: jax.Array, v_new: jax.Array,
       pos_new: [B, T] int32 absolute positions; `EMPTY` (or any negative
         value) marks a padding token, whose slot stays masked.
     """
-    if hasattr(cache, "write"):  # a layer type that writes itself (kvjax.memory.paging.PagedLayer)
-        return cache.write(k_new, v_new, pos_new)
-    if isinstance(cache, ResidualCache):
-        slots = k_new.shape[2] * cache.slots_per_token
-        # a layer that can flush keeps up to residual + block - 1 slots after a flush;
-        # one that cannot (a short prompt) is a plain dense cache (free_tokens checks the rest)
-        held = cache.residual + cache.block - 1 if flush_span(cache) else 0
-        if not held and not isinstance(cache.recent.length, jax.core.Tracer):
-            held = int(cache.recent.length)  # outside jit the cursor is known: check it exactly
-        if held + slots > cache.recent.capacity:
-            raise ValueError(
-                f"write: {k_new.shape[2]} new tokens do not fit the exact part of a residual "
-                f"layer ({cache.recent.capacity} slots, of which up to {held} hold the "
-                f"residual); shrink with more room")
-        cache = flush_residual(cache)
-        return cache.replace(recent=write(cache.recent, k_new, v_new, pos_new))
+    return cache.write(k_new, v_new, pos_new)
+
+
+def _write_tokens(cache: TokenCache, k_new: jax.Array, v_new: jax.Array,
+                  pos_new: jax.Array) -> TokenCache:
+    """`TokenCache.write`: check the shapes, then append at the cursor."""
     b, h, t, d = k_new.shape
     if (b, h, d) != (cache.batch, cache.kv_heads, cache.head_dim) or v_new.shape != k_new.shape:
         raise ValueError(
@@ -348,6 +457,22 @@ def write(cache: Layer, k_new: jax.Array, v_new: jax.Array,
     pos_new = jnp.where(pos_new < 0, EMPTY, pos_new).astype(jnp.int32)
     return _append(cache, k_new.reshape(-1, slots, d),
                    v_new.reshape(-1, slots, d), _slot_positions(pos_new, h, cache.pooled))
+
+
+def _attend_tokens(layer: Layer, q, q_pos, impl: str, window, softcap) -> jax.Array:
+    """`attend` of a token layer: `attend_reference` for impl="reference", else the
+    blockwise XLA path (a backend's kernel is chosen before: `kvjax.attend`)."""
+    fn = attention.attend_reference if impl == "reference" else attention.attend_blockwise
+    return fn(q, q_pos, layer, window=window, softcap=softcap)
+
+
+def _token_counters(layer: Layer, slots_used: jax.Array, capacity: int) -> dict[str, jax.Array]:
+    """`counters()` of a token layer: tokens held, `slots_used`, `capacity`, no pages."""
+    pos = layer.pos
+    full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), pos.shape[:2])
+    return dict(tokens=jnp.sum(pos != EMPTY, -1, dtype=jnp.int32), slots_used=full(slots_used),
+                capacity=full(capacity), pages_device=full(0), pages_host=full(0),
+                prefetch_misses=full(0))
 
 
 def _slot_positions(pos_new: jax.Array, kv_heads: int, pooled: bool) -> jax.Array:
@@ -414,27 +539,26 @@ def cache_axes(batch: int, kv_heads: int, pooled: bool, mesh: jax.sharding.Mesh,
 
 def cache_shardings(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = "batch",
                     kv_axis: str | None = "kv") -> Any:
-    """The NamedSharding of every leaf of `cache` (arrays or ShapeDtypeStructs) by `cache_axes`."""
+    """The NamedSharding of every leaf of `cache` (arrays or ShapeDtypeStructs) by `cache_axes`
+    (`CacheLayer.shardings`)."""
+
+    return tuple(layer.shardings(mesh, batch_axis, kv_axis) for layer in cache)
+
+
+def _token_shardings(layer: TokenCache, mesh: jax.sharding.Mesh, batch_axis: str | None,
+                     kv_axis: str | None) -> TokenCache:
+    """`TokenCache.shardings`: rows and `pos` by `cache_axes`, the cursor replicated."""
     from jax.sharding import NamedSharding, PartitionSpec as P
-
-    def layout(layer):
-        if hasattr(layer, "shard_layout"):  # a layer that lays itself out (kvjax.policies.recurrent)
-            return layer.shard_layout(mesh, batch_axis, kv_axis, layout)
-        if isinstance(layer, ResidualCache):
-            return ResidualCache(body=layout(layer.body), recent=layout(layer.recent),
-                                 residual=layer.residual, block=layer.block)
-        row_axes, pos_spec = cache_axes(layer.pos.shape[0], layer.pos.shape[1], layer.pooled,
-                                        mesh, batch_axis, kv_axis)
-        rows = layer.k.shape[0]
-        by_row = lambda x: NamedSharding(mesh, P(row_axes, *[None] * (x.ndim - 1))
-                                         if x.ndim and x.shape[0] == rows else P())
-        pos = NamedSharding(mesh, pos_spec)
-        return TokenCache(k=jax.tree_util.tree_map(by_row, layer.k),
-                          v=jax.tree_util.tree_map(by_row, layer.v), pos=pos,
-                          length=NamedSharding(mesh, P()),
-                          mass=None if layer.mass is None else pos)
-
-    return tuple(layout(layer) for layer in cache)
+    row_axes, pos_spec = cache_axes(layer.pos.shape[0], layer.pos.shape[1], layer.pooled,
+                                    mesh, batch_axis, kv_axis)
+    rows = layer.k.shape[0]
+    by_row = lambda x: NamedSharding(mesh, P(row_axes, *[None] * (x.ndim - 1))
+                                     if x.ndim and x.shape[0] == rows else P())
+    pos = NamedSharding(mesh, pos_spec)
+    return TokenCache(k=jax.tree_util.tree_map(by_row, layer.k),
+                      v=jax.tree_util.tree_map(by_row, layer.v), pos=pos,
+                      length=NamedSharding(mesh, P()),
+                      mass=None if layer.mass is None else pos)
 
 
 def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = "batch",
@@ -471,28 +595,25 @@ def num_valid(cache: TokenCache) -> jax.Array:
     return count_true(cache.pos != EMPTY)
 
 
-def check_cache(cache: Sequence[TokenCache], spec: CacheSpec, batch: int) -> None:
+def check_cache(cache: Sequence[Layer], spec: CacheSpec, batch: int) -> None:
     """Raise a ValueError naming the mismatch if `cache` does not fit a model."""
     if not isinstance(cache, (tuple, list)) or len(cache) != spec.num_layers:
         n = len(cache) if isinstance(cache, (tuple, list)) else type(cache).__name__
         raise ValueError(f"cache has {n} layers, the model has {spec.num_layers}")
     for i, layer in enumerate(cache):
-        for part in (layer.body, layer.recent) if isinstance(layer, ResidualCache) else (layer,):
-            check_layer(i, part, spec, batch)
+        check_layer(i, layer, spec, batch)
 
 
 def check_layer(i: int, layer: Any, spec: CacheSpec, batch: int) -> None:
-    if hasattr(layer, "check_layer"):  # a layer that checks itself (kvjax.policies.recurrent)
-        return layer.check_layer(i, spec, batch)
-    if hasattr(layer, "tables"):  # kvjax.memory.paging.PagedLayer
-        if (layer.batch, layer.kv_heads, layer.head_dim) != (batch, spec.kv_heads, spec.head_dim):
-            raise ValueError(
-                f"cache layer {i} is paged for [batch={layer.batch}, kv_heads={layer.kv_heads}, "
-                f"head_dim={layer.head_dim}]; the model needs [{batch}, {spec.kv_heads}, "
-                f"{spec.head_dim}]")
-        return
-    if not isinstance(layer, TokenCache):
-        raise ValueError(f"cache layer {i} is a {type(layer).__name__}, expected TokenCache")
+    """ValueError unless `layer` is a registered layer kind that fits `spec` at `batch`."""
+    if not is_layer(layer):
+        raise ValueError(f"cache layer {i} is a {type(layer).__name__}, not a cache layer "
+                         f"(registered kinds: {', '.join(k.__name__ for k in layer_kinds())})")
+    layer.check(i, spec, batch)
+
+
+def _check_tokens(i: int, layer: TokenCache, spec: CacheSpec, batch: int) -> None:
+    """`TokenCache.check`: pos, k, v and mass shapes against the model's."""
     capacity = layer.pos.shape[-1]
     if layer.pos.shape != (batch, spec.kv_heads, capacity) or layer.pos.dtype != jnp.int32:
         raise ValueError(
@@ -508,3 +629,49 @@ def check_layer(i: int, layer: Any, spec: CacheSpec, batch: int) -> None:
     if layer.mass is not None and layer.mass.shape != layer.pos.shape:
         raise ValueError(f"cache layer {i} has mass {layer.mass.shape}, expected "
                          f"{layer.pos.shape}")
+
+
+def check_sizes(i: int, layer: Any, spec: CacheSpec, batch: int, kind: str) -> None:
+    """ValueError unless `layer`'s batch, KV heads and head dim are the model's (`kind` names
+    the layer in the message): the `check` of a layer kind without token slots to check."""
+    if (layer.batch, layer.kv_heads, layer.head_dim) != (batch, spec.kv_heads, spec.head_dim):
+        raise ValueError(
+            f"cache layer {i} is {kind} for [batch={layer.batch}, kv_heads={layer.kv_heads}, "
+            f"head_dim={layer.head_dim}]; the model needs [{batch}, {spec.kv_heads}, "
+            f"{spec.head_dim}]")
+
+
+# ----------------------------------------------------------------------------- resizing
+
+
+def valid_rows(cache: TokenCache) -> jax.Array:
+    """[R, C] bool: the slots in use, by storage row."""
+    valid = cache.pos != EMPTY
+    b, kvh, c = valid.shape
+    return valid.any(axis=1) if cache.pooled else valid.reshape(b * kvh, c)
+
+
+def resize_plan(cache: TokenCache, usage: tuple, capacity: int) -> tuple:
+    """(capacity, table rows of the keys, of the values): the static part of a resize, from
+    the host-side `TokenCache.shrink_usage`; raises if a written slot would be lost."""
+    length, used_k, used_v, in_use = usage
+    if capacity < int(length):
+        raise ValueError(f"resize: capacity {capacity} would drop written slots "
+                         f"(the cursor is at {int(length)})")
+    return (capacity,) + tuple(table_rows(s, capacity, used, int(in_use))
+                               for s, used in ((cache.k, used_k), (cache.v, used_v)))
+
+
+def _resize_tokens(cache: TokenCache, plan: tuple) -> TokenCache:
+    """`TokenCache.resized`: the slot axis cut or padded to the plan's capacity."""
+    capacity, rows_k, rows_v = plan
+    if capacity <= cache.capacity:
+        cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
+    else:
+        cut = lambda x, axis: jnp.pad(
+            x, [(0, capacity - cache.capacity if a == axis % x.ndim else 0)
+                for a in range(x.ndim)], constant_values=EMPTY if x.dtype == jnp.int32 else 0)
+    valid = valid_rows(cache)
+    return TokenCache(k=resize_store(cache.k, capacity, valid, rows_k),
+                      v=resize_store(cache.v, capacity, valid, rows_v), pos=cut(cache.pos, 2),
+                      length=cache.length, mass=None if cache.mass is None else cut(cache.mass, 2))

@@ -33,8 +33,8 @@ import weakref
 import jax
 import jax.numpy as jnp
 
-from kvjax.core.cache import EMPTY, Cache, Layer, ResidualCache, TokenCache, split_slots
-from kvjax.core.stores import count_true, fold_rows, resize_store, table_rows, table_usage, take
+from kvjax.core.cache import EMPTY, Cache, Layer, TokenCache, resize_plan
+from kvjax.core.stores import count_true, fold_rows, take
 
 
 def _signature(tree) -> tuple:
@@ -196,14 +196,13 @@ def compact(cache: Layer, keep: jax.Array, capacity: int | None = None) -> Layer
       A cache whose rows hold their kept slots at `[0, n_row)` and EMPTY after,
       with the write cursor at the largest `n_row`.
     """
-    if isinstance(cache, ResidualCache):
+    if len(cache.parts()) > 1:  # a residual layer: each part compacts its own slots
         if capacity is not None:
             raise ValueError("compact: a residual layer keeps its capacity; use shrink to cut it")
         if keep.shape != cache.pos.shape:
             raise ValueError(f"compact: keep mask {keep.shape} does not match slots "
                              f"{cache.pos.shape}")
-        body, recent = split_slots(cache, keep)
-        return cache.replace(body=compact(cache.body, body), recent=compact(cache.recent, recent))
+        return cache.map_parts(compact, keep)
     b, kvh, c = cache.pos.shape
     capacity = c if capacity is None else capacity
     if keep.shape != (b, kvh, c):
@@ -249,8 +248,8 @@ def pool_heads(cache: Layer) -> Layer:
     """
     if cache.pooled:
         return cache
-    if isinstance(cache, ResidualCache):
-        return cache.replace(body=pool_heads(cache.body), recent=pool_heads(cache.recent))
+    if len(cache.parts()) > 1:  # a residual layer: each part pooled
+        return cache.map_parts(pool_heads)
     b, kvh, c = cache.pos.shape
     return TokenCache(k=fold_rows(cache.k, b), v=fold_rows(cache.v, b), pos=_pool(cache.pos, EMPTY),
                       length=jnp.int32(kvh * c),
@@ -263,74 +262,24 @@ def resize(cache: TokenCache, capacity: int) -> TokenCache:
     Host-side (capacity is a shape); raises if a written slot would be lost.
     """
     usage = jax.device_get(_usage(cache, False))
-    return _take_resized(cache, None, _resize_plan(cache, usage, capacity))
-
-
-def _token_usage(cache: TokenCache) -> tuple:
-    """What resizing a `TokenCache` reads on the host (jit-able): its cursor, each store's
-    `table_usage` and the most slots in use in a row."""
-    valid = _valid_rows(cache)
-    return (cache.length, table_usage(cache.k, valid), table_usage(cache.v, valid),
-            jnp.max(count_true(valid, 1)))
-
-
-def _layer_usage(layer: Layer):
-    if isinstance(layer, ResidualCache):
-        return _token_usage(layer.body), _token_usage(layer.recent)
-    return _token_usage(layer)
+    return _take_resized(cache, None, resize_plan(cache, usage, capacity))
 
 
 @functools.partial(jax.jit, static_argnames=("stacked",))
 def _usage(group, stacked: bool):
-    """`_layer_usage` of one layer, or of every layer of a stacked group (leaves [G, ...]):
-    one compiled program per layout, one call per group."""
-    return jax.vmap(_layer_usage)(group) if stacked else _layer_usage(group)
-
-
-def _valid_rows(cache: TokenCache) -> jax.Array:
-    """[R, C] bool: the slots in use, by storage row."""
-    valid = cache.pos != EMPTY
-    b, kvh, c = valid.shape
-    return valid.any(axis=1) if cache.pooled else valid.reshape(b * kvh, c)
-
-
-def _resize_plan(cache: TokenCache, usage: tuple, capacity: int) -> tuple:
-    """(capacity, table rows of the keys, of the values): the static part of a resize, from
-    the host-side `_token_usage`; raises if a written slot would be lost."""
-    length, used_k, used_v, in_use = usage
-    if capacity < int(length):
-        raise ValueError(f"resize: capacity {capacity} would drop written slots "
-                         f"(the cursor is at {int(length)})")
-    return (capacity,) + tuple(table_rows(s, capacity, used, int(in_use))
-                               for s, used in ((cache.k, used_k), (cache.v, used_v)))
-
-
-def _resize_token(cache: TokenCache, plan: tuple) -> TokenCache:
-    capacity, rows_k, rows_v = plan
-    if capacity <= cache.capacity:
-        cut = lambda x, axis: jax.lax.slice_in_dim(x, 0, capacity, axis=axis)
-    else:
-        cut = lambda x, axis: jnp.pad(
-            x, [(0, capacity - cache.capacity if a == axis % x.ndim else 0)
-                for a in range(x.ndim)], constant_values=EMPTY if x.dtype == jnp.int32 else 0)
-    valid = _valid_rows(cache)
-    return TokenCache(k=resize_store(cache.k, capacity, valid, rows_k),
-                      v=resize_store(cache.v, capacity, valid, rows_v), pos=cut(cache.pos, 2),
-                      length=cache.length, mass=None if cache.mass is None else cut(cache.mass, 2))
+    """`CacheLayer.shrink_usage` of one layer, or of every layer of a stacked group (leaves
+    [G, ...]): one compiled program per layout, one call per group."""
+    usage = lambda layer: layer.shrink_usage()
+    return jax.vmap(usage)(group) if stacked else usage(group)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
-def _take_resized(group, n, plan: tuple):
-    """Layer `n` of a stacked group (`n=None`: `group` is the layer) resized by `plan` (a
-    `_resize_plan`, one per part of a `ResidualCache`, or None: as it is): one compiled program
-    per layout and plan, called once per layer."""
+def _take_resized(group, n, plan):
+    """Layer `n` of a stacked group (`n=None`: `group` is the layer) cut by `plan` (its
+    `CacheLayer.shrink_plan`, or None: as it is): one compiled program per layout and plan,
+    called once per layer."""
     layer = group if n is None else jax.tree.map(lambda x: x[n], group)
-    if plan is None:
-        return layer
-    if isinstance(layer, ResidualCache):
-        return layer.replace(body=_resize_token(layer.body, plan[0]),
-                             recent=_resize_token(layer.recent, plan[1]))
-    return _resize_token(layer, plan)
+    return layer if plan is None else layer.resized(plan)
 
 
 def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = None) -> Cache:
@@ -359,19 +308,15 @@ def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = 
     max_write = room if max_write is None else max_write
     if not isinstance(cache, StackedLayers):
         cache = StackedLayers(tuple(cache), tuple((i,) for i in range(len(cache))))
-    usages = jax.device_get([None if hasattr(group, "shrink") else _usage(group, len(m) > 1)
+    usages = jax.device_get([_usage(group, len(m) > 1)
                              for group, m in zip(cache.groups, cache.members)])  # one host read
     out = [None] * sum(map(len, cache.members))
     for group, members, usage in zip(cache.groups, cache.members, usages):
         stacked = len(members) > 1
         shapes = _one_layer(group) if stacked else group  # what a plan reads of a layer
         for n, i in enumerate(members):
-            if usage is None:  # a layer that shrinks itself (kvjax.policies.recurrent)
-                layer = group if not stacked else _take_resized(group, n, None)
-                out[i] = layer.shrink(room, max_write)
-                continue
             own = jax.tree.map(lambda x: x[n], usage) if stacked else usage
-            plan = _shrink_plan(shapes, own, room, max_write)
+            plan = shapes.shrink_plan(own, room, max_write)
             out[i] = _take_resized(group, n if stacked else None, plan)
     return tuple(out)
 
@@ -379,19 +324,3 @@ def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = 
 def _one_layer(group):
     """One layer of a stacked group, abstract (shapes and dtypes): what a plan reads."""
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), group)
-
-
-def _shrink_plan(layer: Layer, usage, room: int, max_write: int) -> tuple:
-    """`_take_resized`'s plan for `shrink` (host side) from the layer's `_layer_usage`."""
-    spt = layer.slots_per_token
-    if not isinstance(layer, ResidualCache):
-        return _resize_plan(layer, usage, int(usage[0]) + room * spt)
-    body_usage, recent_usage = usage
-    recent = int(recent_usage[0])
-    flush = max(0, recent + room * spt - layer.residual) if room else 0  # no write, no flush
-    if recent + room * spt < layer.residual + layer.block:  # never a whole block to flush:
-        flush = 0  # the exact part holds every token (a short prompt, a short generation)
-    keep = max(recent, layer.residual + layer.block - 1 + max_write * spt) if flush else \
-        recent + room * spt
-    return (_resize_plan(layer.body, body_usage, int(body_usage[0]) + flush),
-            _resize_plan(layer.recent, recent_usage, keep))

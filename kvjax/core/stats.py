@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core.attention import attention_mass
-from kvjax.core.cache import EMPTY, Layer, ResidualCache, TokenCache, split_slots
+from kvjax.core.cache import EMPTY, Layer, TokenCache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,11 +130,7 @@ def accumulate_mass(cache: Layer, q: jax.Array, positions: jax.Array) -> Layer:
     if cache.mass is None:
         return cache
     added = attention_mass(q, positions, cache)  # [B, KVH, C] (body then recent slots)
-    if isinstance(cache, ResidualCache):
-        body, recent = split_slots(cache, added)
-        return cache.replace(body=cache.body.replace(mass=cache.body.mass + body),
-                             recent=cache.recent.replace(mass=cache.recent.mass + recent))
-    return cache.replace(mass=cache.mass + added)
+    return cache.map_parts(lambda part, more: part.replace(mass=part.mass + more), added)
 
 
 def query_mean_cov(stats: LayerStats) -> tuple[jax.Array, jax.Array]:

@@ -49,8 +49,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, write as cache_write
-from kvjax.memory.paging import NULL_PAGE, PagedLayer, _error_at, _first_error, dense_view
+from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, check_sizes, write as cache_write
+from kvjax.core.layer import register_layer
+from kvjax.memory.paging import NULL_PAGE, PagedLayer, _error_at, _first_error
 from kvjax.memory.paging import init_paged_cache
 from kvjax.core.quant import pack, quantize, unpack
 from kvjax.core.stores import PackedChannels, PackedTokens, Store, register_export
@@ -120,11 +121,38 @@ class PagedKivi:
     def replace(self, **changes: Any) -> "PagedKivi":
         return dataclasses.replace(self, **changes)
 
-    def check_layer(self, i: int, spec: Any, batch: int) -> None:
-        if (self.batch, self.kv_heads, self.head_dim) != (batch, spec.kv_heads, spec.head_dim):
-            raise ValueError(f"cache layer {i} is a paged KIVI layer for [batch={self.batch}, "
-                             f"kv_heads={self.kv_heads}, head_dim={self.head_dim}]; the model "
-                             f"needs [{batch}, {spec.kv_heads}, {spec.head_dim}]")
+    # ------------------------------------------------ CacheLayer (kvjax.core.layer)
+    def check(self, i: int, spec: Any, batch: int) -> None:
+        check_sizes(i, self, spec, batch, "a paged KIVI layer")
+
+    def view(self, keep_latent: bool = False) -> TokenCache:
+        return as_residual(self).view()
+
+    def counters(self) -> dict[str, jax.Array]:
+        """The body's pages, then slots written and held by both parts."""
+        pages = self.body.counters()
+        both = self.body.capacity + self.recent.capacity
+        return dict(pages, tokens=jnp.sum(self.view().pos != EMPTY, -1, dtype=jnp.int32),
+                    slots_used=self.body.lengths + self.recent.length,
+                    capacity=jnp.full(self.body.lengths.shape, both, jnp.int32))
+
+    def free_tokens(self) -> int:
+        """Host side: tokens the exact part takes before a flush must find reserved pages."""
+        return self.recent.free_tokens()
+
+    def shardings(self, mesh, batch_axis, kv_axis) -> "PagedKivi":
+        return self.replace(body=self.body.shardings(mesh, batch_axis, kv_axis),
+                            recent=self.recent.shardings(mesh, batch_axis, kv_axis))
+
+    def shrink_usage(self) -> None:
+        return None
+
+    def shrink_plan(self, usage: None, room: int, max_write: int) -> None:
+        """Nothing to cut: pages are the pool's, and the exact part keeps its room to flush."""
+        return None
+
+    def resized(self, plan: None) -> "PagedKivi":
+        return self
 
     def write(self, k_new: jax.Array, v_new: jax.Array, pos_new: jax.Array) -> "PagedKivi":
         """Flush whole groups beyond `residual` into the reserved pages, then append T tokens
@@ -137,10 +165,7 @@ class PagedKivi:
                              f"part ({self.recent.capacity} slots, up to {held} hold the "
                              f"residual)")
         layer = flush_residual(self)
-        body = layer.body
-        if hasattr(body, "misses"):  # a tiered body: count the host pages this step reads
-            from kvjax.memory.tiers import stage_misses
-            body = body.replace(misses=body.misses + stage_misses(body).sum(-1, dtype=jnp.int32))
+        body = layer.body.count_misses()  # a tiered body: the host pages this step reads
         return layer.replace(body=body, recent=cache_write(layer.recent, k_new, v_new, pos_new))
 
     def attend(self, q, q_pos, *, impl: str = "xla", window=None, softcap=None):
@@ -152,17 +177,13 @@ class PagedKivi:
 
 
 register_export(PagedKivi)
+register_layer(PagedKivi)
 
 
 def as_residual(layer: PagedKivi) -> ResidualCache:
     """The layer as an unpaged `ResidualCache` whose body is the decoded pages in table order
     (host pages read from the stage or fetched): a reference and attention path."""
-    if hasattr(layer.body, "host_k"):
-        from kvjax.memory.tiers import tiered_view
-        body = tiered_view(layer.body)
-    else:
-        body = dense_view(layer.body)
-    return ResidualCache(body=body, recent=layer.recent, residual=layer.residual,
+    return ResidualCache(body=layer.body.view(), recent=layer.recent, residual=layer.residual,
                          block=layer.block)
 
 
@@ -320,8 +341,9 @@ def from_residual(cache: Sequence[ResidualCache], *, max_pages: int, device_page
     body_layers = []
     for layer in plain:
         fields = {}
+        names = {f.name for f in dataclasses.fields(layer)}
         for name, make in stores.items():
-            if hasattr(layer, name):
+            if name in names:
                 rows = jax.tree.leaves(getattr(layer, name))[0].shape[0]
                 fields[name] = make(rows)
                 if name.startswith("host_"):

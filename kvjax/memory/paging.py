@@ -65,7 +65,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core.cache import EMPTY, TokenCache
+from kvjax.core.cache import EMPTY, TokenCache, check_sizes
+from kvjax.core.layer import register_layer
 from kvjax.core.stores import PackedTokens, encode_dense, is_dense, map_slot_leaves, read
 
 NULL_PAGE = 0
@@ -197,6 +198,58 @@ class PagedLayer:
     def replace(self, **changes: Any) -> "PagedLayer":
         return dataclasses.replace(self, **changes)
 
+    # ------------------------------------------------ CacheLayer (kvjax.core.layer)
+    def attend(self, q, q_pos, *, impl: str = "xla", window=None, softcap=None):
+        """The XLA attention of `kvjax.attend` over the dense view (the Pallas kernel reads the
+        pages in place: `kvjax.backends.pallas`)."""
+        from kvjax.core.attention import attend_blockwise, attend_reference
+        fn = attend_reference if impl == "reference" else attend_blockwise
+        return fn(q, q_pos, self.view(), window=window, softcap=softcap)
+
+    def view(self, keep_latent: bool = False) -> TokenCache:
+        return dense_view(self)
+
+    def counters(self) -> dict[str, jax.Array]:
+        """Slots written per row, pages listed on the device and (a tiered layer) host."""
+        used = jnp.arange(self.tables.shape[-1]) < self.num_pages_used[..., None]
+        host = used & (self.tables >= self.device_pages)
+        return dict(tokens=jnp.sum(self.view().pos != EMPTY, -1, dtype=jnp.int32),
+                    slots_used=self.lengths,
+                    capacity=jnp.full(self.lengths.shape, self.capacity, jnp.int32),
+                    pages_device=jnp.sum(used & ~host, -1, dtype=jnp.int32),
+                    pages_host=jnp.sum(host, -1, dtype=jnp.int32),
+                    prefetch_misses=self.misses_so_far())
+
+    def misses_so_far(self) -> jax.Array:
+        """[B, KVH] int32 host pages read without a staged copy: none for a device-only layer."""
+        return jnp.zeros(self.lengths.shape, jnp.int32)
+
+    def count_misses(self) -> "PagedLayer":
+        """The layer after counting this step's prefetch misses (a tiered layer's)."""
+        return self
+
+    def free_tokens(self) -> int:
+        """Host side: slots left in the fullest row's block table (reserve pages first)."""
+        return self.capacity - int(jnp.max(self.lengths))
+
+    def check(self, index: int, spec: Any, batch: int) -> None:
+        check_sizes(index, self, spec, batch, "paged")
+
+    def shardings(self, mesh, batch_axis, kv_axis) -> "PagedLayer":
+        """Every leaf replicated: the pool's pages are shared by all rows."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), self)
+
+    def shrink_usage(self) -> None:
+        return None
+
+    def shrink_plan(self, usage: None, room: int, max_write: int) -> None:
+        """Nothing to cut: pages are freed whole by the pool (`release`, `evict_pages`)."""
+        return None
+
+    def resized(self, plan: None) -> "PagedLayer":
+        return self
+
     def write(self, k_new: jax.Array, v_new: jax.Array, pos_new: jax.Array) -> "PagedLayer":
         """Append T tokens per row at its length (`kvjax.write` calls this).
 
@@ -265,6 +318,9 @@ class PagedLayer:
         k, v, pos = jax.lax.cond(jnp.any(start), scrub, lambda kvp: kvp,
                                  (self.k, self.v, self.pos))
         return self.replace(k=k, v=v, pos=pos)
+
+
+register_layer(PagedLayer)
 
 
 def _scatter(store: Any, page: jax.Array, offset: jax.Array, x: jax.Array) -> Any:

@@ -66,6 +66,7 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from kvjax.core.cache import EMPTY, TokenCache
+from kvjax.core.layer import register_layer
 from kvjax.memory.paging import (NULL_PAGE, PagedLayer, PagePool, _concrete, _finish, _held,
                                  _in_use, _last_page, init_paged_cache)
 from kvjax.core.stores import is_dense, map_slot_leaves, read
@@ -143,16 +144,21 @@ class TieredLayer(PagedLayer):
     def write(self, k_new, v_new, pos_new) -> "TieredLayer":
         """`PagedLayer.write`, then count this step's prefetch misses: in-use host pages of
         each row that the stage does not hold (the attention that follows fetches them)."""
-        layer = PagedLayer.write(self, k_new, v_new, pos_new)
-        return layer.replace(misses=layer.misses + stage_misses(layer).sum(-1, dtype=jnp.int32))
+        return PagedLayer.write(self, k_new, v_new, pos_new).count_misses()
 
-    def attend(self, q, q_pos, *, impl: str = "xla", window=None, softcap=None):
-        """Attention over both tiers: device pages read in place, host pages from the stage
-        or (misses) fetched now; then the XLA attention of `kvjax.attend` on the dense view."""
-        from kvjax.core.attention import attend_blockwise, attend_reference  # attention imports paging
-        view = tiered_view(self)
-        fn = attend_reference if impl == "reference" else attend_blockwise
-        return fn(q, q_pos, view, window=window, softcap=softcap)
+    def count_misses(self) -> "TieredLayer":
+        return self.replace(misses=self.misses + stage_misses(self).sum(-1, dtype=jnp.int32))
+
+    def misses_so_far(self) -> jax.Array:
+        return self.misses
+
+    def view(self, keep_latent: bool = False) -> TokenCache:
+        """Both tiers: device pages read in place, host pages from the stage or (misses)
+        fetched now (`tiered_view`); `attend` reads this view."""
+        return tiered_view(self)
+
+
+register_layer(TieredLayer)
 
 
 def _rows(store: Any) -> int:

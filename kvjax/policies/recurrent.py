@@ -11,8 +11,7 @@ with context (`F*D + F + 1` floats per KV head).
 
 Two layer types, both pytrees that `kvjax.write`, `kvjax.attend`,
 `kvjax.nbytes`, `kvjax.shard_cache`, `kvjax.shrink`, `jax.export` and the
-sampler handle like a `TokenCache` (they implement the layer hooks `write`,
-`attend`, `check_layer`, `shard_layout`, `shrink`):
+sampler handle like a `TokenCache` (both implement `kvjax.core.layer.CacheLayer`):
 
 - `LinearLayer` (pure linear attention, `linear_state`): the state plus the
   tokens of the latest write (a staging window of `W` slots). A write first
@@ -49,7 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, view
+from kvjax.core.cache import EMPTY, Layer, TokenCache, check_sizes, view
+from kvjax.core.layer import register_layer, unknown_counters
 from kvjax.policies.feature_maps import FeatureMap, check_map_name, resolve
 from kvjax.core.transforms import CacheTransform
 
@@ -253,14 +253,21 @@ class LinearLayer:
         out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
         return ungroup(out, q.shape, self.kv_heads)
 
-    def check_layer(self, i: int, spec, batch: int) -> None:
+    # ------------------------------------------------ CacheLayer (kvjax.core.layer)
+    def check(self, i: int, spec, batch: int) -> None:
         """ValueError unless the layer fits a model of `spec` and `batch` (`kvjax.check_cache`)."""
-        if (self.batch, self.kv_heads, self.head_dim) != (batch, spec.kv_heads, spec.head_dim):
-            raise ValueError(f"cache layer {i} is a linear layer for [batch={self.batch}, "
-                             f"kv_heads={self.kv_heads}, head_dim={self.head_dim}]; the model "
-                             f"needs [{batch}, {spec.kv_heads}, {spec.head_dim}]")
+        check_sizes(i, self, spec, batch, "a linear layer")
 
-    def shard_layout(self, mesh, batch_axis, kv_axis, token_layout=None) -> "LinearLayer":
+    def view(self, keep_latent: bool = False) -> TokenCache:
+        raise ValueError("a linear layer holds a recurrent state, no tokens to view")
+
+    def counters(self) -> dict[str, jax.Array]:
+        return unknown_counters(self.batch, self.kv_heads)
+
+    def free_tokens(self) -> int:
+        return UNBOUNDED  # the state takes any number of tokens
+
+    def shardings(self, mesh, batch_axis, kv_axis) -> "LinearLayer":
         """Shardings of every leaf: rows over (batch, kv), `pos` over each (`kvjax.shard_cache`)."""
         from jax.sharding import NamedSharding, PartitionSpec as P
         by_row = lambda x: _row_sharding(mesh, batch_axis, kv_axis, x.ndim)
@@ -268,9 +275,15 @@ class LinearLayer:
                             k=by_row(self.k), v=by_row(self.v),
                             pos=NamedSharding(mesh, P(batch_axis, kv_axis, None)))
 
-    def shrink(self, room: int, max_write: int) -> "LinearLayer":
-        """Host side (`kvjax.shrink`): fold the staged tokens; stage up to `max_write` next."""
-        return resize_window(self, max(1, max_write))
+    def shrink_usage(self) -> None:
+        return None
+
+    def shrink_plan(self, usage: None, room: int, max_write: int) -> int:
+        """`kvjax.shrink`: fold the staged tokens; stage up to `max_write` next."""
+        return max(1, max_write)
+
+    def resized(self, plan: int) -> "LinearLayer":
+        return resize_window(self, plan)
 
 
 def resize_window(layer: LinearLayer, window: int) -> LinearLayer:
@@ -351,17 +364,32 @@ class FoldedLayer:
                        self.head_dim, window, softcap)
         return hybrid_attend(q, q_pos, view(self.tokens), self.state, self.feature_map)
 
-    def check_layer(self, i: int, spec, batch: int) -> None:
-        from kvjax.core.cache import check_layer
-        check_layer(i, self.tokens, spec, batch)
+    # ------------------------------------------------ CacheLayer (kvjax.core.layer)
+    def check(self, i: int, spec, batch: int) -> None:
+        self.tokens.check(i, spec, batch)
 
-    def shard_layout(self, mesh, batch_axis, kv_axis, token_layout=None) -> "FoldedLayer":
-        return self.replace(tokens=token_layout(self.tokens),
+    def view(self, keep_latent: bool = False) -> TokenCache:
+        """The kept tokens (the state of the evicted ones is no tokens)."""
+        return self.tokens.view(keep_latent=keep_latent)
+
+    def counters(self) -> dict[str, jax.Array]:
+        return self.tokens.counters()
+
+    def free_tokens(self) -> int:
+        return self.tokens.free_tokens()
+
+    def shardings(self, mesh, batch_axis, kv_axis) -> "FoldedLayer":
+        return self.replace(tokens=self.tokens.shardings(mesh, batch_axis, kv_axis),
                             state=_state_sharding(self.state, mesh, batch_axis, kv_axis))
 
-    def shrink(self, room: int, max_write: int) -> "FoldedLayer":
-        from kvjax.core.layout import resize
-        return self.replace(tokens=resize(self.tokens, int(self.tokens.length) + room))
+    def shrink_usage(self) -> Any:
+        return self.tokens.shrink_usage()
+
+    def shrink_plan(self, usage: Any, room: int, max_write: int) -> Any:
+        return self.tokens.shrink_plan(usage, room, max_write)
+
+    def resized(self, plan: Any) -> "FoldedLayer":
+        return self.replace(tokens=self.tokens.resized(plan))
 
 
 def hybrid_attend(q: jax.Array, q_pos: jax.Array, tokens: TokenCache, state: RecurrentState,
@@ -430,6 +458,8 @@ def _register_export(cls, static: Sequence[str]) -> None:
 
 _register_export(LinearLayer, ("feature_map", "decay"))
 _register_export(FoldedLayer, ("feature_map",))
+register_layer(LinearLayer)
+register_layer(FoldedLayer)
 jax.export.register_pytree_node_serialization(
     RecurrentState, serialized_name="kvjax.RecurrentState",
     serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
@@ -441,10 +471,9 @@ jax.export.register_pytree_node_serialization(
 
 def _dense_rows(layer, name: str) -> TokenCache:
     """A layer's tokens as a dense per-head TokenCache (ValueError for what cannot be folded)."""
-    if isinstance(layer, (LinearLayer, FoldedLayer)):
-        raise ValueError(f"{name}: layer is already a {type(layer).__name__}")
-    if hasattr(layer, "tables"):
-        raise ValueError(f"{name}: paged layers cannot be folded; use a dense cache")
+    if not isinstance(layer, Layer):  # a state already, or pages
+        raise ValueError(f"{name}: a {type(layer).__name__} cannot be folded into a state; "
+                         f"use a dense token cache (TokenCache or ResidualCache)")
     dense = view(layer)
     if dense.pooled:
         raise ValueError(f"{name}: head-wise (pooled) layers are not supported; drop headwise")
@@ -554,7 +583,7 @@ def _fold_update(policy_update, map_name, features: int, seed: int):
                 out.append(after)  # a state already, or a layer the policy left alone
                 continue  # (`on_layers` passes untouched layers through as they are)
             dense = _dense_rows(before, "fold")
-            if isinstance(after, ResidualCache) or hasattr(after, "tables"):
+            if not isinstance(after, TokenCache):
                 raise ValueError("fold: the policy before fold must leave plain token layers "
                                  "(chain codecs after fold, not before)")
             fm = resolve(map_name, i, dense.kv_heads, dense.head_dim, features, seed)

@@ -44,8 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core.attention import attention_mass
-from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, flush_span, view
-from kvjax.memory.paging import PagedLayer, dense_view
+from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, flush_span
 from kvjax.core.stores import map_slot_leaves, read
 from kvjax.core.transforms import CacheTransform
 
@@ -73,22 +72,9 @@ Monitor = tuple  # tuple[LayerMonitor, ...], one per layer
 
 
 def dense(layer: Any) -> TokenCache:
-    """Any supported layer as a dense `TokenCache` (stores decoded, parts joined, pages
-    gathered from every tier)."""
-    if hasattr(layer, "body") and hasattr(layer.body, "tables"):  # kvjax.memory.paged_kivi.PagedKivi
-        from kvjax.memory.paged_kivi import as_residual
-        return view(as_residual(layer))
-    if hasattr(layer, "host_k"):  # kvjax.memory.tiers.TieredLayer
-        from kvjax.memory.tiers import tiered_view
-        return tiered_view(layer)
-    if isinstance(layer, PagedLayer):
-        return dense_view(layer)
-    if isinstance(layer, (TokenCache, ResidualCache)):
-        return view(layer)
-    if hasattr(layer, "tokens") and hasattr(layer, "state"):  # recurrent.FoldedLayer: kept tokens
-        return view(layer.tokens)
-    raise ValueError(f"monitor: layer type {type(layer).__name__} is not supported (token, "
-                     f"residual and paged layers are)")
+    """Any layer as a dense `TokenCache` (`CacheLayer.view`: stores decoded, parts joined,
+    pages gathered from every tier); a ValueError for a layer that holds no tokens."""
+    return layer.view()
 
 
 def _by_head(x: jax.Array, batch: int, kv_heads: int) -> jax.Array:
@@ -105,39 +91,10 @@ def _supported(layer: Any) -> bool:
 
 
 def _snapshot(layer: Any) -> dict[str, jax.Array]:
-    """The counters read off one layer: tokens, slots, capacity, pages, misses ([B, KVH]).
-    A layer that holds no tokens to read (a pure recurrent state) reports -1 for the token
-    counts and 0 for the pages."""
-    if not _supported(layer):
-        shape = (layer.batch, layer.kv_heads)
-        unknown, zero = jnp.full(shape, -1, jnp.int32), jnp.zeros(shape, jnp.int32)
-        return dict(tokens=unknown, slots_used=unknown, capacity=unknown, pages_device=zero,
-                    pages_host=zero, prefetch_misses=zero)
-    d = dense(layer)
-    shape = d.pos.shape[:2]
-    full = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.int32), shape)
-    out = {"tokens": jnp.sum(d.pos != EMPTY, -1, dtype=jnp.int32)}
-    zero = full(0)
-    out.update(pages_device=zero, pages_host=zero, prefetch_misses=zero)
-    if isinstance(layer, PagedLayer):
-        used = jnp.arange(layer.tables.shape[-1]) < layer.num_pages_used[..., None]
-        host = used & (layer.tables >= layer.device_pages)
-        out.update(slots_used=layer.lengths, capacity=full(layer.capacity),
-                   pages_device=jnp.sum(used & ~host, -1, dtype=jnp.int32),
-                   pages_host=jnp.sum(host, -1, dtype=jnp.int32))
-        if hasattr(layer, "misses"):
-            out["prefetch_misses"] = layer.misses
-    elif isinstance(layer, ResidualCache):
-        out.update(slots_used=full(layer.body.length + layer.recent.length),
-                   capacity=full(layer.body.capacity + layer.recent.capacity))
-    elif hasattr(layer, "body"):  # a paged KIVI layer: its pages, then its exact part
-        pages = _snapshot(layer.body)
-        out.update({f: pages[f] for f in ("pages_device", "pages_host", "prefetch_misses")},
-                   slots_used=layer.body.lengths + layer.recent.length,
-                   capacity=full(layer.body.capacity + layer.recent.capacity))
-    else:
-        out.update(slots_used=full(layer.length), capacity=full(layer.capacity))
-    return out
+    """The counters read off one layer (`CacheLayer.counters`): tokens, slots, capacity,
+    pages, misses ([B, KVH]). A layer that holds no tokens to read (a pure recurrent state)
+    reports -1 for the token counts and 0 for the pages."""
+    return layer.counters()
 
 
 def init_monitor(cache: Any) -> Monitor:
