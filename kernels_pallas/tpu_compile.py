@@ -3,7 +3,7 @@
 `jax.experimental.topologies` describes a TPU slice from libtpu alone; jitting
 with arguments sharded on one of its devices and calling `.compile()` runs
 XLA:TPU and Mosaic exactly as on the chip, so a kernel Mosaic rejects fails
-here (shared/DESIGN.md section 5). Nothing runs: `cost_analysis()` and
+here (`docs/DECISIONS.md`, "Deviceless Mosaic compile in the test suite"). Nothing runs: `cost_analysis()` and
 `memory_analysis()` of the result are the compiler's static estimates.
 
 Needs the `tpu-compile` extra (`jax[tpu]` at the installed jax version).

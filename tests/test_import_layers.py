@@ -1,4 +1,4 @@
-"""The project's import graph: no cycles, and the one-way layering of shared/DESIGN.md §2.
+"""The project's import graph: no cycles, and the one-way layering of docs/guide/layout.md.
 
 The graph is built from source with `ast` (nothing is imported): every `import X` and
 `from X import Y` naming a project module, at module level or inside a function, is an

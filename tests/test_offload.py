@@ -49,7 +49,7 @@ def queries(t=3, key=1):
 def test_tier_placement_uses_host_memory():
     _, (pool, layers) = pools()
     kind = tiers.host_memory_kind()
-    assert kind == "pinned_host"  # jax 0.10 lists it on CPU (DESIGN.md §7)
+    assert kind == "pinned_host"  # jax 0.10 lists it on CPU (docs/guide/kernels.md, host offload)
     assert layers[0].host_k.sharding.memory_kind == kind
     assert layers[0].k.sharding.memory_kind == "device"
     assert layers[0].device_pages == PD and layers[0].pos.shape[0] == PD + PH

@@ -3,7 +3,7 @@
     kvjax compile --topology v5e:2x4 --mesh data=2,model=4 --model llama3-8b \\
         --method snapkv:ratio=0.5+kivi:bits=4 --context 32768 --batch 8
 
-libtpu describes the slice on this CPU host (shared/DESIGN.md section 5); the
+libtpu describes the slice on this CPU host (`kernels_pallas.tpu_compile`); the
 model is given by shape alone (`models.sharding.abstract_model`: `nnx.eval_shape`,
 no weight materialized), weights and caches carry the shardings of
 `models.sharding`, and each jitted step of `models.sampler` (`_prefill`,

@@ -555,7 +555,7 @@ def compile_for_tpu(directory: str | Path, chip: str = "v5e", batch: int = 1,
     """Compile every exported function of an artifact for one chip of a deviceless TPU slice.
 
     XLA:TPU (and Mosaic, for kernels) accepts or rejects the StableHLO exactly as on the
-    chip, so a broken TPU entry fails here and not on a pod (shared/DESIGN.md section 5;
+    chip, so a broken TPU entry fails here and not on a pod (`kernels_pallas.tpu_compile`;
     needs libtpu, the `tpu-compile` extra). Nothing runs. Returns, per bucket and function,
     the compiler's per-chip argument and temporary bytes for `batch` sequences.
     """
