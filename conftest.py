@@ -114,8 +114,6 @@ HEAVY: dict[str, str] = {
         _SUBPROCESS,
     "tests/test_cpu_kernel.py::test_the_avx2_build_passes_the_kernel_equality_tests":
         "a second g++ build and a pytest subprocess",
-    "tests/test_cpu_kernel.py::test_kernel_parts_driver_builds_and_its_kernel_matches_a_float64_reference":
-        "a g++ build of the driver",
     "tests/test_cpu_kernel.py::test_kernel_ab_benchmark_runs_another_source_beside_the_shipped":
         "a g++ build of another source",
     "tests/test_sharded_eval.py::test_eval_rows_on_a_mesh_equal_one_device_rows": _COMPILES,
@@ -134,6 +132,8 @@ HEAVY: dict[str, str] = {
     "tests/test_kernel_attention.py::test_shared_table_paged_layer_equals_the_per_head_pool":
         _COMPILES,
     "tests/test_bench_kernels.py::test_smoke_runs_every_format_and_jax_kernel": _COMPILES,
+    "tests/test_bench_kernels.py::test_model_check_rows_on_cpu": _SUBPROCESS,
+    "tests/test_gpu_report.py::test_missing_file_and_bad_launch_are_argument_errors": _SUBPROCESS,
     "tests/test_checkpoint.py::test_another_process_continues_token_identically": _SUBPROCESS,
     "tests/test_monitor.py::test_monitor_of_a_tiered_paged_cache": _COMPILES,
     "tests/test_attention.py::test_property_random_holes": "a hypothesis property run",

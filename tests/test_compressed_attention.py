@@ -25,7 +25,7 @@ from kvjax.core import cpu_kernel
 from kvjax.core.attention import MATVEC_ROWS, _scores
 from kvjax.core.stores import PackedChannels, read
 
-from experiments.bench.attention import make_layer
+from tests.random_layers import make_layer
 
 B, KVH, H, D = 2, 2, 6, 32
 TOL = 2e-6  # float32: outputs are O(1) averages of O(1) values

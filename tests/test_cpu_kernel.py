@@ -19,7 +19,7 @@ import kvjax
 from kvjax.core import cpu_kernel
 from kvjax.core.attention import MATVEC_ROWS
 
-from experiments.bench.attention import make_layer
+from tests.random_layers import make_layer
 
 TOL = 3e-6
 
@@ -130,20 +130,29 @@ def test_a_missing_compiler_is_an_error_naming_it(tmp_path, monkeypatch):
         cpu_kernel.build(cxx=os.path.join(str(tmp_path), "no-such-compiler"))
 
 
-def test_benchmark_rows_compare_kernel_and_loop():
-    from experiments.bench.cpu_kernel import measure
-    row = measure("kivi:bits=4", 1, 200, 1, n_layers=2)
+def _bench(name, *args, timeout=600):
+    """`python -m experiments.bench.NAME ARGS` in a subprocess (tests import no benchmark
+    script): its exit status and output, as a user running it from the repository sees them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    return subprocess.run([sys.executable, "-m", f"experiments.bench.{name}", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout,
+                          cwd=Path(__file__).resolve().parents[1])
+
+
+def test_benchmark_rows_compare_kernel_and_loop(tmp_path):
+    """`experiments/bench/cpu_kernel.py`'s rows: the kernel and the XLA loop on the same layers,
+    both timed, their outputs equal."""
+    out = tmp_path / "rows.json"
+    run = _bench("cpu_kernel", "--methods", "kivi:bits=4", "--batch", 1, "--context", 200,
+                 "--repeats", 1, "--layers", 2, "--out", out)
+    assert run.returncode == 0, run.stderr[-3000:]
+    [row] = json.loads(out.read_text())
     assert row["max_abs_diff"] < 1e-5 and row["kernel_ms"] > 0 and row["xla_loop_ms"] > 0
     assert row["cache_mb"] > 0 and row["layers"] == 2
-
-
-def test_matmul_benchmark_rows_compare_kernel_and_dot():
-    from experiments.bench.few_rows_matmul import bench_shape, main
-    row = bench_shape(64, 48, layers=2, repeats=1)
-    assert row["rel_diff"] < 1e-5 and row["kernel_ms"] > 0 and row["xla_ms"] > 0
-    assert row["mbytes"] == pytest.approx(2 * 64 * 48 * 4 / 1e6)
-    with pytest.raises(SystemExit):
-        main(["--layers", "0"])
+    bad = _bench("cpu_kernel", "--layers", 0)
+    assert bad.returncode == 2 and "--layers must be >= 1" in bad.stderr
 
 
 # ---- the few-row matmul (cpu_kernel.matmul) against jnp.dot ----
@@ -251,36 +260,33 @@ def test_matmul_opt_out_keeps_the_dot(monkeypatch):
 
 
 def test_kernel_ab_benchmark_runs_another_source_beside_the_shipped(tmp_path):
-    """`experiments.bench.kernel_ab`: a source without `matmul_t` (as before it existed) gets
-    XLA's logits in its program; both steps' logits agree to float32 rounding. Its products
-    take one weight per call unless `several_weights` (one call for q/k/v, one for gate/up, as
-    the shipped program; the source is built once for both runs). `method` compresses the
-    step's cache (`--method`)."""
-    from experiments.bench.kernel_ab import compare, filled_cache
-    from kvjax.core.stores import PackedTokens
-    from models.llama import LlamaConfig
+    """`experiments/bench/kernel_ab.py --tiny`: a source without `matmul_t` (as before it
+    existed) gets XLA's logits in its program; both steps' logits agree to float32 rounding.
+    Its products take one weight per call unless `--several-weights` (one call for q/k/v, one
+    for gate/up, as the shipped program). `--method` compresses the step's cache."""
     source = cpu_kernel.SOURCE.read_text()
     cut = source.index("XLA_FFI_DEFINE_HANDLER_SYMBOL(\n    KvjaxFewRowsMatmulT")
     (tmp_path / "other.cc").write_text(source[:cut])
-    cfg = LlamaConfig.tiny()
-    row = compare(tmp_path / "other.cc", cfg, batch=2, context=64, repeats=1)
-    assert row["missing_in_other"] == ["MATMUL_T_TARGET"]
-    assert row["shipped_ms"] > 0 and row["other_ms"] > 0
-    assert 0 < row["max_abs_logits_diff"] < 1e-5
+    rows = {}
+    for name, flags in (("one", []), ("several", ["--several-weights", "--method",
+                                                  "quantize:bits=8,group=8"])):
+        out = tmp_path / f"{name}.json"
+        run = _bench("kernel_ab", "--other", tmp_path / "other.cc", "--tiny", "--batch", 2,
+                     "--context", 64, "--repeats", 1, "--out", out, *flags)
+        assert run.returncode == 0, run.stderr[-3000:]
+        rows[name] = row = json.loads(out.read_text())
+        assert row["missing_in_other"] == ["MATMUL_T_TARGET"]
+        assert row["shipped_ms"] > 0 and row["other_ms"] > 0
+        assert 0 < row["max_abs_logits_diff"] < 1e-5
+        assert row["cache_tokens"] == 56  # context - 8: room for the steps
     # in the layer body q/k/v are 3 calls instead of 1, gate/up 2 instead of 1; logits: XLA's
-    assert row["other_kernel_call_sites"] == row["shipped_kernel_call_sites"] + 3 - 1
-    row = compare(tmp_path / "other.cc", cfg, batch=2, context=64, repeats=1, several_weights=True)
-    assert row["other_kernel_call_sites"] == row["shipped_kernel_call_sites"] - 1
-    assert 0 < row["max_abs_logits_diff"] < 1e-5
-    # `--method`: both programs decode a cache whose every layer the method compressed
-    method = "quantize:bits=8,group=8"
-    layers, length = filled_cache(cfg, 2, 64, method)
-    assert length == 56 and len(layers) == cfg.num_layers
-    assert all(isinstance(l.k, PackedTokens) and l.k.bits == 8 and int(l.length) == 56
-               for l in layers)
-    row = compare(tmp_path / "other.cc", cfg, batch=2, context=64, repeats=1,
-                  several_weights=True, method=method)
-    assert row["method"] == method and 0 < row["max_abs_logits_diff"] < 1e-5
+    one, several = rows["one"], rows["several"]
+    assert one["other_kernel_call_sites"] == one["shipped_kernel_call_sites"] + 3 - 1
+    assert several["other_kernel_call_sites"] == several["shipped_kernel_call_sites"] - 1
+    # `--method`: both programs decode a cache whose every layer the method compressed (8-bit
+    # codes with a scale and offset per 8 channels: under half of the full float32 cache)
+    assert several["method"] == "quantize:bits=8,group=8" and one["method"] == "full"
+    assert several["cache_mb"] < 0.5 * one["cache_mb"]
 
 
 # --- RMS norm and RoPE (a decoder layer's element-wise glue: compiled in microseconds) ---
@@ -450,29 +456,6 @@ def test_model_layers_call_norm_and_rope_kernels():
         plain = lambda tokens, pos, cache: model(tokens, pos, cache)[0]
         text = jax.jit(plain).lower(ids, pos, cache).compile().as_text()
         assert cpu_kernel.NORM_TARGET not in text and cpu_kernel.ROPE_TARGET not in text
-
-
-def test_kernel_parts_driver_builds_and_its_kernel_matches_a_float64_reference(tmp_path):
-    """`experiments/bench/kernel_parts.py` compiles its driver against the shipped kernel source
-    (it includes the .cc and calls its internals: a change there must keep it building), runs
-    the kernel on the data it times (its error against a float64 softmax-weighted sum within
-    float32 rounding of a `slots`-term sum of values in [-0.5, 0.5]), and writes every
-    measurement with consistent units."""
-    from experiments.bench import kernel_parts as bench_kernel_parts
-    out = tmp_path / "parts.json"
-    slots = 256
-    bench_kernel_parts.main(["--layers", "2", "--slots", str(slots), "--chunk", "64",
-                             "--repeats", "1", "--out", str(out)])
-    got = json.loads(out.read_text())
-    assert got["max_abs_error"] <= slots * np.finfo(np.float32).eps * 0.5
-    assert [s["slots"] for s in got["stages"]] == [64, 512]
-    assert all(s[k] > 0 for s in got["stages"] for k in ("scores_ns", "softmax_ns", "values_ns"))
-    assert [(i["threads"], i["from"]) for i in got["items"]] == [
-        (1, "memory"), (1, "shared cache"), (2, "memory"), (2, "shared cache")]
-    for row in got["items"] + got["read"]:
-        assert row["gbs"] == pytest.approx(got["mbytes"] / row["ms"], rel=0.01)
-    for read in got["read"]:
-        assert read["overlapped_ms"] <= read["added_ms"]
 
 
 CPU_FLAGS = cpu_kernel._cpu_id().split()

@@ -1,12 +1,20 @@
-"""`experiments/bench/gpu_report.py`: BENCHMARKS' GPU tables come from the committed JSON rows."""
+"""`experiments/bench/gpu_report.py`: BENCHMARKS' GPU tables come from the committed JSON rows.
+The scripts run through their command lines (tests import no benchmark script)."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from experiments.bench import kernels as bench_kernels
+ROOT = Path(__file__).resolve().parents[1]
 
-from experiments.bench import gpu_report
+
+def script(name, *args):
+    """`python experiments/bench/NAME.py ARGS` from the repository root."""
+    return subprocess.run([sys.executable, f"experiments/bench/{name}.py", *map(str, args)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def _row(method, fmt, ms, gbs=1000.0):
@@ -24,7 +32,9 @@ def test_table_rows_name_the_fastest_variant_and_the_ratio_to_bf16(tmp_path):
                 command="python experiments/bench/kernels.py", date="2026-12-04")
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(dict(meta=meta, rows=rows)))
-    text = gpu_report.main([str(path)])
+    run = script("gpu_report", path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = run.stdout
     assert "driver 580.1, jax 0.11.2" in text and "python experiments/bench/kernels.py" in text
     assert "| llama3-8b | 64 x 32768 | bf16 | 2.0 | 1.6 (ppb=2) | 1.00 |" in text
     assert "| llama3-8b | 64 x 32768 | int4 | 1.0 | 0.8 (warps=4 stages=3) | 0.50 |" in text
@@ -32,15 +42,14 @@ def test_table_rows_name_the_fastest_variant_and_the_ratio_to_bf16(tmp_path):
     assert "failed: llama3-8b kvjax paged kivi2: LoweringError: boom" in text
 
 
-def test_missing_file_and_bad_launch_are_argument_errors(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        gpu_report.main([str(tmp_path / "none.json")])
-    assert "no such file" in capsys.readouterr().err
-    assert bench_kernels.launch_arg("0") is None
-    assert bench_kernels.launch_arg("4x3") == (4, 3)
-    for bad in ("4", "3x2", "4x0", "x"):
-        with pytest.raises(Exception, match="--launch"):
-            bench_kernels.launch_arg(bad)
+def test_missing_file_and_bad_launch_are_argument_errors(tmp_path):
+    run = script("gpu_report", tmp_path / "none.json")
+    assert run.returncode == 2 and "no such file" in run.stderr
+    # `--launch` is parsed before anything runs: 0 or WARPSxSTAGES, warps 1-16 (powers of 2),
+    # stages 1-8; the good values before the bad one pass
+    for bad, why in (("3x2", "warps must be"), ("x", "takes 0 or WARPSxSTAGES")):
+        run = script("kernels", "--smoke", "--launch", "0", "4x3", bad)
+        assert run.returncode == 2 and why in run.stderr and "'4x3'" not in run.stderr, run.stderr
 
 
 def test_the_kernel_refuses_a_malformed_launch():

@@ -245,3 +245,24 @@ def test_importing_the_packages_changes_no_jax_setting():
                           cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "None"
+
+
+def bench_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The benchmark scripts (`experiments.bench`, the package or a script) `path` imports."""
+    return {m for m in imports_of(f"tests.{path.stem}", path, modules)
+            if m == "experiments.bench" or m.startswith("experiments.bench.")}
+
+
+def test_tests_import_no_benchmark_script(tmp_path):
+    """Tests import no benchmark script (issue 47): what a test needs is in the library or a
+    shared test helper (tests/random_layers.py, tests/offload_decode.py), and a benchmark
+    is tested through its command line (`python -m experiments.bench.NAME ...` in a
+    subprocess, asserting on what it writes)."""
+    modules = project_modules()
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from experiments.bench.attention import make_layer\n"
+                     "from experiments import bench\n")
+    assert bench_imports(probe, modules) == {"experiments.bench", "experiments.bench.attention"}
+    found = {p.name: sorted(bench_imports(p, modules))
+             for p in sorted((ROOT / "tests").glob("*.py")) + [ROOT / "conftest.py"]}
+    assert not {name: m for name, m in found.items() if m}, found

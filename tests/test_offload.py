@@ -225,7 +225,7 @@ def test_keep_on_host_spills_the_coldest_pages_up_to_the_share():
 
 @pytest.mark.parametrize("bits", [None, 4])
 def test_smollm2_greedy_tokens_identical_with_half_the_pages_on_host(bits):
-    from experiments.bench.offload import greedy_paged
+    from tests.offload_decode import greedy_paged
     from models.loading import load_model
     model, tok = load_model("smollm2")
     prompt = tok.encode("The three primary colours of light are red, green and blue. "
@@ -249,7 +249,7 @@ def test_smollm2_kivi_chain_tokens_identical_with_half_the_pages_on_host():
     of the prompt, KIVI-4 quantizes it in groups of 16 (16 newest exact); greedy tokens with
     half of the allocated KIVI pages in host memory equal the all-device paged run and the
     unpaged KIVI chain (`ResidualCache`)."""
-    from experiments.bench.offload import greedy_kivi
+    from tests.offload_decode import greedy_kivi
     from models.loading import load_model
     model, tok = load_model("smollm2")
     prompt = tok.encode(
@@ -272,12 +272,20 @@ def test_smollm2_kivi_chain_tokens_identical_with_half_the_pages_on_host():
     print(tok.decode(want), info)
 
 
-def test_eager_prefetch_returns_before_its_copies_finish():
-    """Real copies (32 MiB of host pages, two layers): the eager `prefetch` returns long before
-    its copies are done, an attention reading the stage equals the all-device pool's output
-    (asserted inside the probe), and nothing is a miss."""
-    from experiments.bench.offload import ordering_probe
-    r = ordering_probe(pages=32, layers=2, repeats=5)
+def test_eager_prefetch_returns_before_its_copies_finish(tmp_path):
+    """Real copies (64 MiB of host pages, four layers; the offload benchmark's `ordering_probe`,
+    run through its command line on a small pool): the eager `prefetch` returns long before its
+    copies are done, an attention reading the stage equals the all-device pool's output
+    (asserted inside the probe, as the benchmark's own rows are), and nothing is a miss."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "offload.json"
+    run = subprocess.run([sys.executable, "-m", "experiments.bench.offload", "--tokens", "256",
+                          "--page-size", "64", "--layers", "2", "--repeats", "5",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    r = json.loads(out.read_text())["ordering_probe"]
     # the read's own wait is not timed: on a loaded host the copies may finish before it starts.
     # A loaded host can also stall the call itself (a CI run measured a 13 ms median return
     # against 22 ms of copies), so the fastest return is compared with the median copies.

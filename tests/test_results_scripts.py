@@ -127,30 +127,23 @@ def test_memory_section_joins_quality_and_marks_the_front(tmp_path):
                      "`kivi:bits=4` (35, 5.10), `full` (100, 5.00)"]
 
 
-
-@pytest.mark.parametrize("method", ["snapkv:ratio=0.75", "kivi:bits=4,group=16,residual=16",
-                                    "quantize:bits=8,group=16", "pyramidkv:ratio=0.5",
-                                    "snapkv:ratio=0.5+kivi:bits=2,group=16,residual=16"])
-def test_compile_only_bench_compresses_a_filled_cache_to_the_real_prefills_layout(
-        method, tiny_model):
-    """`bench_compile --compile-only` times the programs a cold `generate` compiles on a cache
-    filled without the model: after `compress` it must have the real prefill's layout (every
-    leaf's shape and dtype, so the decode compiled is the real one) and cursors."""
-    import jax
-    import numpy as np
-
-    import kvjax
-    from experiments.bench.compile import _filled_prefill
-    from models.sampler import compress, prefill_and_compress
-
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, 200, n).tolist() for n in (300, 190)]  # unequal: left padding
-    transform = kvjax.parse_method(method)
-    real = prefill_and_compress(tiny_model, prompts, transform=transform, room=16, max_write=1)
-    filled = compress(_filled_prefill(tiny_model, transform, prompts, 16), transform, room=16,
-                      max_write=1)
-    layout = lambda c: jax.tree.map(lambda x: (x.shape, str(x.dtype)), c)
-    assert layout(filled.cache) == layout(real.cache)
-    cursors = lambda c: [np.asarray(x) for x in jax.tree.leaves(c) if x.ndim == 0]
-    np.testing.assert_array_equal(cursors(filled.cache), cursors(real.cache))
-    np.testing.assert_array_equal(filled.next_pos, real.next_pos)
+def test_compile_only_bench_compresses_a_filled_cache_to_the_real_prefills_layout(tmp_path):
+    """`experiments/bench/compile.py --compile-only` times the programs a cold `generate`
+    compiles on a cache filled without the model: after `compress` it must have the real
+    prefill's layout (every leaf's shape and dtype, so the decode compiled is the real one) and
+    cursors. The script checks that itself (`--check-layout`, the tiny model, two prompts of
+    unequal length), here for five methods."""
+    import subprocess
+    import sys
+    methods = ["snapkv:ratio=0.75", "kivi:bits=4,group=16,residual=16",
+               "quantize:bits=8,group=16", "pyramidkv:ratio=0.5",
+               "snapkv:ratio=0.5+kivi:bits=2,group=16,residual=16"]
+    out = tmp_path / "layout.json"
+    run = subprocess.run([sys.executable, "-m", "experiments.bench.compile", "--check-layout",
+                          "--methods", *methods, "--new-tokens", "16", "--out", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    rows = json.loads(out.read_text()) if out.is_file() else run.stderr[-3000:]
+    assert run.returncode == 0, rows
+    assert [r["method"] for r in rows] == methods
+    for r in rows:
+        assert r["same_layout"] and r["same_cursors"] and r["same_next_pos"], r

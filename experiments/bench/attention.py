@@ -49,7 +49,8 @@ KV_HEADS, HEADS, HEAD_DIM = 3, 9, 64  # SmolLM2-135M
 def make_layer(method: str, batch: int, context: int, room: int = 16, seed: int = 0, *,
                kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM, dtype=jnp.float32):
     """One layer of `context` random tokens, compressed by `method`, shrunk to `room` free slots
-    (the layer a decode step reads). Also the layers of tests/test_compressed_attention.py.
+    (the layer a decode step reads). The attention tests build theirs the same way
+    (tests/random_layers.py: tests import no benchmark script).
 
     Eviction uses `random:` scores (same layout as SnapKV: needs no model queries).
     """

@@ -23,6 +23,11 @@ the compression compiles while the prefill runs).
 
     python -m experiments.bench.compile --compile-only --batches 1 8 --contexts 1024 4096 8176
 
+`--check-layout` checks that shortcut instead of timing anything: on the tiny test model, for
+each method, the filled cache compressed must have the real prefill's compressed layout (every
+leaf's shape and dtype, so the decode compiled is the real one), cursors and next positions;
+one JSON row per method, exit status 1 if any differs (tests/test_results_scripts.py runs it).
+
 The machine is shared: process-CPU seconds are the work done, wall seconds include the
 other processes' load (`load` in each row is the 1-minute load average at the start).
 """
@@ -91,6 +96,35 @@ def _fill(cache, positions, chunk):
     import jax
     return jax.jit(_fill_impl, static_argnames="chunk", donate_argnums=0)(cache, positions,
                                                                           chunk=chunk)
+
+
+def check_layout(methods: list[str], new_tokens: int) -> list[dict]:
+    """`--check-layout`: `_filled_prefill` compressed beside the real prefill compressed, on the
+    tiny test model and two prompts of unequal length (left padding)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import kvjax
+    from models.llama import Llama, LlamaConfig
+    from models.sampler import compress, prefill_and_compress
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (300, 190)]
+    layout = lambda c: jax.tree.map(lambda x: (x.shape, str(x.dtype)), c)
+    cursors = lambda c: [np.asarray(x).tolist() for x in jax.tree.leaves(c) if x.ndim == 0]
+    rows = []
+    for method in methods:
+        transform = kvjax.parse_method(method)
+        real = prefill_and_compress(model, prompts, transform=transform, room=new_tokens,
+                                    max_write=1)
+        filled = compress(_filled_prefill(model, transform, prompts, new_tokens), transform,
+                          room=new_tokens, max_write=1)
+        rows.append(dict(method=method, same_layout=layout(filled.cache) == layout(real.cache),
+                         same_cursors=cursors(filled.cache) == cursors(real.cache),
+                         same_next_pos=bool(np.array_equal(filled.next_pos, real.next_pos))))
+    return rows
 
 
 def _cell(method: str, batch: int, context: int, new_tokens: int, warm: bool,
@@ -165,6 +199,9 @@ def main(argv=None) -> int:
     p.add_argument("--warm", action="store_true", help="also time a second call, equal shapes")
     p.add_argument("--compile-only", action="store_true",
                    help="no prefill run: compile and fill its cache (see the module doc)")
+    p.add_argument("--check-layout", action="store_true",
+                   help="no timing: check --compile-only's filled cache against a real prefill "
+                        "on the tiny test model (see the module doc)")
     p.add_argument("--out", default="docs/bench/compile.json")
     p.add_argument("--cell", help=argparse.SUPPRESS)  # internal: method|batch in this process
     args = p.parse_args(argv)
@@ -175,6 +212,13 @@ def main(argv=None) -> int:
         p.error(f"--new-tokens must be >= 1, got {args.new_tokens}")
     if args.warm and args.compile_only:
         p.error("--warm times a second generate call; --compile-only makes no first one")
+    if args.check_layout:
+        rows = check_layout(args.methods, args.new_tokens)
+        print(json.dumps(rows, indent=1))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")
+        return int(not all(r["same_layout"] and r["same_cursors"] and r["same_next_pos"]
+                           for r in rows))
     if args.cell:
         method, batch = args.cell.rsplit("|", 1)
         print(json.dumps(_cell(method, int(batch), args.contexts[0], args.new_tokens,

@@ -61,14 +61,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--methods", nargs="+", default=["full", "kivi:bits=4"])
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--layers", type=int, default=LAYERS, help=f"layers attended (default {LAYERS})")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
-    if args.batch < 1 or args.context < 1 or args.repeats < 1:
-        p.error(f"--batch, --context and --repeats must be >= 1, got {args.batch}, "
-                f"{args.context}, {args.repeats}")
+    if min(args.batch, args.context, args.repeats, args.layers) < 1:
+        p.error(f"--batch, --context, --repeats and --layers must be >= 1, got {args.batch}, "
+                f"{args.context}, {args.repeats}, {args.layers}")
     rows = []
     for method in args.methods:
-        rows.append(measure(method, args.batch, args.context, args.repeats))
+        rows.append(measure(method, args.batch, args.context, args.repeats, args.layers))
         print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v
                           for k, v in rows[-1].items()}), flush=True)
     if args.out:

@@ -16,6 +16,7 @@ methods did not finish in 130 s); `--layers` shortens it.
 
     python experiments/bench/gpu_model_check.py --out $OUT/model_check.json   # on the GPU
     python experiments/bench/gpu_model_check.py --layers 4 --methods full     # quick
+    python -m experiments.bench.gpu_model_check --smoke --layers 1 --out x.json  # CPU: the script
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=30, help="decoder layers (SmolLM2: 30)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="run without a GPU or TPU too (on CPU impl=\"pallas\" takes the XLA "
+                             "path): checks the script, not the kernel")
     args = parser.parse_args(argv)
     if args.layers < 1:
         parser.error(f"--layers must be >= 1, got {args.layers}")
@@ -107,7 +111,7 @@ def main(argv=None):
             kvjax.parse_method(method)
         except ValueError as e:
             parser.error(f"--methods: {e}")
-    if pallas_backend() is None:
+    if pallas_backend() is None and not args.smoke:
         raise SystemExit("gpu_model_check: no GPU or TPU here")
     report = run(args)
     if args.out:

@@ -7,9 +7,9 @@ the order swapped every round (the second call of a round can find the first one
 CPU's shared cache).
 The other source is compiled with the same flags and registered under its own target names;
 its program calls the few-row product once per weight (but see `--several-weights`), and a
-kernel it lacks (e.g. `matmul_t` before it existed) runs XLA's path there. The step is
-`experiments/bench/step_parts.py`'s: SmolLM2-135M shapes, random weights, a full float32 cache
-of `--context` slots, one token per row, logits included. Prints and writes (`--out`) the
+kernel it lacks (e.g. `matmul_t` before it existed) runs XLA's path there. The step:
+`Llama.forward` + logits of SmolLM2-135M's shapes (`--tiny`: the test configuration), random
+weights, a full float32 cache of `--context` slots, one token per row. Prints and writes (`--out`) the
 median and minimum ms of each, the kernel call sites in each lowered program (its layers share
 one body) and the largest logits difference. `--several-weights`: the other source's product
 takes several weights per call (as the shipped one since c08044e), so both programs make the
@@ -144,6 +144,7 @@ def compare(other: Path, cfg: LlamaConfig, batch: int, context: int, repeats: in
             jax.block_until_ready(out)
             times[name].append(1e3 * (time.perf_counter() - start))
     row = {"batch": batch, "context": context, "method": method, "other": str(other),
+           "cache_mb": kvjax.nbytes(cache) / 1e6, "cache_tokens": length,
            "several_weights": several_weights,
            "missing_in_other": [c for c, n in names.items() if n is None],
            **{f"{k}_ms": statistics.median(v) for k, v in times.items()},
@@ -163,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--method", default="full",
                    help="the cache's method (kvjax method spec, e.g. quantize:bits=8)")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--tiny", action="store_true",
+                   help="the tiny test configuration (models.llama.LlamaConfig.tiny) instead of "
+                        "SmolLM2-135M's shapes: checks the script in seconds")
     p.add_argument("--several-weights", action="store_true",
                    help="the other source's matmul takes several weights per call, as the "
                         "shipped one (sources from c08044e on)")
@@ -178,10 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         parse_method(args.method)
     except ValueError as e:
         p.error(f"--method {args.method!r}: {e}")
-    row = compare(args.other, LlamaConfig.smollm2_135m(), args.batch, args.context, args.repeats,
+    cfg = LlamaConfig.tiny() if args.tiny else LlamaConfig.smollm2_135m()
+    row = compare(args.other, cfg, args.batch, args.context, args.repeats,
                   args.several_weights, args.method)
     print(json.dumps({k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in row.items()}))
     if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(row, indent=1) + "\n")
 
 
