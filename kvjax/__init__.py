@@ -3,6 +3,7 @@
 from kvjax.core.attention import (attend_blockwise, attend_reference, attention_mask,
                                   attention_mass, attention_weights)
 from kvjax.backends.dispatch import attend
+from kvjax.core.layer import CacheLayer, layer_kinds, register_layer
 from kvjax.core.cache import (EMPTY, Cache, CacheSpec, ResidualCache, TokenCache, check_cache,
                               free_tokens, init_cache, init_model_cache, nbytes, num_valid,
                               shard_cache, view, write)
@@ -26,6 +27,7 @@ from kvjax.core.stats import LayerStats, StatsSpec, init_stats
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
 
 __all__ = [
+    "CacheLayer", "layer_kinds", "register_layer",
     "EMPTY", "Cache", "CacheSpec", "CacheTransform", "LayerStats", "METHODS", "ResidualCache",
     "StatsSpec", "TokenCache", "fp8", "free_tokens", "kivi", "quantize", "view", "attend", "PallasOnMesh", "attend_blockwise", "attend_reference", "attention_mask",
     "attention_mass", "attention_weights", "chain", "check_cache", "compact",

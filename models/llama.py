@@ -39,6 +39,7 @@ from flax import nnx
 import kvjax
 from kvjax.core import cpu_kernel
 from kvjax.core.cache import EMPTY, Cache, CacheSpec, TokenCache
+from kvjax.core.layer import is_plain
 from kvjax.core.stores import is_encoded
 from kvjax.core.stats import NO_STATS, LayerStats, StatsSpec, accumulate_mass, init_stats, observe
 
@@ -280,10 +281,10 @@ def window_attend(q: jax.Array, positions: jax.Array, cache: TokenCache, k: jax.
     keeps the newest `capacity` written slots: a `window`-slot cache loses nothing the next
     queries can see. Returns (output [B, T, H, D], the joined layer: `keep_newest` cuts it back).
     """
-    if not isinstance(cache, TokenCache) or is_encoded(cache.k) or cache.pooled:
+    if not is_plain(cache) or is_encoded(cache.k) or cache.pooled:
         raise ValueError(f"a sliding-window layer keeps a plain TokenCache (its window is its "
                          f"policy); got a {type(cache).__name__}"
-                         f"{' with encoded stores' if isinstance(cache, TokenCache) else ''}: "
+                         f"{' with encoded stores' if is_plain(cache) else ''}: "
                          f"apply compression to the full-attention layers only")
     c = cache.capacity
     room = -(-(c + k.shape[2]) // JOIN_ALIGN) * JOIN_ALIGN - c  # >= T, c + room aligned

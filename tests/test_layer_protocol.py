@@ -91,6 +91,9 @@ class RingLayer:
         from jax.sharding import NamedSharding, PartitionSpec as P
         return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), self)
 
+    def parts(self) -> tuple:
+        return ()  # slots in ring order, not a TokenCache: slot-level transforms pass it by
+
     def shrink_usage(self) -> None:
         return None
 

@@ -148,11 +148,7 @@ def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int
                              mass=meta(layer.mass),
                              length=jax.ShapeDtypeStruct((), jnp.int32))
 
-    def walk(layer):
-        if isinstance(layer, kvjax.ResidualCache):
-            return layer.replace(body=walk(layer.body), recent=walk(layer.recent))
-        return widen(layer)
-    return tuple(walk(layer) for layer in one)
+    return tuple(layer.map_parts(widen) for layer in one)  # a residual layer: both parts
 
 
 @functools.lru_cache(maxsize=8)

@@ -21,6 +21,11 @@ interface is a few named functions, and the library calls nothing else:
   model of `spec` (a `CacheSpec`) at `batch` (`kvjax.check_cache`);
 - `shardings(mesh, batch_axis, kv_axis)`: the layer with every array leaf replaced by its
   `NamedSharding` (`kvjax.cache_shardings`, `kvjax.shard_cache`);
+- `parts()`: the `TokenCache`s that hold the layer's slots, in slot order -- a `TokenCache`
+  itself, a `ResidualCache` its encoded body and its exact part -- or `()` when its tokens are
+  not dense slots (pages, a recurrent state). Slot-level code reads and rewrites them: the
+  blockwise attention, eviction's `compact`, the codecs, the fold transforms (`is_plain`,
+  `has_exact_part`);
 - `shrink_usage()` / `shrink_plan(usage, room, max_write)` / `resized(plan)`: `kvjax.shrink`
   in three steps, so one host read serves every layer and one compiled program every layer
   of a layout: what to read on the host (jit-able, `None` for nothing), the static, hashable
@@ -35,7 +40,7 @@ all layers together (`kvjax.memory.tiers.spill`), not a per-layer one.
 A new layer kind is one module: a frozen dataclass registered as a pytree, the methods
 above, and `register_layer(cls)` (README "Add a layer kind"; tests/test_layer_protocol.py
 builds one). `register_layer` refuses a class that misses a method, and `layer_kinds()`
-lists what is registered. Nothing in the library asks a layer what it is: no `hasattr`
+lists what is registered (a kind registers when its module is imported). Nothing in the library asks a layer what it is: no `hasattr`
 probe, no `isinstance` on a kind outside this module.
 
 Example:
@@ -58,7 +63,7 @@ EMPTY = -1
 """`pos` value of a slot that holds no token (never written, padding, or evicted)."""
 
 PROTOCOL = ("write", "attend", "view", "counters", "free_tokens", "check", "shardings",
-            "shrink_usage", "shrink_plan", "resized", "replace")
+            "shrink_usage", "shrink_plan", "resized", "parts", "replace")
 """The methods every layer kind implements (`register_layer` checks them)."""
 
 PROPERTIES = ("batch", "kv_heads", "head_dim", "mass")
@@ -109,6 +114,9 @@ class CacheLayer(Protocol):
                   kv_axis: str | None) -> "CacheLayer":
         """The layer with each array leaf replaced by its `NamedSharding` on `mesh`."""
 
+    def parts(self) -> tuple[Any, ...]:
+        """The `TokenCache`s holding the layer's slots in slot order, or () if none do."""
+
     def shrink_usage(self) -> Any:
         """Jit-able: what `shrink_plan` reads on the host (None: nothing)."""
 
@@ -151,6 +159,19 @@ def layer_kinds() -> tuple[type, ...]:
 def is_layer(x: Any) -> bool:
     """True when `x` is an instance of a registered layer kind (the one kind test there is)."""
     return isinstance(x, tuple(_KINDS))
+
+
+def is_plain(layer: CacheLayer) -> bool:
+    """True when `layer` is its own one part (a `TokenCache`): what sliding-window layers,
+    RoPE re-rotation and the fold transforms rewrite slot by slot."""
+    parts = layer.parts()
+    return len(parts) == 1 and parts[0] is layer
+
+
+def has_exact_part(layer: CacheLayer) -> bool:
+    """True for a layer of two parts, an encoded body and an exact part (a KIVI
+    `ResidualCache`): what the codecs, the monitor's flush errors and export buckets size."""
+    return len(layer.parts()) == 2
 
 
 def unknown_counters(batch: int, kv_heads: int) -> dict[str, jax.Array]:

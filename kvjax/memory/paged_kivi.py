@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, check_sizes, write as cache_write
-from kvjax.core.layer import register_layer
+from kvjax.core.layer import has_exact_part, register_layer
 from kvjax.memory.paging import NULL_PAGE, PagedLayer, _error_at, _first_error
 from kvjax.memory.paging import init_paged_cache
 from kvjax.core.quant import pack, quantize, unpack
@@ -143,6 +143,9 @@ class PagedKivi:
     def shardings(self, mesh, batch_axis, kv_axis) -> "PagedKivi":
         return self.replace(body=self.body.shardings(mesh, batch_axis, kv_axis),
                             recent=self.recent.shardings(mesh, batch_axis, kv_axis))
+
+    def parts(self) -> tuple:
+        return ()  # a body in pages (`view` gathers it)
 
     def shrink_usage(self) -> None:
         return None
@@ -288,7 +291,7 @@ def flush_residual(layer: PagedKivi) -> PagedKivi:
 
 def _check_unpaged(cache: Sequence[Any]) -> None:
     for i, layer in enumerate(cache):
-        ok = (isinstance(layer, ResidualCache) and isinstance(layer.body.k, PackedChannels)
+        ok = (has_exact_part(layer) and isinstance(layer.body.k, PackedChannels)
               and isinstance(layer.body.v, PackedTokens) and layer.body.k.offset is not None
               and layer.block == layer.body.k.group and not layer.pooled
               and layer.recent.mass is None)

@@ -240,6 +240,9 @@ class PagedLayer:
         from jax.sharding import NamedSharding, PartitionSpec as P
         return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, P()), self)
 
+    def parts(self) -> tuple:
+        return ()  # pages, not dense slots (`view` gathers them)
+
     def shrink_usage(self) -> None:
         return None
 

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.core.cache import EMPTY, Cache, ResidualCache, TokenCache, flush_residual
+from kvjax.core.layer import has_exact_part
 from kvjax.core.layout import map_layers
 from kvjax.core.stores import Latent, PackedChannels, PackedTokens, is_dense, is_encoded, put
 from kvjax.core.quant import FP8
@@ -99,9 +100,9 @@ def _uniform(bits, group, axis, symmetric, param_dtype) -> Codec:
 
 def _encoded_as(layer: Any, codecs: tuple[Codec, Codec], residual: int) -> bool:
     """True when `layer` is stored the way `codecs` store it."""
-    if isinstance(layer, ResidualCache) != bool(residual or any(c.kind == "channels" for c in codecs)):
+    if has_exact_part(layer) != bool(residual or any(c.kind == "channels" for c in codecs)):
         return False
-    if isinstance(layer, ResidualCache):
+    if has_exact_part(layer):
         if layer.residual != residual:
             return False
         layer = layer.body
@@ -117,7 +118,7 @@ def _encoded_as(layer: Any, codecs: tuple[Codec, Codec], residual: int) -> bool:
 def _encode_layer(layer: Any, codecs: tuple[Codec, Codec], residual: int, block: int,
                   basis: tuple[Any, Any] = (None, None)) -> Any:
     """A dense layer in the codecs' encoding; an already encoded layer is returned unchanged."""
-    if isinstance(layer, ResidualCache) or is_encoded(layer.k):
+    if has_exact_part(layer) or is_encoded(layer.k):
         if not _encoded_as(layer, codecs, residual):
             raise ValueError("the cache is already encoded by another codec; chain one codec")
         return layer  # encoded by this codec's first update; new tokens encode on write

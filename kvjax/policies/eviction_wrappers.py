@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import functools
 
 from kvjax.core.cache import EMPTY, view
+from kvjax.core.layer import is_plain
 from kvjax.policies.eviction import (Scorer, ScoredUpdate, _check_budget, check_int, scored_policy,
                                      snapkv)
 from kvjax.policies.eviction_geometry import keydiff
@@ -217,8 +218,7 @@ def rotate(k: jax.Array, delta: jax.Array, inv_freq: jax.Array) -> jax.Array:
 
 def rerotate_layer(layer, inv_freq: jax.Array):
     """One plain layer with its tokens moved to positions 0..n-1 in order, keys re-rotated."""
-    from kvjax.core.cache import TokenCache
-    if not isinstance(layer, TokenCache) or layer.pooled or layer.k.dtype.kind != "f":
+    if not is_plain(layer) or layer.pooled or layer.k.dtype.kind != "f":
         raise ValueError("rerotate: needs plain float token caches (put it before any codec, "
                          f"without headwise budgets); got {type(layer).__name__}")
     seq = in_sequence(layer)

@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core.cache import EMPTY, Layer, TokenCache, check_sizes, view
-from kvjax.core.layer import register_layer, unknown_counters
+from kvjax.core.cache import EMPTY, TokenCache, check_sizes, view
+from kvjax.core.layer import is_plain, register_layer, unknown_counters
 from kvjax.policies.feature_maps import FeatureMap, check_map_name, resolve
 from kvjax.core.transforms import CacheTransform
 
@@ -275,6 +275,9 @@ class LinearLayer:
                             k=by_row(self.k), v=by_row(self.v),
                             pos=NamedSharding(mesh, P(batch_axis, kv_axis, None)))
 
+    def parts(self) -> tuple:
+        return ()  # a state and a staging window, not dense slots
+
     def shrink_usage(self) -> None:
         return None
 
@@ -382,6 +385,9 @@ class FoldedLayer:
         return self.replace(tokens=self.tokens.shardings(mesh, batch_axis, kv_axis),
                             state=_state_sharding(self.state, mesh, batch_axis, kv_axis))
 
+    def parts(self) -> tuple:
+        return ()  # tokens beside a state: the fold transforms rewrite `tokens` themselves
+
     def shrink_usage(self) -> Any:
         return self.tokens.shrink_usage()
 
@@ -471,7 +477,7 @@ jax.export.register_pytree_node_serialization(
 
 def _dense_rows(layer, name: str) -> TokenCache:
     """A layer's tokens as a dense per-head TokenCache (ValueError for what cannot be folded)."""
-    if not isinstance(layer, Layer):  # a state already, or pages
+    if not layer.parts():  # a state already, or pages
         raise ValueError(f"{name}: a {type(layer).__name__} cannot be folded into a state; "
                          f"use a dense token cache (TokenCache or ResidualCache)")
     dense = view(layer)
@@ -583,7 +589,7 @@ def _fold_update(policy_update, map_name, features: int, seed: int):
                 out.append(after)  # a state already, or a layer the policy left alone
                 continue  # (`on_layers` passes untouched layers through as they are)
             dense = _dense_rows(before, "fold")
-            if not isinstance(after, TokenCache):
+            if not is_plain(after):
                 raise ValueError("fold: the policy before fold must leave plain token layers "
                                  "(chain codecs after fold, not before)")
             fm = resolve(map_name, i, dense.kv_heads, dense.head_dim, features, seed)

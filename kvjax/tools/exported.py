@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core.cache import EMPTY, CacheSpec, ResidualCache, TokenCache, init_model_cache
+from kvjax.core.layer import has_exact_part, is_plain
 from kvjax.core.stats import LayerStats, StatsSpec, init_stats
 from kvjax.core.stores import PackedChannels, resize_rows, is_dense
 
@@ -101,7 +102,7 @@ def slots_needed(cache: Sequence[Any], new_tokens: int) -> int:
     """
     need = 0
     for layer in cache:
-        if isinstance(layer, ResidualCache):
+        if has_exact_part(layer):
             body = layer.body
             later = int(layer.recent.length) + new_tokens
             groups = _used_groups(body.k, _valid_rows(body)) * getattr(body.k, "group", 0)
@@ -154,10 +155,10 @@ def bucket_layout(cache: Sequence[Any], capacity: int, check: bool = True) -> tu
     """
     out = []
     for layer in cache:
-        if isinstance(layer, ResidualCache):
+        if has_exact_part(layer):
             layer = layer.replace(body=fixed_resize(layer.body, capacity, check),
                                   recent=fixed_resize(layer.recent, recent_slots(layer), check))
-        elif isinstance(layer, TokenCache):
+        elif is_plain(layer):
             layer = fixed_resize(layer, capacity, check)
         else:
             raise ValueError(f"bucket_layout: layer type {type(layer).__name__} is not "

@@ -45,6 +45,7 @@ import numpy as np
 
 from kvjax.core.attention import attention_mass
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, flush_span
+from kvjax.core.layer import has_exact_part
 from kvjax.core.stores import map_slot_leaves, read
 from kvjax.core.transforms import CacheTransform
 
@@ -240,7 +241,7 @@ def observe_flush(monitor: Monitor, before: Any, after: Any) -> Monitor:
     is seen by `observe`)."""
     out = []
     for m, lb, la in zip(monitor, before, after):
-        if not isinstance(lb, ResidualCache) or m.k_err_sq is None:
+        if not has_exact_part(lb) or m.k_err_sq is None:
             out.append(m)
             continue
         ke, kn, ve, vn = _flush_sums(lb, la)
