@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("kvjax", "models", "kernels_pallas")
 PACKAGES = LIBRARY + ("experiments",)
 COMPARE_EXTRA = {"torch", "transformers", "accelerate", "kvpress"}
-SCRIPTS = {"experiments.bench.step_parts"}  # runs its measurement on import (sys.argv)
+SCRIPTS: set[str] = set()  # modules that run a measurement on import (none now)
 
 
 def _modules(packages) -> dict[str, Path]:

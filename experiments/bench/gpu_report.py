@@ -1,6 +1,6 @@
 """BENCHMARKS' GPU tables, generated from the JSON rows a GPU run committed under docs/bench/.
 
-Reads `bench_kernels.py` outputs (`{"meta": ..., "rows": [...]}`) and prints,
+Reads `kernels.py` outputs (`{"meta": ..., "rows": [...]}`) and prints,
 per attention shape, one markdown row per page format: the kernel's time at
 its default step and launch, the fastest variant of the sweep and its label,
 the ratio to bf16 pages at their fastest (the same run), the bytes the call
@@ -80,7 +80,7 @@ def model_table(path: str) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("bench", nargs="*", help="bench_kernels.py JSON files")
+    parser.add_argument("bench", nargs="*", help="kernels.py JSON files")
     parser.add_argument("--model", default=None, help="gpu_model_check.py JSON file")
     args = parser.parse_args(argv)
     for path in [*args.bench, *([args.model] if args.model else [])]:

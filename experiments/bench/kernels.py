@@ -335,7 +335,7 @@ def main(argv=None):
         args.page_size, args.pages_per_split, args.repeats, args.rounds = 64, 2, 1, 1
         args.copy_bytes = 1 << 20
     elif backend is None:
-        raise SystemExit("bench_kernels: no GPU or TPU here (compiled Pallas needs one); "
+        raise SystemExit("experiments.bench.kernels: no GPU or TPU here (compiled Pallas needs one); "
                          "use --smoke to check the script on CPU")
     began = time.perf_counter()
     copy_bw = copy_gbs(args.copy_bytes, args.repeats, args.rounds)

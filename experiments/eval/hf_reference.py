@@ -1,7 +1,7 @@
 """Load SmolLM2 from its GGUF file with Hugging Face ``transformers`` + PyTorch.
 
-The reference scripts (``make_golden_smollm2.py``, ``make_golden_kvpress.py``,
-``crosscheck_quant_torch.py``) compare kvjax with an implementation that
+The reference scripts (``experiments/golden/``: ``make_smollm2.py``, ``make_kvpress.py``,
+``crosscheck_quant_torch.py``, ...) compare kvjax with an implementation that
 shares no code with it: transformers' own GGUF loader (it dequantizes the
 weights with the ``gguf`` package and undoes llama.cpp's Q/K row permutation
 itself) and its own tokenizer conversion. They all start the same way, which
