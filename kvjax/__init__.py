@@ -18,13 +18,13 @@ from kvjax.backends.sharded import PallasOnMesh
 from kvjax.memory.paging import (NULL_PAGE, PagedLayer, PagePool, PoolError, check_pool,
                                  drop_lowest_pages, evict_pages, fork, init_paged_cache,
                                  page_scores, release, reserve)
-from kvjax.policies.methods import METHODS, check_method, parse_method, register_method
+from kvjax.policies.methods import METHODS, Method, check_method, parse_method, register_method
 from kvjax.policies.feature_maps import (FeatureMap, elu_map, hedgehog, load_maps, random_features,
                                          save_maps)
 from kvjax.policies.recurrent import (FoldedLayer, LinearLayer, RecurrentState, fold_evicted,
                                       init_linear_layer, linear_state)
 from kvjax.core.stats import LayerStats, StatsSpec, init_stats
-from kvjax.core.transforms import CacheTransform, chain, full, on_layers
+from kvjax.core.transforms import CacheTransform, EmptyState, chain, full, on_layers
 
 __all__ = [
     "CacheLayer", "layer_kinds", "register_layer",
@@ -35,7 +35,7 @@ __all__ = [
     "keep_top_k", "knorm", "nbytes", "num_valid", "on_layers", "parse_method", "pool_heads",
     "pyramidkv", "random", "register_method", "resize", "scored_policy", "shard_cache",
     "shrink", "sliding_window", "snapkv", "streaming_llm", "tova", "write",
-    "Scorer", "check_method", "debug_checks",
+    "Scorer", "check_method", "debug_checks", "EmptyState", "Method",
     "NULL_PAGE", "PagePool", "PagedLayer", "PoolError", "attend_pallas", "check_pool",
     "drop_lowest_pages", "evict_pages", "fork", "init_paged_cache", "page_scores", "release", "reserve",
     "supports_pallas",

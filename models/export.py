@@ -33,7 +33,6 @@ from flax import nnx
 
 import kvjax
 from kvjax.core import cpu_kernel
-import kvjax.policies.methods
 from kvjax.tools import exported
 from models.llama import FEW_ROWS, Llama, rope_frequencies
 
@@ -177,7 +176,8 @@ def _tied_logits(model: Llama, h: jax.Array, rows) -> jax.Array:
     return jax.lax.platform_dependent(h, cpu=on_cpu, default=dot)
 
 
-def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: str = "full",
+def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *,
+                    method: str | kvjax.Method = "full",
                     platforms: Sequence[str] = ("cpu",), max_len: int | None = None,
                     chunk: int = DEFAULT_CHUNK, buckets: Sequence[int] | None = None,
                     source: str = "") -> Path:
@@ -204,8 +204,8 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
     """
     from models.sampler import for_full_layers
     # as the sampler: a sliding-window layer keeps its window cache, methods compress the rest
-    transform = for_full_layers(model, kvjax.parse_method(method))
-    kvjax.policies.methods.check_method(method, model.config.num_layers)
+    method = kvjax.Method.parse(method).check(model.config.num_layers)  # parsed once
+    transform = for_full_layers(model, method.transform)
     cfg = model.config
     max_len = min(DEFAULT_MAX_LEN, cfg.max_position) if max_len is None else max_len
     for name, value, low in (("chunk", chunk, 1), ("max_len", max_len, 2)):
@@ -274,7 +274,7 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
             return jax.tree_util.tree_unflatten(exp.out_tree, exp.out_avals)
 
         write("prefill", prefill, (params, tokens, tokens, cache, stats), (3,))
-        if method != "full":  # the compressed layout, batch still symbolic
+        if method.spec != "full":  # the compressed layout, batch still symbolic
             cache = write("compress", compress, (cache, stats), (0,))
         layout = jax.eval_shape(lambda c: exported.bucket_layout(c, capacity, check=False),
                                 cache)
@@ -292,7 +292,7 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *, method: st
     manifest = {
         "kind": exported.KIND, "format": exported.FORMAT, "source": source,
         "model": cfg.to_dict(), "cache_spec": dataclasses.asdict(cfg.cache_spec),
-        "method": method, "stats": dataclasses.asdict(spec), "chunk": chunk,
+        "method": method.spec, "stats": dataclasses.asdict(spec), "chunk": chunk,
         "max_len": max_len, "buckets": list(buckets), "platforms": list(platforms),
         "batch": "symbolic (b >= 1)", "sampling": "greedy, host-side loop",
         "eos_ids": list(cfg.eos_ids), "pad_id": 0, "bos_id": cfg.bos_id,

@@ -35,7 +35,7 @@ class Answer:
 
     text: str  # the decoded answer (special tokens removed)
     tokens: list[int]  # the answer's ids, the end token included if one was drawn
-    method: str  # the method spec (or "custom" for a CacheTransform)
+    method: str  # the method spec (or "custom" for a bare CacheTransform)
     context_tokens: int  # tokens compressed before the question was seen (0 without context)
     question_tokens: int  # tokens after the context: question, chat turn end, answer prefix
     cache_bytes: int  # exact bytes of this sequence's cache after generation
@@ -120,7 +120,8 @@ def _check_list(value, name: str, item: str, allow_none: bool = False) -> list:
 
 def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
               contexts: Sequence[str | None] | None = None, *,
-              method: str | CacheTransform = "full", answer_prefix: str = "", chat: bool = True,
+              method: str | kvjax.Method | CacheTransform = "full", answer_prefix: str = "",
+              chat: bool = True,
               max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int = 0,
               compress_every: int = 0, impl: str = "xla",
               place_cache=None) -> list[Answer]:
@@ -139,32 +140,34 @@ def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
     with_context = [c is not None for c in contexts]
     if any(with_context) and not all(with_context):
         raise ValueError("contexts: give a context for every question or for none")
-    transform = kvjax.parse_method(method) if isinstance(method, str) else method
+    if isinstance(method, CacheTransform):
+        method = kvjax.Method("custom", method)
+    method = kvjax.Method.parse(method)  # a spec is parsed here, once; a Method passes through
     split = [chat_prompt(tokenizer, q, c, answer_prefix=answer_prefix, chat=chat)
              for q, c in zip(questions, contexts)]
     heads, ids = [h for h, _ in split], [i for _, i in split]
     start = time.perf_counter()
     out = generate(model, ids, contexts=heads if all(with_context) else None,
-                   max_new_tokens=max_new_tokens, sampling=sampling, transform=transform,
+                   max_new_tokens=max_new_tokens, sampling=sampling, transform=method.transform,
                    compress_every=compress_every, seed=seed, impl=impl,
                    place_cache=place_cache)
     seconds = time.perf_counter() - start
     per_sequence = kvjax.nbytes(out.cache) // len(questions)
-    spec = method if isinstance(method, str) else "custom"
-    return [Answer(tokenizer.decode(row[:n]), row[:n].tolist(), spec, len(h), len(i),
+    return [Answer(tokenizer.decode(row[:n]), row[:n].tolist(), method.spec, len(h), len(i),
                    per_sequence, round(seconds, 3), out.cache, out.transform_state)
             for row, n, h, i in zip(out.tokens, out.num_tokens, heads, ids)]
 
 
 def ask(model: Llama, tokenizer, question: str, *, context: str | None = None,
-        method: str | CacheTransform = "full", answer_prefix: str = "", chat: bool = True,
+        method: str | kvjax.Method | CacheTransform = "full", answer_prefix: str = "",
+        chat: bool = True,
         max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int = 0,
         compress_every: int = 0, impl: str = "xla", place_cache=None) -> Answer:
     """Answer `question` about `context` with the cache compressed by `method`.
 
     `context` (optional) is prefilled and compressed before the question is
     seen; `answer_prefix` opens the reply (kvpress's `answer_prefix`);
-    `method` is a spec such as "snapkv:ratio=0.5+kivi:bits=4" or a
+    `method` is a spec such as "snapkv:ratio=0.5+kivi:bits=4", a parsed `kvjax.Method` or a
     `CacheTransform`. `place_cache` puts the empty cache on devices (see
     `models.sampler.generate`; `models.sharding.cache_placer(mesh)`). See
     `ask_batch` for many questions at once.

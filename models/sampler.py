@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,57 @@ class Sampling:
 
 
 GREEDY = Sampling()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """How a run builds its cache and draws its tokens, besides what it generates: the keyword
+    options of `generate`, `decode`, `prefill_and_compress` and `prefill_batch`, described
+    (and defaulted) once here. Each function takes the ones it uses
+    (`RunOptions.PREFILL`, `COMPRESS`, `DECODE`) and refuses the others with a TypeError.
+
+    Example:
+        >>> RunOptions(chunk=64).chunk, RunOptions().only(RunOptions.DECODE)["compress_every"]
+        (64, 0)
+    """
+
+    sampling: Sampling = GREEDY  # how the next token is drawn
+    compress_every: int = 0  # also run the transform every that many decode steps (0: never)
+    seed: int = 0  # of the sampler's PRNG key
+    eos_ids: Sequence[int] | None = None  # end tokens (None: the model's; (): none)
+    pad_id: int = 0  # the token after a sequence's end
+    capacity: int | None = None  # cache slots (default: padded prompt width plus room)
+    shrink: bool = True  # cut a compressed cache to its kept tokens plus room
+    chunk: int = 256  # prefill chunk in tokens
+    cache_dtype: Any = jnp.float32
+    place_cache: Callable[[Cache], Cache] | None = None  # puts the empty cache on devices
+    impl: Any = "xla"  # attention implementation (`kvjax.attend`): "xla" or "pallas"
+
+    PREFILL: ClassVar[tuple[str, ...]] = ("capacity", "chunk", "cache_dtype", "place_cache",
+                                          "impl")
+    COMPRESS: ClassVar[tuple[str, ...]] = PREFILL + ("shrink",)
+    DECODE: ClassVar[tuple[str, ...]] = ("sampling", "compress_every", "seed", "eos_ids",
+                                         "pad_id", "impl")
+
+    def __post_init__(self):
+        every = self.compress_every
+        if not isinstance(every, (int, np.integer)) or every < 0:
+            raise ValueError(f"compress_every must be an int >= 0 (0 = only after prefill), got "
+                             f"{every!r}")
+
+    @classmethod
+    def taking(cls, options: dict, names: tuple[str, ...], where: str) -> "RunOptions":
+        """`RunOptions(**options)`, a TypeError naming an option `where` does not take."""
+        extra = sorted(set(options) - set(names))
+        if extra:
+            raise TypeError(f"{where}() got unexpected keyword argument(s) "
+                            f"{', '.join(map(repr, extra))}; its options are "
+                            f"{', '.join(names)} (models.sampler.RunOptions)")
+        return cls(**options)
+
+    def only(self, names: tuple[str, ...]) -> dict[str, Any]:
+        """The options `names` as keyword arguments (for the next function down)."""
+        return {name: getattr(self, name) for name in names}
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
@@ -172,49 +223,103 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
     return logits, cache
 
 
-def _observe_flush(tstate, before: Cache, after: Cache):
-    """A monitored transform's state with the error of the tokens this step's write flushed
-    into a quantized body (`kvjax.tools.monitor.observe_flush`); any other state is unchanged."""
-    from kvjax.tools.monitor import find_monitor, observe_flush
-    monitor = find_monitor(tstate)
-    return tstate if monitor is None else (tstate[0], observe_flush(monitor, before, after))
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Everything static about one decode loop: `_decode`'s one static argument (frozen and
+    hashable: equal configs share one compiled program).
+
+    Example:
+        >>> DecodeConfig(4) == DecodeConfig(4), hash(DecodeConfig(4)) == hash(DecodeConfig(4))
+        (True, True)
+    """
+
+    max_new_tokens: int  # tokens drawn per sequence, the first (from the prefill) included
+    sampling: Sampling = GREEDY
+    eos_ids: tuple[int, ...] = ()  # a sequence stops at any of them (none: runs to the end)
+    pad_id: int = 0  # the token after a sequence's end
+    impl: Any = "xla"  # attention implementation (`kvjax.attend`)
+    compress_every: int = 0  # run `update` every that many steps (0: never)
+    update: Callable | None = None  # the transform's update (None without compress_every)
+    stats: StatsSpec = NO_STATS  # what the model collects for `update`
+    after_write: Callable | None = None  # the transform's `after_write` (a monitor's)
 
 
-@functools.partial(jax.jit, static_argnames=("max_new", "sampling", "update",
-                                             "spec", "every", "eos_ids", "pad_id", "impl"),
-                   donate_argnames=("cache",))
-def _decode(model, logits, cache, tstate, stats, next_pos, key, max_new, sampling, update, spec,
-            every, eos_ids, pad_id, impl="xla"):
-    b = logits.shape[0]
-    eos = jnp.asarray(eos_ids if eos_ids else (-1,), jnp.int32)
+class DecodeStart(NamedTuple):
+    """What a decode loop starts from besides the cache (which `_decode` donates alone)."""
 
-    def emit(step, logits, key, done, out):
-        key, sub = jax.random.split(key)
-        token = jnp.where(done, pad_id, sample_tokens(logits, sub, sampling))
-        return token, key, done | jnp.isin(token, eos), out.at[:, step].set(token)
+    logits: jax.Array  # [B, V] float32 at each sequence's last token
+    transform_state: Any
+    stats: Any  # per-layer statistics for `update` (None without compress_every)
+    next_pos: jax.Array  # [B] int32 position of each sequence's next token
+    key: jax.Array  # PRNG key of the sampler
 
-    out = jnp.full((b, max_new), pad_id, jnp.int32)
-    token, key, done, out = emit(0, logits, key, jnp.zeros((b,), bool), out)
 
-    def cond(carry):
-        step, done = carry[0], carry[6]
-        return (step < max_new) & ~jnp.all(done)
+class DecodeState(NamedTuple):
+    """The decode loop's carry (`lax.while_loop`), as the `_SamplingState` of Flax's Gemma
+    sampler: one named field per thing a step changes. The field order is the carry's
+    flattening order."""
 
-    def body(carry):
-        step, token, cache, tstate, stats, pos, done, out, key = carry
-        before = cache
-        h, cache, stats = model.forward(token[:, None], pos[:, None], cache, stats, spec,
-                                        impl=impl)
-        tstate = _observe_flush(tstate, before, cache)
-        if every:
-            cache, tstate = jax.lax.cond(step % every == 0, update, lambda c, s, _: (c, s),
-                                         cache, tstate, stats)
-        token, key, done, out = emit(step, model.logits(h[:, 0]), key, done, out)
-        return step + 1, token, cache, tstate, stats, pos + 1, done, out, key
+    step: jax.Array  # [] int32 tokens drawn so far (the column of the next one)
+    token: jax.Array  # [B] int32 the last token drawn: the next step's input
+    cache: Cache
+    transform_state: Any
+    stats: Any  # per-layer statistics (None without compress_every)
+    positions: jax.Array  # [B] int32 position of `token`
+    done: jax.Array  # [B] bool: the sequence drew an end token
+    tokens: jax.Array  # [B, max_new_tokens] int32 drawn so far; pad_id elsewhere
+    key: jax.Array  # PRNG key
 
-    carry = (jnp.int32(1), token, cache, tstate, stats, next_pos, done, out, key)
-    carry = jax.lax.while_loop(cond, body, carry)
-    return carry[7], carry[2], carry[3]
+
+def _draw(state: DecodeState, logits: jax.Array, column, config: DecodeConfig) -> DecodeState:
+    """`state` with the next token drawn from `logits` [B, V] into `tokens[:, column]`
+    (`pad_id` for a finished sequence)."""
+    key, sub = jax.random.split(state.key)
+    eos = jnp.asarray(config.eos_ids if config.eos_ids else (-1,), jnp.int32)
+    token = jnp.where(state.done, config.pad_id, sample_tokens(logits, sub, config.sampling))
+    return state._replace(token=token, key=key, done=state.done | jnp.isin(token, eos),
+                          tokens=state.tokens.at[:, column].set(token))
+
+
+def _running(state: DecodeState, config: DecodeConfig) -> jax.Array:
+    """[] bool: some sequence is unfinished and tokens are left to draw."""
+    return (state.step < config.max_new_tokens) & ~jnp.all(state.done)
+
+
+def _keep(cache, tstate, stats):
+    return cache, tstate
+
+
+def _step(model: Llama, state: DecodeState, config: DecodeConfig) -> DecodeState:
+    """One decode step: write `state.token` and attend (the model), let the transform watch
+    the write, compress every `compress_every` steps, draw the next token."""
+    h, cache, stats = model.forward(state.token[:, None], state.positions[:, None],
+                                    state.cache, state.stats, config.stats, impl=config.impl)
+    tstate = state.transform_state
+    if config.after_write is not None:
+        tstate = config.after_write(tstate, state.cache, cache)
+    if config.compress_every:
+        cache, tstate = jax.lax.cond(state.step % config.compress_every == 0, config.update,
+                                     _keep, cache, tstate, stats)
+    state = state._replace(cache=cache, transform_state=tstate, stats=stats)
+    state = _draw(state, model.logits(h[:, 0]), state.step, config)
+    return state._replace(step=state.step + 1, positions=state.positions + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def _decode(model: Llama, cache: Cache, start: DecodeStart,
+            config: DecodeConfig) -> tuple[jax.Array, Cache, Any]:
+    """(tokens [B, max_new_tokens] int32, cache, transform state) of one `lax.while_loop`
+    over `_step`, starting with a token drawn from `start.logits`."""
+    b = start.logits.shape[0]
+    state = DecodeState(step=jnp.int32(1), token=None, cache=cache,
+                        transform_state=start.transform_state, stats=start.stats,
+                        positions=start.next_pos, done=jnp.zeros((b,), bool),
+                        tokens=jnp.full((b, config.max_new_tokens), config.pad_id, jnp.int32),
+                        key=start.key)
+    state = _draw(state, start.logits, 0, config)
+    state = jax.lax.while_loop(functools.partial(_running, config=config),
+                               functools.partial(_step, model, config=config), state)
+    return state.tokens, state.cache, state.transform_state
 
 
 @functools.partial(jax.jit, static_argnames=("update",))
@@ -253,30 +358,31 @@ def _check_token_ids(tokens: np.ndarray, vocab_size: int) -> None:
 
 
 def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
-                  stats: StatsSpec = NO_STATS, room: int = 0, capacity: int | None = None,
-                  chunk: int = 256, cache_dtype: Any = jnp.float32,
-                  place_cache: Callable[[Cache], Cache] | None = None,
-                  impl: str = "xla") -> Prefilled:
+                  stats: StatsSpec = NO_STATS, room: int = 0, **options) -> Prefilled:
     """Prefill `prompts` (left-padded, batched) into a fresh cache, collecting `stats`.
 
     The cache has `capacity` slots (default: padded prompt width + `room`).
     One prefill can serve several policies: collect the union of their
     `transform.stats` and `compress` it once per policy with `keep_input=True`.
+    `options`: capacity, chunk, cache_dtype, place_cache, impl (`RunOptions`).
     """
-    args, lengths = prefill_inputs(model, prompts, stats=stats, room=room, capacity=capacity,
-                                   chunk=chunk, cache_dtype=cache_dtype, place_cache=place_cache)
-    logits, cache, layer_stats = _prefill(model, *args, impl)
+    run = RunOptions.taking(options, RunOptions.PREFILL, "prefill_batch")
+    args, lengths = prefill_inputs(model, prompts, stats=stats, room=room,
+                                   **run.only(RunOptions.PREFILL[:-1]))
+    logits, cache, layer_stats = _prefill(model, *args, run.impl)
     return Prefilled(logits, cache, layer_stats, None, lengths)
 
 
 def prefill_inputs(model: Llama, prompts: Sequence[Sequence[int]], *,
-                   stats: StatsSpec = NO_STATS, room: int = 0, capacity: int | None = None,
-                   chunk: int = 256, cache_dtype: Any = jnp.float32,
-                   place_cache: Callable[[Cache], Cache] | None = None) -> tuple[tuple, np.ndarray]:
+                   stats: StatsSpec = NO_STATS, room: int = 0,
+                   **options) -> tuple[tuple, np.ndarray]:
     """`prefill_batch`'s checked inputs: ((tokens, positions, cache, stats, chunk, spec),
     prompt lengths [B]), the prompts left-padded to a multiple of the chunk actually used and
     an empty cache of `capacity` slots. `_prefill(model, *inputs, impl)` runs them; their
-    shapes are what a prefill compiles for (`experiments/bench/compile.py --compile-only`)."""
+    shapes are what a prefill compiles for (`experiments/bench/compile.py --compile-only`).
+    `options`: capacity, chunk, cache_dtype, place_cache (`RunOptions`)."""
+    run = RunOptions.taking(options, RunOptions.PREFILL[:-1], "prefill_inputs")
+    chunk, capacity = run.chunk, run.capacity
     if not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
     chunk = min(chunk, max(len(p) for p in prompts)) if prompts else chunk
@@ -290,10 +396,10 @@ def prefill_inputs(model: Llama, prompts: Sequence[Sequence[int]], *,
     if width + room > capacity:
         raise ValueError(f"prompt ({padded.lengths.max()} tokens, {width} padded) plus {room} "
                          f"more tokens does not fit the cache capacity {capacity}")
-    cache = kvjax.init_model_cache(model.config.cache_spec, len(prompts), capacity, cache_dtype,
-                                   track_mass=stats.attention_mass)
-    if place_cache is not None:
-        cache = place_cache(cache)
+    cache = kvjax.init_model_cache(model.config.cache_spec, len(prompts), capacity,
+                                   run.cache_dtype, track_mass=stats.attention_mass)
+    if run.place_cache is not None:
+        cache = run.place_cache(cache)
     return ((jnp.asarray(padded.tokens), jnp.asarray(padded.positions), cache,
              model.init_stats(stats, cache), chunk, stats), padded.lengths)
 
@@ -322,12 +428,10 @@ def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink
 
 def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
                          transform: CacheTransform | None = None, room: int = 0,
-                         capacity: int | None = None, chunk: int = 256,
-                         cache_dtype: Any = jnp.float32, shrink: bool = True,
-                         max_write: int | None = None,
-                         place_cache: Callable[[Cache], Cache] | None = None,
-                         impl: str = "xla") -> Prefilled:
+                         max_write: int | None = None, **options) -> Prefilled:
     """`prefill_batch` collecting what `transform` needs, then `compress`.
+
+    `options`: capacity, chunk, cache_dtype, place_cache, impl, shrink (`RunOptions`).
 
     Example:
         >>> from flax import nnx
@@ -339,11 +443,11 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
         >>> kvjax.nbytes(half.cache), kvjax.nbytes(full.cache)   # 32 + 8 slots vs 64 + 8
         (21128, 38024)
     """
+    run = RunOptions.taking(options, RunOptions.COMPRESS, "prefill_and_compress")
     transform = for_full_layers(model, transform or full())
-    pre = prefill_batch(model, prompts, stats=transform.stats, room=room, capacity=capacity,
-                        chunk=chunk, cache_dtype=cache_dtype, place_cache=place_cache,
-                        impl=impl)
-    out = compress(pre, transform, room=room, shrink=shrink, max_write=max_write)
+    pre = prefill_batch(model, prompts, stats=transform.stats, room=room,
+                        **run.only(RunOptions.PREFILL))
+    out = compress(pre, transform, room=room, shrink=run.shrink, max_write=max_write)
     windowed = windowed_layers(model)
     if windowed and out.cache is not pre.cache:  # `shrink` cut every layer: windows stay
         out = out._replace(cache=tuple(pre.cache[i] if i in windowed else layer
@@ -390,13 +494,8 @@ class Generation(NamedTuple):
 
 
 def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
-             sampling: Sampling = GREEDY, transform: CacheTransform | None = None,
-             compress_every: int = 0, contexts: Sequence[Sequence[int]] | None = None,
-             capacity: int | None = None, shrink: bool = True, chunk: int = 256,
-             seed: int = 0, eos_ids: Sequence[int] | None = None, pad_id: int = 0,
-             cache_dtype: Any = jnp.float32,
-             place_cache: Callable[[Cache], Cache] | None = None,
-             impl: str = "xla") -> Generation:
+             transform: CacheTransform | None = None,
+             contexts: Sequence[Sequence[int]] | None = None, **options) -> Generation:
     """Generate up to `max_new_tokens` for each prompt (token-id lists), batched.
 
     `transform` (default: full cache) compresses the cache after prefill and,
@@ -405,18 +504,20 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     after (query-agnostic compression, kvpress's protocol); without, the
     whole prompt is compressed, and a window-based policy sees the end of the
     prompt (query-aware when the prompt ends with the question).
-    `shrink` cuts the compressed cache to its kept tokens plus the room the
-    rest of the run needs. `capacity` (only without compression) defaults to
-    the padded prompt width plus `max_new_tokens`.
+
+    `options` are the fields of `RunOptions`: `sampling`, `compress_every`, `seed`, `eos_ids`,
+    `pad_id` (how tokens are drawn), `capacity`, `shrink`, `chunk`, `cache_dtype`,
+    `place_cache`, `impl` (how the cache is built). `shrink` cuts the compressed cache to its
+    kept tokens plus the room the rest of the run needs. `capacity` (only without
+    compression) defaults to the padded prompt width plus `max_new_tokens`.
     `place_cache` puts the empty cache on devices, e.g.
     `functools.partial(kvjax.shard_cache, mesh=mesh)`; jit follows its sharding.
     `impl="pallas"` runs attention in the Pallas kernels on TPU/GPU (`kvjax.attend`).
     """
+    run = RunOptions.taking(options, tuple(f.name for f in dataclasses.fields(RunOptions)),
+                            "generate")
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(compress_every, (int, np.integer)) or compress_every < 0:
-        raise ValueError(f"compress_every must be an int >= 0 (0 = only after prefill), got "
-                         f"{compress_every!r}")
     from kvjax.tools.chat import token_id_lists
 
     if not isinstance(prompts, (str, bytes)) and prompts is not None and not len(prompts):
@@ -433,42 +534,43 @@ def generate(model: Llama, prompts: Sequence[Sequence[int]], *, max_new_tokens: 
     if total + max_new_tokens > cfg.max_position:
         raise ValueError(f"prompt plus new tokens exceed the model's context "
                          f"{cfg.max_position} tokens")
-    suffix_room = 0 if contexts is None else _padded_width(prompts, chunk)
+    suffix_room = 0 if contexts is None else _padded_width(prompts, run.chunk)
     pre = prefill_and_compress(model, first, transform=transform,
-                               room=suffix_room + max_new_tokens, capacity=capacity,
-                               chunk=chunk, cache_dtype=cache_dtype, shrink=shrink,
-                               max_write=max(suffix_room, 1), place_cache=place_cache,
-                               impl=impl)
+                               room=suffix_room + max_new_tokens,
+                               max_write=max(suffix_room, 1), **run.only(RunOptions.COMPRESS))
     if contexts is not None:
-        pre = extend(model, pre, prompts, transform=transform, chunk=chunk, impl=impl)
-    return decode(model, pre, max_new_tokens=max_new_tokens, sampling=sampling,
-                  transform=transform, compress_every=compress_every, seed=seed,
-                  eos_ids=eos_ids, pad_id=pad_id, impl=impl)
+        pre = extend(model, pre, prompts, transform=transform, chunk=run.chunk, impl=run.impl)
+    return decode(model, pre, max_new_tokens=max_new_tokens, transform=transform,
+                  **run.only(RunOptions.DECODE))
 
 
 def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
-           sampling: Sampling = GREEDY, transform: CacheTransform | None = None,
-           compress_every: int = 0, seed: int = 0, eos_ids: Sequence[int] | None = None,
-           pad_id: int = 0, impl: str = "xla") -> Generation:
+           transform: CacheTransform | None = None, **options) -> Generation:
     """Generate from a prefilled (and possibly compressed) batch; see `generate`.
 
     The cache needs room for `max_new_tokens - 1` more tokens (the last token
     drawn is never written). Without `compress_every` the loop collects no
     statistics and compiles once per cache shape, whatever the transform.
+    `options`: sampling, compress_every, seed, eos_ids, pad_id, impl (`RunOptions`).
     """
+    run = RunOptions.taking(options, RunOptions.DECODE, "decode")
     transform = for_full_layers(model, transform or full())
     for i, layer in _room_checked(model, pre.cache):
         free = kvjax.free_tokens(layer)
         if max_new_tokens - 1 > free:
             raise ValueError(f"{max_new_tokens} new tokens do not fit layer {i} of the cache "
                              f"({free} free tokens)")
-    eos_ids = tuple(model.config.eos_ids if eos_ids is None else eos_ids)
-    update, spec, stats = transform.update, transform.stats, pre.stats
-    if not compress_every:
-        update, spec, stats = None, NO_STATS, None
-    out, cache, tstate = _decode(model, pre.logits, pre.cache, pre.transform_state, stats,
-                                 jnp.asarray(pre.next_pos), jax.random.key(seed), max_new_tokens,
-                                 sampling, update, spec, compress_every, eos_ids, pad_id, impl)
+    eos_ids = tuple(model.config.eos_ids if run.eos_ids is None else run.eos_ids)
+    config = DecodeConfig(max_new_tokens, run.sampling, eos_ids, run.pad_id, run.impl,
+                          after_write=transform.after_write)
+    stats = None
+    if run.compress_every:
+        config = dataclasses.replace(config, compress_every=run.compress_every,
+                                     update=transform.update, stats=transform.stats)
+        stats = pre.stats
+    start = DecodeStart(pre.logits, pre.transform_state, stats, jnp.asarray(pre.next_pos),
+                        jax.random.key(run.seed))
+    out, cache, tstate = _decode(model, pre.cache, start, config)
     if not out.is_fully_addressable:  # a multi-process run: every process gets every row
         from jax.experimental import multihost_utils
         out = multihost_utils.process_allgather(out, tiled=True)

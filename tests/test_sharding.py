@@ -91,10 +91,10 @@ IDENTITY = textwrap.dedent("""
         hlo_compress = sampler._compress_stacked.lower(placed.update, pre.cache, tstate,
                                                pre.stats).compile().as_text()
         post = sampler.compress(pre, placed, room=6)
-        hlo_decode = sampler._decode.lower(
-            sharded, post.logits, post.cache, post.transform_state, None,
-            jnp.asarray(post.next_pos), jax.random.key(0), 6, sampler.GREEDY, None,
-            sampler.NO_STATS, 0, (), 0, "xla").compile().as_text()
+        start = sampler.DecodeStart(post.logits, post.transform_state, None,
+                                    jnp.asarray(post.next_pos), jax.random.key(0))
+        hlo_decode = sampler._decode.lower(sharded, post.cache, start,
+                                           sampler.DecodeConfig(6)).compile().as_text()
         leaves = lambda c: [x for x in jax.tree_util.tree_leaves(c) if x.ndim]
         rows[method] = {
             "one": one.tokens.tolist(), "many": many.tokens.tolist(),

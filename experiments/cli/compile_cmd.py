@@ -228,16 +228,17 @@ def _compiled(step: str, lower, result: dict):
     return compiled
 
 
-def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
+def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
                   impl: str = "xla", new_tokens: int = 16, chunk: int = 512,
                   steps=("prefill", "compress", "decode")) -> dict:
-    """Compile `steps` of generation for `mesh`'s devices; {step: memory(...)} plus seconds."""
+    """Compile `steps` of generation for `mesh`'s devices; {step: memory(...)} plus seconds.
+    `method`: a spec or a parsed `kvjax.Method`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
     import kvjax
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from kvjax.core.stats import NO_STATS, init_stats
+    from kvjax.core.stats import init_stats
     from models import sampler
     from models.llama import rope_frequencies
     from models.sharding import abstract_model, cache_shardings, on_mesh
@@ -249,7 +250,8 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
         # decode only: measured, a 508-token prefill chunk (1524 query rows per KV head)
         # does not fit the kernel's VMEM on v5e; prefill compiles the XLA path
         decode_impl, impl = pallas_impl(mesh, backend="tpu"), "xla"
-    transform = kvjax.parse_method(spec)
+    method = kvjax.Method.parse(method)
+    spec, transform = method.spec, method.transform
     placed = on_mesh(transform, mesh)
     graphdef, state = abstract_model(cfg, mesh, dtype)
     model = nnx.merge(graphdef, state)  # weights as ShapeDtypeStructs
@@ -282,9 +284,10 @@ def compile_steps(cfg, mesh, spec: str, context: int, batch: int, *, dtype=None,
         next_pos = _by_batch(jax.ShapeDtypeStruct((batch,), jnp.int32), batch, mesh)
         key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                    sharding=NamedSharding(mesh, P()))
+        start = sampler.DecodeStart(logits, tstate, None, next_pos, key)
+        config = sampler.DecodeConfig(new_tokens, eos_ids=tuple(cfg.eos_ids), impl=decode_impl)
         compiled = _compiled("decode", lambda: sampler._decode.lower(
-            model, logits, small_cache, tstate, None, next_pos, key, new_tokens,
-            sampler.GREEDY, None, NO_STATS, 0, tuple(cfg.eos_ids), 0, decode_impl), result)
+            model, small_cache, start, config), result)
         result["decode"]["cache_bytes"] = kvjax.nbytes(small)
         if compiled is not None:
             result["decode"]["kernel_calls"] = kernel_calls(compiled.as_text())
@@ -350,7 +353,7 @@ def run(args) -> int:
     try:
         import kvjax
         from models.sharding import make_mesh
-        kvjax.parse_method(args.method)
+        method = kvjax.Method.parse(args.method)  # a bad spec fails before anything compiles
         cfg = model_shape(args.model)
         if args.layers:
             import dataclasses
@@ -359,7 +362,7 @@ def run(args) -> int:
             raise ValueError(f"--context {args.context} + --new-tokens {args.new_tokens} exceeds "
                              f"the model's {cfg.max_position} positions")
         mesh = make_mesh(args.mesh, topology_devices(args.topology))
-        result = compile_steps(cfg, mesh, args.method, args.context, args.batch,
+        result = compile_steps(cfg, mesh, method, args.context, args.batch,
                                dtype=getattr(jnp, args.dtype), impl=args.impl,
                                new_tokens=args.new_tokens, steps=tuple(args.steps))
     except (ValueError, FileNotFoundError) as e:

@@ -63,14 +63,15 @@ def kept_matrix(before, after) -> tuple[np.ndarray, np.ndarray]:
     return kept, err
 
 
-def inspect(model, ids: list[int], method: str):
-    """(cache before, cache after, monitor) of `method`'s first update on one prompt."""
+def inspect(model, ids: list[int], method):
+    """(cache before, cache after, monitor) of `method`'s (a spec or a parsed `kvjax.Method`)
+    first update on one prompt."""
     import jax
     import kvjax
     from kvjax.tools.monitor import monitored
     from models.sampler import prefill_batch
 
-    transform = monitored(kvjax.parse_method(method))
+    transform = monitored(kvjax.Method.parse(method).transform)
     pre = prefill_batch(model, [ids], stats=transform.stats)
     before = jax.tree_util.tree_map(lambda x: x.copy(), pre.cache)
     after, (_, monitor) = jax.jit(transform.update)(pre.cache, transform.init(pre.cache),
@@ -133,7 +134,7 @@ def run(args) -> int:
         if args.out.suffix.lower() != ".png":
             raise ValueError(f"--out {args.out}: must name a .png file")
         import kvjax
-        kvjax.parse_method(args.method)  # a bad spec fails before the model loads
+        method = kvjax.Method.parse(args.method)  # a bad spec fails before the model loads
         context = read_text(args.context_file) if args.context_file else None
         if not args.prompt.strip():
             raise ValueError("--prompt: must not be empty")
@@ -142,7 +143,7 @@ def run(args) -> int:
                                 else jnp.float32)
         head, question = chat_prompt(tok, args.prompt, context, chat=args.chat)
         ids = (head if context is not None else question)[-args.max_tokens:]
-        before, after, monitor = inspect(model, ids, args.method)
+        before, after, monitor = inspect(model, ids, method)
         draw(before, after, monitor, f"{args.method} on {len(ids)} tokens "
              f"({Path(args.context_file).name if args.context_file else 'prompt'})", args.out)
     except (FileNotFoundError, ValueError, OSError) as e:

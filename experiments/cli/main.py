@@ -235,9 +235,9 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
 
 def check_model_args(args, cfg) -> None:
     """Checks that need the model: `layers=` of the method, lengths within its positions."""
-    from kvjax.policies.methods import check_method
+    from kvjax.policies.methods import Method
 
-    check_method(getattr(args, "method", "full"), cfg.num_layers)
+    Method.parse(getattr(args, "method", "full")).check(cfg.num_layers)
     limit = cfg.max_position
     if args.command == "ppl" and args.context > limit:
         raise _bad("context", args.context, f"must be <= the model's {limit} positions")
@@ -259,13 +259,13 @@ def _mesh(args):
         raise _bad("mesh", args.mesh, str(e).removeprefix(f"mesh {args.mesh!r}: ")) from None
 
 
-def _on_mesh(args, method: str):
-    """(method or its mesh-pinned transform, place_cache) for `--mesh` (None without one)."""
+def _on_mesh(args, method):
+    """(the parsed method, its transform pinned to `--mesh`; place_cache, None without one)."""
     mesh = getattr(args, "mesh_obj", None)
     if mesh is None:
         return method, None
     from models.sharding import cache_placer, on_mesh
-    return on_mesh(_transform(method), mesh), cache_placer(mesh)
+    return method.with_transform(on_mesh(method.transform, mesh)), cache_placer(mesh)
 
 
 def _impl(args):
@@ -284,7 +284,7 @@ def cmd_generate(args, model, tokenizer) -> dict:
     method, place_cache = _on_mesh(args, args.method)
     if getattr(args, "monitor", False):
         from kvjax.tools.monitor import monitored
-        method = monitored(_transform(method) if isinstance(method, str) else method)
+        method = method.with_transform(monitored(method.transform))
     answer = ask(model, tokenizer, args.prompt, method=method, chat=args.chat,
                  context=read_text(args.context_file) if args.context_file else None,
                  answer_prefix=args.answer_prefix, max_new_tokens=args.max_new_tokens,
@@ -293,7 +293,7 @@ def cmd_generate(args, model, tokenizer) -> dict:
     result = {"text": answer.text, "tokens": answer.tokens,
               "prompt_tokens": answer.context_tokens + answer.question_tokens,
               "context_tokens": answer.context_tokens, "cache_bytes": answer.cache_bytes,
-              "method": args.method, "seconds": answer.seconds}
+              "method": method.spec, "seconds": answer.seconds}
     if getattr(args, "monitor", False):
         from kvjax.tools.monitor import find_monitor, refresh, summary
         result["monitor"] = summary(refresh(find_monitor(answer.transform_state), answer.cache))
@@ -310,19 +310,14 @@ def cmd_ppl(args, model, tokenizer) -> dict:
     method, place_cache = _on_mesh(args, args.method)  # with --mesh: caches on the mesh
     result = perplexity(model, ids, args.context, args.stride, batch_size=args.batch_size,
                         prefix=args.prefix, place_cache=place_cache,
-                        transform=_transform(method) if isinstance(method, str) else method)
+                        transform=method.transform)
     if not math.isfinite(result.ppl):
         raise BadResult(f"perplexity is {result.ppl} (summed NLL {result.nll}): the model gave "
                         f"non-finite log-probabilities; not reporting it")
     return {"ppl": result.ppl, "nll": result.nll, "tokens_scored": result.tokens_scored,
             "text_tokens": len(ids), "context": args.context,
             "stride": args.stride or args.context, "prefix": args.prefix,
-            "method": args.method, "seconds": round(time.perf_counter() - start, 3)}
-
-
-def _transform(spec: str):
-    from kvjax import parse_method
-    return parse_method(spec)
+            "method": method.spec, "seconds": round(time.perf_counter() - start, 3)}
 
 
 def cmd_eval(args) -> int:
@@ -461,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_args(args)
         jit_cache = enable_compilation_cache()  # a second run skips XLA compilation
-        _transform(getattr(args, "method", "full"))
+        from kvjax.policies.methods import Method
+        args.method = Method.parse(getattr(args, "method", "full"))  # parsed once, carried on
         for path in (getattr(args, "text", None), getattr(args, "context_file", None)):
             if path is not None:
                 read_text(path)  # fail before the model loads

@@ -42,13 +42,28 @@ class CacheTransform(NamedTuple):
     init: Callable[[Any], Any]
     update: Callable[[Any, Any, Any], tuple[Any, Any]]
     stats: StatsSpec = NO_STATS
+    after_write: Callable[[Any, Any, Any], Any] | None = None
+    """`(state, cache_before, cache_after) -> state` after each decode step's own write (the
+    model's, before any `update`), or None: nothing to watch. A decode loop calls it
+    (`models.sampler`); the monitor measures there the error of the tokens a KIVI write
+    flushed into its quantized body (`kvjax.tools.monitor.monitored`)."""
+
+
+class EmptyState(NamedTuple):
+    """The state of a transform that keeps none (`full`): a named pytree with no leaves.
+
+    Example:
+        >>> import jax
+        >>> jax.tree_util.tree_leaves(full().init(None)), full().init(None)
+        ([], EmptyState())
+    """
 
 
 def _keep_all(cache, state, stats=None):
     return cache, state
 
 
-_FULL = CacheTransform(init=lambda cache: (), update=_keep_all)
+_FULL = CacheTransform(init=lambda cache: EmptyState(), update=_keep_all)
 
 
 def full() -> CacheTransform:
@@ -74,12 +89,26 @@ class ChainedUpdate:
         return cache, tuple(new_state)
 
 
+@dataclasses.dataclass(frozen=True)
+class ChainedAfterWrite:
+    """`chain`'s `after_write`: each part's own (None: that part watches nothing) on its
+    own state."""
+
+    after_writes: tuple[Callable | None, ...]
+
+    def __call__(self, state, before, after):
+        return tuple(s if f is None else f(s, before, after)
+                     for f, s in zip(self.after_writes, state))
+
+
 def chain(*transforms: CacheTransform) -> CacheTransform:
     """Apply `transforms` in order; the state is the tuple of their states."""
     inits = tuple(t.init for t in transforms)
     spec = functools.reduce(StatsSpec.merge, (t.stats for t in transforms), NO_STATS)
+    watch = tuple(t.after_write for t in transforms)
     return CacheTransform(lambda cache: tuple(i(cache) for i in inits),
-                          ChainedUpdate(tuple(t.update for t in transforms)), spec)
+                          ChainedUpdate(tuple(t.update for t in transforms)), spec,
+                          ChainedAfterWrite(watch) if any(watch) else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +129,19 @@ class LayersUpdate:
         for i, layer in zip(layers, part):
             out[i] = layer
         return tuple(out), state
+
+
+@dataclasses.dataclass(frozen=True)
+class LayersAfterWrite:
+    """`on_layers`'s `after_write`: the inner one watching the chosen layers only (frozen,
+    compared by value: a rebuilt `on_layers` keys jitted code the same)."""
+
+    after_write: Callable
+    layers: tuple[int, ...]
+
+    def __call__(self, state, before, after):
+        pick = lambda cache: tuple(cache[i] for i in self.layers)
+        return self.after_write(state, pick(before), pick(after))
 
 
 def on_layers(transform: CacheTransform, layers: Sequence[int]) -> CacheTransform:
@@ -126,5 +168,7 @@ def on_layers(transform: CacheTransform, layers: Sequence[int]) -> CacheTransfor
             raise ValueError(f"on_layers: layer {layers[-1]} does not exist; the cache has "
                              f"{len(cache)} layers, 0-{len(cache) - 1}")
         return init(tuple(cache[i] for i in layers))
-    return CacheTransform(init_some,
-                          LayersUpdate(transform.update, layers), transform.stats)
+    after_write = None if transform.after_write is None else \
+        LayersAfterWrite(transform.after_write, layers)
+    return CacheTransform(init_some, LayersUpdate(transform.update, layers), transform.stats,
+                          after_write)

@@ -335,7 +335,52 @@ def method_layers(spec: str) -> list[tuple[str, list[int]]]:
     return out
 
 
-def check_method(spec: str, num_layers: int) -> CacheTransform:
+class Method(NamedTuple):
+    """A method spec parsed once, into what the command line, the eval cells and the sampler
+    carry: the spec string (what rows, checkpoints and artifacts record), the transform it
+    built, and the layers its parts name (checked once the model is known).
+
+    `Method.parse` takes a spec or a `Method` (returned as it is), so a function that accepts
+    either never parses twice; `with_transform` wraps the transform (a monitor, a mesh) and
+    keeps the spec.
+
+    Example:
+        >>> m = Method.parse("snapkv:ratio=0.5,layers=0-3+kivi:bits=2")
+        >>> m.spec, m.layers, Method.parse(m) is m
+        ('snapkv:ratio=0.5,layers=0-3+kivi:bits=2', (('snapkv', (0, 1, 2, 3)),), True)
+        >>> m.check(num_layers=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: method 'snapkv': layers names layer 3; the model has 2 layers, 0-1
+    """
+
+    spec: str
+    transform: CacheTransform
+    layers: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (part name, layers it names)
+
+    @staticmethod
+    def parse(spec: "str | Method") -> "Method":
+        """The parsed `spec` (a ValueError for a bad one); a `Method` is returned unchanged."""
+        if isinstance(spec, Method):
+            return spec
+        transform = parse_method(spec)
+        return Method(spec, transform, tuple((name, tuple(layers))
+                                             for name, layers in method_layers(spec)))
+
+    def check(self, num_layers: int) -> "Method":
+        """`self`, after checking every `layers=` against a model of `num_layers` layers."""
+        for name, layers in self.layers:
+            if max(layers) >= num_layers:
+                raise ValueError(f"method {name!r}: layers names layer {max(layers)}; the "
+                                 f"model has {num_layers} layers, 0-{num_layers - 1}")
+        return self
+
+    def with_transform(self, transform: CacheTransform) -> "Method":
+        """The same spec running `transform` (the parsed one wrapped: monitored, on a mesh)."""
+        return self._replace(transform=transform)
+
+
+def check_method(spec: "str | Method", num_layers: int) -> CacheTransform:
     """`parse_method(spec)`, also checking every `layers=` against a model of `num_layers`.
 
     Example:
@@ -344,12 +389,7 @@ def check_method(spec: str, num_layers: int) -> CacheTransform:
         ...
         ValueError: method 'snapkv': layers names layer 99; the model has 30 layers, 0-29
     """
-    transform = parse_method(spec)
-    for name, layers in method_layers(spec):
-        if max(layers) >= num_layers:
-            raise ValueError(f"method {name!r}: layers names layer {max(layers)}; the model "
-                             f"has {num_layers} layers, 0-{num_layers - 1}")
-    return transform
+    return Method.parse(spec).check(num_layers).transform
 
 
 def parse_method(spec: str) -> CacheTransform:

@@ -1,7 +1,7 @@
 """A cache monitor: what every transform did, per layer and KV head, as a pytree.
 
-`monitored(transform)` wraps a `CacheTransform`: its state becomes `(inner state,
-Monitor)`, so the monitor is returned alongside the cache by whatever runs the transform
+`monitored(transform)` wraps a `CacheTransform`: its state becomes a `MonitoredState(inner,
+monitor)`, so the monitor is returned alongside the cache by whatever runs the transform
 (`models.sampler.generate` included), under jit, with no Python state. A `Monitor` is one
 `LayerMonitor` per layer; each field is `[B, KVH]`:
 
@@ -28,8 +28,8 @@ Example:
     >>> k = jax.random.normal(jax.random.key(0), (1, 1, 16, 8))
     >>> cache = (kvjax.write(cache[0], k, k, jnp.arange(16)[None]),)
     >>> t = monitored(kvjax.chain(kvjax.streaming_llm(sinks=2, window=6), kvjax.quantize(bits=4, group=8)))
-    >>> cache, (state, mon) = t.update(cache, t.init(cache), None)
-    >>> s = summary(mon)
+    >>> cache, state = t.update(cache, t.init(cache), None)
+    >>> s = summary(state.monitor)
     >>> s["tokens"], s["evicted"], 0.01 < s["k_error"] < 0.2    # 8 kept, 8 evicted, 4-bit error
     (8, 8, True)
 """
@@ -252,23 +252,37 @@ def observe_flush(monitor: Monitor, before: Any, after: Any) -> Monitor:
     return tuple(out)
 
 
+class MonitoredState(NamedTuple):
+    """A `monitored` transform's state: the wrapped transform's own and the monitor."""
+
+    inner: Any  # the wrapped transform's state
+    monitor: Monitor  # one LayerMonitor per layer
+
+
+def _observe_write(state: MonitoredState, before: Any, after: Any) -> MonitoredState:
+    """`monitored`'s `after_write`: the flush errors of a decode step's write."""
+    return state._replace(monitor=observe_flush(state.monitor, before, after))
+
+
 _MONITORED: dict[CacheTransform, CacheTransform] = {}
 
 
 def monitored(transform: CacheTransform) -> CacheTransform:
-    """`transform` with a `Monitor` in its state: `(inner state, Monitor)`.
+    """`transform` with a `Monitor` in its state: a `MonitoredState(inner, monitor)`.
 
-    The same transform gives the same wrapper (jitted code keyed on it compiles once)."""
+    Its updates record what they did (`observe`); its `after_write` records what each decode
+    write flushed into a quantized body (`observe_flush`), so a decode loop measures it without
+    knowing about monitors. The same transform gives the same wrapper (jitted code keyed on it
+    compiles once)."""
     if transform not in _MONITORED:
         def init(cache):
-            return transform.init(cache), init_monitor(cache)
+            return MonitoredState(transform.init(cache), init_monitor(cache))
 
-        def update(cache, state, stats=None):
-            inner, monitor = state
-            new, inner = transform.update(cache, inner, stats)
-            return new, (inner, observe(monitor, cache, new, stats))
+        def update(cache, state: MonitoredState, stats=None):
+            new, inner = transform.update(cache, state.inner, stats)
+            return new, MonitoredState(inner, observe(state.monitor, cache, new, stats))
 
-        _MONITORED[transform] = CacheTransform(init, update, transform.stats)
+        _MONITORED[transform] = CacheTransform(init, update, transform.stats, _observe_write)
     return _MONITORED[transform]
 
 
@@ -300,18 +314,12 @@ def per_head(monitor: Monitor, field: str) -> np.ndarray:
     return np.stack([np.asarray(getattr(m, field)) for m in monitor])
 
 
-def is_monitor(x: Any) -> bool:
-    return isinstance(x, tuple) and len(x) > 0 and all(isinstance(m, LayerMonitor) for m in x)
-
-
 def find_monitor(state: Any) -> Monitor | None:
     """The monitor inside a `monitored` transform's state (or None)."""
-    if isinstance(state, tuple) and len(state) == 2 and is_monitor(state[1]):
-        return state[1]
-    return None
+    return state.monitor if isinstance(state, MonitoredState) else None
 
 
-__all__ = ["LayerMonitor", "Monitor", "dense", "find_monitor", "init_monitor", "match_positions",
+__all__ = ["LayerMonitor", "Monitor", "MonitoredState", "dense", "find_monitor", "init_monitor", "match_positions",
            "monitored", "observe", "observe_flush", "per_head", "refresh", "summary"]
 
 
