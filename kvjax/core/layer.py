@@ -40,8 +40,11 @@ all layers together (`kvjax.memory.tiers.spill`), not a per-layer one.
 A new layer kind is one module: a frozen dataclass registered as a pytree, the methods
 above, and `register_layer(cls)` (README "Add a layer kind"; tests/test_layer_protocol.py
 builds one). `register_layer` refuses a class that misses a method, and `layer_kinds()`
-lists what is registered (a kind registers when its module is imported). Nothing in the library asks a layer what it is: no `hasattr`
-probe, no `isinstance` on a kind outside this module.
+lists what is registered (a kind registers when its module is imported). The library
+dispatches on these methods only: no `hasattr` probe on a layer. (Two places still name
+kinds, by design: the Pallas backend's table of the kinds its kernel reads,
+`kvjax.backends.pallas.KERNEL_LAYOUTS`, and the fold transforms recognising the two state
+kinds they make, in `kvjax.policies.recurrent`.)
 
 Example:
     >>> import jax.numpy as jnp, kvjax
