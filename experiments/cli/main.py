@@ -453,6 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     from models.hub import enable_compilation_cache
     from models.loading import load_model
 
+    if argv is None and args.command == "generate":  # the console command (not a caller's
+        # process, whose later programs would keep the XLA loop): a first run is not held up
+        # by the CPU kernel's build (kvjax.core.cpu_kernel.build_mode)
+        os.environ.setdefault("KVJAX_CPU_KERNEL_BUILD", "background")
     try:
         check_args(args)
         jit_cache = enable_compilation_cache()  # a second run skips XLA compilation

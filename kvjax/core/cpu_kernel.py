@@ -17,7 +17,8 @@ TPU host never builds it), for parts whose keys and values are each a dense
 float32/bf16 array, a `PackedTokens` or a `PackedChannels` store. Everything
 else, every multi-device run (a custom call would not be partitioned) and every
 `jax.export` (`disabled()`) uses the XLA loop. `KVJAX_CPU_KERNEL=0` switches it
-off; without a compiler it warns once and the XLA loop runs.
+off; without a compiler it warns once and the XLA loop runs. `KVJAX_CPU_KERNEL_BUILD=background`
+(`build_mode`) builds it in a detached process while this one runs the XLA loop.
 
 The same library holds `matmul`, the weights' product for a decode step (1-8 rows):
 XLA:CPU's GEMM call for a few rows cost about twice its one-row dot, and its one-row dot
@@ -52,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -156,6 +158,15 @@ def verified(out: Path) -> tuple[bytes | None, str]:
     return data, ""
 
 
+def library_path(cxx: str | None = None) -> Path:
+    """Where the library built from this source, jax version, flags, compiler and CPU lives."""
+    cxx = cxx or os.environ.get("CXX", "g++")
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), jax.__version__.encode(),
+                                     " ".join(flags()).encode(), cxx.encode(),
+                                     _cpu_id().encode()])).hexdigest()[:16]
+    return _cache_dir() / f"decode_attention-{key}.so"
+
+
 def build(cxx: str | None = None) -> Path:
     """Compile the kernel (once per source, jax version, compiler flags and CPU) -> the .so path.
 
@@ -163,10 +174,7 @@ def build(cxx: str | None = None) -> Path:
     its build (`verified`); otherwise it is rebuilt, with one notice line on stderr.
     """
     cxx = cxx or os.environ.get("CXX", "g++")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, jax.__version__.encode(), " ".join(flags()).encode(),
-                                     cxx.encode(), _cpu_id().encode()])).hexdigest()[:16]
-    out = _cache_dir() / f"decode_attention-{key}.so"
+    out = library_path(cxx)
     if out.exists() or _record(out).exists():
         data, problem = verified(out)
         if data is not None:
@@ -213,9 +221,61 @@ def _load(path: Path):
 _open_fds: list[int] = []
 
 
+BUILD_MODES = ("wait", "background")
+"""`$KVJAX_CPU_KERNEL_BUILD`: what a process whose kernel is not built yet does.
+`wait` (the default: programs, tests and benchmarks trace the same code on every run) builds
+it in the process, with a notice; `background` starts the build in a detached process and
+traces XLA's loop meanwhile, so a first run is not held up (`kvjax generate` chooses it)."""
+
+
+def build_mode() -> str:
+    mode = os.environ.get("KVJAX_CPU_KERNEL_BUILD", "wait")
+    if mode not in BUILD_MODES:
+        raise ValueError(f"KVJAX_CPU_KERNEL_BUILD={mode!r}: expected one of {BUILD_MODES}")
+    return mode
+
+
+def _building_marker(out: Path) -> Path:
+    return out.with_name(out.name + ".building")
+
+
+def build_in_background() -> bool:
+    """Start `build()` in a detached process unless the library is built or being built
+    (a marker younger than 10 minutes); True if this call started one. Its output goes to
+    `NAME.so.log` beside the library."""
+    out = library_path()
+    marker = _building_marker(out)
+    if verified(out)[0] is not None:
+        return False
+    try:
+        if time.time() - marker.stat().st_mtime < 600:
+            return False
+    except FileNotFoundError:
+        pass
+    out.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(str(os.getpid()), encoding="utf-8")
+    code = ("import os, pathlib; from kvjax.core.cpu_kernel import build\n"
+            "try:\n    build()\nfinally:\n"
+            f"    pathlib.Path({str(marker)!r}).unlink(missing_ok=True)\n")
+    with open(out.with_name(out.name + ".log"), "w", encoding="utf-8") as log:
+        subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL, stdout=log,
+                         stderr=log, start_new_session=True,
+                         env=dict(os.environ, KVJAX_QUIET="1", JAX_PLATFORMS="cpu"))
+    if os.environ.get("KVJAX_QUIET", "") in ("", "0"):
+        print(f"kvjax: building the CPU attention kernel in the background (once per machine "
+              f"and jax version, about a minute on 2 cores) into {out.parent}; until it is "
+              f"built, decode attention runs as XLA's loop", file=sys.stderr, flush=True)
+    return True
+
+
 @functools.cache
 def registered() -> bool:
-    """Build, load and register the kernel once per process; False (one warning) if it cannot."""
+    """Build (or, in `background` mode, find built), load and register the kernel once per
+    process; False (one warning) if it cannot be built, False without a warning while a
+    background build runs (`build_mode`)."""
+    if build_mode() == "background" and verified(library_path())[0] is None:
+        build_in_background()
+        return False
     try:
         library = _load(build())
     except (OSError, subprocess.CalledProcessError) as err:
