@@ -315,6 +315,7 @@ def cmd_ppl(args, model, tokenizer) -> dict:
         raise BadResult(f"perplexity is {result.ppl} (summed NLL {result.nll}): the model gave "
                         f"non-finite log-probabilities; not reporting it")
     return {"ppl": result.ppl, "nll": result.nll, "tokens_scored": result.tokens_scored,
+            "cache_bytes": result.cache_bytes, "full_bf16_bytes": result.full_bf16_bytes,
             "text_tokens": len(ids), "context": args.context,
             "stride": args.stride or args.context, "prefix": args.prefix,
             "method": method.spec, "seconds": round(time.perf_counter() - start, 3)}

@@ -30,7 +30,7 @@ from kvjax.core.cache import EMPTY
 from kvjax.core.transforms import CacheTransform, full
 from models.llama import Llama
 from models.loading import progress_enabled
-from models.scoring import continuation_logprobs, token_logprobs
+from models.scoring import score_continuations, token_logprobs
 
 
 class Window(NamedTuple):
@@ -43,6 +43,29 @@ class Perplexity(NamedTuple):
     ppl: float
     nll: float  # summed negative log-likelihood (nats)
     tokens_scored: int
+    cache_bytes: float = 0.0  # the (compressed) prefix's cache per window, `kvjax.nbytes`, mean
+    full_bf16_bytes: float = 0.0  # the same prefix as an uncompressed bfloat16 cache, per window
+
+
+def full_bf16_bytes(model: Llama, tokens: int) -> int:
+    """`kvjax.nbytes` of one sequence's uncompressed bfloat16 cache holding `tokens` tokens
+    (keys, values, positions, cursors; computed from shapes, nothing allocated).
+
+    Example:
+        >>> from flax import nnx
+        >>> from models.llama import LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> c = model.config
+        >>> full_bf16_bytes(model, 10) == c.num_layers * (10 * c.num_kv_heads * (4 * c.head_dim + 4) + 4)
+        True
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import kvjax
+    shapes = jax.eval_shape(lambda: kvjax.init_model_cache(model.config.cache_spec, 1, tokens,
+                                                           jnp.bfloat16))
+    return kvjax.nbytes(shapes)
 
 
 def sliding_windows(num_tokens: int, context: int, stride: int | None = None) -> list[Window]:
@@ -120,7 +143,27 @@ def perplexity(model: Llama, ids: Sequence[int], context: int, stride: int | Non
                                        place_cache=place_cache), np.float64)
         nll -= float(lp[score].sum())
         scored += int(score.sum())
-    return Perplexity(math.exp(nll / scored), nll, scored)
+    cache_bytes = _plain_cache_bytes(model, windows)
+    return Perplexity(math.exp(nll / scored), nll, scored, cache_bytes,
+                      float(np.mean([full_bf16_bytes(model, w.end - w.start) for w in windows])))
+
+
+def _padded_width(continuations, chunk: int) -> int:
+    """Columns `score_continuations` feeds: the longest continuation padded to its chunk."""
+    chunk = min(chunk, max(len(c) for c in continuations))
+    return -(-max(len(c) for c in continuations) // chunk) * chunk
+
+
+def _plain_cache_bytes(model: Llama, windows: list[Window]) -> float:
+    """Mean bytes per window of the float32 cache holding a whole window (no compression)."""
+    import jax
+    import jax.numpy as jnp
+
+    import kvjax
+    spec = model.config.cache_spec
+    each = [kvjax.nbytes(jax.eval_shape(lambda n=w.end - w.start: kvjax.init_model_cache(
+        spec, 1, n, jnp.float32))) for w in windows]
+    return float(np.mean(each))
 
 
 def _batches(count: int, batch_size: int, show: bool):
@@ -144,15 +187,23 @@ def _continuation_perplexity(model, ids, context, stride, batch_size, chunk, pre
     windows = [w for w in sliding_windows(len(ids), context, stride) if w.end - w.start > prefix]
     if not windows:
         raise ValueError(f"no window is longer than the prefix {prefix} tokens")
-    nll, scored = 0.0, 0
+    import kvjax
+    from models.sampler import prefill_and_compress
+
+    nll, scored, kept_bytes = 0.0, 0, 0
     for i in _batches(len(windows), batch_size, show):
         group = windows[i:i + batch_size]
         prefixes = [ids[w.start:w.start + prefix].tolist() for w in group]
         conts = [ids[w.start + prefix:w.end].tolist() for w in group]
-        lps = continuation_logprobs(model, prefixes, conts, transform=transform, chunk=chunk,
-                                    place_cache=place_cache)
+        # as continuation_logprobs, keeping the compressed prefix to measure its bytes
+        pre = prefill_and_compress(model, prefixes, transform=transform, chunk=chunk,
+                                   room=_padded_width(conts, chunk),
+                                   place_cache=place_cache)
+        kept_bytes += kvjax.nbytes(kvjax.shrink(pre.cache, 0))  # the prefix alone, no room
+        lps = score_continuations(model, pre, conts, chunk=chunk)
         for w, lp in zip(group, lps):
             first = max(w.first_scored, w.start + prefix) - (w.start + prefix)
             nll -= float(np.sum(lp[first:], dtype=np.float64))
             scored += len(lp) - first
-    return Perplexity(math.exp(nll / scored), nll, scored)
+    return Perplexity(math.exp(nll / scored), nll, scored, kept_bytes / len(windows),
+                      float(full_bf16_bytes(model, prefix)))
