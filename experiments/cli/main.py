@@ -168,8 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in [("eval", "a grid of task x length x method cells (experiments/eval/harness.py)"),
                        ("bench", "only the config's `speed` cells: memory, prefill and decode speed")]:
         e = sub.add_parser(name, help=text)
-        e.add_argument("--config", type=Path, required=True,
-                       help="TOML grid, e.g. experiments/configs/results.toml")
+        e.add_argument("--config", type=config_path, required=True,
+                       help="TOML grid: a file, or the name of a shipped one "
+                            f"({', '.join(shipped_configs())})")
         e.add_argument("--out", type=Path, required=True,
                        help="results folder (cells.jsonl, tables.md, plots)")
         e.add_argument("--report", action="store_true", help="only rewrite tables and plots")
@@ -321,6 +322,28 @@ def cmd_ppl(args, model, tokenizer) -> dict:
             "method": method.spec, "seconds": round(time.perf_counter() - start, 3)}
 
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+"""The grids shipped with kvjax (package data): `--config ruler_long` names one."""
+
+
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in CONFIGS.glob("*.toml"))
+
+
+def config_path(value: str) -> Path:
+    """`--config`: a TOML file, or the bare name of a shipped grid (`ruler_long`), which an
+    installed wheel can run without the repository.
+
+    >>> config_path("ruler_long") == CONFIGS / "ruler_long.toml"
+    True
+    """
+    path = Path(value)
+    shipped = CONFIGS / f"{value}.toml"
+    if not path.exists() and "/" not in value and not path.suffix and shipped.is_file():
+        return shipped
+    return path
+
+
 def cmd_eval(args) -> int:
     """Run the grid's unfinished cells (each in a worker process), then write the report."""
     from experiments.eval import harness
@@ -329,7 +352,8 @@ def cmd_eval(args) -> int:
     try:
         if not args.config.is_file():
             raise _bad("config", args.config, "is a directory: need a file" if
-                       args.config.is_dir() else "config file not found")
+                       args.config.is_dir() else "config file not found; shipped configs: "
+                       + ", ".join(shipped_configs()))
         grid = harness.load_config(args.config)
         cells = [c for c in grid.cells if args.command == "eval" or c.task == "speed"]
         if not cells:

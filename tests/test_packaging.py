@@ -1,0 +1,49 @@
+"""What a wheel install carries: the built wheel holds every package with its data (the CPU
+kernel's C++ source, the texts, the shipped configs, the notebooks), and `--config NAME`
+finds a shipped grid without the repository."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_wheel_carries_code_and_data(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                           "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("kvjax-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    want = {f"experiments/configs/{p.name}" for p in (ROOT / "experiments/configs").glob("*.toml")}
+    want |= {f"experiments/notebooks/{p.name}"
+             for p in (ROOT / "experiments/notebooks").glob("*.ipynb")}
+    want |= {f"experiments/data/{p.name}" for p in (ROOT / "experiments/data").glob("*.txt")}
+    want |= {"kvjax/core/cpu_kernels/decode_attention.cc", "kvjax/py.typed",
+             "experiments/cli/main.py", "experiments/eval/harness.py", "models/sampler.py",
+             "kernels_pallas/paged_attention.py", "kvjax/memory/paging.py"}
+    assert not want - names, sorted(want - names)
+    assert not any(n.startswith(("tests/", "docs/")) for n in names)
+
+
+def test_a_shipped_config_is_named_without_a_path(tmp_path, monkeypatch):
+    from experiments.cli.main import CONFIGS, build_parser, config_path
+    monkeypatch.chdir(tmp_path)  # no experiments/configs/ here
+    args = build_parser().parse_args(["eval", "--config", "ruler_smoke", "--out", "o"])
+    assert args.config == CONFIGS / "ruler_smoke.toml" and args.config.is_file()
+    assert config_path("my_grid.toml") == Path("my_grid.toml")  # a file name stays a file
+    (tmp_path / "ruler_smoke").write_text("")  # a file of that name wins over the shipped one
+    assert config_path("ruler_smoke") == Path("ruler_smoke")
+
+
+def test_an_unknown_config_names_the_shipped_ones(tmp_path, capsys, monkeypatch):
+    from experiments.cli.main import main
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "--config", "no_such_grid", "--out", "o"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_grid" in err and "ruler_long" in err and "smoke" in err
