@@ -1,0 +1,248 @@
+"""`auto:budget=F` / `auto:bytes=N` (kvjax.policies.planner): the budget holds as measured
+with `kvjax.nbytes`, arguments are checked at parse time, and the plan follows its signals."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import parse_method
+from kvjax.core.stats import LayerStats, StatsSpec, init_stats
+from kvjax.policies import planner
+
+
+@pytest.fixture(scope="module")
+def long_tiny():
+    """The tiny random Llama with room for a few thousand positions."""
+    from flax import nnx
+    from models.llama import Llama, LlamaConfig
+    return Llama(LlamaConfig.tiny(max_position=4096), rngs=nnx.Rngs(0))
+
+
+def bf16_budget(model, batch: int, tokens: int, fraction: float) -> float:
+    """F x nbytes of an uncompressed bf16 cache of `batch` rows of `tokens` (independent of
+    the planner's own formula: measured on the shapes)."""
+    shapes = jax.eval_shape(lambda: kvjax.init_model_cache(model.config.cache_spec, batch,
+                                                           tokens, jnp.bfloat16))
+    return fraction * kvjax.nbytes(shapes)
+
+
+def held_bytes(cache) -> int:
+    """What the cache holds: every layer cut to its written slots."""
+    return kvjax.nbytes(kvjax.shrink(cache, 0))
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("auto:budget=0", ["budget=0", "[0.00586, 1]"]),
+    ("auto:budget=-0.5", ["budget=-0.5", "[0.00586, 1]"]),
+    ("auto:budget=1.5", ["budget=1.5", "[0.00586, 1]"]),
+    ("auto:budget=0.001", ["budget=0.001", "int2"]),
+    ("auto:budget=nan", ["budget="]),
+    ("auto:budget=half", ["budget='half'"]),
+    ("auto:bytes=0", ["bytes=0", "positive int"]),
+    ("auto:bytes=1.5", ["bytes=1.5", "positive int"]),
+    ("auto:bytes=-3", ["bytes=-3", "positive int"]),
+    ("auto", ["exactly one of budget"]),
+    ("auto:budget=0.5,bytes=100", ["exactly one of budget"]),
+    ("auto:budget=0.5,table=mine", ["table='mine'"]),
+])
+def test_bad_arguments_are_named_at_parse_time(spec, words):
+    with pytest.raises(ValueError) as e:
+        parse_method(spec)
+    for word in words:
+        assert word in str(e.value), (word, str(e.value))
+
+
+def test_bytes_below_the_fixed_overhead_is_an_error(tiny_model):
+    from models.sampler import prefill_and_compress
+    with pytest.raises(ValueError, match="bytes=3 is below"):
+        prefill_and_compress(tiny_model, [list(range(3, 40))],
+                             transform=parse_method("auto:bytes=3"))
+
+
+# ----------------------------------------------------------------------------- the budget holds
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.125, 1 / 16])
+def test_budget_holds_from_one_token_to_thousands(long_tiny, fraction):
+    from models.sampler import prefill_and_compress
+    t = parse_method(f"auto:budget={fraction}")
+    rng = np.random.default_rng(0)
+    for n in (1, 5, 97, 700, 2500):
+        ids = rng.integers(3, 256, n).tolist()
+        pre = prefill_and_compress(long_tiny, [ids], transform=t, chunk=256)
+        held, budget = held_bytes(pre.cache), bf16_budget(long_tiny, 1, n, fraction)
+        assert held <= budget, (n, held, budget)
+        if n >= 700:  # a long prompt uses its budget: what is left is less than a slot a layer
+            assert held >= budget - 2 * 200 * long_tiny.config.num_layers, (n, held, budget)
+
+
+def test_bytes_budget_holds_and_is_used(long_tiny):
+    from models.sampler import prefill_and_compress
+    ids = np.random.default_rng(1).integers(3, 256, 900).tolist()
+    for n_bytes in (20_000, 60_000):
+        pre = prefill_and_compress(long_tiny, [ids], transform=parse_method(
+            f"auto:bytes={n_bytes}"), chunk=256)
+        held = held_bytes(pre.cache)
+        assert n_bytes - 2 * 200 * long_tiny.config.num_layers <= held <= n_bytes
+
+
+def test_budget_holds_for_a_batch_of_mixed_lengths(long_tiny):
+    from models.sampler import prefill_and_compress
+    rng = np.random.default_rng(2)
+    lengths = (3, 260, 1100)
+    prompts = [rng.integers(3, 256, n).tolist() for n in lengths]
+    pre = prefill_and_compress(long_tiny, prompts, transform=parse_method("auto:budget=0.125"),
+                               chunk=256)
+    held = held_bytes(pre.cache)
+    assert held <= bf16_budget(long_tiny, len(lengths), max(lengths), 0.125)
+    # the short rows keep only their own tokens
+    pos = np.asarray(pre.cache[0].pos)  # [B, KVH, slots] pooled
+    assert (pos[0] != kvjax.EMPTY).sum() <= 3 * long_tiny.config.num_kv_heads
+
+
+def test_budget_holds_with_compress_every(long_tiny):
+    """Decoding with re-planning every 4 steps: the last re-plan's budget is that of the
+    context then, and the cache holds at most it plus the tokens decoded since (< 4)."""
+    from models.sampler import generate
+    ids = np.random.default_rng(3).integers(3, 256, 300).tolist()
+    t = parse_method("auto:budget=0.25")
+    for steps in (8, 16):  # ends right after a re-plan (step % 4 == 0)
+        out = generate(long_tiny, [ids], max_new_tokens=steps, transform=t, compress_every=4,
+                       eos_ids=())
+        n = len(ids) + steps
+        state = out.transform_state
+        assert float(state.budget_bytes) <= bf16_budget(long_tiny, 1, n, 0.25)
+        assert held_bytes(out.cache) <= float(state.budget_bytes) + \
+            4 * _bytes_per_new_token(t, out.cache)
+
+
+def _bytes_per_new_token(t, cache) -> int:
+    """A decoded token takes one coded slot per KV head in every layer."""
+    c = cache[0]
+    return sum(c.kv_heads * planner.layer_bytes(1, c.kv_heads, c.head_dim, "float32",
+                                                choice.bits)[1]
+               for choice in t.update.plan(cache))
+
+
+def test_repeated_updates_track_a_growing_context():
+    """Pure kvjax: write, re-plan, write more, re-plan: each time `nbytes` <= the budget of
+    all tokens seen, and the kept tokens grow with the context."""
+    layers, kvh, d, heads = 3, 2, 16, 4
+    spec = kvjax.CacheSpec(layers, kvh, d)
+    cache = kvjax.init_model_cache(spec, batch=1, capacity=512)
+    t = planner.auto(budget=0.2, window=8)
+    state = t.init(cache)
+    key = jax.random.key(0)
+    seen, kept_before = 0, 0
+    for chunk in (100, 60, 60, 100):
+        key, k1, k2 = jax.random.split(key, 3)
+        k, v = jax.random.normal(k1, (2, 1, kvh, chunk, d))
+        pos = jnp.arange(seen, seen + chunk)[None]
+        cache = tuple(kvjax.write(layer, k, v, pos) for layer in cache)
+        seen += chunk
+        stats = tuple(_stats(jax.random.fold_in(k2, i), heads, d, seen, 8) for i in range(layers))
+        cache, state = jax.jit(t.update)(cache, state, stats)
+        held = held_bytes(cache)
+        assert held <= 0.2 * planner.bf16_full_bytes(layers, 1, kvh, d, seen)
+        kept = int(np.asarray(state.head_kept).sum())
+        assert kept > kept_before
+        kept_before = kept
+
+
+def window_stats(queries, query_pos) -> LayerStats:
+    """One layer's statistics holding only the observed queries [B, W, H, D] (built by
+    `init_stats`, so fields added to `LayerStats` later stay empty)."""
+    b, w, h, d = queries.shape
+    layer = kvjax.init_cache(b, 1, 1, d)
+    empty = init_stats(StatsSpec(window=w), (layer,), h, np.ones(d // 2, np.float32))[0]
+    return empty._replace(queries=jnp.asarray(queries), query_pos=jnp.asarray(query_pos))
+
+
+def _stats(key, heads, d, seen, window) -> LayerStats:
+    q = jax.random.normal(key, (1, window, heads, d))
+    return window_stats(q, jnp.arange(seen - window, seen)[None])
+
+
+# ----------------------------------------------------------------------------- decisions
+
+
+def test_a_concentrated_head_keeps_fewer_tokens_than_a_diffuse_one():
+    """Head 0's window queries point at 3 keys; head 1's keys are all alike (diffuse
+    attention). The planner gives head 0 fewer of the layer's slots and a lower entropy."""
+    c, d, w = 64, 16, 8
+    rng = np.random.default_rng(0)
+    keys = np.zeros((2, c, d), np.float32)  # [KVH, C, D]
+    keys[0] = rng.normal(size=(c, d)) * 0.1
+    q = np.zeros((1, w, 2, d), np.float32)  # one query head per KV head
+    for hot in (5, 17, 40):
+        keys[0, hot] = 0
+        keys[0, hot, 0] = 4.0
+    q[0, :, 0, 0] = 4.0  # head 0 attends to its 3 hot keys
+    keys[1] = 0.01 * rng.normal(size=(c, d))  # head 1: nearly equal logits
+    q[0, :, 1] = 1.0
+    layer = kvjax.init_cache(1, 2, c, d)
+    layer = kvjax.write(layer, jnp.asarray(keys)[None], jnp.asarray(keys)[None],
+                        jnp.arange(c)[None])
+    stats = (window_stats(q, jnp.arange(c - w, c)[None]),)
+    t = planner.auto(budget=0.3, window=w, sinks=0, recent=0, alpha=0.0)
+    cache, state = t.update((layer,), t.init((layer,)), stats)
+    kept = np.asarray(state.head_kept)[0, 0]
+    entropy = np.asarray(state.head_entropy)[0, 0]
+    assert kept[0] < kept[1], kept
+    assert kept[0] >= 3  # the hot keys stay
+    hot_kept = set(np.asarray(kvjax.view(cache[0]).pos)[0, 0].tolist())
+    assert {5, 17, 40} <= hot_kept
+    assert entropy[0] < entropy[1]
+    # the same update with the heads' signals swapped swaps the split
+    swapped = (jax.tree.map(lambda x: x, layer).replace(
+        k=layer.k[::-1], v=layer.v[::-1]),)
+    stats_swapped = (stats[0]._replace(queries=stats[0].queries[:, :, ::-1]),)
+    _, state2 = t.update(swapped, t.init(swapped), stats_swapped)
+    assert np.asarray(state2.head_kept)[0, 0].tolist() == kept[::-1].tolist()
+
+
+def test_knapsack_gives_a_sensitive_layer_more_bytes_and_beats_uniform():
+    """Against brute force on a small instance: the plan fits, is never worse than the best
+    config used in every layer, and the layer with the larger damage gets more bytes."""
+    cost = np.array([1.0, 2.0, 3.0, 5.0])
+    damage = np.array([[4.0, 2.0, 1.0, 0.5],   # a sensitive layer
+                       [1.0, 0.5, 0.3, 0.2],
+                       [1.0, 0.5, 0.3, 0.2]])
+    for capacity in (3.0, 5.0, 7.0, 9.0, 15.0):
+        pick = planner.knapsack(damage, cost, capacity)
+        total = sum(cost[p] for p in pick)
+        assert total <= capacity
+        got = sum(damage[i, p] for i, p in enumerate(pick))
+        uniform = [damage[:, j].sum() for j in range(4) if 3 * cost[j] <= capacity]
+        assert got <= min(uniform) + 1e-9
+        best = min(sum(damage[i, p] for i, p in enumerate(ps))
+                   for ps in itertools.product(range(4), repeat=3)
+                   if sum(cost[p] for p in ps) <= capacity)
+        assert got <= best + 1.0  # within one hull step of the optimum
+        if capacity < 15:
+            assert cost[pick[0]] >= cost[pick[1]]
+
+
+def test_static_plan_spends_more_bits_or_tokens_with_more_budget():
+    small = planner.static_plan(0.0625, 30, 3, 64, "prior")
+    large = planner.static_plan(0.5, 30, 3, 64, "prior")
+    slot = {b: planner.layer_bytes(1, 3, 64, "float32", b)[1] for b in planner.BITS}
+    spend = lambda plan: sum(c.keep * slot[c.bits] for c in plan)
+    assert spend(large) > 2 * spend(small)
+    for plan, f in ((small, 0.0625), (large, 0.5)):
+        assert spend(plan) <= f * 30 * 260 + 1e-6
+
+
+def test_one_compiled_update_per_budget_and_shape(tiny_model):
+    """The same spec parsed twice is one transform; two budgets are two updates."""
+    a, b = parse_method("auto:budget=0.25"), parse_method("auto:budget=0.25")
+    assert a is b
+    assert parse_method("auto:budget=0.125").update != a.update
+    assert planner.auto(budget=0.25).update == a.update
