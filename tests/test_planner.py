@@ -246,3 +246,20 @@ def test_one_compiled_update_per_budget_and_shape(tiny_model):
     assert a is b
     assert parse_method("auto:budget=0.125").update != a.update
     assert planner.auto(budget=0.25).update == a.update
+
+
+def test_config_damage_ranks_codecs_and_keep_shares(tiny_model):
+    """The calibration's measure on the tiny model: fewer bits or fewer tokens never do
+    better than more (for the same queries), and keeping all at 8 bits is almost exact."""
+    from models.sampler import prefill_batch
+    ids = np.random.default_rng(4).integers(3, 256, 160).tolist()
+    pre = prefill_batch(tiny_model, [ids], stats=StatsSpec(window=48))
+    layer, stats = pre.cache[1], pre.stats[1]
+    prefix = layer.replace(pos=jnp.where(layer.pos >= 144, kvjax.EMPTY, layer.pos))
+    select = stats._replace(queries=stats.queries[:, :32], query_pos=stats.query_pos[:, :32])
+    q, q_pos = stats.queries[:, 32:], stats.query_pos[:, 32:]
+    err = {(k, b): float(planner.config_damage(prefix, select, q, q_pos, k, b, 32))
+           for k, b in [(1.0, 8), (1.0, 4), (1.0, 2), (0.5, 8), (0.125, 8)]}
+    assert err[(1.0, 8)] < 1e-3
+    assert err[(1.0, 8)] < err[(1.0, 4)] < err[(1.0, 2)]
+    assert err[(1.0, 8)] < err[(0.5, 8)] < err[(0.125, 8)]

@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core.cache import EMPTY, Cache, TokenCache, init_cache, nbytes, view
-from kvjax.core.layout import compact, pool_heads
+from kvjax.core.layout import compact, map_layers, pool_heads
 from kvjax.core.selection import rank
 from kvjax.core.stats import StatsSpec
 from kvjax.core.transforms import CacheTransform
@@ -335,17 +335,19 @@ class AutoUpdate:
         x = (budget - sum(fixed)) / per_x * (1 - 2 ** -20)  # margin for float32 rounding
         x = jnp.maximum(x, 0.0)
         slots = [jnp.clip(jnp.floor(s * x), 0, kvh * n_ctx).astype(jnp.int32) for s in shares]
-        out, kept, entropy = [], [], []
-        for layer, layer_stats, choice, n_slots in zip(cache, stats or (None,) * num_layers,
-                                                       plan, slots):
-            layer, k, e = self._layer(layer, layer_stats, choice, n_slots)
-            out.append(layer)
-            kept.append(k)
-            entropy.append(e)
-        return tuple(out), AutoState(jnp.stack(slots), jnp.stack(kept), jnp.stack(entropy),
-                                     jnp.asarray(budget, jnp.float32))
+        stats = stats if stats is not None else (None,) * num_layers
+        out = [None] * num_layers
+        for bits in sorted({c.bits for c in plan}):  # one compiled layer body per codec
+            members = [i for i, c in enumerate(plan) if c.bits == bits]
+            done = map_layers(functools.partial(self._layer, choice=LayerChoice(1.0, bits)),
+                              *([xs[i] for i in members] for xs in (cache, stats, slots)))
+            for i, result in zip(members, done):
+                out[i] = result
+        layers, kept, entropy = zip(*out)
+        return tuple(layers), AutoState(jnp.stack(slots), jnp.stack(kept), jnp.stack(entropy),
+                                        jnp.asarray(budget, jnp.float32))
 
-    def _layer(self, layer, stats, choice: LayerChoice, slots):
+    def _layer(self, layer, stats, slots, choice: LayerChoice):
         layer = pool_heads(layer)
         seen = view(layer)
         scores, entropy = head_signals(seen, stats, self.window)
@@ -356,6 +358,31 @@ class AutoUpdate:
         keep = headwise_keep(scores, valid, protect, slots, self.alpha)
         layer = _encode(compact(layer, keep), choice.bits)
         return layer, keep.sum(axis=-1).astype(jnp.int32), entropy
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+@functools.partial(jax.jit, static_argnames=("keep", "bits", "window"))
+def config_damage(layer: TokenCache, select_stats, eval_q: jax.Array, eval_pos: jax.Array,
+                  keep: float, bits: int, window: int = 32) -> jax.Array:
+    """[] relative squared error of a layer's attention output when `auto` stores it with
+    (`keep` share of its tokens, `bits`), for queries the selection never saw.
+
+    `layer`: a dense layer (the prefix); `select_stats`: its statistics with the last
+    `window` queries of the prefix (what `auto` selects with); `eval_q` [B, T, H, D],
+    `eval_pos` [B, T]: later queries (the continuation's), which score the damage:
+    `|o_auto - o_full|^2 / |o_full|^2` summed over them. What
+    `experiments/eval/calibrate_planner.py` measures per layer and config on calibration text.
+    """
+    from kvjax.core.attention import attend_reference
+    n = jnp.max(jnp.sum(layer.pos != EMPTY, axis=-1))
+    slots = jnp.floor(keep * layer.kv_heads * n).astype(jnp.int32)
+    update = AutoUpdate(1.0, None, window=window)
+    small, _, _ = update._layer(layer, select_stats, slots, LayerChoice(keep, bits))
+    full_out = attend_reference(eval_q, eval_pos, layer)
+    out = attend_reference(eval_q, eval_pos, small)
+    return jnp.sum((out - full_out) ** 2) / jnp.maximum(jnp.sum(full_out ** 2), 1e-30)
 
 
 def auto(budget: float | None = None, bytes: int | None = None, context: int = 1024,

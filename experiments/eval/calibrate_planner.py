@@ -1,0 +1,82 @@
+"""Measure `auto`'s per-layer damage table on calibration text; write it where `auto` reads it.
+
+For each window of the calibration text, the model prefills `prefix + probe` tokens,
+collecting the last `2 x probe` queries. Per layer and candidate config (keep share, bits)
+of `kvjax.policies.planner.CONFIGS`, the prefix's cache is compressed as `auto` would
+(selected by the `probe` queries before the prefix's end) and the attention output of the
+`probe` queries *after* it (the continuation's, never seen by the selection) is compared
+with the full prefix's (`planner.config_damage`). The table is the mean over windows.
+
+    python experiments/eval/calibrate_planner.py --text experiments/data/devils_dictionary.txt \\
+        --windows 2 --prefix 768 --out kvjax/policies/planner_calibration.json
+
+Calibrate on one text and evaluate on another (docs/RESULTS.md uses Genesis for evaluation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax.core.stats import StatsSpec
+from kvjax.policies import planner
+
+
+def damage_table(model, tokenizer, text: Path, windows: int, prefix: int, probe: int,
+                 window: int) -> np.ndarray:
+    """[L, len(CONFIGS)] mean relative attention-output error per layer and config."""
+    from experiments.eval.ppl import window_ids
+    from models.sampler import prefill_batch
+
+    total = None
+    for ids in window_ids(tokenizer, text, prefix + probe, windows):
+        pre = prefill_batch(model, [ids], stats=StatsSpec(window=window + probe))
+        rows = []
+        for layer, stats in zip(pre.cache, pre.stats):
+            prefix_layer = layer.replace(pos=jnp.where(layer.pos >= prefix, kvjax.EMPTY,
+                                                       layer.pos))
+            select = stats._replace(queries=stats.queries[:, :window],
+                                    query_pos=stats.query_pos[:, :window])
+            eval_q, eval_pos = stats.queries[:, window:], stats.query_pos[:, window:]
+            rows.append([float(planner.config_damage(prefix_layer, select, eval_q, eval_pos,
+                                                     keep, bits, window))
+                         for keep, bits in planner.CONFIGS])
+        table = np.array(rows)
+        total = table if total is None else total + table
+    return total / windows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--text", type=Path, default=Path("experiments/data/devils_dictionary.txt"))
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--prefix", type=int, default=768)
+    ap.add_argument("--probe", type=int, default=32)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=planner.CALIBRATION)
+    args = ap.parse_args(argv)
+    from models.loading import load_model
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    table = damage_table(model, tokenizer, args.text, args.windows, args.prefix, args.probe,
+                         args.window)
+    out = {"source": f"{args.model} on {args.text.name}, {args.windows} windows of "
+                     f"{args.prefix}+{args.probe} tokens",
+           "configs": [list(c) for c in planner.CONFIGS],
+           "damage": np.round(table, 6).tolist(),
+           "seconds": round(time.perf_counter() - start, 1)}
+    args.out.write_text(json.dumps(out) + "\n")
+    print(f"wrote {args.out}: {table.shape[0]} layers x {table.shape[1]} configs "
+          f"in {out['seconds']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
