@@ -5,11 +5,15 @@ costs ~2 ms a call where `nnx.split` cost 12-24 ms, docs/DECISIONS.md), so
 every call with the same shapes reuses one compiled executable. Prompts of
 different lengths are left-padded to a common length (a multiple of the
 prefill chunk); padding tokens get position `EMPTY`, so their slots stay
-masked, and every real token keeps its own absolute position. Decoding runs as one `lax.while_loop` that stops when every
-sequence has produced an end-of-sequence token or `max_new_tokens` is reached.
+masked, and every real token keeps its own absolute position. Decoding runs as one
+`lax.while_loop` that stops when every sequence has produced an end-of-sequence token or
+`max_new_tokens` is reached; its carry is a `DecodeState` (named fields) and all its static
+settings are one frozen, hashable `DecodeConfig` (`_decode(model, cache, start, config)`).
 
 A cache transform runs after prefill and, optionally, every `compress_every`
-decode steps.
+decode steps; its `after_write` (a monitor's, say) sees every decode write. The knobs of
+`generate`, `decode` and the prefill functions are the fields of `RunOptions`, given as
+keywords.
 
 Example:
     >>> from models.loading import load_model
@@ -186,13 +190,26 @@ def _room_checked(model: Llama, cache: Cache):
     return [(i, layer) for i, layer in enumerate(cache) if i not in windowed]
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "spec", "impl"), donate_argnames=("cache",))
-def _prefill(model, tokens, positions, cache, stats, chunk, spec=NO_STATS, impl="xla"):
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Everything static about one prefill: `_prefill`'s one static argument (frozen and
+    hashable: equal configs share one compiled program)."""
+
+    chunk: int  # tokens per forward call; the prompt width is a multiple of it
+    stats: StatsSpec = NO_STATS  # what the model collects for a transform
+    impl: Any = "xla"  # attention implementation (`kvjax.attend`)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def _prefill(model, tokens, positions, cache, stats, config: PrefillConfig):
+    """(logits [B, V] of the last token, cache, stats): `tokens` [B, P] run `config.chunk`
+    at a time under one `lax.scan`."""
     b, width = tokens.shape
+    chunk = config.chunk
     chunks = lambda x: x.reshape(b, width // chunk, chunk).swapaxes(0, 1)  # [N, B, chunk]
 
     def step(carry, xs):
-        h, cache, stats = model.forward(*xs, *carry, spec, impl=impl)
+        h, cache, stats = model.forward(*xs, *carry, config.stats, impl=config.impl)
         return (cache, stats), h[:, -1]
 
     (cache, stats), last = jax.lax.scan(step, (cache, stats), (chunks(tokens), chunks(positions)))
@@ -219,7 +236,7 @@ def prefill(model: Llama, tokens: jax.Array, positions: jax.Array, cache: Cache,
             raise ValueError(f"prompt of {width} padded tokens does not fit the cache "
                              f"({kvjax.free_tokens(layer)} tokens free)")
     logits, cache, _ = _prefill(model, jnp.asarray(tokens), jnp.asarray(positions), cache, None,
-                                chunk, NO_STATS, impl)
+                                PrefillConfig(chunk, impl=impl))
     return logits, cache
 
 
@@ -368,20 +385,20 @@ def prefill_batch(model: Llama, prompts: Sequence[Sequence[int]], *,
     """
     run = RunOptions.taking(options, RunOptions.PREFILL, "prefill_batch")
     args, lengths = prefill_inputs(model, prompts, stats=stats, room=room,
-                                   **run.only(RunOptions.PREFILL[:-1]))
-    logits, cache, layer_stats = _prefill(model, *args, run.impl)
+                                   **run.only(RunOptions.PREFILL))
+    logits, cache, layer_stats = _prefill(model, *args)
     return Prefilled(logits, cache, layer_stats, None, lengths)
 
 
 def prefill_inputs(model: Llama, prompts: Sequence[Sequence[int]], *,
                    stats: StatsSpec = NO_STATS, room: int = 0,
                    **options) -> tuple[tuple, np.ndarray]:
-    """`prefill_batch`'s checked inputs: ((tokens, positions, cache, stats, chunk, spec),
+    """`prefill_batch`'s checked inputs: ((tokens, positions, cache, stats, PrefillConfig),
     prompt lengths [B]), the prompts left-padded to a multiple of the chunk actually used and
-    an empty cache of `capacity` slots. `_prefill(model, *inputs, impl)` runs them; their
+    an empty cache of `capacity` slots. `_prefill(model, *inputs)` runs them; their
     shapes are what a prefill compiles for (`experiments/bench/compile.py --compile-only`).
-    `options`: capacity, chunk, cache_dtype, place_cache (`RunOptions`)."""
-    run = RunOptions.taking(options, RunOptions.PREFILL[:-1], "prefill_inputs")
+    `options`: capacity, chunk, cache_dtype, place_cache, impl (`RunOptions`)."""
+    run = RunOptions.taking(options, RunOptions.PREFILL, "prefill_inputs")
     chunk, capacity = run.chunk, run.capacity
     if not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
@@ -401,7 +418,8 @@ def prefill_inputs(model: Llama, prompts: Sequence[Sequence[int]], *,
     if run.place_cache is not None:
         cache = run.place_cache(cache)
     return ((jnp.asarray(padded.tokens), jnp.asarray(padded.positions), cache,
-             model.init_stats(stats, cache), chunk, stats), padded.lengths)
+             model.init_stats(stats, cache), PrefillConfig(chunk, stats, run.impl)),
+            padded.lengths)
 
 
 def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink: bool = True,
@@ -481,8 +499,8 @@ def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
     positions = np.where(padded.positions == EMPTY, EMPTY,
                          padded.positions + pre.next_pos[:, None]).astype(np.int32)
     logits, cache, stats = _prefill(model, jnp.asarray(padded.tokens),
-                                    jnp.asarray(positions), pre.cache, pre.stats, chunk, spec,
-                                    impl)
+                                    jnp.asarray(positions), pre.cache, pre.stats,
+                                    PrefillConfig(chunk, spec, impl))
     return Prefilled(logits, cache, stats, pre.transform_state, pre.next_pos + padded.lengths)
 
 

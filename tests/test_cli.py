@@ -107,3 +107,19 @@ def test_run_exported_imports_neither_flax_nor_models(tmp_path):
                          timeout=300, cwd=Path(__file__).resolve().parent.parent)
     assert out.stdout.split("\n")[-2] == "2 []", out.stdout + out.stderr
     assert "kvjax: error:" in out.stderr
+
+
+def test_generate_parses_its_method_once(capsys, monkeypatch):
+    """The spec is parsed once (kvjax.Method) and carried from the command line to the
+    sampler: checks, --monitor and the pipeline use the parsed object."""
+    import kvjax.policies.methods as methods
+
+    calls = []
+    real = methods.parse_method
+    monkeypatch.setattr(methods, "parse_method", lambda spec: calls.append(spec) or real(spec))
+    code, out, _ = run(capsys, "generate", "--model", str(smollm2_path()), "--prompt", "Hi",
+                       "--max-new-tokens", "2", "--method", "snapkv:ratio=0.5,layers=0-29",
+                       "--monitor", "--json")
+    assert code == 0 and calls == ["snapkv:ratio=0.5,layers=0-29"]
+    result = json.loads(out)
+    assert result["method"] == "snapkv:ratio=0.5,layers=0-29" and result["monitor"]["layers"] == 30

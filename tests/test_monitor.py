@@ -253,3 +253,25 @@ def test_generate_updates_the_kivi_error_at_flushes(model):
     assert int(out.cache[0].body.length) > 32  # decode flushed beyond the prompt's groups
     np.testing.assert_allclose(np.asarray(mon[0].k_error), ref_k, rtol=1e-3)
     np.testing.assert_allclose(np.asarray(mon[0].v_error), ref_v, rtol=1e-3)
+
+
+def test_the_monitored_state_is_named_and_watched_wherever_the_monitor_sits(model):
+    """`monitored` keeps a MonitoredState (never a bare pair recognised by its shape) and
+    watches decode writes through `after_write`, which `chain` and `on_layers` pass on: the
+    sampler knows nothing about monitors."""
+    from kvjax.tools.monitor import MonitoredState
+
+    t = monitored(kvjax.parse_method("kivi:bits=2,group=8,residual=8"))
+    cache = prefill_batch(model, [prompts()[0][:40]]).cache
+    state = t.init(cache)
+    assert type(state) is MonitoredState and find_monitor(state) is state.monitor
+    assert find_monitor((state.inner, state.monitor)) is None  # a plain pair is no monitor
+    assert t.after_write is not None and kvjax.full().after_write is None
+    ids = prompts()[0][:40]
+    alone = generate(model, [ids], max_new_tokens=24, transform=t)
+    chained = generate(model, [ids], max_new_tokens=24, transform=kvjax.chain(t, kvjax.full()))
+    assert chained.tokens.tolist() == alone.tokens.tolist()
+    a, c = find_monitor(alone.transform_state), find_monitor(chained.transform_state[0])
+    assert float(a[0].k_err_sq.sum()) > 0  # the flushes of the decode were measured ...
+    for la, lc in zip(a, c):  # ... the same inside a chain
+        np.testing.assert_array_equal(np.asarray(la.k_error), np.asarray(lc.k_error))

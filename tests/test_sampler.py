@@ -159,3 +159,71 @@ def test_compress_leaves_the_prefilled_cache_usable_for_another_policy(tiny_mode
     for a, b in zip(jax.tree_util.tree_leaves(pre.cache), jax.tree_util.tree_leaves(before)):
         assert not a.is_deleted()
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_no_sampler_function_takes_more_than_six_parameters():
+    """Issue 47: the decode loop took 15 parameters (8 static) and generate 16; knobs now
+    travel in named, frozen configs (DecodeConfig, PrefillConfig, RunOptions)."""
+    import inspect
+
+    import models.sampler as sampler
+
+    functions = {name: f for name, f in vars(sampler).items()
+                 if callable(f) and getattr(f, "__module__", None) == "models.sampler"
+                 and not inspect.isclass(f)}
+    counts = {name: len(inspect.signature(f).parameters) for name, f in functions.items()}
+    assert {"_decode", "_prefill", "generate", "decode", "prefill_and_compress"} <= set(counts)
+    assert counts["_decode"] == 4 and counts["generate"] == 6, counts
+    assert max(counts.values()) <= 6, {k: n for k, n in counts.items() if n > 6}
+
+
+def test_the_loop_state_is_a_named_type(tiny_model, monkeypatch):
+    """The while_loop carry is a DecodeState (fields by name, not carry[6]) and the loop's
+    static configuration is one frozen, hashable DecodeConfig."""
+    import dataclasses
+
+    import models.sampler as sampler
+
+    carries = []
+    real = jax.lax.while_loop
+    monkeypatch.setattr(jax.lax, "while_loop",
+                        lambda cond, body, init: carries.append(init) or real(cond, body, init))
+    pre = prefill_batch(tiny_model, PROMPTS, room=5)
+    config = sampler.DecodeConfig(5, eos_ids=(), pad_id=7)  # a config no other test compiles
+    start = sampler.DecodeStart(pre.logits, None, None, jnp.asarray(pre.next_pos),
+                                jax.random.key(0))
+    sampler._decode.lower(tiny_model, pre.cache, start, config)
+    (carry,) = carries
+    assert type(carry) is sampler.DecodeState
+    assert carry._fields == ("step", "token", "cache", "transform_state", "stats", "positions",
+                             "done", "tokens", "key")
+    assert carry.tokens.shape == (3, 5) and carry.done.dtype == jnp.bool_
+    assert dataclasses.is_dataclass(config) and config.__dataclass_params__.frozen
+    assert hash(config) == hash(sampler.DecodeConfig(5, eos_ids=(), pad_id=7))
+
+
+def test_equal_runs_compile_the_decode_loop_once(tiny_model):
+    """DecodeConfig is the jit key: a second equal run (a rebuilt transform included) reuses
+    the compiled loop, as the eight separate static arguments did."""
+    from models.sampler import _decode
+
+    from kvjax import on_layers
+
+    run = lambda: generate(tiny_model, PROMPTS, max_new_tokens=4, eos_ids=(), chunk=4,
+                           compress_every=2,  # a new on_layers wrapper each run
+                           transform=on_layers(parse_method("h2o:ratio=0.5"), [0, 1]))
+    first = run()
+    size = _decode._cache_size()
+    second = run()
+    assert _decode._cache_size() == size
+    assert first.tokens.tolist() == second.tokens.tolist()
+
+
+def test_options_a_function_does_not_take_are_refused(tiny_model):
+    pre = prefill_batch(tiny_model, PROMPTS, room=4)
+    with pytest.raises(TypeError, match="decode.*'capacity'.*RunOptions"):
+        decode(tiny_model, pre, max_new_tokens=2, capacity=64)
+    with pytest.raises(TypeError, match="generate.*'temperature'"):
+        generate(tiny_model, PROMPTS, temperature=0.5)
+    with pytest.raises(ValueError, match="compress_every must be an int >= 0"):
+        generate(tiny_model, PROMPTS, compress_every=-1)

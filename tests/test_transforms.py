@@ -182,3 +182,29 @@ def test_map_layers_groups_by_shape_and_keeps_layer_order():
     for x, w, y in zip(xs, ws, out):
         np.testing.assert_array_equal(y, w * x)
     assert f.lower(xs, ws).compile().as_text().count(" while(") == 1  # layers 0, 2, 3
+
+
+def test_stateless_transforms_hold_an_empty_named_state(tmp_path):
+    """full()'s state is EmptyState: named, no leaves, and it round-trips a checkpoint."""
+    from kvjax.tools import checkpoint
+
+    cache = kvjax.init_model_cache(kvjax.CacheSpec(2, 1, 4), batch=1, capacity=8)
+    state = full().init(cache)
+    assert state == kvjax.EmptyState() and jax.tree_util.tree_leaves(state) == []
+    assert chain(full(), full()).init(cache) == (kvjax.EmptyState(),) * 2
+    checkpoint.save(tmp_path, {"cache": cache, "state": state})
+    again, _ = checkpoint.restore(tmp_path)
+    assert type(again["state"]) is kvjax.EmptyState
+
+
+def test_a_method_is_parsed_once_and_carried():
+    """kvjax.Method: the spec, its transform and the layers it names, parsed once; parsing
+    a Method returns it; wrapping its transform keeps the spec."""
+    m = kvjax.Method.parse("snapkv:ratio=0.5,layers=0-3+kivi:bits=2")
+    assert m.transform is parse_method(m.spec) and kvjax.Method.parse(m) is m
+    assert m.layers == (("snapkv", (0, 1, 2, 3)),) and m.check(4) is m
+    with pytest.raises(ValueError, match="layers names layer 3; the model has 3 layers"):
+        m.check(3)
+    wrapped = m.with_transform(full())
+    assert wrapped.spec == m.spec and wrapped.transform is full()
+    assert kvjax.check_method(m, 4) is m.transform

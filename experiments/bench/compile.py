@@ -68,8 +68,8 @@ def _filled_prefill(model, transform, prompts, new_tokens):
     lowered.compile()
     logits, _, stats = lowered.out_info
     zeros = lambda s: jnp.asarray(np.zeros(s.shape, s.dtype))
-    _, positions, cache, _, chunk, _ = args
-    return sampler.Prefilled(zeros(logits), _fill(cache, positions, chunk),
+    _, positions, cache, _, config = args
+    return sampler.Prefilled(zeros(logits), _fill(cache, positions, config.chunk),
                              jax.tree.map(zeros, stats), None, lengths)
 
 

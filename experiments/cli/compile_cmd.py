@@ -270,7 +270,8 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
     ids = _by_batch(jax.ShapeDtypeStruct((batch, context), jnp.int32), batch, mesh)
     if "prefill" in steps:
         _compiled("prefill", lambda: sampler._prefill.lower(
-            model, ids, ids, cache, stats, chunk, transform.stats, impl), result)
+            model, ids, ids, cache, stats, sampler.PrefillConfig(chunk, transform.stats, impl)),
+            result)
     if "compress" in steps and transform is not kvjax.full():
         tstate = _replicated(jax.eval_shape(transform.init, dense), mesh)
         _compiled("compress", lambda: sampler._compress_stacked.lower(

@@ -261,7 +261,10 @@ def _mesh(args):
 
 
 def _on_mesh(args, method):
-    """(the parsed method, its transform pinned to `--mesh`; place_cache, None without one)."""
+    """(the parsed method, its transform pinned to `--mesh`; place_cache, None without one).
+    `method` is what `main` parsed (a spec, from a caller of `cmd_*`, is parsed here)."""
+    from kvjax.policies.methods import Method
+    method = Method.parse(method)
     mesh = getattr(args, "mesh_obj", None)
     if mesh is None:
         return method, None

@@ -81,27 +81,29 @@ def make_prompts(cell: Cell, tokenizer) -> Prompts:
 class Setup(NamedTuple):
     model: object  # models.llama.Llama, its weights on the cell's mesh when it has one
     tokenizer: object
-    transform: object  # kvjax.CacheTransform (pinned to the mesh's cache layout)
+    method: object  # kvjax.Method: the cell's spec parsed once (its transform pinned to the
+    #                 mesh's cache layout when the cell has a mesh)
     place_cache: Callable | None  # puts an empty cache on the mesh (None: one device)
 
 
 def _setup(cell: Cell) -> Setup:
-    """The cell's model, tokenizer, transform and cache placement, with the persistent
+    """The cell's model, tokenizer, parsed method and cache placement, with the persistent
     compilation cache on. With `cell.mesh` ("data=2,model=4", the config's `[mesh]`) the
     weights, the caches and the transform's output are placed as `kvjax generate --mesh`
     places them (models.sharding: shard_model, cache_placer, on_mesh)."""
-    from kvjax import parse_method
+    from kvjax import Method
     from models.hub import enable_compilation_cache
     from models.loading import load_model
 
     enable_compilation_cache()  # cells of one sweep share shapes: compile each once
     model, tokenizer = load_model(cell.model)
-    transform = parse_method(cell.method)
+    method = Method.parse(cell.method)
     if not cell.mesh:
-        return Setup(model, tokenizer, transform, None)
+        return Setup(model, tokenizer, method, None)
     from models.sharding import cache_placer, make_mesh, on_mesh, shard_model
     mesh = make_mesh(cell.mesh)
-    return Setup(shard_model(model, mesh), tokenizer, on_mesh(transform, mesh),
+    return Setup(shard_model(model, mesh), tokenizer,
+                 method.with_transform(on_mesh(method.transform, mesh)),
                  cache_placer(mesh))
 
 
@@ -114,7 +116,8 @@ def run_retrieval_cell(cell: Cell) -> dict:
     from kvjax import nbytes
     from models.sampler import generate
 
-    model, tokenizer, transform, place_cache = _setup(cell)
+    model, tokenizer, method, place_cache = _setup(cell)
+    transform = method.transform
     if cell.method != "full":  # the row carries a summary of what the method did
         from kvjax.tools.monitor import monitored
         transform = monitored(transform)
@@ -163,7 +166,7 @@ def run_ppl_cell(cell: Cell) -> dict:
     from models.sampler import prefill_and_compress
     from models.scoring import score_continuations
 
-    model, tokenizer, transform, place_cache = _setup(cell)
+    model, tokenizer, method, place_cache = _setup(cell)
     prefix = int(cell.length * PPL_PREFIX)
     text = text_of(cell)
     windows = window_ids(tokenizer, text, cell.length, cell.trials)
@@ -171,7 +174,8 @@ def run_ppl_cell(cell: Cell) -> dict:
     for b in range(0, len(windows), cell.batch):
         group = windows[b:b + cell.batch]
         conts = [w[prefix:] for w in group]
-        pre = prefill_and_compress(model, [w[:prefix] for w in group], transform=transform,
+        pre = prefill_and_compress(model, [w[:prefix] for w in group],
+                                   transform=method.transform,
                                    room=len(conts[0]), place_cache=place_cache)
         kept_bytes += kvjax.nbytes(kvjax.shrink(pre.cache, 0))  # the prefix's cache, no room
         for lp in score_continuations(model, pre, conts):
@@ -199,13 +203,13 @@ def run_memory_cell(cell: Cell) -> dict:
     from experiments.eval.ppl import window_ids
     from models.sampler import compress, prefill_batch
 
-    model, tokenizer, transform, place_cache = _setup(cell)
+    model, tokenizer, method, place_cache = _setup(cell)
     text = text_of(cell)
     (ids,) = window_ids(tokenizer, text, cell.length, 1)
     start = time.perf_counter()
-    pre = prefill_batch(model, [ids], stats=transform.stats, cache_dtype=jnp.bfloat16,
+    pre = prefill_batch(model, [ids], stats=method.transform.stats, cache_dtype=jnp.bfloat16,
                         place_cache=place_cache)
-    small = pre if cell.method == "full" else compress(pre, transform, room=0)
+    small = pre if cell.method == "full" else compress(pre, method.transform, room=0)
     measured = kvjax.nbytes(small.cache) / cell.length
     cfg = model.config
     return dict(asdict(cell), status="ok", score=measured, bytes_per_token=measured,
@@ -283,7 +287,7 @@ def run_speed_cell(cell: Cell) -> dict:
     from experiments.eval.ppl import window_ids
     from models.sampler import decode, prefill_and_compress
 
-    model, tokenizer, transform, place_cache = _setup(cell)
+    model, tokenizer, method, place_cache = _setup(cell)
     contexts = window_ids(tokenizer, SPEED_TEXT, cell.length, cell.batch)
     new = cell.max_new_tokens
 
@@ -293,12 +297,13 @@ def run_speed_cell(cell: Cell) -> dict:
         return time.perf_counter() - start, out
 
     def run_prefill():
-        return prefill_and_compress(model, contexts, transform=transform, room=new, max_write=1,
-                                    place_cache=place_cache)
+        return prefill_and_compress(model, contexts, transform=method.transform, room=new,
+                                    max_write=1, place_cache=place_cache)
 
     def run_decode(pre):  # the cache is donated: decode a fresh copy each time
         return timed(lambda: decode(model, pre._replace(cache=jax.tree.map(jnp.copy, pre.cache)),
-                                    max_new_tokens=new, transform=transform, eos_ids=()).tokens)
+                                    max_new_tokens=new, transform=method.transform,
+                                    eos_ids=()).tokens)
 
     first_prefill_s, pre = timed(run_prefill)  # compiles
     prefill_s = statistics.median(timed(run_prefill)[0] for _ in range(cell.trials))
