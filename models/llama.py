@@ -462,9 +462,12 @@ class Llama(nnx.Module):
 
     def init_stats(self, spec: StatsSpec, cache: Cache) -> tuple[LayerStats, ...] | None:
         """Empty statistics for `spec` (None when the spec needs nothing per step)."""
-        if not (spec.window or spec.query_moments):
+        if not (spec.window or spec.query_moments or spec.output_projection):
             return None
-        return init_stats(spec, cache, self.config.num_heads, rope_frequencies(self.config))
+        out_proj = ([layer.attn.o_proj.kernel[...] for layer in self.layers]
+                    if spec.output_projection else None)  # W_o [H*D, hidden] per layer
+        return init_stats(spec, cache, self.config.num_heads, rope_frequencies(self.config),
+                          out_proj)
 
     def logits(self, h: jax.Array) -> jax.Array:
         """[..., hidden] float32 -> [..., vocab] float32.

@@ -33,6 +33,7 @@ SPECIAL = {
     "linear_state": "linear_state",
     "fold": "snapkv:ratio=0.5+fold",
     "rerotate": "knorm:ratio=0.5+rerotate",
+    "simlayerkv": "simlayerkv:lazy_threshold=0.3,n_recent=16",  # 1.0 (the default) never trims
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""
 

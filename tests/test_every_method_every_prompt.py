@@ -60,6 +60,9 @@ DEFAULT_SPECS = {
     "block": "block:inner=keydiff,ratio=0.5",
     "chunkkv": "chunkkv:inner=snapkv,ratio=0.5",
     "rerotate": "knorm:ratio=0.5+rerotate",
+    "critical": "critical:inner=snapkv,ratio=0.5",
+    "critical_ada": "critical_ada:inner=snapkv,ratio=0.5",
+    "simlayerkv": "simlayerkv:lazy_threshold=0.0,n_recent=16",  # 0: every long row trims
 }
 """A spec with sensible parameters (the factory's defaults where it has them) for every
 method in `kvjax.METHODS`."""

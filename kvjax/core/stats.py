@@ -14,6 +14,9 @@ decode step), so no statistic ever needs a `T x T` matrix:
   frequencies (to rotate the statistics to future positions).
 * `attention_mass`: not here but in the cache (`TokenCache.mass`), because it
   belongs to slots and must move with them when a policy compacts the cache.
+* `output_projection`: the layer's attention output projection `W_o`
+  ([H*D, hidden], the model's own weight, not a copy), for scorers that weigh
+  a value by what it adds to the layer's output (CriticalKV's `||V W_o||_1`).
 
 Example:
     >>> from flax import nnx
@@ -50,6 +53,7 @@ class StatsSpec:
     query_moments: bool = False  # running mean / covariance of pre-RoPE queries
     moments_skip: int = 0  # positions below this are left out of the moments (sinks)
     attention_mass: bool = False  # the cache accumulates attention per slot
+    output_projection: bool = False  # each layer's W_o [H*D, hidden] rides along (CriticalKV)
 
     def __post_init__(self):
         if self.window < 0 or self.moments_skip < 0:
@@ -57,7 +61,8 @@ class StatsSpec:
 
     @property
     def needed(self) -> bool:
-        return bool(self.window or self.query_moments or self.attention_mass)
+        return bool(self.window or self.query_moments or self.attention_mass
+                    or self.output_projection)
 
     def merge(self, other: "StatsSpec") -> "StatsSpec":
         """The union of two needs (the larger window; moments must skip alike)."""
@@ -68,7 +73,8 @@ class StatsSpec:
             window=max(self.window, other.window),
             query_moments=self.query_moments or other.query_moments,
             moments_skip=self.moments_skip if self.query_moments else other.moments_skip,
-            attention_mass=self.attention_mass or other.attention_mass)
+            attention_mass=self.attention_mass or other.attention_mass,
+            output_projection=self.output_projection or other.output_projection)
 
 
 NO_STATS = StatsSpec()
@@ -83,11 +89,21 @@ class LayerStats(NamedTuple):
     q_outer: jax.Array  # [B, H, D', D'] float32 sum of their outer products
     q_count: jax.Array  # [B] float32 tokens in the sums
     inv_freq: jax.Array  # [D/2] float32 the model's RoPE inverse frequencies
+    out_proj: jax.Array  # [H*D, hidden] the layer's attention output projection W_o (or [0, 0])
 
 
 def init_stats(spec: StatsSpec, cache: Sequence[TokenCache], num_heads: int,
-               inv_freq: np.ndarray) -> tuple[LayerStats, ...]:
-    """Empty statistics for every layer of `cache`."""
+               inv_freq: np.ndarray, out_proj: Sequence[jax.Array] | None = None
+               ) -> tuple[LayerStats, ...]:
+    """Empty statistics for every layer of `cache`.
+
+    `out_proj`: per layer, its attention output projection `W_o` [H*D, hidden] (the
+    model's weight, in its dtype); needed when `spec.output_projection`, ignored otherwise.
+    """
+    if spec.output_projection and (out_proj is None or len(out_proj) != len(cache)):
+        raise ValueError(f"init_stats: spec.output_projection needs out_proj, one W_o "
+                         f"[H*D, hidden] per layer ({len(cache)}); got "
+                         f"{None if out_proj is None else len(out_proj)}")
     layer = cache[0]
     b, d = layer.batch, layer.head_dim
     dm = d if spec.query_moments else 0
@@ -97,8 +113,11 @@ def init_stats(spec: StatsSpec, cache: Sequence[TokenCache], num_heads: int,
         q_sum=jnp.zeros((b, num_heads, dm), jnp.float32),
         q_outer=jnp.zeros((b, num_heads, dm, dm), jnp.float32),
         q_count=jnp.zeros((b,), jnp.float32),
-        inv_freq=jnp.asarray(inv_freq, jnp.float32))
-    return tuple(empty for _ in cache)
+        inv_freq=jnp.asarray(inv_freq, jnp.float32),
+        out_proj=jnp.zeros((0, 0), jnp.float32))
+    if not spec.output_projection:
+        return tuple(empty for _ in cache)
+    return tuple(empty._replace(out_proj=w) for w in out_proj)
 
 
 def observe(spec: StatsSpec, stats: LayerStats, q_pre: jax.Array, q: jax.Array,

@@ -24,6 +24,7 @@ from typing import Callable, NamedTuple
 from kvjax.policies import (codecs, eviction, eviction_compactor, eviction_geometry,
                             eviction_wrappers)
 from kvjax.policies.low_rank import LowRankBasis, low_rank
+from kvjax.policies import eviction_critical, eviction_simlayer
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
 
 
@@ -76,6 +77,9 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "leverage": eviction_compactor.leverage,
     "non_causal_attn": eviction_compactor.non_causal_attn,
     "compactor": eviction_compactor.compactor,
+    "critical": _inner_by_name(eviction_critical.critical),
+    "critical_ada": _inner_by_name(eviction_critical.critical_ada),
+    "simlayerkv": eviction_simlayer.simlayerkv,
     "block": _inner_by_name(eviction_wrappers.block),
     "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
     "rerotate": eviction_wrappers.rerotate,
@@ -102,6 +106,8 @@ class MethodInfo(NamedTuple):
 _PARITY = "tests/test_kvpress_parity.py"
 _ZOO = "tests/test_kvpress_zoo_parity.py"
 _COMPACTOR = "Chari & Van Durme 2025, https://arxiv.org/abs/2507.08143"
+_ZOO_MORE = "tests/test_kvpress_zoo_more.py"
+_CRITICAL = "Feng et al. 2025, https://arxiv.org/abs/2502.03805"
 METHOD_INFO: dict[str, MethodInfo] = {
     "streaming_llm": MethodInfo("Xiao et al. 2023, https://arxiv.org/abs/2309.17453",
                                 "StreamingLLMPress", "streaming_llm:ratio={r}", _PARITY),
@@ -132,6 +138,12 @@ METHOD_INFO: dict[str, MethodInfo] = {
                           "chunkkv:inner=snapkv,ratio={r}", _ZOO),
     "rerotate": MethodInfo("SinkCache / FINCH (Corallo & Papotti 2024)", "KeyRerotationPress",
                            "knorm:ratio={r}+rerotate", _ZOO),
+    "critical": MethodInfo(_CRITICAL, "CriticalKVPress",
+                           "critical:inner=snapkv,ratio={r}", _ZOO_MORE),
+    "critical_ada": MethodInfo(_CRITICAL, "CriticalAdaKVPress",
+                               "critical_ada:inner=snapkv,ratio={r}", _ZOO_MORE),
+    "simlayerkv": MethodInfo("Zhang et al. 2024, https://arxiv.org/abs/2410.13846",
+                             "SimLayerKVPress", "simlayerkv", _ZOO_MORE),
     "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""
