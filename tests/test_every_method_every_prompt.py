@@ -63,12 +63,14 @@ DEFAULT_SPECS = {
     "critical": "critical:inner=snapkv,ratio=0.5",
     "critical_ada": "critical_ada:inner=snapkv,ratio=0.5",
     "simlayerkv": "simlayerkv:lazy_threshold=0.0,n_recent=16",  # 0: every long row trims
+    "think": "think:ratio=0.5",
 }
 """A spec with sensible parameters (the factory's defaults where it has them) for every
 method in `kvjax.METHODS`."""
 
 MORE = ["quantize:bits=4,axis=channel", "quantize:bits=2,residual=48"]
-CHAINS = ["snapkv:ratio=0.5+kivi:bits=4", "kivi:bits=2+snapkv:ratio=0.5",
+CHAINS = ["snapkv:ratio=0.5+think:ratio=0.5",
+          "snapkv:ratio=0.5+kivi:bits=4", "kivi:bits=2+snapkv:ratio=0.5",
           "h2o:ratio=0.5+quantize:bits=4,axis=channel"]
 
 

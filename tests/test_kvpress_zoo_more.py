@@ -96,3 +96,36 @@ def test_simlayerkv_lazy_layers_match_kvpress(prefilled, golden, case):
     np.testing.assert_array_equal(lazy, score > threshold)
     assert np.abs(score - threshold).min() > 1e-4
     assert 0 < lazy.sum() < len(lazy), "both kinds of layer are tested"
+
+
+def _think_cases() -> list[str]:
+    g = np.load(GOLDEN)
+    return sorted(k[:-len("_channels")] for k in g.files if k.endswith("_channels"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _think_cases())
+def test_think_keeps_kvpress_channels_and_stores_fewer(prefilled, golden, case):
+    """`think:ratio=r` = ThinKPress(key_channel_compression_ratio=r): the same kept key
+    channels in every layer and KV head; `view` gives exactly the keys kvpress leaves (the
+    pruned channels zero, the rest unchanged); the keys' bytes shrink to the kept fraction
+    (plus one [D, r] 0/1 basis per storage row)."""
+    ctx, rest = case.split("_", 1)
+    ratio = float(rest.rsplit("_r", 1)[1])
+    cache, stats, n = prefilled[ctx]
+    out, n = _apply(prefilled, ctx, f"think:ratio={ratio}")
+    L, kvh, d = (int(golden[k]) for k in ("num_layers", "kv_heads", "head_dim"))
+    theirs = np.unpackbits(golden[f"{case}_channels"], count=L * kvh * d).reshape(L, kvh, d)
+    kept = d - int(d * ratio)
+    for i, (before, after) in enumerate(zip(cache, out)):
+        basis = np.asarray(after.k.basis)  # [B*KVH, D, r]: a 0/1 column per kept channel
+        ours = basis.sum(-1)[:kvh] > 0
+        np.testing.assert_array_equal(ours, theirs[i].astype(bool), err_msg=f"layer {i}")
+        full = np.asarray(kvjax.view(before).k)
+        np.testing.assert_array_equal(np.asarray(kvjax.view(after).k),
+                                      np.where(ours[:, None, :], full, 0.0))
+        rows, slots = before.k.shape[:2]
+        itemsize = before.k.dtype.itemsize
+        assert kvjax.nbytes(after.k) == rows * (slots * kept + d * kept) * itemsize
+        np.testing.assert_array_equal(np.asarray(after.v), np.asarray(before.v))
+    assert golden[f"{case}_channel_margin"].min() > 1e-7  # no near-tie at the boundary

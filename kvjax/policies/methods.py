@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 from kvjax.policies import (codecs, eviction, eviction_compactor, eviction_geometry,
                             eviction_wrappers)
 from kvjax.policies.low_rank import LowRankBasis, low_rank
-from kvjax.policies import eviction_critical, eviction_simlayer
+from kvjax.policies import eviction_critical, eviction_simlayer, eviction_think
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
 
 
@@ -80,6 +80,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "critical": _inner_by_name(eviction_critical.critical),
     "critical_ada": _inner_by_name(eviction_critical.critical_ada),
     "simlayerkv": eviction_simlayer.simlayerkv,
+    "think": eviction_think.think,
     "block": _inner_by_name(eviction_wrappers.block),
     "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
     "rerotate": eviction_wrappers.rerotate,
@@ -144,6 +145,8 @@ METHOD_INFO: dict[str, MethodInfo] = {
                                "critical_ada:inner=snapkv,ratio={r}", _ZOO_MORE),
     "simlayerkv": MethodInfo("Zhang et al. 2024, https://arxiv.org/abs/2410.13846",
                              "SimLayerKVPress", "simlayerkv", _ZOO_MORE),
+    "think": MethodInfo("Xu et al. 2024, https://arxiv.org/abs/2407.21018", "ThinKPress",
+                        "think:ratio={r}", _ZOO_MORE),
     "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""
