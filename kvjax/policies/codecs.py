@@ -44,7 +44,7 @@ from kvjax.core.layer import has_exact_part
 from kvjax.core.layout import map_layers
 from kvjax.core.stores import Latent, PackedChannels, PackedTokens, is_dense, is_encoded, put
 from kvjax.core.quant import FP8
-from kvjax.core.transforms import CacheTransform
+from kvjax.core.transforms import CacheTransform, EmptyState
 
 AXES = ("token", "channel")
 PARAM_DTYPES = ("float16", "bfloat16", "float32")
@@ -145,7 +145,7 @@ def _codec_update(codecs: tuple[Codec, Codec], residual: int, block: int):
 
 
 def _codec_transform(codecs: tuple[Codec, Codec], residual: int = 0, block: int = 1,
-                     init=lambda cache: ()) -> CacheTransform:
+                     init=lambda cache: EmptyState()) -> CacheTransform:
     return CacheTransform(init=init, update=_codec_update(codecs, residual, block))
 
 

@@ -35,7 +35,7 @@ from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
 from kvjax.core.layout import compact, map_layers
 from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
 from kvjax.core.stats import StatsSpec
-from kvjax.core.transforms import CacheTransform
+from kvjax.core.transforms import CacheTransform, EmptyState
 
 
 def _inner(factory, wrapper: str, ratio: float | None) -> tuple[Scorer, StatsSpec]:
@@ -250,4 +250,4 @@ def rerotate() -> CacheTransform:
     their own positions (the prompt's length onwards), as in kvpress; under decode-time
     compression every update closes the gaps again.
     """
-    return CacheTransform(lambda cache: (), RerotateUpdate(), StatsSpec(window=1))
+    return CacheTransform(lambda cache: EmptyState(), RerotateUpdate(), StatsSpec(window=1))

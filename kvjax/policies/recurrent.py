@@ -51,7 +51,7 @@ import numpy as np
 from kvjax.core.cache import EMPTY, TokenCache, check_sizes, view
 from kvjax.core.layer import is_plain, register_layer, unknown_counters
 from kvjax.policies.feature_maps import FeatureMap, check_map_name, resolve
-from kvjax.core.transforms import CacheTransform
+from kvjax.core.transforms import CacheTransform, EmptyState
 
 NEG_INF = -1e30
 UNBOUNDED = 2 ** 31 - 1  # `capacity` of a linear layer: any number of tokens fits
@@ -554,7 +554,7 @@ def _linear_transform(map_name, layers, features, seed, decay) -> CacheTransform
 
 
 def _no_state(cache):
-    return ()
+    return EmptyState()
 
 
 def _check_count(name: str, arg: str, value, low: int = 1) -> None:
