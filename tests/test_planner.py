@@ -263,3 +263,46 @@ def test_config_damage_ranks_codecs_and_keep_shares(tiny_model):
     assert err[(1.0, 8)] < 1e-3
     assert err[(1.0, 8)] < err[(1.0, 4)] < err[(1.0, 2)]
     assert err[(1.0, 8)] < err[(0.5, 8)] < err[(0.125, 8)]
+
+
+# ----------------------------------------------------------------------------- explanations
+
+
+def test_plan_summary_and_picture_on_the_tiny_model(tiny_model, tmp_path):
+    from experiments.eval.planner_view import draw_plan, kept_per_head, plan_summary
+    from models.sampler import prefill_and_compress
+    summary = plan_summary("auto:budget=0.25,table=prior", tiny_model)
+    assert summary["source"].startswith("prior")
+    assert len(summary["bits"]) == tiny_model.config.num_layers
+    assert plan_summary("snapkv:ratio=0.5", tiny_model) is None
+    ids = list(range(3, 203))
+    pre = prefill_and_compress(tiny_model, [ids], transform=parse_method(
+        "auto:budget=0.25,table=prior"))
+    kept = kept_per_head(pre.cache)
+    assert kept.shape == (tiny_model.config.num_layers, tiny_model.config.num_kv_heads)
+    assert 0 < kept.sum() < len(ids) * kept.size
+    draw_plan(summary, kept, len(ids), "test", tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+
+
+def test_inspect_and_eval_rows_carry_the_plan_on_smollm2(smollm2, tmp_path, capsys):
+    """The real model: `kvjax inspect --method auto:...` draws the plan and prints it; a ppl
+    cell of `kvjax eval` records it with the row (from the shipped calibration)."""
+    import json
+
+    from experiments.cli.main import main
+    from experiments.eval import cells
+    from experiments.eval.grid import Cell
+    out = tmp_path / "x.png"
+    code = main(["inspect", "--context-file", "experiments/data/kjv_genesis_1-3.txt",
+                 "--prompt", "Who made light?", "--max-tokens", "200",
+                 "--method", "auto:budget=0.125", "--out", str(out), "--json"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    plan = printed["plan"]
+    assert len(plan["bits"]) == 30 and set(plan["bits"]) <= {2, 4, 8}
+    assert np.asarray(plan["kept"]).shape == (30, 3)
+    assert out.with_suffix(".plan.png").is_file()
+    row = cells.run_ppl_cell(Cell("ppl", 64, "auto:budget=0.25", trials=2, batch=2))
+    assert row["plan"]["source"] == planner.plan_source(30)
+    assert len(row["plan"]["keep"]) == 30

@@ -29,15 +29,16 @@ from kvjax.policies import planner
 
 
 def damage_table(model, tokenizer, text: Path, windows: int, prefix: int, probe: int,
-                 window: int) -> np.ndarray:
-    """[L, len(CONFIGS)] mean relative attention-output error per layer and config."""
+                 window: int) -> tuple[np.ndarray, np.ndarray]:
+    """([L, len(CONFIGS)] mean relative attention-output error per layer and config,
+    [L, len(CONFIGS), len(SIGNALS)] the controller's signals, mean over the windows)."""
     from experiments.eval.ppl import window_ids
     from models.sampler import prefill_batch
 
-    total = None
+    total, total_signals = None, None
     for ids in window_ids(tokenizer, text, prefix + probe, windows):
         pre = prefill_batch(model, [ids], stats=StatsSpec(window=window + probe))
-        rows = []
+        rows, signals = [], []
         for layer, stats in zip(pre.cache, pre.stats):
             prefix_layer = layer.replace(pos=jnp.where(layer.pos >= prefix, kvjax.EMPTY,
                                                        layer.pos))
@@ -47,9 +48,13 @@ def damage_table(model, tokenizer, text: Path, windows: int, prefix: int, probe:
             rows.append([float(planner.config_damage(prefix_layer, select, eval_q, eval_pos,
                                                      keep, bits, window))
                          for keep, bits in planner.CONFIGS])
-        table = np.array(rows)
+            signals.append([np.asarray(planner.config_signals(prefix_layer, select, keep, bits,
+                                                              window))
+                            for keep, bits in planner.CONFIGS])
+        table, signals = np.array(rows), np.array(signals)
         total = table if total is None else total + table
-    return total / windows
+        total_signals = signals if total_signals is None else total_signals + signals
+    return total / windows, total_signals / windows
 
 
 def main(argv=None) -> int:
@@ -65,12 +70,14 @@ def main(argv=None) -> int:
     from models.loading import load_model
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
-    table = damage_table(model, tokenizer, args.text, args.windows, args.prefix, args.probe,
+    table, signals = damage_table(model, tokenizer, args.text, args.windows, args.prefix, args.probe,
                          args.window)
     out = {"source": f"{args.model} on {args.text.name}, {args.windows} windows of "
                      f"{args.prefix}+{args.probe} tokens",
            "configs": [list(c) for c in planner.CONFIGS],
            "damage": np.round(table, 6).tolist(),
+           "signal_names": list(planner.SIGNALS),
+           "signals": np.round(signals, 6).tolist(),
            "seconds": round(time.perf_counter() - start, 1)}
     args.out.write_text(json.dumps(out) + "\n")
     print(f"wrote {args.out}: {table.shape[0]} layers x {table.shape[1]} configs "

@@ -73,6 +73,8 @@ MIN_FRACTION = KEEPS[-1] * 3 / 16
 """The smallest budget `auto` takes: 1/32 of the tokens as int2 codes plus an fp16 scale and
 offset per 32 channels (2 + 32/32 = 3 bits against bf16's 16)."""
 
+TABLES = ("auto", "learned", "table", "prior")
+
 CALIBRATION = Path(__file__).with_name("planner_calibration.json")
 """Per-layer damage tables measured on calibration text (absent: the analytic prior)."""
 
@@ -104,14 +106,25 @@ def _calibration(path: str) -> dict | None:
 
 
 def damage_table(num_layers: int, source: str = "auto") -> tuple[np.ndarray, str]:
-    """([L, len(CONFIGS)] damage, where it came from): the shipped calibration when it was
-    measured on a model of `num_layers` layers and `source` allows it, else the prior."""
-    if source not in ("auto", "prior"):
-        raise ValueError(f"auto: table must be 'auto' or 'prior', got {source!r}")
-    cal = _calibration(str(CALIBRATION)) if source == "auto" else None
-    if cal is not None and len(cal["damage"]) == num_layers and \
-            [tuple(c) for c in cal["configs"]] == list(CONFIGS):
-        return np.asarray(cal["damage"], np.float64), f"calibrated ({cal['source']})"
+    """([L, len(CONFIGS)] damage, where it came from), for `source`:
+
+    * "auto": the learned controller's predictions from the shipped calibration signals when
+      both exist for `num_layers` layers, else the measured calibration table, else the prior;
+    * "learned" / "table": only that one (else the prior); "prior": the prior.
+    """
+    if source not in TABLES:
+        raise ValueError(f"auto: table must be one of {TABLES}, got {source!r}")
+    cal = _calibration(str(CALIBRATION)) if source != "prior" else None
+    fits = cal is not None and len(cal["damage"]) == num_layers and \
+        [tuple(c) for c in cal["configs"]] == list(CONFIGS)
+    params = load_controller(str(CONTROLLER)) if source in ("auto", "learned") else None
+    if fits and params is not None and "signals" in cal:
+        with jax.ensure_compile_time_eval():  # a constant even when planning under jit
+            predicted = np.exp(np.asarray(controller_apply(params, jnp.asarray(cal["signals"]))))
+        return predicted.astype(np.float64), \
+            f"learned controller on signals of {cal['source']}"
+    if fits and source != "learned":
+        return np.asarray(cal["damage"], np.float64), f"calibrated table ({cal['source']})"
     return prior_damage(num_layers), "prior (no calibration for this layer count)"
 
 
@@ -385,6 +398,59 @@ def config_damage(layer: TokenCache, select_stats, eval_q: jax.Array, eval_pos: 
     return jnp.sum((out - full_out) ** 2) / jnp.maximum(jnp.sum(full_out ** 2), 1e-30)
 
 
+SIGNALS = ("keep", "bits/8", "attention mass lost", "entropy / log n",
+           "key error", "value error")
+"""What the learned controller reads per (layer, config), all measured on the prompt."""
+
+
+@functools.partial(jax.jit, static_argnames=("keep", "bits", "window"))
+def config_signals(layer: TokenCache, select_stats, keep: float, bits: int,
+                   window: int = 32) -> jax.Array:
+    """[len(SIGNALS)] float32 signals of storing a dense `layer` with (`keep`, `bits`): the
+    share of window attention the kept tokens would lose (mean over heads), the heads' mean
+    attention entropy over log n, and the relative squared error of the keys and of the
+    values under `bits`-bit per-token codes."""
+    scores, entropy = head_signals(layer, select_stats, window)  # [B, KVH, C]
+    valid = layer.pos != EMPTY
+    n = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)  # [B, KVH, 1]
+    top = rank(scores, valid) < jnp.floor(keep * n)
+    lost = 1 - jnp.sum(jnp.where(top, scores, 0.0), axis=-1)  # [B, KVH]
+    coded = view(_encode(layer, bits))
+    rel = lambda x, y: jnp.sum((x - y) ** 2) / jnp.maximum(jnp.sum(y ** 2), 1e-30)
+    return jnp.stack([jnp.float32(keep), jnp.float32(bits / 8), lost.mean(),
+                      (entropy / jnp.log(jnp.maximum(n[..., 0], 2))).mean(),
+                      rel(coded.k, layer.k), rel(coded.v, layer.v)]).astype(jnp.float32)
+
+
+CONTROLLER = Path(__file__).with_name("planner_controller")
+"""The learned controller's parameters (an orbax checkpoint; absent: no controller)."""
+
+
+def controller_apply(params: dict, signals: jax.Array) -> jax.Array:
+    """Predicted log-damage [...] from signals [..., len(SIGNALS)]: a two-layer tanh MLP.
+
+    Example:
+        >>> p = {"w1": jnp.zeros((6, 4)), "b1": jnp.zeros(4), "w2": jnp.zeros((4, 1)),
+        ...      "b2": jnp.ones(1), "mean": jnp.zeros(6), "scale": jnp.ones(6)}
+        >>> controller_apply(p, jnp.ones((3, 6))).tolist()
+        [1.0, 1.0, 1.0]
+    """
+    x = (signals - params["mean"]) / params["scale"]
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    return (h @ params["w2"] + params["b2"])[..., 0]
+
+
+@functools.lru_cache(maxsize=None)
+def load_controller(path: str) -> dict | None:
+    """The controller's parameters saved by `experiments/eval/train_planner.py` (orbax), or
+    None when there are none."""
+    if not Path(path).is_dir():
+        return None
+    import orbax.checkpoint as ocp
+    restored = ocp.StandardCheckpointer().restore(Path(path).absolute())
+    return {k: np.asarray(v) for k, v in restored.items()}
+
+
 def auto(budget: float | None = None, bytes: int | None = None, context: int = 1024,
          window: int = 32, sinks: int = 4, recent: int = 8, alpha: float = 0.2,
          table: str = "auto") -> CacheTransform:
@@ -398,7 +464,8 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
       window: the last `window` queries score the tokens (their attention).
       sinks, recent: the first and the last tokens of every head, kept before the rest.
       alpha: each head keeps at least `alpha` of an equal share of its layer's slots.
-      table: "auto" (the shipped calibration if it fits the model, else the prior) or "prior".
+      table: where per-layer damage comes from (`damage_table`): "auto" (the learned
+        controller, else the calibration table, else the prior), "learned", "table", "prior".
 
     Example:
         >>> auto(bytes=0)
@@ -427,8 +494,8 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
             raise ValueError(f"auto: {name}={value!r} must be an int >= {low}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
         raise ValueError(f"auto: alpha={alpha!r} must be a number in [0, 1]")
-    if table not in ("auto", "prior"):
-        raise ValueError(f"auto: table={table!r} must be 'auto' or 'prior'")
+    if table not in TABLES:
+        raise ValueError(f"auto: table={table!r} must be one of {', '.join(TABLES)}")
     update = AutoUpdate(None if budget is None else float(budget), bytes, context,
                         window, sinks, recent, float(alpha), table)
     return CacheTransform(_init_state, update, StatsSpec(window=window))
