@@ -14,7 +14,9 @@ first update runs through `kvjax.tools.monitor.monitored`. Three panels:
    otherwise);
 3. relative key error per layer and KV head.
 
-`--json` prints the monitor's summary and the per-layer/head tables.
+`--json` prints the monitor's summary and the per-layer/head tables. For `auto:budget=F`
+the plan (codec bits per layer, tokens kept per layer and KV head, the damage table's
+source) is also drawn as NAME.plan.png and printed under "plan".
 """
 
 from __future__ import annotations
@@ -146,6 +148,7 @@ def run(args) -> int:
         before, after, monitor = inspect(model, ids, method)
         draw(before, after, monitor, f"{args.method} on {len(ids)} tokens "
              f"({Path(args.context_file).name if args.context_file else 'prompt'})", args.out)
+        plan = _auto_plan(method, model, after, len(ids), args)
     except (FileNotFoundError, ValueError, OSError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
@@ -154,7 +157,24 @@ def run(args) -> int:
         tables = {f: np.round(per_head(monitor, f)[:, 0], 6).tolist()
                   for f in ("tokens", "evicted", "mass_retained", "k_error", "v_error")}
         print(json.dumps({"method": args.method, "tokens": len(ids), "out": str(args.out),
-                          "summary": s, "per_layer_head": tables}, allow_nan=True))
+                          "summary": s, "per_layer_head": tables,
+                          **({"plan": plan} if plan else {})}, allow_nan=True))
     else:
         print(f"wrote {args.out}: {s}")
+        if plan:
+            print(f"auto's plan ({plan['source']}): {plan['picture']}")
     return 0
+
+
+def _auto_plan(method, model, after, tokens: int, args) -> dict | None:
+    """For an `auto` method: its plan (bits per layer, tokens kept per layer and KV head),
+    drawn beside `--out` as NAME.plan.png; None for other methods."""
+    from experiments.eval.planner_view import draw_plan, kept_per_head, plan_summary
+    plan = plan_summary(method, model)
+    if plan is not None:
+        kept = kept_per_head(after)
+        plan["kept"] = kept.tolist()
+        plan["picture"] = str(args.out.with_suffix(".plan.png"))
+        draw_plan(plan, kept, tokens, f"{args.method} on {tokens} tokens",
+                  args.out.with_suffix(".plan.png"))
+    return plan

@@ -186,7 +186,15 @@ def run_ppl_cell(cell: Cell) -> dict:
     return dict(asdict(cell), status="ok", score=float(np.exp(nll / scored)), nll=nll,
                 tokens_scored=scored, prefix=prefix, text=text.name,
                 cache_bytes_per_token=kept_bytes / (len(windows) * prefix),
-                seconds=round(time.perf_counter() - start, 2))
+                seconds=round(time.perf_counter() - start, 2), **_plan_fields(cell, model))
+
+
+def _plan_fields(cell: Cell, model) -> dict:
+    """{"plan": ...} for an `auto` method (its bits and token shares per layer and the
+    damage table's source, `experiments.eval.planner_view.plan_summary`), else {}."""
+    from experiments.eval.planner_view import plan_summary
+    plan = plan_summary(cell.method, model)
+    return {} if plan is None else {"plan": plan}
 
 
 def text_of(cell: Cell) -> Path:
