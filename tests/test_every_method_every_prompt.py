@@ -64,6 +64,7 @@ DEFAULT_SPECS = {
     "critical_ada": "critical_ada:inner=snapkv,ratio=0.5",
     "simlayerkv": "simlayerkv:lazy_threshold=0.0,n_recent=16",  # 0: every long row trims
     "think": "think:ratio=0.5",
+    "cap": "cap:ratio=0.5",
 }
 """A spec with sensible parameters (the factory's defaults where it has them) for every
 method in `kvjax.METHODS`."""

@@ -1,9 +1,9 @@
-"""Parity with kvpress 0.5.5 for CriticalKV, CriticalAdaKV, SimLayerKV and ThinK on the real SmolLM2.
+"""Parity with kvpress 0.5.5 on SmolLM2: CriticalKV, CriticalAdaKV, SimLayerKV, ThinK, CapPress.
 
 The golden (`experiments/golden/make_kvpress_zoo_more.py`, made by running
 kvpress, never kvjax) holds, per press, text (640 and 300 tokens of The
 Devil's Dictionary) and ratio, what kvpress kept: positions per layer and KV
-head (CriticalKV, CriticalAdaKV, SimLayerKV), key channels per layer and KV
+head (CriticalKV, CriticalAdaKV, SimLayerKV, CapPress), key channels per layer and KV
 head (ThinK). kvjax prefills the same ids once, collecting every statistic
 these methods need, and applies each method from its spec string to a copy
 of that cache.
@@ -21,14 +21,16 @@ from tests.test_kvpress_parity import prefill_contexts
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo_more.npz")
-# every query of both texts (SnapKV's last 64, SimLayerKV's last, ThinK's last 32) and W_o
-STATS = kvjax.StatsSpec(window=1024, output_projection=True)
+# every query of both texts (SnapKV's last 64, SimLayerKV's last, ThinK's last 32), W_o and
+# the mean query past the 4 sinks (CapPress)
+STATS = kvjax.StatsSpec(window=1024, output_projection=True, query_moments=True, moments_skip=4)
 
 # golden press name -> kvjax spec ({r}: kvpress's compression ratio, SimLayerKV's threshold)
 SPECS = {
     "critical_snapkv": "critical:inner=snapkv,ratio={r}",
     "critical_ada_snapkv": "critical_ada:inner=snapkv,ratio={r}",
     "simlayerkv": "simlayerkv:lazy_threshold={r},n_recent=128",
+    "cap": "cap:ratio={r}",
 }
 
 # case -> (rows allowed to differ, why). Inside these rows every swapped position must lie in

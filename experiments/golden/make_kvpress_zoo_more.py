@@ -1,4 +1,4 @@
-"""Goldens for CriticalKV, CriticalAdaKV, SimLayerKV and ThinK: ``python experiments/golden/make_kvpress_zoo_more.py``.
+"""Goldens for CriticalKV, CriticalAdaKV, SimLayerKV, ThinK, CAPKV: ``make_kvpress_zoo_more.py``.
 
 What it makes
 -------------
@@ -28,6 +28,9 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   than 4 + 1024 + 1 tokens). ``..._keep`` as above; ``..._lazy_score`` float32
   [L]: the attention the last query pays the first 4 and the last 128 keys
   (mean over heads), which kvpress compares with the threshold.
+* ``cap``: ``CapPress(compression_ratio=r)`` (tau 5, n_future_positions 512,
+  n_sink 4, epsilon 1e-6), r in 0.5, 0.75: ``..._keep``, ``..._band`` and
+  ``..._margin`` as for ``critical_snapkv``.
 * ``think``: ``ThinKPress(key_channel_compression_ratio=r)`` (window 32), r in
   0.5, 0.75. ``..._channels`` packbits of the bool [L, KVH, D] kept-channel
   mask: the channels kvpress did not zero; ``..._channel_margin`` float32
@@ -50,7 +53,8 @@ from pathlib import Path
 import numpy as np
 
 from experiments.eval.hf_reference import DEFAULT_GGUF, load_hf_reference, save_golden
-from experiments.golden.make_kvpress import ATTN, CONTEXTS, PASSAGE_CHARS, REPO_ROOT, SEED, TEXT_PATH
+from experiments.golden.make_kvpress import (ATTN, CONTEXTS, PASSAGE_CHARS, REPO_ROOT, SEED,
+                                             TEXT_PATH)
 from experiments.golden.make_kvpress_zoo import BAND_RTOL, kept_from_cache
 
 
@@ -60,7 +64,7 @@ def compute_n_kept(t: int, ratio: float) -> int:
 
 MORE_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_zoo_more.npz"
 RATIOS = {"critical_snapkv": (0.5, 0.75), "critical_ada_snapkv": (0.5, 0.75),
-          "simlayerkv": (0.5, 0.75), "think": (0.5, 0.75)}
+          "simlayerkv": (0.5, 0.75), "think": (0.5, 0.75), "cap": (0.5, 0.75)}
 SIMLAYER_RECENT = 128
 MORE_PRESSES = list(RATIOS)
 
@@ -77,6 +81,8 @@ def make_more_press(name: str, ratio: float):
         return kvpress.SimLayerKVPress(lazy_threshold=ratio, n_recent=SIMLAYER_RECENT)
     if name == "think":
         return kvpress.ThinKPress(key_channel_compression_ratio=ratio)
+    if name == "cap":
+        return kvpress.CapPress(compression_ratio=ratio)
     raise ValueError(name)
 
 
@@ -91,7 +97,8 @@ def run_more_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_lay
     keep = np.zeros((n_layers, kvh, t), bool)
     out: dict[str, np.ndarray] = {}
     orig_compress = press.compress
-    if name == "critical_snapkv":
+    scorer_press = name in ("critical_snapkv", "cap")
+    if scorer_press:
         band = np.zeros((n_layers, kvh, t), bool)
         margin = np.full((n_layers, kvh), np.nan, np.float32)
         stash = {}
@@ -135,7 +142,7 @@ def run_more_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_lay
         layer = module.layer_idx
         original_keys = keys.clone()
         new_k, new_v = orig_compress(module, hidden_states, keys, values, attentions, kwargs)
-        if name == "critical_snapkv":
+        if scorer_press:
             keep[layer] = kept_from_cache(original_keys, new_k)
             s = stash[layer][0].numpy().astype(np.float64)  # [KVH, T]
             top = np.finfo(np.float32).max
@@ -189,7 +196,7 @@ def run_more_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_lay
     if name == "think":
         return {"channels": channels, "channel_margin": channel_margin}
     out["keep"] = keep
-    if name == "critical_snapkv":
+    if scorer_press:
         out.update(band=band, margin=margin)
     if name == "critical_ada_snapkv":
         out.update(head_budgets=budgets, band=band)

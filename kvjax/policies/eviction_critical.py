@@ -1,4 +1,4 @@
-"""CriticalKV and CriticalAdaKV (Feng et al. 2025): scores weighed by what a value adds to the output.
+"""CriticalKV and CriticalAdaKV (Feng et al. 2025): scores weighed by what a value adds.
 
 A token's attention score says how much a query looks at it; what the layer
 outputs is `attention x (v W_o)`. CriticalKV rescales the inner method's

@@ -76,7 +76,8 @@ class SimLayerUpdate:
             n = jnp.max(valid.sum(-1), axis=-1)  # [B] tokens per row
             attention = window_attention(seen, layer_stats, self.n_last).mean(axis=2)  # [B, KVH, C]
             score = lazy_scores(attention, seen.pos, self.n_initial, self.n_recent, self.n_last)
-            lazy = (score > self.lazy_threshold) & (n > self.n_initial + self.n_recent + self.n_last)
+            long_enough = n > self.n_initial + self.n_recent + self.n_last
+            lazy = (score > self.lazy_threshold) & long_enough
             keep = jnp.where(lazy[:, None, None],
                              lazy_keep(seen.pos, self.n_initial, self.n_recent, self.n_last), valid)
             return compact(layer, keep)

@@ -24,7 +24,7 @@ from typing import Callable, NamedTuple
 from kvjax.policies import (codecs, eviction, eviction_compactor, eviction_geometry,
                             eviction_wrappers)
 from kvjax.policies.low_rank import LowRankBasis, low_rank
-from kvjax.policies import eviction_critical, eviction_simlayer, eviction_think
+from kvjax.policies import eviction_cap, eviction_critical, eviction_simlayer, eviction_think
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
 
 
@@ -81,6 +81,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "critical_ada": _inner_by_name(eviction_critical.critical_ada),
     "simlayerkv": eviction_simlayer.simlayerkv,
     "think": eviction_think.think,
+    "cap": eviction_cap.cap,
     "block": _inner_by_name(eviction_wrappers.block),
     "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
     "rerotate": eviction_wrappers.rerotate,
@@ -147,6 +148,8 @@ METHOD_INFO: dict[str, MethodInfo] = {
                              "SimLayerKVPress", "simlayerkv", _ZOO_MORE),
     "think": MethodInfo("Xu et al. 2024, https://arxiv.org/abs/2407.21018", "ThinKPress",
                         "think:ratio={r}", _ZOO_MORE),
+    "cap": MethodInfo("CAPKV, https://arxiv.org/abs/2604.25975 (kvpress's citation)", "CapPress",
+                      "cap:ratio={r}", _ZOO_MORE),
     "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""
