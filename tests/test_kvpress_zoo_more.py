@@ -25,12 +25,15 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo_more.npz
 # the mean query past the 4 sinks (CapPress)
 STATS = kvjax.StatsSpec(window=1024, output_projection=True, query_moments=True, moments_skip=4)
 
-# golden press name -> kvjax spec ({r}: kvpress's compression ratio, SimLayerKV's threshold)
+# golden press name -> kvjax spec ({r}: kvpress's compression ratio, SimLayerKV's threshold;
+# {s}: 1 - r)
 SPECS = {
     "critical_snapkv": "critical:inner=snapkv,ratio={r}",
     "critical_ada_snapkv": "critical_ada:inner=snapkv,ratio={r}",
     "simlayerkv": "simlayerkv:lazy_threshold={r},n_recent=128",
     "cap": "cap:ratio={r}",
+    # PerLayerCompressionPress(KeyDiffPress(), [r] * 15 + [1 - r] * 15): one part per layer range
+    "per_layer_keydiff": "keydiff:ratio={r},layers=0-14+keydiff:ratio={s},layers=15-29",
 }
 
 # case -> (rows allowed to differ, why). Inside these rows every swapped position must lie in
@@ -74,7 +77,8 @@ def test_kept_positions_match_kvpress(prefilled, golden, case):
     """Exactly kvpress's kept positions in every layer and KV head, but for the named tie."""
     ctx, rest = case.split("_", 1)
     name, ratio = rest.rsplit("_r", 1)
-    out, n = _apply(prefilled, ctx, SPECS[name].format(r=float(ratio)))
+    spec = SPECS[name].format(r=float(ratio), s=round(1 - float(ratio), 6))
+    out, n = _apply(prefilled, ctx, spec)
     ours, theirs = keep_by_position(out, n), unpack(golden, f"{case}_keep", n)
     np.testing.assert_array_equal(ours.sum(-1), theirs.sum(-1))
     differ = (ours != theirs).any(-1)

@@ -31,6 +31,8 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
 * ``cap``: ``CapPress(compression_ratio=r)`` (tau 5, n_future_positions 512,
   n_sink 4, epsilon 1e-6), r in 0.5, 0.75: ``..._keep``, ``..._band`` and
   ``..._margin`` as for ``critical_snapkv``.
+* ``per_layer_keydiff``: ``PerLayerCompressionPress(KeyDiffPress(), [r] * 15 + [1 - r] *
+  15)`` at r in 0.25, 0.75 (the key's ``r`` is the first half's ratio): ``..._keep``.
 * ``think``: ``ThinKPress(key_channel_compression_ratio=r)`` (window 32), r in
   0.5, 0.75. ``..._channels`` packbits of the bool [L, KVH, D] kept-channel
   mask: the channels kvpress did not zero; ``..._channel_margin`` float32
@@ -64,7 +66,8 @@ def compute_n_kept(t: int, ratio: float) -> int:
 
 MORE_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_zoo_more.npz"
 RATIOS = {"critical_snapkv": (0.5, 0.75), "critical_ada_snapkv": (0.5, 0.75),
-          "simlayerkv": (0.5, 0.75), "think": (0.5, 0.75), "cap": (0.5, 0.75)}
+          "simlayerkv": (0.5, 0.75), "think": (0.5, 0.75), "cap": (0.5, 0.75),
+          "per_layer_keydiff": (0.25, 0.75)}
 SIMLAYER_RECENT = 128
 MORE_PRESSES = list(RATIOS)
 
@@ -83,6 +86,9 @@ def make_more_press(name: str, ratio: float):
         return kvpress.ThinKPress(key_channel_compression_ratio=ratio)
     if name == "cap":
         return kvpress.CapPress(compression_ratio=ratio)
+    if name == "per_layer_keydiff":  # ratio r on layers 0-14, 1 - r on 15-29
+        ratios = [ratio] * 15 + [1 - ratio] * 15
+        return kvpress.PerLayerCompressionPress(kvpress.KeyDiffPress(), ratios)
     raise ValueError(name)
 
 
@@ -138,6 +144,10 @@ def run_more_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_lay
         channels = np.zeros((n_layers, kvh, head_dim), bool)
         channel_margin = np.full((n_layers, kvh), np.nan, np.float32)
 
+    if name == "per_layer_keydiff":  # the wrapper calls its press's forward hook
+        press, outer = press.press, press
+        orig_compress = press.compress
+
     def compress(module, hidden_states, keys, values, attentions, kwargs):
         layer = module.layer_idx
         original_keys = keys.clone()
@@ -174,7 +184,7 @@ def run_more_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_lay
                 if second.any():
                     boundary = w[h][second].min()
                     band[layer, h] = np.abs(w[h] - boundary) <= BAND_RTOL * w[h].std()
-        elif name == "simlayerkv":
+        elif name in ("simlayerkv", "per_layer_keydiff"):
             keep[layer] = kept_from_cache(original_keys, new_k)
         elif name == "think":
             zeroed = (new_k[0] == 0).all(dim=1).numpy()  # [KVH, D] channels zeroed for every token
@@ -191,7 +201,7 @@ def run_more_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_lay
 
     press.compress = compress
     inp = torch.from_numpy(ids.astype(np.int64))[None]
-    with torch.no_grad(), press(model):
+    with torch.no_grad(), (outer if name == "per_layer_keydiff" else press)(model):
         model(input_ids=inp, past_key_values=DynamicCache(), use_cache=True)
     if name == "think":
         return {"channels": channels, "channel_margin": channel_margin}
