@@ -5,7 +5,9 @@ does, on a kvjax method spec: the context is prefilled and compressed first
 (query-agnostic), then the question (and an optional answer prefix opening
 the reply) is appended and the answer decoded, all jitted. It returns an
 `Answer` — text, token ids, the compressed cache and its bytes — that prints
-as one line. `ask_batch` does the same for many questions in one batch.
+as one line. `ask_batch` does the same for many questions in one batch;
+`ask(..., questions=[q1, q2, q3])` compresses one context once and answers every
+question from copies of that compressed cache (kvpress's pipeline with a list of questions).
 
 Example:
     >>> from models.loading import load_model
@@ -24,9 +26,16 @@ import time
 from typing import Any, Sequence
 
 import kvjax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from kvjax import Cache, CacheTransform
+from kvjax.core.cache import TokenCache
 from models.llama import Llama
-from models.sampler import GREEDY, Sampling, generate
+from models.sampler import (GREEDY, Prefilled, RunOptions, Sampling, _padded_width, decode,
+                            extend, for_full_layers, generate,
+                            prefill_and_compress)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,11 +167,12 @@ def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
             for row, n, h, i in zip(out.tokens, out.num_tokens, heads, ids)]
 
 
-def ask(model: Llama, tokenizer, question: str, *, context: str | None = None,
+def ask(model: Llama, tokenizer, question: str | None = None, *,
+        questions: Sequence[str] | None = None, context: str | None = None,
         method: str | kvjax.Method | CacheTransform = "full", answer_prefix: str = "",
         chat: bool = True,
         max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int = 0,
-        compress_every: int = 0, impl: str = "xla", place_cache=None) -> Answer:
+        compress_every: int = 0, impl: str = "xla", place_cache=None) -> Answer | list[Answer]:
     """Answer `question` about `context` with the cache compressed by `method`.
 
     `context` (optional) is prefilled and compressed before the question is
@@ -171,12 +181,161 @@ def ask(model: Llama, tokenizer, question: str, *, context: str | None = None,
     `CacheTransform`. `place_cache` puts the empty cache on devices (see
     `models.sampler.generate`; `models.sharding.cache_placer(mesh)`). See
     `ask_batch` for many questions at once.
+
+    `questions=[q1, q2, ...]` instead of `question`: the context is prefilled and compressed
+    once and every question is answered from a copy of that cache (batched; see
+    `ask_many`); returns one `Answer` per question, the same tokens as one call per question.
     """
+    if (question is None) == (questions is None):
+        raise TypeError("ask: give either question (one str) or questions (a list of str), "
+                        f"got question={question!r:.40} and questions={questions!r:.40}")
+    common = dict(method=method, answer_prefix=answer_prefix, chat=chat,
+                  max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                  compress_every=compress_every, impl=impl, place_cache=place_cache)
+    if questions is not None:
+        return ask_many(model, tokenizer, questions, context, **common)
     _check_text(question, "question")
     if context is not None:
         _check_text(context, "context")
     return ask_batch(model, tokenizer, [question], None if context is None else [context],
-                     method=method, answer_prefix=answer_prefix, chat=chat,
-                     max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                     compress_every=compress_every, impl=impl, place_cache=place_cache)[0]
+                     **common)[0]
 
+
+def ask_many(model: Llama, tokenizer, questions: Sequence[str], context: str | None, *,
+             method: str | kvjax.Method | CacheTransform = "full", answer_prefix: str = "",
+             max_new_tokens: int = 64, **options) -> list[Answer]:
+    """Answers to `questions` about one `context` compressed once (kvpress's pipeline).
+
+    The context is prefilled and compressed once; the compressed cache is copied once per
+    question (tiled into one batch when every layer is a dense `TokenCache` and the transform
+    keeps no state, else one copy per question, run one after the other), each question is
+    appended and its answer decoded. The tokens equal `ask`'s for each question alone.
+    `options`: chat, sampling, seed, compress_every, impl, place_cache (as `ask`).
+
+    Example:
+        >>> from models.loading import load_model
+        >>> model, tok = load_model("smollm2")
+        >>> a, b = ask_many(model, tok, ["What is the pass key?", "What is kept secret?"],
+        ...                 "Remember this. The pass key is 71432. Keep it secret.",
+        ...                 answer_prefix="The answer is", max_new_tokens=8)
+        >>> "71432" in a.text
+        True
+    """
+    questions = _check_list(questions, "questions", "str")
+    if not questions:
+        raise ValueError("questions: need at least one question, got none")
+    if context is None:  # nothing to share: one batch of questions
+        return ask_batch(model, tokenizer, questions, None, method=method,
+                         answer_prefix=answer_prefix, max_new_tokens=max_new_tokens, **options)
+    _check_text(context, "context")
+    chat = options.pop("chat", True)
+    if isinstance(method, CacheTransform):
+        method = kvjax.Method("custom", method)
+    method = kvjax.Method.parse(method)
+    split = [chat_prompt(tokenizer, q, context, answer_prefix=answer_prefix, chat=chat)
+             for q in questions]
+    head, ids = split[0][0], [i for _, i in split]
+    if any(h != head for h, _ in split):  # the cut is before the question: never expected
+        raise ValueError("context: tokenized differently before different questions")
+    run = RunOptions(**options)
+    if len(head) + max(map(len, ids)) + max_new_tokens > model.config.max_position:
+        raise ValueError(f"prompt plus new tokens exceed the model's context "
+                         f"{model.config.max_position} tokens")
+    start = time.perf_counter()
+    shared = compress_context(model, head, ids, method.transform, max_new_tokens, run)
+    outs = _answer_from(model, shared, ids, method.transform, max_new_tokens, run)
+    seconds = round(time.perf_counter() - start, 3)
+    answers = []
+    for q, (out, row) in enumerate(outs):
+        per_sequence = kvjax.nbytes(out.cache) // len(out.tokens)
+        n = out.num_tokens[row]
+        answers.append(Answer(tokenizer.decode(out.tokens[row, :n]),
+                              out.tokens[row, :n].tolist(), method.spec, len(head),
+                              len(ids[q]), per_sequence, seconds, out.cache,
+                              out.transform_state))
+    return answers
+
+
+def compress_context(model: Llama, context_ids: list[int], question_ids: list[list[int]],
+                     transform: CacheTransform, max_new_tokens: int,
+                     run: RunOptions) -> Prefilled:
+    """One sequence (batch 1): `context_ids` prefilled and compressed by `transform`, with room
+    for the longest of `question_ids` (padded) and `max_new_tokens` (as `generate` leaves)."""
+    suffix_room = _padded_width(question_ids, run.chunk)
+    return prefill_and_compress(model, [context_ids], transform=transform,
+                                room=suffix_room + max_new_tokens,
+                                max_write=max(suffix_room, 1), **run.only(RunOptions.COMPRESS))
+
+
+def _answer_from(model: Llama, shared: Prefilled, question_ids: list[list[int]],
+                 transform: CacheTransform, max_new_tokens: int, run: RunOptions) -> list:
+    """[(Generation, row)] per question: each continues a copy of the one-sequence `shared`."""
+    batch = None
+    if not run.compress_every:  # stats are per sequence; only compress_every would read them
+        batch = tile_prefilled(shared, len(question_ids), for_full_layers(model, transform))
+    if batch is not None:
+        out = decode(model, extend(model, batch, question_ids, chunk=run.chunk, impl=run.impl),
+                     max_new_tokens=max_new_tokens, transform=transform,
+                     **run.only(RunOptions.DECODE))
+        return [(out, q) for q in range(len(question_ids))]
+    outs = []
+    for ids in question_ids:
+        copy = shared._replace(cache=jax.tree_util.tree_map(jnp.copy, shared.cache))
+        pre = extend(model, copy, [ids], transform=transform, chunk=run.chunk, impl=run.impl)
+        outs.append((decode(model, pre, max_new_tokens=max_new_tokens, transform=transform,
+                            **run.only(RunOptions.DECODE)), 0))
+    return outs
+
+
+def _is_dense(layer) -> bool:
+    """A `TokenCache` of plain arrays: every leaf [B*KVH | B, ...] with the batch outermost
+    (the write cursor `length` [] shared)."""
+    return (type(layer) is TokenCache and isinstance(layer.k, jax.Array)
+            and isinstance(layer.v, jax.Array))
+
+
+def _tile_axis(one: jax.ShapeDtypeStruct, many: jax.ShapeDtypeStruct, copies: int):
+    """The axis a state leaf carries the batch on (from its shapes at batch 1 and `copies`),
+    None for a leaf shared by the batch, -1 when the shapes say neither."""
+    differ = [i for i, (a, b) in enumerate(zip(one.shape, many.shape)) if a != b]
+    if len(one.shape) != len(many.shape) or len(differ) > 1:
+        return -1
+    if not differ:
+        return None
+    return differ[0] if (one.shape[differ[0]], many.shape[differ[0]]) == (1, copies) else -1
+
+
+def tile_prefilled(pre: Prefilled, copies: int,
+                   transform: CacheTransform | None = None) -> Prefilled | None:
+    """A one-sequence `pre` as a batch of `copies` identical sequences (statistics dropped),
+    or None when it cannot be tiled: a layer other than a dense `TokenCache`, or a transform
+    state whose batch axis `transform.init`'s shapes at batch 1 and `copies` do not tell.
+
+    Example:
+        >>> from flax import nnx
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> pre = prefill_and_compress(model, [list(range(3, 19))], room=4)
+        >>> three = tile_prefilled(pre, 3)
+        >>> three.cache[0].k.shape, three.next_pos.tolist()      # [3*KVH, C, D]
+        ((6, 20, 16), [16, 16, 16])
+    """
+    if len(pre.next_pos) != 1 or not all(map(_is_dense, pre.cache)):
+        return None
+    tile = lambda x, axis=0: jnp.concatenate([x] * copies, axis=axis) if x.ndim else x
+    cache = jax.tree_util.tree_map(tile, pre.cache)
+    state = pre.transform_state
+    if jax.tree_util.tree_leaves(state):
+        one = jax.eval_shape(transform.init, pre.cache)
+        many = jax.eval_shape(transform.init, cache)
+        if (jax.tree_util.tree_structure(one) != jax.tree_util.tree_structure(state)
+                or jax.tree_util.tree_structure(many) != jax.tree_util.tree_structure(state)):
+            return None
+        axes = jax.tree_util.tree_map(lambda a, b: _tile_axis(a, b, copies), one, many)
+        flat_axes = jax.tree_util.tree_leaves(axes, is_leaf=lambda x: x is None)
+        if -1 in flat_axes:
+            return None
+        leaves, tree = jax.tree_util.tree_flatten(state)
+        state = tree.unflatten([x if axis is None else tile(x, axis)
+                                for x, axis in zip(leaves, flat_axes)])
+    return Prefilled(tile(pre.logits), cache, None, state, np.repeat(pre.next_pos, copies))
