@@ -306,3 +306,20 @@ def test_inspect_and_eval_rows_carry_the_plan_on_smollm2(smollm2, tmp_path, caps
     row = cells.run_ppl_cell(Cell("ppl", 64, "auto:budget=0.25", trials=2, batch=2))
     assert row["plan"]["source"] == planner.plan_source(30)
     assert len(row["plan"]["keep"]) == 30
+
+
+def test_pareto_rows_count_dense_eviction_as_bf16_storage(tiny_model):
+    """A dense eviction row's `bf16_bytes` equals `nbytes` of the same kept tokens in a
+    bfloat16 cache; a codec row has none (its bytes are what it stores)."""
+    from experiments.eval.planner_pareto import dense_bf16_bytes, fraction
+    from experiments.eval.ppl import full_bf16_bytes, perplexity
+    c = tiny_model.config
+    ids = np.arange(3, 3 + 48) % c.vocab_size
+    r = perplexity(tiny_model, ids, context=48, prefix=32, transform=kvjax.knorm(ratio=0.5))
+    row = {"method": "knorm:ratio=0.5", "cache_bytes": r.cache_bytes,
+           "full_bf16_bytes": r.full_bf16_bytes}
+    row["bf16_bytes"] = dense_bf16_bytes(row, c.num_layers, c.head_dim)
+    assert row["bf16_bytes"] == full_bf16_bytes(tiny_model, 16)  # 16 of 32 tokens, in bf16
+    assert fraction(row) == full_bf16_bytes(tiny_model, 16) / full_bf16_bytes(tiny_model, 32)
+    assert dense_bf16_bytes({"method": "knorm:ratio=0.5+kivi:bits=4", "cache_bytes": 1.0},
+                            c.num_layers, c.head_dim) is None
