@@ -266,3 +266,12 @@ def test_tests_import_no_benchmark_script(tmp_path):
     found = {p.name: sorted(bench_imports(p, modules))
              for p in sorted((ROOT / "tests").glob("*.py")) + [ROOT / "conftest.py"]}
     assert not {name: m for name, m in found.items() if m}, found
+
+
+def test_the_command_line_and_the_evaluation_import_no_benchmark_script():
+    """experiments.bench sits on top: the CLI, the eval pipeline and the goldens never import
+    it (what both need, like the bandwidth floor, lives in experiments.eval)."""
+    bad = sorted(f"{m} imports {t}" for m, targets in import_graph().items()
+                 if m.startswith(("experiments.cli", "experiments.eval", "experiments.golden"))
+                 for t in targets if t.startswith("experiments.bench"))
+    assert not bad, "\n".join(bad)

@@ -203,7 +203,7 @@ def run_e2e(args, bandwidth_fn) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from experiments.bench.decode import read_bandwidth_gbs
+    from experiments.eval.floor import read_bandwidth_gbs
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])

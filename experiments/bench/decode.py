@@ -42,24 +42,11 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax.core.transforms import full
+from experiments.eval.floor import read_bandwidth_gbs
 from models.loading import build_model, load_weights, resolve_model_path
 from models.sampler import decode, prefill_and_compress
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
-def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 7) -> float:
-    """Median GB/s of a jitted sum over a `nbytes` float32 array (one read pass)."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
 
 
 def emit(result, out: Path | None) -> None:

@@ -291,7 +291,7 @@ def run_speed_cell(cell: Cell) -> dict:
     from flax import nnx
 
     import kvjax
-    from experiments.bench.decode import read_bandwidth_gbs
+    from experiments.eval.floor import read_bandwidth_gbs
     from experiments.eval.ppl import window_ids
     from models.sampler import decode, prefill_and_compress
 
