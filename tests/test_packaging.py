@@ -4,6 +4,7 @@ finds a shipped grid without the repository."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -17,8 +18,14 @@ def test_the_wheel_carries_code_and_data(tmp_path):
     import importlib.metadata
     # the installed setuptools when it is new enough (pyproject: >= 77), else pip's own build env
     isolated = int(importlib.metadata.version("setuptools").split(".")[0]) < 77
+    source = tmp_path / "source"  # a copy: setuptools writes build/ and *.egg-info in place
+    for name in ("kvjax", "models", "kernels_pallas", "experiments"):
+        shutil.copytree(ROOT / name, source / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w",
-                           str(tmp_path), str(ROOT)] + ([] if isolated else
+                           str(tmp_path), str(source)] + ([] if isolated else
                                                         ["--no-build-isolation"]),
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
