@@ -174,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
         e.add_argument("--out", type=Path, required=True,
                        help="results folder (cells.jsonl, tables.md, plots)")
         e.add_argument("--report", action="store_true", help="only rewrite tables and plots")
+        e.add_argument("--no-shared-prefill", action="store_true",
+                       help="one worker per cell: each method prefills its contexts again "
+                            "(default: retrieval cells differing only in method share one "
+                            "prefill, experiments/eval/harness.py)")
         e.add_argument("--results", type=Path,
                        help="also rewrite the generated section of this Markdown file "
                             "(e.g. docs/RESULTS.md)")
@@ -369,7 +373,8 @@ def cmd_eval(args) -> int:
         if not args.report:
             harness.prepare_bases(grid, cells, args.out)  # [bases.NAME] files a cell needs
             harness.check_models(cells)
-            harness.sweep(cells, args.out, grid.max_rss_gb, workers=grid.workers)
+            harness.sweep(cells, args.out, grid.max_rss_gb, workers=grid.workers,
+                          share_prefill=not args.no_shared_prefill)
         if args.results:
             report.write_results(args.out, args.results,
                                  header=f"Generated from `{args.out}/cells.jsonl` by `kvjax "

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -143,6 +143,131 @@ def run_retrieval_cell(cell: Cell) -> dict:
         from kvjax.tools.monitor import find_monitor, refresh, summary
         measured["monitor"] = summary(refresh(find_monitor(out.transform_state), out.cache))
     return retrieval_row(cell, prompts, texts, time.perf_counter() - start, **measured)
+
+
+PREFILL_COMPRESSING = ("chunk",)  # method parts that compress during prefill (own prefill)
+
+
+def compresses_during_prefill(method: str) -> bool:
+    """True for a method whose compression runs inside the prefill (a `chunk` part: the
+    context is prefilled chunk by chunk onto the compressed cache), so its prefill cannot be
+    shared with other methods (`run_retrieval_group` runs it as its own cell).
+
+    Example:
+        >>> compresses_during_prefill("snapkv:ratio=0.5"), compresses_during_prefill("chunk:size=512+snapkv:ratio=0.5")
+        (False, True)
+    """
+    return any(part.split(":")[0].strip() in PREFILL_COMPRESSING for part in method.split("+"))
+
+
+def shares_prefill(cell: Cell) -> bool:
+    """True for a cell whose context prefill another method's cell can share: a kvjax
+    retrieval cell, query-agnostic, untimed, on one device, compressed after its prefill."""
+    return (cell.engine == "kvjax" and cell.task not in ("ppl", "speed", "memory")
+            and not cell.query_aware and not cell.timed and not cell.mesh
+            and not compresses_during_prefill(cell.method))
+
+
+def prefill_groups(transforms: list) -> list[list[int]]:
+    """Indices of `transforms` that share one prefill: those asking for the same statistics
+    (`transform.stats`, which also fixes the cache layout: H2O's tracks attention mass).
+    Equal, not merged: a monitor measures with whatever statistics it is given (SnapKV's
+    window queries would give StreamingLLM's row a retained mass its own cell lacks), and
+    rows must equal separate cells exactly.
+
+    Example:
+        >>> import kvjax
+        >>> prefill_groups([kvjax.full(), kvjax.parse_method("snapkv:ratio=0.5"),
+        ...                 kvjax.parse_method("streaming_llm:sinks=4,window=16"),
+        ...                 kvjax.parse_method("snapkv:ratio=0.25+kivi:bits=4")])
+        [[0, 2], [1, 3]]
+    """
+    groups: dict[object, list[int]] = {}
+    for i, transform in enumerate(transforms):
+        groups.setdefault(transform.stats, []).append(i)
+    return list(groups.values())
+
+
+def run_retrieval_group(cells: list[Cell]) -> list[dict]:
+    """The rows of retrieval cells that differ only in method, each context prefilled once.
+
+    Per batch of trials, the contexts are prefilled once per `prefill_groups` group (the
+    methods asking for the same statistics: full and StreamingLLM one, SnapKV at every ratio
+    and its chains another, ...) and each method compresses a copy (`compress(..., keep_input=True)`), then
+    its questions are appended and answered as `run_retrieval_cell` does: the same tokens,
+    scores and monitor summaries as one cell per method (tests/test_prefill_once.py). A row's
+    `seconds` is its own compression and decoding plus an equal share of the prefills
+    (`shared_prefill_seconds`, the group's prefill time, and `prefill_shared_by` beside it).
+    """
+    from kvjax import Method, nbytes
+    from models.sampler import (_padded_width, compress, decode, extend, for_full_layers,
+                                prefill_batch, windowed_layers)
+
+    base = cells[0]
+    if any(replace(c, method=base.method) != base for c in cells) or \
+            not all(map(shares_prefill, cells)):
+        raise ValueError("run_retrieval_group: cells must be kvjax retrieval cells that differ "
+                         "only in method (shares_prefill)")
+    model, tokenizer, _, place_cache = _setup(base)
+    transforms = []
+    for cell in cells:
+        transform = Method.parse(cell.method).transform
+        if cell.method != "full":
+            from kvjax.tools.monitor import monitored
+            transform = monitored(transform)
+        transforms.append(for_full_layers(model, transform))
+    prompts = make_prompts(base, tokenizer)
+    groups = prefill_groups(transforms)
+    texts = [[] for _ in cells]
+    cache_bytes = [[] for _ in cells]
+    seconds, last = [0.0] * len(cells), [None] * len(cells)
+    prefill_s = 0.0
+    windowed = windowed_layers(model)
+    for b in range(0, base.trials, base.batch):
+        contexts = prompts.contexts[b:b + base.batch]
+        questions = prompts.questions[b:b + base.batch]
+        suffix_room = _padded_width(questions, 256)
+        room = suffix_room + base.max_new_tokens
+        for members in groups:
+            stats = transforms[members[0]].stats
+            start = time.perf_counter()
+            pre = prefill_batch(model, contexts, stats=stats, room=room, place_cache=place_cache)
+            jax_block(pre.cache)
+            prefill_s += time.perf_counter() - start
+            for i in members:
+                start = time.perf_counter()
+                out = compress(pre, transforms[i], room=room, keep_input=True,
+                               max_write=max(suffix_room, 1))
+                if windowed and out.cache is not pre.cache:  # as prefill_and_compress keeps
+                    out = out._replace(cache=tuple(
+                        pre.cache[j] if j in windowed else layer
+                        for j, layer in enumerate(out.cache)))
+                out = extend(model, out, questions, transform=transforms[i])
+                gen = decode(model, out, max_new_tokens=base.max_new_tokens,
+                             transform=transforms[i])
+                seconds[i] += time.perf_counter() - start
+                texts[i] += [tokenizer.decode(row[:n].tolist())
+                             for row, n in zip(gen.tokens, gen.num_tokens)]
+                cache_bytes[i].append(nbytes(gen.cache) / len(gen.tokens))
+                last[i] = gen
+    rows = []
+    for i, cell in enumerate(cells):
+        measured = dict(cache_bytes_per_seq=max(cache_bytes[i]))
+        if cell.method != "full":
+            from kvjax.tools.monitor import find_monitor, refresh, summary
+            measured["monitor"] = summary(refresh(find_monitor(last[i].transform_state),
+                                                  last[i].cache))
+        share = prefill_s / len(cells)
+        rows.append(retrieval_row(cell, prompts, texts[i], seconds[i] + share,
+                                  shared_prefill_seconds=round(prefill_s, 2),
+                                  prefill_shared_by=len(cells), **measured))
+    return rows
+
+
+def jax_block(tree) -> None:
+    """Wait for every array of `tree` (so a timing covers the work, not its dispatch)."""
+    import jax
+    jax.block_until_ready(tree)
 
 
 def retrieval_row(cell: Cell, prompts: Prompts, texts: list[str], seconds: float,

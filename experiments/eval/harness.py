@@ -52,7 +52,14 @@ experiments/eval/ruler.py (retrieval accuracy), `ppl` (continuation perplexity),
 through kvpress at batch 1 (experiments/eval/kvpress_engine.py); a block with both engines
 times both warm (after one untimed batch).
 
-Every cell runs in its own worker process (spawned, so nothing compiled or cached
+Prefill once, compress many: kvjax retrieval cells that differ only in method (query-agnostic,
+untimed, one device) run together in one worker (`prefill_once_units`): each batch of
+contexts is prefilled once per group of methods asking for the same statistics and every
+method compresses a copy (experiments/eval/cells.py `run_retrieval_group`; its rows equal
+separate cells exactly). Methods that compress during prefill (`chunk`) are the exception
+and run as their own cells. `kvjax eval --no-shared-prefill` runs one worker per cell.
+
+Every cell (or such a group) runs in its own worker process (spawned, so nothing compiled or cached
 accumulates across cells) while the parent watches its resident memory. Untimed cells
 run `workers` at a time; timed cells (speed, and warm comparison cells) run after them,
 one at a time. A finished cell is one JSON line in `<out>/cells.jsonl`; a rerun skips
@@ -159,6 +166,39 @@ def check_models(cells: Iterable[Cell]) -> None:
             check_method(method, cfg.num_layers)
 
 
+def run_cells(cells: tuple[Cell, ...]) -> list[dict]:
+    """The rows of cells that share their contexts' prefill (`prefill_once_units`), in one
+    worker: experiments/eval/cells.py `run_retrieval_group`."""
+    from experiments.eval.cells import run_retrieval_group
+    return run_retrieval_group(list(cells))
+
+
+def prefill_once_units(cells: Iterable[Cell]) -> list[Cell | tuple[Cell, ...]]:
+    """`cells` as the units the sweep runs: a tuple of the cells that can share a prefill
+    (`cells.shares_prefill`, equal but for the method), in first-seen order, else the cell.
+
+    Example:
+        >>> a, b = Cell("qa", 1024, "full", 2), Cell("qa", 1024, "snapkv:ratio=0.5", 2)
+        >>> prefill_once_units([a, Cell("ppl", 1024, "full", 2), b])[0] == (a, b)
+        True
+    """
+    from dataclasses import replace
+
+    from experiments.eval.cells import shares_prefill
+    units: dict[object, list[Cell]] = {}
+    for cell in cells:
+        key = replace(cell, method="") if shares_prefill(cell) else cell
+        units.setdefault(key, []).append(cell)
+    return [group[0] if len(group) == 1 else tuple(group) for group in units.values()]
+
+
+def _failed(unit: Cell | tuple[Cell, ...], status: str) -> dict | list[dict]:
+    """The row (a cell) or rows (a group of cells) of a unit that did not finish."""
+    if isinstance(unit, tuple):
+        return [dict(asdict(c), status=status) for c in unit]
+    return dict(asdict(unit), status=status)
+
+
 def run_cell(cell: Cell) -> dict:
     """The cell's row from its engine: kvjax (experiments/eval/cells.py) or kvpress
     (experiments/eval/kvpress_engine.py). Runs in a worker process."""
@@ -186,7 +226,7 @@ def _worker(fn, cell, queue):
     try:
         queue.put(fn(cell))
     except Exception as e:  # reported as the cell's row; the sweep goes on
-        queue.put(dict(asdict(cell), status=f"error: {type(e).__name__}: {e}"))
+        queue.put(_failed(cell, f"error: {type(e).__name__}: {e}"))
 
 
 def _rss_gb(pid: int) -> float:
@@ -199,7 +239,8 @@ def _rss_gb(pid: int) -> float:
 
 def run_in_worker(fn: Callable[[Cell], dict], cell: Cell, limit_gb: float,
                   poll_s: float = 0.5) -> dict:
-    """`fn(cell)` in a fresh spawned process; killed if its resident memory passes `limit_gb`."""
+    """`fn(cell)` in a fresh spawned process; killed if its resident memory passes `limit_gb`.
+    `cell` may be a tuple of cells (`run_cells`): then a list of rows comes back."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_worker, args=(fn, cell, queue), daemon=True)
@@ -220,7 +261,7 @@ def run_in_worker(fn: Callable[[Cell], dict], cell: Cell, limit_gb: float,
         if peak > limit_gb:
             proc.kill()
             proc.join()
-            return dict(asdict(cell), status=f"killed: resident memory above {limit_gb} GB")
+            return _failed(cell, f"killed: resident memory above {limit_gb} GB")
         time.sleep(poll_s)
     try:
         row = queue.get(timeout=60 if proc.is_alive() else 5)
@@ -228,17 +269,21 @@ def run_in_worker(fn: Callable[[Cell], dict], cell: Cell, limit_gb: float,
         row = None
     proc.join()
     if row is None:
-        return dict(asdict(cell), status=f"worker died (exit code {proc.exitcode})")
-    row["peak_rss_gb"] = round(peak, 2)
+        return _failed(cell, f"worker died (exit code {proc.exitcode})")
+    for one in row if isinstance(row, list) else [row]:
+        one["peak_rss_gb"] = round(peak, 2)
     return row
 
 
 def sweep(cells: Iterable[Cell], out: Path, limit_gb: float,
-          fn: Callable[[Cell], dict] | None = None, workers: int = 1) -> list[dict]:
+          fn: Callable[[Cell], dict] | None = None, workers: int = 1,
+          share_prefill: bool = True) -> list[dict]:
     """Run every unfinished cell in a worker, appending its row to `out/cells.jsonl`.
 
     Untimed cells run `workers` at a time, then timed cells one at a time; rows are
-    appended as cells finish, so the file's order may differ from the config's.
+    appended as cells finish, so the file's order may differ from the config's. With the
+    default engine (`fn` None) and `share_prefill`, cells that can share their contexts'
+    prefill run as one unit (`prefill_once_units`, `run_cells`).
     """
     from tqdm import tqdm
 
@@ -251,18 +296,20 @@ def sweep(cells: Iterable[Cell], out: Path, limit_gb: float,
         with open(path, "a") as f:  # a truncated last line must not swallow the next row
             f.write("\n")
     todo = [c for c in dict.fromkeys(cells) if c.key not in done]
+    units = prefill_once_units(todo) if share_prefill and fn is run_cell else todo
     rows, lock = [], threading.Lock()
     bar = tqdm(total=len(todo), desc="kvjax eval", unit="cell")
 
-    def run(cell: Cell) -> None:
+    def run(unit: Cell | tuple[Cell, ...]) -> None:
         if STOP.is_set():
             return
-        row = run_in_worker(fn, cell, limit_gb)
+        got = run_in_worker(run_cells if isinstance(unit, tuple) else fn, unit, limit_gb)
         with lock:
             with open(path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            rows.append(row)
-            bar.update()
+                for row in got if isinstance(got, list) else [got]:
+                    f.write(json.dumps(row) + "\n")
+                    rows.append(row)
+                    bar.update()
 
     STOP.clear()
     try:
@@ -271,11 +318,12 @@ def sweep(cells: Iterable[Cell], out: Path, limit_gb: float,
         pool = ThreadPoolExecutor(max(workers, 1), initializer=signal.pthread_sigmask,
                                   initargs=(signal.SIG_BLOCK, {signal.SIGINT}))
         try:
-            for future in [pool.submit(run, c) for c in todo if not c.timed]:
+            for future in [pool.submit(run, u) for u in units
+                           if isinstance(u, tuple) or not u.timed]:
                 future.result()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        for cell in (c for c in todo if c.timed):
+        for cell in (u for u in units if not isinstance(u, tuple) and u.timed):
             run(cell)
     except (KeyboardInterrupt, Interrupted):
         STOP.set()  # running workers are killed; their cells run again next time
