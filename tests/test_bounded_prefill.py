@@ -1,0 +1,68 @@
+"""Bounded-memory long prefill (models/bounded_prefill.py): with `full` the chunked prefill's
+logits and cache equal a one-shot prefill's within float32 rounding; with SnapKV at a token
+budget the cache stays at budget + one chunk however long the context, measured with
+kvjax.nbytes against an independent byte count. A random-weight model of SmolLM2's shape
+(layers cut to 2 to keep CPU time down, positions extended to 4096)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvjax
+from models.bounded_prefill import prefill_bounded
+from models.sampler import pad_prompts, prefill
+
+EPS = np.finfo(np.float32).eps
+
+
+@pytest.fixture(scope="module")
+def smollm2_shape():
+    import dataclasses
+
+    from flax import nnx
+    from models.llama import Llama, LlamaConfig
+    cfg = dataclasses.replace(LlamaConfig.smollm2_135m(), num_layers=2, max_position=4096)
+    return Llama(cfg, rngs=nnx.Rngs(0))
+
+
+def _ids(n, seed=0):
+    return np.random.default_rng(seed).integers(3, 49152, n).tolist()
+
+
+def test_full_chunked_equals_one_shot(smollm2_shape):
+    model, n, chunk = smollm2_shape, 768, 128
+    ids = _ids(n)
+    bounded = prefill_bounded(model, [ids], kvjax.full(), chunk=chunk)
+    padded = pad_prompts([ids], n)
+    cache = kvjax.init_model_cache(model.config.cache_spec, 1, n, np.float32)
+    logits, one_shot = prefill(model, padded.tokens, padded.positions, cache, chunk=n)
+    got, want = np.asarray(bounded.prefilled.logits), np.asarray(logits)
+    # float32: attention over the same n keys summed in another order (per chunk vs whole),
+    # through 2 layers; a bound of n ulps of the logits' scale (a bug moves them by O(1))
+    tol = n * EPS * np.abs(want).max()
+    assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
+    assert np.argmax(got) == np.argmax(want)
+    k_got = np.asarray(bounded.prefilled.cache[1].k)[:, :n]
+    k_want = np.asarray(one_shot[1].k)[:, :n]
+    assert np.abs(k_got - k_want).max() <= n * EPS * np.abs(k_want).max()
+    assert bounded.chunk_cache_bytes == sorted(bounded.chunk_cache_bytes)  # full grows
+
+
+@pytest.mark.parametrize("n", [1024, 3072])
+def test_snapkv_budget_bounds_the_cache(smollm2_shape, n):
+    model, budget, chunk = smollm2_shape, 256, 256
+    out = prefill_bounded(model, [_ids(n, 1)], kvjax.parse_method(f"snapkv:budget={budget}"),
+                          chunk=chunk)
+    cfg = model.config
+    # independent count: per layer, K and V float32 [KVH, budget + chunk, D], pos int32
+    # [KVH, budget + chunk], the cursor int32 []
+    slots = budget + chunk
+    per_layer = cfg.num_kv_heads * slots * (2 * cfg.head_dim * 4 + 4) + 4
+    assert out.peak_cache_bytes == cfg.num_layers * per_layer
+    assert out.chunk_cache_bytes[1:] == [out.peak_cache_bytes] * (n // chunk - 1)
+    for layer in out.prefilled.cache:
+        assert int(layer.counters()["tokens"].min()) == int(layer.counters()["tokens"].max()) \
+            == budget
+    assert int(out.prefilled.next_pos[0]) == n
+    assert np.isfinite(np.asarray(out.prefilled.logits)).all()
