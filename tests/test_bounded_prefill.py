@@ -39,13 +39,14 @@ def test_full_chunked_equals_one_shot(smollm2_shape):
     logits, one_shot = prefill(model, padded.tokens, padded.positions, cache, chunk=n)
     got, want = np.asarray(bounded.prefilled.logits), np.asarray(logits)
     # float32: attention over the same n keys summed in another order (per chunk vs whole),
-    # through 2 layers; a bound of n ulps of the logits' scale (a bug moves them by O(1))
-    tol = n * EPS * np.abs(want).max()
+    # through 2 layers: rounding grows like sqrt(n) ulps of the logits' scale; 4 sqrt(n) (111
+    # ulps at n = 768; measured 7) where a bug moves them by O(1)
+    tol = 4 * np.sqrt(n) * EPS * np.abs(want).max()
     assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
     assert np.argmax(got) == np.argmax(want)
     k_got = np.asarray(bounded.prefilled.cache[1].k)[:, :n]
     k_want = np.asarray(one_shot[1].k)[:, :n]
-    assert np.abs(k_got - k_want).max() <= n * EPS * np.abs(k_want).max()
+    assert np.abs(k_got - k_want).max() <= 4 * np.sqrt(n) * EPS * np.abs(k_want).max()
     assert bounded.chunk_cache_bytes == sorted(bounded.chunk_cache_bytes)  # full grows
 
 
