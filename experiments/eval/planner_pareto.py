@@ -110,6 +110,7 @@ def report(out: Path) -> str:
         for r in rows:
             w.writerow({k: r.get(k) for k in w.fieldnames} | {"fraction_of_bf16": fraction(r)})
     lines = []
+    import numpy as np
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -136,8 +137,11 @@ def report(out: Path) -> str:
             is_auto = r["method"].startswith("auto")
             ax.scatter(fraction(r), r["ppl"], c="C3" if is_auto else "C0",
                        marker="*" if is_auto else "o", s=90 if is_auto else 30)
-            ax.annotate(r["method"].replace("quantize:", "q:"), (fraction(r), r["ppl"]),
-                        fontsize=6)
+            if r["ppl"] < 1.2 * (full or np.inf):
+                ax.annotate(r["method"].replace("quantize:", "q:").replace(",group=32", ""),
+                            (fraction(r), r["ppl"]), fontsize=5)
+        if full:  # rows far above the front (int2, KIVI-2) would flatten the rest
+            ax.set_ylim(0.98 * min(r["ppl"] for r in group), 1.2 * full)
         ax.set_xscale("log")
         ax.set_xlabel("cache bytes / bf16 full cache")
         ax.set_ylabel("continuation perplexity")
