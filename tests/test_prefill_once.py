@@ -85,3 +85,11 @@ def test_sweep_units_group_cells_that_share_a_prefill():
     rows = _failed(units[0], "error: x")
     assert [r["method"] for r in rows] == [a.method, b.method, c.method]
     assert all(r["status"] == "error: x" for r in rows) and _failed(ppl, "s")["task"] == "ppl"
+
+
+def test_cli_flag_turns_sharing_off():
+    from experiments.cli.main import build_parser
+    on = build_parser().parse_args(["eval", "--config", "ruler_smoke", "--out", "o"])
+    off = build_parser().parse_args(["eval", "--config", "ruler_smoke", "--out", "o",
+                                     "--no-shared-prefill"])
+    assert (on.no_shared_prefill, off.no_shared_prefill) == (False, True)
