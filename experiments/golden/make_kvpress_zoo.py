@@ -187,7 +187,6 @@ def run_zoo_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_laye
 
 def main_zoo(args) -> int:
     import torch
-    import transformers
 
     import kvpress  # noqa: F401  (patches the attention functions, as kvpress always does)
 
@@ -235,16 +234,24 @@ def main_zoo(args) -> int:
                 print(f"{prefix}: kept/row {keep.sum(-1).min()}-{keep.sum(-1).max()} of "
                       f"{len(ids)}{extra} ({time.perf_counter() - t1:.1f}s)", flush=True)
     timings["presses"] = time.perf_counter() - t0
-    out["kvpress_version"] = np.asarray(metadata.version("kvpress"))
-    out["transformers_version"] = np.asarray(transformers.__version__)
-    out["torch_version"] = np.asarray(torch.__version__)
-    out["gguf_sha256"] = np.asarray(info["gguf_sha256"])
-    out["num_layers"] = np.int32(n_layers)
-    out["kv_heads"] = np.int32(kvh)
-    out["band_rtol"] = np.float64(BAND_RTOL)
+    out.update(provenance(info, n_layers, kvh))
     out["presses"] = np.asarray(names_all)
     save_golden(out_path, out, timings)
     return 0
+
+
+
+def provenance(info: dict, n_layers: int, kv_heads: int) -> dict:
+    """What made a zoo golden: the library versions, the GGUF's hash, the model's shape and the
+    tie band's tolerance (stored beside the kept positions)."""
+    import torch
+    import transformers
+    return {"kvpress_version": np.asarray(metadata.version("kvpress")),
+            "transformers_version": np.asarray(transformers.__version__),
+            "torch_version": np.asarray(torch.__version__),
+            "gguf_sha256": np.asarray(info["gguf_sha256"]),
+            "num_layers": np.int32(n_layers), "kv_heads": np.int32(kv_heads),
+            "band_rtol": np.float64(BAND_RTOL)}
 
 
 def main(argv=None) -> int:

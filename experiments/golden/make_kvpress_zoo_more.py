@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +56,7 @@ import numpy as np
 from experiments.eval.hf_reference import DEFAULT_GGUF, load_hf_reference, save_golden
 from experiments.golden.make_kvpress import (ATTN, CONTEXTS, PASSAGE_CHARS, REPO_ROOT, SEED,
                                              TEXT_PATH)
-from experiments.golden.make_kvpress_zoo import BAND_RTOL, kept_from_cache
+from experiments.golden.make_kvpress_zoo import BAND_RTOL, kept_from_cache, provenance
 
 
 def compute_n_kept(t: int, ratio: float) -> int:
@@ -227,7 +226,6 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--only: unknown press {sorted(unknown)}; choose from {', '.join(MORE_PRESSES)}")
     import torch
-    import transformers
 
     import kvpress  # noqa: F401  (patches the attention functions, as kvpress always does)
 
@@ -272,14 +270,8 @@ def main(argv=None) -> int:
                                f"margin {arrays['channel_margin'].min():.3g}")
                 print(f"{prefix}: {summary} ({time.perf_counter() - t1:.1f}s)", flush=True)
     timings["presses"] = time.perf_counter() - t0
-    out["kvpress_version"] = np.asarray(metadata.version("kvpress"))
-    out["transformers_version"] = np.asarray(transformers.__version__)
-    out["torch_version"] = np.asarray(torch.__version__)
-    out["gguf_sha256"] = np.asarray(info["gguf_sha256"])
-    out["num_layers"] = np.int32(n_layers)
-    out["kv_heads"] = np.int32(kvh)
+    out.update(provenance(info, n_layers, kvh))
     out["head_dim"] = np.int32(head_dim)
-    out["band_rtol"] = np.float64(BAND_RTOL)
     out["simlayer_recent"] = np.int32(SIMLAYER_RECENT)
     old = [str(p) for p in out.get("presses", [])]
     out["presses"] = np.asarray(list(dict.fromkeys(old + names)))
