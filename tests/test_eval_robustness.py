@@ -36,7 +36,10 @@ methods = ["full", "snapkv:ratio=0.5"]
 """
 
 
-def fake_cell(cell: Cell) -> dict:
+def fake_cell(cell: Cell | tuple[Cell, ...]) -> dict | list[dict]:
+    """A row per cell; a unit of cells sharing a prefill (`harness.run_cells`) gives a list."""
+    if isinstance(cell, tuple):
+        return [fake_cell(c) for c in cell]
     return dict(asdict(cell), status="ok", score=cell.length / 1000, scores=[])
 
 
@@ -189,8 +192,9 @@ def test_an_interrupt_keeps_every_finished_row(tmp_path, capsys, monkeypatch):
             raise KeyboardInterrupt
         return fake_cell(cell)
     monkeypatch.setattr(harness, "run_in_worker", run)
-    out = tmp_path / "out"
-    code, _, err = cli(capsys, "eval", "--config", config(tmp_path), "--out", out)
+    out = tmp_path / "out"  # one cell per worker call, so the interrupt falls between two
+    code, _, err = cli(capsys, "eval", "--config", config(tmp_path), "--out", out,
+                       "--no-shared-prefill")
     assert code == 130 and "Traceback" not in err
     assert "interrupted: 1 finished cells kept" in err and "rerun the same command" in err
     rows = grid.read_rows(out / "cells.jsonl")
@@ -202,9 +206,9 @@ import sys
 from experiments.eval import harness
 from experiments.cli.main import main
 import tests.test_eval_robustness as t
-harness.run_cell = t.slow_cell
+harness.run_cell = t.slow_cell  # one cell per worker (--no-shared-prefill): no real model
 harness.check_models = lambda cells: None
-sys.exit(main(["eval", "--config", sys.argv[1], "--out", sys.argv[2]]))
+sys.exit(main(["eval", "--config", sys.argv[1], "--out", sys.argv[2], "--no-shared-prefill"]))
 """
 
 
@@ -264,7 +268,8 @@ def test_a_write_failure_during_the_sweep_is_one_line(tmp_path, capsys, monkeypa
     out = tmp_path / "out"
     out.mkdir()
     (out / "cells.jsonl").write_text("")
-    code, _, err = cli(capsys, "eval", "--config", config(tmp_path), "--out", out)
+    code, _, err = cli(capsys, "eval", "--config", config(tmp_path), "--out", out,
+                       "--no-shared-prefill")
     monkeypatch.undo()
     assert code == 1 and "Traceback" not in err
     assert err.strip().splitlines()[-1] == "kvjax: error: [Errno 28] No space left on device"

@@ -12,7 +12,8 @@ The contract `models.sampler` (generate, prefill, decode, compression) asks of a
   policies) and, when `stats` is not None, its queries with `kvjax.core.stats.observe` (SnapKV's
   window, ExpectedAttention's moments);
 * `logits(hidden) -> [..., vocab]` and `init_stats(spec, cache)` (None when the spec needs
-  nothing: `kvjax.init_stats` otherwise).
+  nothing: `kvjax.init_stats` otherwise, given each layer's output projection W_o
+  [H*D, hidden] when `spec.output_projection` is set: CriticalKV's scorers read it).
 
 The decoder below is deliberately not `models.llama`: no RoPE (positions enter as a learned
 table), one head per KV head, a GELU MLP. Greedy tokens with the full cache equal a plain
@@ -97,10 +98,12 @@ class TinyDecoder(nnx.Module):
         return h @ self.embed[...].T
 
     def init_stats(self, spec, cache):
-        if not (spec.window or spec.query_moments):
+        if not (spec.window or spec.query_moments or spec.output_projection):
             return None
         freqs = np.zeros(self.config.head_dim // 2, np.float32)  # no RoPE: nothing rotates
-        return kvjax.init_stats(spec, cache, self.config.num_heads, freqs)
+        out_proj = ([layer.out[...] for layer in self.layers]  # W_o [H*D, hidden] per layer
+                    if spec.output_projection else None)
+        return kvjax.init_stats(spec, cache, self.config.num_heads, freqs, out_proj)
 
 
 

@@ -230,8 +230,11 @@ def test_ask_batch_and_generate_type_check_their_arguments(tok, tiny_model):
         ask_batch(tiny_model, tok, ["a", 3])
     with pytest.raises(TypeError, match="contexts must be a list"):
         ask_batch(tiny_model, tok, ["a"], "ctx")
-    with pytest.raises(TypeError, match="question must be a str, got NoneType"):
+    with pytest.raises(TypeError, match=r"give either question \(one str\) or questions .* "
+                                         r"got question=None and questions=None"):
         ask(tiny_model, tok, None)
+    with pytest.raises(TypeError, match="question must be a str, got int"):
+        ask(tiny_model, tok, 3)
     with pytest.raises(TypeError, match="context must be a str"):
         ask(tiny_model, tok, "q", context=["a"])
     with pytest.raises(TypeError, match="answer_prefix must be a str"):
