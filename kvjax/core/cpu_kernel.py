@@ -254,7 +254,7 @@ def build_in_background() -> bool:
         pass
     out.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(str(os.getpid()), encoding="utf-8")
-    code = ("import os, pathlib; from kvjax.core.cpu_kernel import build\n"
+    code = ("import pathlib; from kvjax.core.cpu_kernel import build\n"
             "try:\n    build()\nfinally:\n"
             f"    pathlib.Path({str(marker)!r}).unlink(missing_ok=True)\n")
     with open(out.with_name(out.name + ".log"), "w", encoding="utf-8") as log:
@@ -283,18 +283,12 @@ def registered() -> bool:
         warnings.warn(f"kvjax: the CPU decode-attention kernel could not be built ({detail}); "
                       f"decode attention runs as XLA's loop", RuntimeWarning, stacklevel=3)
         return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.KvjaxDecodeAttention),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(MATMUL_TARGET, jax.ffi.pycapsule(library.KvjaxFewRowsMatmul),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(MATMUL_T_TARGET, jax.ffi.pycapsule(library.KvjaxFewRowsMatmulT),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(NORM_TARGET, jax.ffi.pycapsule(library.KvjaxRmsNorm),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(ROPE_TARGET, jax.ffi.pycapsule(library.KvjaxRope),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(QUANTIZE_TARGET, jax.ffi.pycapsule(library.KvjaxQuantizeGroups),
-                                platform="cpu")
+    for target, symbol in ((TARGET, library.KvjaxDecodeAttention),
+                           (MATMUL_TARGET, library.KvjaxFewRowsMatmul),
+                           (MATMUL_T_TARGET, library.KvjaxFewRowsMatmulT),
+                           (NORM_TARGET, library.KvjaxRmsNorm), (ROPE_TARGET, library.KvjaxRope),
+                           (QUANTIZE_TARGET, library.KvjaxQuantizeGroups)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     return True
 
 
