@@ -87,6 +87,32 @@ def _free_compiled_programs():
     jax.clear_caches()
 
 
+# Each XLA:CPU executable holds a few hundred memory mappings (LLVM's JIT code and data), and
+# Linux allows a process 65,530 (`vm.max_map_count`). A module that compiles ~170 programs
+# (tests/test_families_methods.py: every method on every family) reached the limit: LLVM
+# failed with "Cannot allocate memory" and the worker crashed. Past this many mappings the
+# jit caches are dropped between tests, whatever module is running.
+MAX_MAPPINGS_BETWEEN_TESTS = 30_000
+
+
+def memory_mappings() -> int:
+    """How many memory mappings this process holds (0 where /proc is absent)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bound_memory_mappings():
+    yield
+    if memory_mappings() > MAX_MAPPINGS_BETWEEN_TESTS:
+        import gc
+        jax.clear_caches()
+        gc.collect()
+
+
 class TraceCounter:
     """Counts jaxpr traces (any `jax.jit` tracing its function) while active, through the
     public `jax.monitoring` events. A warm call of a jitted function traces nothing."""
