@@ -255,3 +255,29 @@ def test_register_layer_names_what_a_class_lacks():
         register_layer(Half())
     with pytest.raises(ValueError, match="cache layer 0 is a Half, not a cache layer"):
         kvjax.check_cache((Half(),), kvjax.CacheSpec(1, 1, 1), 1)
+
+
+def test_no_code_outside_the_registry_tests_a_layer_kind_by_isinstance():
+    """Dispatch on layers goes through the protocol: `isinstance(x, <registered kind>)` appears
+    only in kvjax/core/layer.py (`is_layer`, `kind_of`), anywhere in kvjax, models or
+    experiments. A new kind then needs no hunt for type tests."""
+    import ast
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    kinds = {cls.__name__ for cls in layer_kinds()} - {"RingLayer"}
+    assert {"TokenCache", "ResidualCache", "FoldedLayer", "LinearLayer"} <= kinds
+
+    def named(node) -> set[str]:
+        if isinstance(node, ast.Tuple):
+            return set().union(*(named(e) for e in node.elts))
+        return {node.id if isinstance(node, ast.Name) else getattr(node, "attr", "")}
+
+    found = []
+    for path in sorted(p for d in ("kvjax", "models", "experiments") for p in (root / d).rglob("*.py")):
+        if path == root / "kvjax" / "core" / "layer.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+                    and len(node.args) == 2 and named(node.args[1]) & kinds):
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, f"isinstance on a layer kind outside the registry: {found}"

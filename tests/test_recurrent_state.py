@@ -103,7 +103,8 @@ def test_linear_layer_bytes_are_constant_in_context():
     for context in (1024, 4096, 16384):
         def compress(context=context):
             cache = kvjax.init_cache(1, 3, context, 64)
-            return kvjax.linear_state(fm).update((cache,), (), None)[0]
+            t = kvjax.linear_state(fm)
+            return t.update((cache,), t.init((cache,)), None)[0]
         sizes.append(kvjax.nbytes(jax.eval_shape(compress)))
     # S [3, 128, 64] + z [3, 128] + at [3] floats/ints + one staged token (k, v, pos)
     expected = 4 * (3 * 128 * 64 + 3 * 128 + 3) + 4 * (2 * 3 * 64 + 3)

@@ -164,6 +164,12 @@ def is_layer(x: Any) -> bool:
     return isinstance(x, tuple(_KINDS))
 
 
+def kind_of(x: Any) -> type | None:
+    """The registered layer kind `x` is an instance of, or None when `x` is no layer: how a
+    transform meeting a cache it did not make recognises the kinds it makes itself."""
+    return next((cls for cls in _KINDS if isinstance(x, cls)), None)
+
+
 def is_plain(layer: CacheLayer) -> bool:
     """True when `layer` is its own one part (a `TokenCache`): what sliding-window layers,
     RoPE re-rotation and the fold transforms rewrite slot by slot."""

@@ -49,9 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core.cache import EMPTY, TokenCache, check_sizes, view
-from kvjax.core.layer import is_plain, register_layer, unknown_counters
+from kvjax.core.layer import is_plain, kind_of, register_layer, unknown_counters
 from kvjax.policies.feature_maps import FeatureMap, check_map_name, resolve
-from kvjax.core.transforms import CacheTransform, EmptyState
+from kvjax.core.transforms import CacheTransform
 
 NEG_INF = -1e30
 UNBOUNDED = 2 ** 31 - 1  # `capacity` of a linear layer: any number of tokens fits
@@ -498,14 +498,14 @@ def state_of(layer: TokenCache, fm: FeatureMap, keep: jax.Array | None = None,
 
 @functools.lru_cache(maxsize=None)
 def _linear_update(map_name, layers, features: int, seed: int, decay: tuple):
-    def update(cache, state, stats=None):
+    def update(cache, state: ConvertedLayers, stats=None):
         picked = range(len(cache)) if layers is None else layers
         if max(picked) >= len(cache):
             raise ValueError(f"linear_state: layer {max(picked)} does not exist; the cache has "
                              f"{len(cache)} layers")
         out = list(cache)
         for i in picked:
-            if isinstance(cache[i], LinearLayer):
+            if i in state.layers:
                 continue  # already a state (a later compression): nothing to do
             dense = _dense_rows(cache[i], "linear_state")
             fm = resolve(map_name, i, dense.kv_heads, dense.head_dim, features, seed)
@@ -515,7 +515,7 @@ def _linear_update(map_name, layers, features: int, seed: int, decay: tuple):
             empty = init_linear_layer(dense.batch, dense.kv_heads, dense.head_dim, fm, 1, decay,
                                       dense.k.dtype)
             out[i] = empty.replace(state=state_of(dense, fm, decay=decay))
-        return tuple(out), state
+        return tuple(out), ConvertedLayers(tuple(sorted({*state.layers, *picked})))
     return update
 
 
@@ -549,12 +549,26 @@ def linear_state(map: str | FeatureMap = "prf", layers: Sequence[int] | None = N
 
 @functools.lru_cache(maxsize=None)
 def _linear_transform(map_name, layers, features, seed, decay) -> CacheTransform:
-    return CacheTransform(init=_no_state, update=_linear_update(map_name, layers, features, seed,
-                                                                decay))
+    return CacheTransform(init=_converted_layers, update=_linear_update(map_name, layers, features, seed, decay))
 
 
-def _no_state(cache):
-    return EmptyState()
+def _converted_layers(cache) -> "ConvertedLayers":
+    return ConvertedLayers(tuple(i for i, layer in enumerate(cache)
+                                 if kind_of(layer) is LinearLayer))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=(), meta_fields=("layers",))
+@dataclasses.dataclass(frozen=True)
+class ConvertedLayers:
+    """`linear_state`'s state: the layers it has already replaced by a `LinearLayer` (static).
+
+    Example:
+        >>> import jax
+        >>> jax.tree_util.tree_leaves(ConvertedLayers((0, 3))), ConvertedLayers((0, 3)).layers
+        ([], (0, 3))
+    """
+
+    layers: tuple[int, ...] = ()
 
 
 def _check_count(name: str, arg: str, value, low: int = 1) -> None:
@@ -578,14 +592,14 @@ def evicted_mask(before: jax.Array, after: jax.Array) -> jax.Array:
 
 @functools.lru_cache(maxsize=None)
 def _fold_update(policy_update, map_name, features: int, seed: int):
-    def update(cache, pstate, stats=None):
-        tokens = tuple(layer.tokens if isinstance(layer, FoldedLayer) else layer
-                       for layer in cache)
-        kept, pstate = policy_update(tokens, pstate, stats)
-        out = []
-        for i, (old, before, after) in enumerate(zip(cache, tokens, kept)):
-            if isinstance(after, (LinearLayer, FoldedLayer)) or (
-                    after is before and not isinstance(old, FoldedLayer)):
+    def update(cache, fstate: FoldState, stats=None):
+        folded = fstate.folded or (False,) * len(cache)
+        tokens = _kept_tokens(cache, folded)
+        kept, pstate = policy_update(tokens, fstate.inner, stats)
+        out, now = [], []
+        for i, (old, before, after, was) in enumerate(zip(cache, tokens, kept, folded)):
+            now.append(bool(after.parts()) and (after is not before or was))
+            if not now[-1]:
                 out.append(after)  # a state already, or a layer the policy left alone
                 continue  # (`on_layers` passes untouched layers through as they are)
             dense = _dense_rows(before, "fold")
@@ -593,21 +607,36 @@ def _fold_update(policy_update, map_name, features: int, seed: int):
                 raise ValueError("fold: the policy before fold must leave plain token layers "
                                  "(chain codecs after fold, not before)")
             fm = resolve(map_name, i, dense.kv_heads, dense.head_dim, features, seed)
-            st = old.state if isinstance(old, FoldedLayer) else init_state(
-                dense.k.shape[0], fm.features, dense.head_dim)
+            st = old.state if was else init_state(dense.k.shape[0], fm.features, dense.head_dim)
             gone = evicted_mask(dense.pos, view(after).pos)
             phi_k = fm.key(dense.k, dense.kv_heads)
             st = fold_tokens(st, phi_k, dense.v, _rows(jnp.where(gone, dense.pos, EMPTY)),
                              jnp.zeros(dense.k.shape[0]))
             out.append(FoldedLayer(tokens=after, state=st, feature_map=fm))
-        return tuple(out), pstate
+        return tuple(out), FoldState(pstate, tuple(now))
     return update
+
+
+def _kept_tokens(cache, folded: tuple[bool, ...]) -> tuple:
+    """The token layers the wrapped policy sees: a `FoldedLayer`'s kept tokens, else the layer."""
+    return tuple(layer.tokens if was else layer for layer, was in zip(cache, folded))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("inner",),
+                   meta_fields=("folded",))
+@dataclasses.dataclass(frozen=True)
+class FoldState:
+    """`fold_evicted`'s state: the wrapped policy's state, and per layer whether `fold` has made
+    it a `FoldedLayer` (static)."""
+
+    inner: Any
+    folded: tuple[bool, ...] = ()
 
 
 def _tokens_init(init):
     def init_tokens(cache):
-        return init(tuple(layer.tokens if isinstance(layer, FoldedLayer) else layer
-                          for layer in cache))
+        folded = tuple(kind_of(layer) is FoldedLayer for layer in cache)
+        return FoldState(init(_kept_tokens(cache, folded)), folded)
     return init_tokens
 
 
