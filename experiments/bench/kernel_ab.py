@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import statistics
+import os
 import subprocess
 import tempfile
 import time
@@ -56,11 +57,18 @@ def register_other(source: Path, text: str) -> dict[str, str | None]:
     """Build `source` (whose contents are `text`: a changed file builds again) and register its
     kernels as `other_*` targets: {module constant: name or None where the source lacks that
     kernel}. Once per source and contents: a target name is registered once per process."""
-    out = Path(tempfile.mkdtemp()) / "other.so"
-    subprocess.run(["g++", "-w", *cpu_kernel.flags(), f"-I{jax.ffi.include_dir()}", str(source),
-                    "-o", str(out)], check=True)
-    library = ctypes.cdll.LoadLibrary(str(out))
+    command = ["g++", "-w", *cpu_kernel.flags(), f"-I{jax.ffi.include_dir()}"]
     tag = hashlib.sha256(text.encode()).hexdigest()[:12]
+    # built once per contents and flags, kept in the temp folder: the next run (another
+    # `--several-weights` or `--method`) loads it instead of compiling for ~25 s again
+    built = hashlib.sha256("\0".join([text, *command]).encode()).hexdigest()[:16]
+    out = Path(tempfile.gettempdir()) / "kvjax-kernel-ab" / f"{built}.so"
+    if not out.exists():
+        out.parent.mkdir(exist_ok=True)
+        partial = out.with_name(f"{built}.{os.getpid()}.so")
+        subprocess.run([*command, str(source), "-o", str(partial)], check=True)
+        partial.replace(out)
+    library = ctypes.cdll.LoadLibrary(str(out))
     names = {}
     for constant, symbol in TARGETS.items():
         names[constant] = f"other_{tag}_{symbol}" if hasattr(library, symbol) else None

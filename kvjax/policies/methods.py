@@ -25,6 +25,7 @@ from kvjax.policies import (codecs, eviction, eviction_compactor, eviction_geome
                             eviction_wrappers)
 from kvjax.policies.low_rank import LowRankBasis, low_rank
 from kvjax.policies import eviction_cap, eviction_critical, eviction_simlayer, eviction_think
+from kvjax.policies import eviction_merging
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
 
 
@@ -84,6 +85,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "cap": eviction_cap.cap,
     "block": _inner_by_name(eviction_wrappers.block),
     "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
+    "merging": _inner_by_name(eviction_merging.merging),
     "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
     "kivi": codecs.kivi,
@@ -110,6 +112,7 @@ _ZOO = "tests/test_kvpress_zoo_parity.py"
 _COMPACTOR = "Chari & Van Durme 2025, https://arxiv.org/abs/2507.08143"
 _ZOO_MORE = "tests/test_kvpress_zoo_more.py"
 _CRITICAL = "Feng et al. 2025, https://arxiv.org/abs/2502.03805"
+_MERGING = "tests/test_kvpress_merging.py"
 METHOD_INFO: dict[str, MethodInfo] = {
     "streaming_llm": MethodInfo("Xiao et al. 2023, https://arxiv.org/abs/2309.17453",
                                 "StreamingLLMPress", "streaming_llm:ratio={r}", _PARITY),
@@ -150,6 +153,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
                         "think:ratio={r}", _ZOO_MORE),
     "cap": MethodInfo("CAPKV, https://arxiv.org/abs/2604.25975 (kvpress's citation)", "CapPress",
                       "cap:ratio={r}", _ZOO_MORE),
+    "merging": MethodInfo("kvpress; after ToMe (Bolya et al. 2023, "
+                          "https://arxiv.org/abs/2210.09461) and D2O (Wan et al. 2024, "
+                          "https://arxiv.org/abs/2406.13035)",
+                          "MergingPress", "merging:inner=snapkv,ratio={r}", _MERGING),
     "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""
