@@ -66,6 +66,7 @@ DEFAULT_SPECS = {
     "simlayerkv": "simlayerkv:lazy_threshold=0.0,n_recent=16",  # 0: every long row trims
     "think": "think:ratio=0.5",
     "cap": "cap:ratio=0.5",
+    "entropy_chunkkv": "entropy_chunkkv:inner=snapkv,ratio=0.5",
     "auto": "auto:budget=0.25",
 }
 """A spec with sensible parameters (the factory's defaults where it has them) for every

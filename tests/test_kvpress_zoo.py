@@ -20,7 +20,8 @@ from models.sampler import _compress, compress, prefill_batch
 from tests.conftest import TraceCounter
 
 ZOO = ["keydiff", "lagkv:lag=8", "cur", "leverage", "non_causal_attn:chunk=16",
-       "compactor", "block:inner=keydiff,block_size=16", "chunkkv:inner=knorm,chunk_length=16"]
+       "compactor", "block:inner=keydiff,block_size=16", "chunkkv:inner=knorm,chunk_length=16",
+       "entropy_chunkkv:inner=knorm,chunk_length=16"]
 STATS = kvjax.StatsSpec(window=128)  # every query of the prompts below, RoPE frequencies
 PROMPTS = [80, 53]  # tokens of two prompts batched together (left padding)
 
@@ -119,6 +120,12 @@ def test_compactor_blending_is_the_ratio():
     ("block:ratio=0.5,block_size=0", ["block_size", "0"]),
     ("chunkkv:ratio=0.5,chunk_length=0", ["chunk_length", "0"]),
     ("chunkkv:inner=fp8,ratio=0.5", ["inner", "fp8"]),
+    ("entropy_chunkkv:ratio=0.5,chunk_length=1", ["chunk_length", "1"]),
+    ("entropy_chunkkv:ratio=0.5,low_entropy_chunk_length=0", ["low_entropy_chunk_length", "0"]),
+    ("entropy_chunkkv:ratio=0.5,chunk_length=8,low_entropy_chunk_length=8",
+     ["low_entropy_chunk_length", "8", "[1, 7]"]),
+    ("entropy_chunkkv:inner=kivi,ratio=0.5", ["inner", "kivi"]),
+    ("entropy_chunkkv:ratio=1.0", ["ratio", "1.0"]),
     ("keydiff:ratio=1.5", ["ratio", "1.5"]),
 ])
 def test_bad_arguments_name_argument_and_value(spec, words):
@@ -193,7 +200,7 @@ def test_every_method_is_described():
     described = {m["name"]: m for m in describe_methods()}
     assert set(described) == set(METHODS)
     for name in ("keydiff", "lagkv", "cur", "leverage", "non_causal_attn", "compactor", "block",
-                 "chunkkv"):
+                 "chunkkv", "entropy_chunkkv"):
         m = described[name]
         assert m["description"] and m["paper"] and m["kvpress"].endswith("Press"), m
         assert m["spec"].format(r=0.5) and parse_method(m["spec"].format(r=0.5)), m

@@ -25,6 +25,7 @@ from kvjax.policies import (codecs, eviction, eviction_compactor, eviction_geome
                             eviction_wrappers)
 from kvjax.policies.low_rank import LowRankBasis, low_rank
 from kvjax.policies import eviction_cap, eviction_critical, eviction_simlayer, eviction_think
+from kvjax.policies import eviction_entropy_chunk
 from kvjax.policies import eviction_merging
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
 
@@ -85,6 +86,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "cap": eviction_cap.cap,
     "block": _inner_by_name(eviction_wrappers.block),
     "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
+    "entropy_chunkkv": _inner_by_name(eviction_entropy_chunk.entropy_chunkkv),
     "merging": _inner_by_name(eviction_merging.merging),
     "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
@@ -112,6 +114,7 @@ _ZOO = "tests/test_kvpress_zoo_parity.py"
 _COMPACTOR = "Chari & Van Durme 2025, https://arxiv.org/abs/2507.08143"
 _ZOO_MORE = "tests/test_kvpress_zoo_more.py"
 _CRITICAL = "Feng et al. 2025, https://arxiv.org/abs/2502.03805"
+_ZOO_THIRD = "tests/test_kvpress_zoo_third.py"
 _MERGING = "tests/test_kvpress_merging.py"
 METHOD_INFO: dict[str, MethodInfo] = {
     "streaming_llm": MethodInfo("Xiao et al. 2023, https://arxiv.org/abs/2309.17453",
@@ -153,6 +156,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
                         "think:ratio={r}", _ZOO_MORE),
     "cap": MethodInfo("CAPKV, https://arxiv.org/abs/2604.25975 (kvpress's citation)", "CapPress",
                       "cap:ratio={r}", _ZOO_MORE),
+    "entropy_chunkkv": MethodInfo("ChunkKV, Liu et al. 2025, https://arxiv.org/abs/2502.00299 "
+                                  "(kvpress's citation; the entropy gate is kvpress's own)",
+                                  "EntropyGatedChunkKVPress",
+                                  "entropy_chunkkv:inner=snapkv,ratio={r}", _ZOO_THIRD),
     "merging": MethodInfo("kvpress; after ToMe (Bolya et al. 2023, "
                           "https://arxiv.org/abs/2210.09461) and D2O (Wan et al. 2024, "
                           "https://arxiv.org/abs/2406.13035)",

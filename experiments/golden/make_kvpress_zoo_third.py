@@ -1,0 +1,134 @@
+"""Goldens for EntropyGatedChunkKVPress: ``python experiments/golden/make_kvpress_zoo_third.py``.
+
+What it makes
+-------------
+``tests/golden/kvpress_zoo_third.npz``, made by running kvpress 0.5.5 (never
+kvjax) on the real SmolLM2-135M-Instruct, the same GGUF, transformers model,
+sdpa attention and the same two passages as ``kvpress_zoo.npz`` (640 and 300
+tokens of The Devil's Dictionary), batch 1, one prefill forward with
+``with press(model):`` per case. Key prefix ``ctx{c}_{press}_r{r:.2f}``:
+
+* ``entropy_chunkkv_snapkv``: ``EntropyGatedChunkKVPress(press=SnapKVPress(
+  compression_ratio=r))`` (chunk_length 10, low_entropy_chunk_length 4), r in
+  0.5, 0.75; ``entropy_chunkkv_knorm``: the same around ``KnormPress``.
+  ``..._keep``: packbits of the bool [L, KVH, T] keep mask, read off the cache
+  kvpress returned (every kept key row matched bit for bit to its input row).
+
+RestoreKVPress is not here: it loads LoRA adapters and restore embeddings
+from the hub (``higokri/RestoreKV-<model>``, published for Llama-3.1-8B and
+Qwen3-8B only), so kvpress cannot run it on SmolLM2 offline (docs/DECISIONS.md).
+
+How to run (the ``compare`` extra; about a minute on 2 busy CPU cores)::
+
+    python experiments/golden/make_kvpress_zoo_third.py [--gguf PATH] [--out PATH] [--only NAMES]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from experiments.eval.hf_reference import DEFAULT_GGUF, load_hf_reference, save_golden
+from experiments.golden.make_kvpress import (ATTN, CONTEXTS, PASSAGE_CHARS, REPO_ROOT, SEED,
+                                             TEXT_PATH)
+from experiments.golden.make_kvpress_zoo import kept_from_cache, provenance
+
+THIRD_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_zoo_third.npz"
+RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 0.75)}
+THIRD_PRESSES = list(RATIOS)
+
+
+def make_third_press(name: str, ratio: float):
+    """The kvpress press of `name` at `ratio`, every other argument at kvpress's default."""
+    import kvpress
+
+    inner = {"snapkv": kvpress.SnapKVPress, "knorm": kvpress.KnormPress}
+    if name.startswith("entropy_chunkkv_"):
+        press = inner[name[len("entropy_chunkkv_"):]](compression_ratio=ratio)
+        return kvpress.EntropyGatedChunkKVPress(press=press)
+    raise ValueError(name)
+
+
+def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_layers: int,
+                    kvh: int) -> dict[str, np.ndarray]:
+    """One prefill with the press active -> the arrays this case stores (unpacked)."""
+    from transformers import DynamicCache
+
+    press = make_third_press(name, ratio)
+    keep = np.zeros((n_layers, kvh, len(ids)), bool)
+    orig_compress = press.compress
+
+    def compress(module, hidden_states, keys, values, attentions, kwargs):
+        original_keys = keys.clone()
+        new_k, new_v = orig_compress(module, hidden_states, keys, values, attentions, kwargs)
+        keep[module.layer_idx] = kept_from_cache(original_keys, new_k)
+        return new_k, new_v
+
+    press.compress = compress
+    inp = torch.from_numpy(ids.astype(np.int64))[None]
+    with torch.no_grad(), press(model):
+        out = model(input_ids=inp, past_key_values=DynamicCache(), use_cache=True)
+    lens = np.asarray([out.past_key_values.layers[i].keys.shape[2] for i in range(n_layers)])
+    assert (lens == keep.sum(-1)[:, 0]).all(), (lens, keep.sum(-1))
+    return {"keep": keep}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", default=DEFAULT_GGUF, help="path of the SmolLM2 GGUF file")
+    ap.add_argument("--out", default=str(THIRD_OUT), help=f"output .npz (default {THIRD_OUT})")
+    ap.add_argument("--only", help="comma-separated names of THIRD_PRESSES (default: all); the "
+                                   "rest of an existing --out file is kept")
+    args = ap.parse_args(argv)
+    names = args.only.split(",") if args.only else THIRD_PRESSES
+    unknown = set(names) - set(THIRD_PRESSES)
+    if unknown:
+        ap.error(f"--only: unknown press {sorted(unknown)}; choose from "
+                 f"{', '.join(THIRD_PRESSES)}")
+    import torch
+
+    import kvpress  # noqa: F401  (patches the attention functions, as kvpress always does)
+
+    model, tok, info = load_hf_reference(args.gguf, dtype=torch.float32, attn_implementation=ATTN,
+                                         seed=SEED)
+    timings = dict(info["timings"])
+    cfg = model.config
+    n_layers, kvh = cfg.num_hidden_layers, cfg.num_key_value_heads
+    out: dict[str, np.ndarray] = {}
+    if args.only and Path(args.out).exists():
+        with np.load(args.out) as old:
+            out.update({k: old[k] for k in old.files})
+    full = TEXT_PATH.read_text(encoding="utf-8")
+    for c, (offset, n) in CONTEXTS.items():
+        start = full.index("\n\n", offset) + 2
+        text = full[start: start + PASSAGE_CHARS]
+        out[f"ctx{c}_ids"] = np.asarray(tok(text, add_special_tokens=False)["input_ids"][:n],
+                                        np.int32)
+    t0 = time.perf_counter()
+    for name in names:
+        for c in CONTEXTS:
+            ids = out[f"ctx{c}_ids"]
+            for ratio in RATIOS[name]:
+                t1 = time.perf_counter()
+                torch.manual_seed(SEED)
+                arrays = run_third_press(model, torch, ids, name, ratio, n_layers, kvh)
+                prefix = f"ctx{c}_{name}_r{ratio:.2f}"
+                for key, value in arrays.items():
+                    out[f"{prefix}_{key}"] = np.packbits(value.ravel())
+                kept = arrays["keep"].sum(-1)
+                print(f"{prefix}: kept/row {kept.min()}-{kept.max()} of {len(ids)} "
+                      f"({time.perf_counter() - t1:.1f}s)", flush=True)
+    timings["presses"] = time.perf_counter() - t0
+    out.update(provenance(info, n_layers, kvh))
+    old = [str(p) for p in out.get("presses", [])]
+    out["presses"] = np.asarray(list(dict.fromkeys(old + names)))
+    save_golden(args.out, out, timings)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Parity with kvpress 0.5.5 on SmolLM2: EntropyGatedChunkKVPress (`entropy_chunkkv`).
+
+The golden (`experiments/golden/make_kvpress_zoo_third.py`, made by running
+kvpress, never kvjax) holds, per inner press (SnapKV, Knorm: non-negative and
+negative scores), text (640 and 300 tokens of The Devil's Dictionary) and
+ratio (0.5, 0.75), the positions kvpress kept in every layer and KV head. kvjax
+prefills the same ids once and applies the method from its spec string to a
+copy of that cache. RestoreKVPress has no golden: it needs hub adapters kvpress
+cannot load here (docs/DECISIONS.md).
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.policies.methods import parse_method
+from models.sampler import _compress
+from tests.test_kvpress_parity import prefill_contexts
+from tests.test_kvpress_zoo_parity import keep_by_position, unpack
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo_third.npz")
+STATS = kvjax.StatsSpec(window=1024)  # every query of both texts (SnapKV's last 64)
+
+# golden press name -> kvjax spec at kvpress's defaults ({r}: the compression ratio)
+SPECS = {
+    "entropy_chunkkv_snapkv": "entropy_chunkkv:inner=snapkv,ratio={r}",
+    "entropy_chunkkv_knorm": "entropy_chunkkv:inner=knorm,ratio={r}",
+}
+CHUNK = 10  # kvpress's default chunk_length
+
+
+def _cases() -> list[str]:
+    g = np.load(GOLDEN)
+    return sorted(k[:-len("_keep")] for k in g.files
+                  if k.endswith("_keep") and k.split("_", 1)[1].rsplit("_r", 1)[0] in SPECS)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return np.load(GOLDEN)
+
+
+@pytest.fixture(scope="module")
+def prefilled(smollm2, golden):
+    """ctx -> (full cache, statistics, tokens) after prefilling the golden ids once."""
+    return prefill_contexts(smollm2[0], golden, STATS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _cases())
+def test_kept_positions_match_kvpress(prefilled, golden, case):
+    """Exactly kvpress's kept positions in every layer and KV head (no ties to name), and
+    the entropy gate really acts: some chunk is kept in part (ChunkKV keeps whole chunks)."""
+    ctx, rest = case.split("_", 1)
+    name, ratio = rest.rsplit("_r", 1)
+    cache, stats, n = prefilled[ctx]
+    transform = parse_method(SPECS[name].format(r=float(ratio)))
+    out, _ = _compress(transform.update, cache, transform.init(cache), stats)
+    ours, theirs = keep_by_position(out, n), unpack(golden, f"{case}_keep", n)
+    assert ours.sum(-1).tolist() == theirs.sum(-1).tolist()
+    assert (ours.sum(-1) == max(1, int(n * (1 - float(ratio))))).all()
+    np.testing.assert_array_equal(ours, theirs, err_msg=case)
+    width = -(-n // CHUNK) * CHUNK
+    per_chunk = np.pad(theirs, ((0, 0), (0, 0), (0, width - n))).reshape(
+        theirs.shape[:2] + (-1, CHUNK)).sum(-1)
+    assert ((per_chunk > 0) & (per_chunk < CHUNK)).any(), case
+
+
+def test_entropy_chunk_rule_matches_kvpress_on_random_scores():
+    """The rule alone (no model): kvpress's EntropyGatedChunkKVPress.compress around a press
+    whose score is given, against `entropy_chunk_keep` jitted, on 60 random cases: partial
+    last chunks, rows shorter than a chunk, signed and spiky scores, budgets below a chunk."""
+    torch = pytest.importorskip("torch")
+    kvpress = pytest.importorskip("kvpress")
+    import jax
+    import jax.numpy as jnp
+    from kvjax.policies.eviction_entropy_chunk import entropy_chunk_keep
+
+    rule = jax.jit(entropy_chunk_keep, static_argnums=(3, 4))
+    rng = np.random.default_rng(0)
+
+    class Module:
+        head_dim = 1
+
+    for trial in range(60):
+        t, heads = int(rng.integers(1, 90)), 3
+        ratio = float(rng.choice([0.1, 0.25, 0.5, 0.75, 0.9]))
+        chunk = int(rng.choice([2, 5, 10, 13]))
+        low = int(rng.choice([1, chunk - 1]))  # few (chunk, low) pairs: few compiles
+        s = rng.standard_normal((1, heads, t)).astype(np.float32)
+        s = (s, np.abs(s) ** 3, np.exp(3 * s))[trial % 3]
+        inner = kvpress.KnormPress(compression_ratio=ratio)
+        inner.score = lambda *args, s=s, **kwargs: torch.from_numpy(s)
+        press = kvpress.EntropyGatedChunkKVPress(press=inner, chunk_length=chunk,
+                                                 low_entropy_chunk_length=low)
+        keys = torch.arange(t, dtype=torch.float32).view(1, 1, t, 1).expand(1, heads, t, 1)
+        kept, _ = press.compress(Module(), None, keys, keys, None, {})
+        theirs = np.zeros(t, bool)
+        theirs[kept[0, 0, :, 0].numpy().astype(int)] = True
+        scores = np.zeros((1, 96), np.float32)  # empty slots past the row's tokens
+        scores[0, :t] = s.sum(1)[0]
+        budget = jnp.array([max(1, int(t * (1 - ratio)))])
+        ours = np.asarray(rule(jnp.asarray(scores), jnp.array([t]), budget, chunk, low))[0]
+        assert not ours[t:].any()
+        np.testing.assert_array_equal(ours[:t], theirs, err_msg=f"trial {trial}")
