@@ -222,6 +222,17 @@ def _check_scores(layer: int, scores: jax.Array, valid: jax.Array) -> None:
                        jnp.sum(jnp.isnan(scores) & valid))
 
 
+def evict_layers(evict, cache, stats, budgets, debug: bool = False) -> tuple:
+    """`evict(layer, layer_stats, budget, index)` on every layer: one compiled layer body per
+    group of equal layers (`map_layers`), or layer by layer with `debug=True` passed on (so a
+    failed check names its layer)."""
+    per_layer = (cache, stats if stats is not None else (None,) * len(cache), tuple(budgets),
+                 tuple(range(len(cache))))
+    if debug:
+        return tuple(evict(*args, debug=True) for args in zip(*per_layer))
+    return map_layers(evict, *per_layer)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScoredUpdate:
     """The `update` of a scored policy; equal fields (the scorer by value) = one compilation."""
@@ -249,13 +260,8 @@ class ScoredUpdate:
             keep = select(scores, seen.pos != EMPTY, protect, budget, self.headwise, self.alpha)
             return compact(layer, keep)
 
-        per_layer = (cache, stats if stats is not None else (None,) * len(cache),
-                     tuple(budgets), tuple(range(len(cache))))
-        if self.debug:
-            out = tuple(evict(*args, debug=True) for args in zip(*per_layer))
-        else:  # one compiled layer body per group of equal layers
-            out = map_layers(evict, *per_layer)
-        return out, state._replace(layer_budget=budgets)
+        return evict_layers(evict, cache, stats, budgets, self.debug), state._replace(
+            layer_budget=budgets)
 
 
 def scored_policy(name: str, scorer: Scorer, *, ratio: float | None, budget: int | None,

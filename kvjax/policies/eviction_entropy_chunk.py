@@ -36,12 +36,12 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.core.cache import EMPTY, view
-from kvjax.core.layout import compact, map_layers
+from kvjax.core.layout import compact
 from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import Scorer, _check_budget, check_int, snapkv
 from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
-from kvjax.policies.eviction_wrappers import _inner, _press_scores
+from kvjax.policies.eviction_wrappers import _inner, _press_scores, evict_chunks
 
 EPSILON = 1e-8  # kvpress's, in the entropy's normalisation and logarithm
 
@@ -130,13 +130,7 @@ class EntropyChunkUpdate:
             kept = jnp.max(jnp.sum(keep, axis=-1), axis=-1).astype(jnp.int32)  # [B]
             return compact(layer, keep), kept
 
-        per_layer = (cache, stats if stats is not None else (None,) * len(cache),
-                     tuple(budgets), tuple(range(len(cache))))
-        out = map_layers(evict, *per_layer)
-        layers = tuple(o[0] for o in out)
-        kept = jnp.stack([o[1] for o in out])  # [L, B]
-        return layers, state._replace(layer_budget=jnp.where(state.layer_budget < 0, kept,
-                                                             state.layer_budget))
+        return evict_chunks(evict, cache, stats, budgets, state)
 
 
 def entropy_chunkkv(inner=snapkv, ratio: float | None = None, budget: int | None = None,

@@ -36,11 +36,12 @@ import jax.numpy as jnp
 
 from kvjax.core.cache import EMPTY, Layer
 from kvjax.core.layer import is_plain
-from kvjax.core.layout import compact, map_layers
+from kvjax.core.layout import compact
 from kvjax.core.selection import layer_budgets, select
 from kvjax.core.stores import is_encoded
 from kvjax.core.transforms import CacheTransform
-from kvjax.policies.eviction import ScoredUpdate, _check_scores, check_real, scored_policy, snapkv
+from kvjax.policies.eviction import (ScoredUpdate, _check_scores, check_real, evict_layers,
+                                     scored_policy, snapkv)
 from kvjax.policies.eviction_wrappers import _inner
 
 EPS = 1e-6  # kvpress's _EPS: norm clamp and the weight's denominator
@@ -139,13 +140,8 @@ class MergingUpdate:
                              self.similarity_threshold, self.merge_fraction)
             return compact(layer.replace(v=v.reshape(layer.v.shape)), keep)
 
-        per_layer = (cache, stats if stats is not None else (None,) * len(cache),
-                     tuple(budgets), tuple(range(len(cache))))
-        if s.debug:
-            out = tuple(evict(*args, debug=True) for args in zip(*per_layer))
-        else:
-            out = map_layers(evict, *per_layer)
-        return out, state._replace(layer_budget=budgets)
+        return evict_layers(evict, cache, stats, budgets, s.debug), state._replace(
+            layer_budget=budgets)
 
 
 def merging(inner=snapkv, ratio: float | None = None, budget: int | None = None,

@@ -75,7 +75,6 @@ def selection_basis(keep: jax.Array, kept: int) -> jax.Array:
         >>> selection_basis(jnp.array([True, False, True]), 2).tolist()
         [[1.0, 0.0], [0.0, 0.0], [0.0, 1.0]]
     """
-    d = keep.shape[-1]
     column = jnp.cumsum(keep, axis=-1) - 1  # [..., D] the kept channel's column
     onehot = jax.nn.one_hot(jnp.where(keep, column, kept), kept + 1, dtype=jnp.float32)
     return onehot[..., :kept]  # a pruned channel's "column" `kept` falls off

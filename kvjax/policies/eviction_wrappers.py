@@ -28,11 +28,11 @@ import functools
 
 from kvjax.core.cache import EMPTY, view
 from kvjax.core.layer import is_plain
-from kvjax.policies.eviction import (Scorer, ScoredUpdate, _check_budget, check_int, scored_policy,
-                                     snapkv)
+from kvjax.policies.eviction import (Scorer, ScoredUpdate, _check_budget, check_int, evict_layers,
+                                     scored_policy, snapkv)
 from kvjax.policies.eviction_geometry import keydiff
 from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
-from kvjax.core.layout import compact, map_layers
+from kvjax.core.layout import compact
 from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
 from kvjax.core.stats import StatsSpec
 from kvjax.core.transforms import CacheTransform, EmptyState
@@ -176,13 +176,17 @@ class ChunkKVUpdate:
             kept = jnp.max(jnp.sum(keep, axis=-1), axis=-1).astype(jnp.int32)  # [B]
             return compact(layer, keep), kept
 
-        per_layer = (cache, stats if stats is not None else (None,) * len(cache),
-                     tuple(budgets), tuple(range(len(cache))))
-        out = map_layers(evict, *per_layer)
-        layers = tuple(o[0] for o in out)
-        kept = jnp.stack([o[1] for o in out])  # [L, B]
-        return layers, state._replace(layer_budget=jnp.where(state.layer_budget < 0, kept,
-                                                             state.layer_budget))
+        return evict_chunks(evict, cache, stats, budgets, state)
+
+
+def evict_chunks(evict, cache, stats, budgets, state: BudgetState):
+    """`evict(...) -> (layer, kept [B])` on every layer (`evict_layers`); a layer's first
+    compression sets its budget to the tokens it kept (whole chunks: not the ratio's count),
+    which later compressions (`compress_every`) hold."""
+    out = evict_layers(evict, cache, stats, budgets)
+    kept = jnp.stack([o[1] for o in out])  # [L, B]
+    return tuple(o[0] for o in out), state._replace(
+        layer_budget=jnp.where(state.layer_budget < 0, kept, state.layer_budget))
 
 
 def chunkkv(inner=snapkv, ratio: float | None = None, budget: int | None = None,
