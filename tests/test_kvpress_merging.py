@@ -31,7 +31,7 @@ import kvjax
 from kvjax.policies.eviction_merging import merge_values
 from kvjax.policies.methods import parse_method
 from models.sampler import _compress
-from tests.test_kvpress_parity import prefill_contexts
+from tests.test_kvpress_parity import compress_context, prefill_contexts
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_merging.npz")
@@ -109,13 +109,6 @@ def prefilled(smollm2, golden):
     return prefill_contexts(smollm2[0], golden, STATS)
 
 
-def _apply(prefilled, ctx: str, spec: str):
-    cache, stats, n = prefilled[ctx]
-    transform = parse_method(spec)
-    out, _ = _compress(transform.update, cache, transform.init(cache), stats)
-    return out, n
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", _cases())
 def test_merging_matches_kvpress(prefilled, golden, case):
@@ -126,9 +119,9 @@ def test_merging_matches_kvpress(prefilled, golden, case):
     ctx, rest = case.split("_", 1)
     ratio = float(rest.rsplit("_r", 1)[1])
     cache, _, n = prefilled[ctx]
-    out, n = _apply(prefilled, ctx, SPEC.format(r=ratio))
+    out, n = compress_context(prefilled, ctx, SPEC.format(r=ratio))
     np.testing.assert_array_equal(keep_by_position(out, n), unpack(golden, f"{case}_keep", n))
-    plain, _ = _apply(prefilled, ctx, f"snapkv:ratio={ratio}")  # the same slots, unmerged
+    plain, _ = compress_context(prefilled, ctx, f"snapkv:ratio={ratio}")  # the same slots, unmerged
     merged = np.zeros(golden[f"{case}_merged"].shape, int)
     for i, (after, before) in enumerate(zip(out, plain)):
         np.testing.assert_array_equal(np.asarray(after.pos), np.asarray(before.pos))
@@ -160,8 +153,8 @@ def test_merged_cache_shrinks_as_the_ratio_says(prefilled):
         return len(cache) * (kv + first.pos.size // first.capacity * tokens * 4 + 4)
 
     for ratio in (0.5, 0.75):
-        out, _ = _apply(prefilled, "ctx2", SPEC.format(r=ratio))
-        plain, _ = _apply(prefilled, "ctx2", f"snapkv:ratio={ratio}")
+        out, _ = compress_context(prefilled, "ctx2", SPEC.format(r=ratio))
+        plain, _ = compress_context(prefilled, "ctx2", f"snapkv:ratio={ratio}")
         small = kvjax.shrink(out, room=0)
         kept = n - int(n * ratio)
         assert all(layer.capacity == kept for layer in small)

@@ -77,6 +77,14 @@ def prefill_contexts(model, golden, stats: kvjax.StatsSpec) -> dict:
     return out
 
 
+def compress_context(prefilled: dict, ctx: str, spec: str):
+    """(the cache of `prefill_contexts` for `ctx` compressed by the method `spec`, tokens)."""
+    cache, stats, n = prefilled[ctx]
+    transform = kvjax.parse_method(spec)
+    out, _ = _compress(transform.update, cache, transform.init(cache), stats)
+    return out, n
+
+
 @pytest.fixture(scope="module")
 def prefilled(smollm2, golden):
     """ctx -> the full cache and statistics after prefilling the golden ids."""

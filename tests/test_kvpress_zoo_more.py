@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.policies.methods import parse_method
-from models.sampler import _compress
-from tests.test_kvpress_parity import prefill_contexts
+from tests.test_kvpress_parity import compress_context, prefill_contexts
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo_more.npz")
@@ -64,13 +62,6 @@ def prefilled(smollm2, golden):
     return prefill_contexts(smollm2[0], golden, STATS)
 
 
-def _apply(prefilled, ctx: str, spec: str):
-    cache, stats, n = prefilled[ctx]
-    transform = parse_method(spec)
-    out, _ = _compress(transform.update, cache, transform.init(cache), stats)
-    return out, n
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", _cases(SPECS))
 def test_kept_positions_match_kvpress(prefilled, golden, case):
@@ -78,7 +69,7 @@ def test_kept_positions_match_kvpress(prefilled, golden, case):
     ctx, rest = case.split("_", 1)
     name, ratio = rest.rsplit("_r", 1)
     spec = SPECS[name].format(r=float(ratio), s=round(1 - float(ratio), 6))
-    out, n = _apply(prefilled, ctx, spec)
+    out, n = compress_context(prefilled, ctx, spec)
     ours, theirs = keep_by_position(out, n), unpack(golden, f"{case}_keep", n)
     np.testing.assert_array_equal(ours.sum(-1), theirs.sum(-1))
     differ = (ours != theirs).any(-1)
@@ -97,7 +88,7 @@ def test_simlayerkv_lazy_layers_match_kvpress(prefilled, golden, case):
     ctx, rest = case.split("_", 1)
     threshold = float(rest.rsplit("_r", 1)[1])
     score = golden[f"{case}_lazy_score"]
-    out, n = _apply(prefilled, ctx, SPECS["simlayerkv"].format(r=threshold))
+    out, n = compress_context(prefilled, ctx, SPECS["simlayerkv"].format(r=threshold))
     lazy = keep_by_position(out, n).sum(-1)[:, 0] < n
     np.testing.assert_array_equal(lazy, score > threshold)
     assert np.abs(score - threshold).min() > 1e-4
@@ -119,7 +110,7 @@ def test_think_keeps_kvpress_channels_and_stores_fewer(prefilled, golden, case):
     ctx, rest = case.split("_", 1)
     ratio = float(rest.rsplit("_r", 1)[1])
     cache, stats, n = prefilled[ctx]
-    out, n = _apply(prefilled, ctx, f"think:ratio={ratio}")
+    out, n = compress_context(prefilled, ctx, f"think:ratio={ratio}")
     L, kvh, d = (int(golden[k]) for k in ("num_layers", "kv_heads", "head_dim"))
     theirs = np.unpackbits(golden[f"{case}_channels"], count=L * kvh * d).reshape(L, kvh, d)
     kept = d - int(d * ratio)

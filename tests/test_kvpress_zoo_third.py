@@ -15,9 +15,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.policies.methods import parse_method
-from models.sampler import _compress
-from tests.test_kvpress_parity import prefill_contexts
+from tests.test_kvpress_parity import compress_context, prefill_contexts
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo_third.npz")
@@ -55,9 +53,7 @@ def test_kept_positions_match_kvpress(prefilled, golden, case):
     the entropy gate really acts: some chunk is kept in part (ChunkKV keeps whole chunks)."""
     ctx, rest = case.split("_", 1)
     name, ratio = rest.rsplit("_r", 1)
-    cache, stats, n = prefilled[ctx]
-    transform = parse_method(SPECS[name].format(r=float(ratio)))
-    out, _ = _compress(transform.update, cache, transform.init(cache), stats)
+    out, n = compress_context(prefilled, ctx, SPECS[name].format(r=float(ratio)))
     ours, theirs = keep_by_position(out, n), unpack(golden, f"{case}_keep", n)
     assert ours.sum(-1).tolist() == theirs.sum(-1).tolist()
     assert (ours.sum(-1) == max(1, int(n * (1 - float(ratio))))).all()
