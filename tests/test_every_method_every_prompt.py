@@ -67,6 +67,7 @@ DEFAULT_SPECS = {
     "think": "think:ratio=0.5",
     "cap": "cap:ratio=0.5",
     "entropy_chunkkv": "entropy_chunkkv:inner=snapkv,ratio=0.5",
+    "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
     "auto": "auto:budget=0.25",
 }
 """A spec with sensible parameters (the factory's defaults where it has them) for every

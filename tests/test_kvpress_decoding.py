@@ -16,9 +16,9 @@ held after the last compression. kvjax runs the spelling that equals the press:
   `prefill_and_compress(context, knorm:budget=K)`, `extend(question)`, `compress` (the
   decoding press's compression after the question), then `decode(compress_every=N)`.
 * `CompressionRatioDecodingPress(KnormPress(), target_compression_ratio=r,
-  compression_interval=N)` has no kvjax spelling yet: kvjax's ratio is fixed when the prompt is
-  compressed, kvpress's target grows with every token seen (docs/DECISIONS.md). The test pins
-  that gap: the same tokens until the budgets part, then kvpress's bigger cache.
+  compression_interval=N)`, whose target is `r` of every token seen so far (it grows while
+  decoding), with the question reaching that target: `decoding_ratio:inner=knorm,ratio=r` with
+  `compress_every=N` (a plain `knorm:ratio=r` keeps the prompt's budget instead).
 """
 
 import os
@@ -41,6 +41,9 @@ TIE = 2e-3
 FLOAT_TIES = {
     "decoding": [(18, 2)],  # kvpress kept position 302 (a generated token), kvjax 224: gap 1.4e-3
     "prefill_decoding": [(6, 0), (19, 1)],  # gaps 1.4e-3 and 1.3e-4
+    # an exact tie: positions 30 and 78 hold the same token (655), and a layer-0 key's norm
+    # depends on the token only; torch's top-k kept 78, kvjax's ties go to the earlier slot
+    "ratio_decoding": [(0, 1)],
 }
 
 
@@ -100,19 +103,37 @@ def test_prefill_decoding_press_is_prefill_extend_compress_decode(smollm2, golde
 
 
 @pytest.mark.slow
-def test_compression_ratio_decoding_press_gap(smollm2, golden):
-    """CompressionRatioDecodingPress(KnormPress(), 0.5, 4) keeps half of every token seen; kvjax's
-    knorm:ratio=0.5 keeps half of the prompt (150) at every compression. Same first compression
-    (after the 300-token prompt), same tokens until the growing budget first changes a draw;
-    the caches then differ by the growth (162 vs 150 after 7 compressions)."""
+def test_compression_ratio_decoding_press_is_decoding_ratio(smollm2, golden):
+    """CompressionRatioDecodingPress(KnormPress(), 0.5, 4) keeps half of every token seen (150
+    after the 300-token prompt, then 152, ..., 162): decoding_ratio:inner=knorm,ratio=0.5 with
+    compress_every=4 gives the same 25 tokens and the same 162 positions per layer and KV head
+    but an exact tie (kvjax's knorm:ratio=0.5 would stay at 150)."""
     ids = golden["ids"].tolist()
     kept = golden["ratio_decoding_kept"]
     seen = len(ids) + N * np.arange(len(kept))  # tokens written at each compression
     np.testing.assert_array_equal(kept, (seen * 0.5).astype(int))
     out = generate(smollm2[0], [ids], max_new_tokens=int(golden["max_new"]), compress_every=N,
-                   transform=kvjax.parse_method("knorm:ratio=0.5"), eos_ids=())
-    theirs = golden["ratio_decoding_tokens"]
-    # tokens 0..N are drawn before the first decode-time compression can change anything
-    np.testing.assert_array_equal(out.tokens[0][: N + 1], theirs[: N + 1])
-    ours = keep_by_position(out.cache, len(ids) + int(golden["max_new"]) - 1)
-    assert (ours.sum(-1) == kept[0]).all() and kept[-1] > kept[0]
+                   transform=kvjax.parse_method("decoding_ratio:inner=knorm,ratio=0.5"),
+                   eos_ids=())
+    np.testing.assert_array_equal(out.tokens[0], golden["ratio_decoding_tokens"])
+    _assert_same_kept(golden, "ratio_decoding", out.cache)
+
+
+def test_decoding_ratio_budget_follows_the_tokens_seen(tiny_model):
+    """Each row keeps floor(seen * (1 - ratio)) of its own tokens at every compression, where
+    knorm:ratio holds the prompt's budget; rows of different lengths in one batch."""
+    prompts = [list(range(3, 43)), list(range(5, 30))]  # 40 and 25 tokens
+    for spec, want in (("decoding_ratio:inner=knorm,ratio=0.5", [(40 + 8) // 2, (25 + 8) // 2]),
+                       ("knorm:ratio=0.5", [40 // 2, 25 // 2])):
+        out = generate(tiny_model, prompts, max_new_tokens=9, compress_every=4, eos_ids=(),
+                       transform=kvjax.parse_method(spec))  # compressions after steps 4 and 8
+        for layer in out.cache:
+            held = (np.asarray(layer.pos) != -1).sum(-1)  # [B, KVH]
+            assert (held == np.asarray(want)[:, None]).all(), (spec, held.tolist())
+
+
+def test_decoding_ratio_refuses_what_it_cannot_wrap():
+    for spec in ("decoding_ratio:inner=pyramidkv", "decoding_ratio:inner=quantize",
+                 "decoding_ratio:ratio=1.0"):
+        with pytest.raises(ValueError, match="decoding_ratio"):
+            kvjax.parse_method(spec)

@@ -27,6 +27,7 @@ from kvjax.policies.low_rank import LowRankBasis, low_rank
 from kvjax.policies import eviction_cap, eviction_critical, eviction_simlayer, eviction_think
 from kvjax.policies import eviction_entropy_chunk
 from kvjax.policies import eviction_merging
+from kvjax.policies import decoding
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
 
 
@@ -88,6 +89,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
     "entropy_chunkkv": _inner_by_name(eviction_entropy_chunk.entropy_chunkkv),
     "merging": _inner_by_name(eviction_merging.merging),
+    "decoding_ratio": _inner_by_name(decoding.decoding_ratio),
     "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
     "kivi": codecs.kivi,
@@ -164,6 +166,11 @@ METHOD_INFO: dict[str, MethodInfo] = {
                           "https://arxiv.org/abs/2210.09461) and D2O (Wan et al. 2024, "
                           "https://arxiv.org/abs/2406.13035)",
                           "MergingPress", "merging:inner=snapkv,ratio={r}", _MERGING),
+    # with --compress-every N = its compression_interval (512 by default)
+    "decoding_ratio": MethodInfo("kvpress (decoding-time compression)",
+                                 "CompressionRatioDecodingPress",
+                                 "decoding_ratio:inner=knorm,ratio={r}",
+                                 "tests/test_kvpress_decoding.py"),
     "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""
