@@ -44,6 +44,15 @@ def decoding_ratio(inner=knorm, ratio: float = 0.5, **options) -> CacheTransform
 
     `inner` is a scored method (knorm, keydiff, snapkv, ...) with one budget for every layer;
     `options` go to it.
+
+    Example (10 tokens seen: 5 kept per KV head, the smallest keys as Knorm keeps them):
+        >>> import jax, jax.numpy as jnp, kvjax
+        >>> t = kvjax.parse_method("decoding_ratio:inner=knorm,ratio=0.5")
+        >>> k = jax.random.normal(jax.random.key(0), (1, 2, 10, 8))  # [B, KVH, T, D]
+        >>> layer = kvjax.write(kvjax.init_cache(1, 2, 16, 8), k, k, jnp.arange(10)[None])
+        >>> (out,), _ = t.update((layer,), t.init((layer,)), None)
+        >>> (out.pos != kvjax.EMPTY).sum(-1).tolist()
+        [[5, 5]]
     """
     if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or not 0 <= ratio < 1:
         raise ValueError(f"decoding_ratio: ratio is the fraction of tokens evicted, in [0, 1); "
