@@ -40,8 +40,8 @@ from kvjax.core.layout import compact
 from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import Scorer, _check_budget, check_int, snapkv
-from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
-from kvjax.policies.eviction_wrappers import _inner, _press_scores, evict_chunks
+from kvjax.policies.eviction_sequence import in_sequence, to_slots
+from kvjax.policies.eviction_wrappers import _inner, evict_chunks, press_in_order
 
 EPSILON = 1e-8  # kvpress's, in the entropy's normalisation and logarithm
 
@@ -120,9 +120,7 @@ class EntropyChunkUpdate:
             scores, protect = self.scorer(seen, layer_stats, budget, key)
             valid = seen.pos != EMPTY
             seq = in_sequence(seen)
-            press = _press_scores(jnp.where(valid, scores.astype(jnp.float32), 0.0), protect,
-                                  valid)
-            press = jnp.where(seq.valid, gather(seq, press[..., None])[..., 0], 0.0)
+            press = press_in_order(seq, scores, protect, valid)
             n = seq.n[:, 0]  # [B] (every head holds the same tokens)
             keep = entropy_chunk_keep(press.sum(axis=1), n, budget, self.chunk_length,
                                       self.low_entropy_chunk_length)

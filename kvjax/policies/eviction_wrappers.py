@@ -115,6 +115,13 @@ def _press_scores(scores: jax.Array, protect: jax.Array, valid: jax.Array) -> ja
     return jnp.where(protect, top + 1, scores)
 
 
+def press_in_order(seq, scores: jax.Array, protect: jax.Array, valid: jax.Array) -> jax.Array:
+    """[B, KVH, T] the inner scores as kvpress presses return them (`_press_scores`), moved
+    to token order (`seq = in_sequence(layer)`), zero past each row's tokens."""
+    press = _press_scores(jnp.where(valid, scores.astype(jnp.float32), 0.0), protect, valid)
+    return jnp.where(seq.valid, gather(seq, press[..., None])[..., 0], 0.0)
+
+
 def chunk_keep(scores: jax.Array, n: jax.Array, chunk: int, n_chunks: jax.Array) -> jax.Array:
     """[B, C] bool in token order: the `n_chunks` [B] best chunks of `chunk` tokens.
 
@@ -160,9 +167,7 @@ class ChunkKVUpdate:
             scores, protect = self.scorer(seen, layer_stats, budget, key)
             valid = seen.pos != EMPTY
             seq = in_sequence(seen)
-            press = _press_scores(jnp.where(valid, scores.astype(jnp.float32), 0.0), protect,
-                                  valid)
-            press = jnp.where(seq.valid, gather(seq, press[..., None])[..., 0], 0.0)
+            press = press_in_order(seq, scores, protect, valid)
             n = seq.n[:, 0]  # [B] (every head holds the same tokens)
             chunks = -(-n // self.chunk_length)
             by_ratio = jnp.floor(chunks.astype(jnp.float32) * (1 - ratio)).astype(jnp.int32)
