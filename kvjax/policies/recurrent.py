@@ -593,11 +593,10 @@ def evicted_mask(before: jax.Array, after: jax.Array) -> jax.Array:
 @functools.lru_cache(maxsize=None)
 def _fold_update(policy_update, map_name, features: int, seed: int):
     def update(cache, fstate: FoldState, stats=None):
-        folded = fstate.folded or (False,) * len(cache)
-        tokens = _kept_tokens(cache, folded)
+        tokens = _kept_tokens(cache, fstate.folded)
         kept, pstate = policy_update(tokens, fstate.inner, stats)
         out, now = [], []
-        for i, (old, before, after, was) in enumerate(zip(cache, tokens, kept, folded)):
+        for i, (old, before, after, was) in enumerate(zip(cache, tokens, kept, fstate.folded)):
             now.append(bool(after.parts()) and (after is not before or was))
             if not now[-1]:
                 out.append(after)  # a state already, or a layer the policy left alone
@@ -630,7 +629,7 @@ class FoldState:
     it a `FoldedLayer` (static)."""
 
     inner: Any
-    folded: tuple[bool, ...] = ()
+    folded: tuple[bool, ...]
 
 
 def _tokens_init(init):
