@@ -175,10 +175,15 @@ def _reference_rows(x, start: int, n: int, width: int):
     return x.reshape(-1, width)[start:start + n]
 
 
+def _page_cols(block: PageRef, width: int) -> int:
+    """L, the block's columns: one page of `width` slots when its page is a scalar."""
+    return block.page.shape[-1] if jnp.ndim(block.page) else width
+
+
 def _gpu_take(block: PageRef, rows: jax.Array, width: int) -> jax.Array:
     """Logical rows `rows` [N] (each `width` lanes) of every page of the block -> [N, L]."""
-    cols = block.page.shape[-1]
-    slot = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1), width)
+    slot = jax.lax.rem(jax.lax.broadcasted_iota(jnp.int32, (1, _page_cols(block, width)), 1),
+                       width)
     return block.ref[block.page, 0, rows[:, None] * width + slot]
 
 
@@ -195,35 +200,43 @@ def _gpu_take_cols(block: PageRef, rows: jax.Array, width: int) -> jax.Array:
 def _gpu_load(block: PageRef, slots_last: bool = False) -> jax.Array:
     """A dense block: [L, D] gathered from [P, S, D] pages, or [D, L] from [P, D, S]."""
     ref, page = block.ref, block.page
-    cols = page.shape[-1]
     if slots_last:
         d, s = ref.shape[1:]
-        col = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+        col = jax.lax.broadcasted_iota(jnp.int32, (1, _page_cols(block, s)), 1)
         return ref[page, jax.lax.broadcasted_iota(jnp.int32, (d, 1), 0), jax.lax.rem(col, s)]
     s, d = ref.shape[1:]
+    cols = _page_cols(block, s)
     row = jax.lax.broadcasted_iota(jnp.int32, (cols, 1), 0)
-    return ref[page.reshape(cols, 1), jax.lax.rem(row, s),
+    return ref[page.reshape(cols, 1) if jnp.ndim(page) else page, jax.lax.rem(row, s),
                jax.lax.broadcasted_iota(jnp.int32, (1, d), 1)]
 
 
 def _take_codes(ops: Ops, block, head_dim: int, bits: int, width: int) -> jax.Array:
     """Gathered unpack: channel c is word row c % W shifted by (c // W) * bits -> [D, L] f32.
 
-    Each of the W word rows is loaded once ([W, L]); the 32/bits planes come
-    from a broadcast to [planes, W, L] and a reshape (no concatenate).
+    Each channel loads its own word (the 32/bits channels of a word load it
+    from cache after the first), so the [D, L] codes come out in channel
+    order by one shift and mask per element: no reshape, repeat or
+    concatenate, whose layout changes cost more than the loads on a GPU
+    (docs/DECISIONS.md, "GPU: packed pages decoded where they are loaded").
     """
     w = head_dim * bits // 32
-    words = ops.take(block, jax.lax.iota(jnp.int32, w), width)  # [W, L]
-    planes = 32 // bits
-    shift = (jax.lax.broadcasted_iota(jnp.int32, (planes, 1, 1), 0) * bits).astype(jnp.uint32)
-    codes = (words[None] >> shift) & jnp.uint32((1 << bits) - 1)  # [planes, W, L]
-    return codes.reshape(head_dim, -1).astype(jnp.int32).astype(jnp.float32)
+    words = ops.take(block, jax.lax.iota(jnp.int32, head_dim) % w, width)  # [D, L]
+    shift = jax.lax.broadcasted_iota(jnp.int32, (head_dim, 1), 0) // w * bits
+    return exact_float((words >> shift.astype(jnp.uint32)) & jnp.uint32((1 << bits) - 1))
 
 
-def _repeat_rows(x: jax.Array, reps: int) -> jax.Array:
-    """[N, L] -> [N * reps, L], each row repeated `reps` times (broadcast + reshape)."""
-    n, cols = x.shape
-    return jnp.broadcast_to(x[:, None, :], (n, reps, cols)).reshape(n * reps, cols)
+def exact_float(codes: jax.Array) -> jax.Array:
+    """uint32 codes < 2**23 -> float32, exactly: the codes become the mantissa of 2**23 + c
+    (an OR and a subtraction instead of an integer conversion)."""
+    return jax.lax.bitcast_convert_type(codes | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
+
+
+def _half_bits_to_f32(h: jax.Array, dtype: str) -> jax.Array:
+    """GPU: int32 holding 16 bits of a float16/bfloat16 -> float32 by the native conversion."""
+    if dtype == "bfloat16":
+        return jax.lax.bitcast_convert_type(h << 16, jnp.float32)
+    return jax.lax.bitcast_convert_type(h.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
 
 
 def _take_params(ops: Ops, block, start: int, logical: jax.Array, n: int, dtype: str,
@@ -234,22 +247,24 @@ def _take_params(ops: Ops, block, start: int, logical: jax.Array, n: int, dtype:
     half = -(-n // 2)
     words = jax.lax.bitcast_convert_type(ops.take(block, start + logical % half, width),
                                          jnp.int32)
-    return half_to_f32((words >> ((logical // half) * 16)[:, None]) & 0xFFFF, dtype)
+    return _half_bits_to_f32((words >> ((logical // half) * 16)[:, None]) & 0xFFFF, dtype)
 
 
-def _take_scale_offset(ops: Ops, block, start: int, ng: int, dtype: str, width: int):
-    """Gathered asymmetric parameters -> (scale, offset) [NG, L] f32, each word loaded once.
+def _take_scale_offset(ops: Ops, block, start: int, ng: int, dtype: str, width: int,
+                       groups: jax.Array):
+    """Gathered asymmetric parameters of groups `groups` [N] -> (scale, offset) [N, L] f32.
 
     16-bit: the 2 * NG logical rows pack as word g = (scale g, offset g) (`pack_rows` with
-    half = NG), so one [NG, L] load gives both halves.
+    half = NG), so one [N, L] load gives both halves. With `groups` = each channel's group
+    the parameters come out per channel, [D, L], without a repeat.
     """
-    rows = jax.lax.iota(jnp.int32, ng)
     if dtype == "float32":
         load = lambda r: jax.lax.bitcast_convert_type(ops.take(block, start + r, width),
                                                       jnp.float32)
-        return load(rows), load(rows + ng)
-    words = jax.lax.bitcast_convert_type(ops.take(block, start + rows, width), jnp.int32)
-    return half_to_f32(words & 0xFFFF, dtype), half_to_f32((words >> 16) & 0xFFFF, dtype)
+        return load(groups), load(groups + ng)
+    words = jax.lax.bitcast_convert_type(ops.take(block, start + groups, width), jnp.int32)
+    return (_half_bits_to_f32(words & 0xFFFF, dtype),
+            _half_bits_to_f32((words >> 16) & 0xFFFF, dtype))
 
 
 def _take_param_cols(ops: Ops, block, logical: jax.Array, n: int, dtype: str, width: int):
@@ -259,7 +274,7 @@ def _take_param_cols(ops: Ops, block, logical: jax.Array, n: int, dtype: str, wi
     half = -(-n // 2)
     words = jax.lax.bitcast_convert_type(ops.take_cols(block, jax.lax.rem(logical, half), width),
                                          jnp.int32)
-    return half_to_f32((words >> (jax.lax.div(logical, half) * 16)) & 0xFFFF, dtype)
+    return _half_bits_to_f32((words >> (jax.lax.div(logical, half) * 16)) & 0xFFFF, dtype)
 
 
 REFERENCE_OPS = Ops(load=lambda x, slots_last=False: x, rows=_reference_rows)
@@ -409,17 +424,15 @@ class PackedTokens(_PerTokenCodes):
         d, n_words = head_dim, head_dim * self.bits // 32
         ng, n = d // self.group, self.n_params(d)
         s = _lanes(blocks[0]) // self.rows(d)
-        if ops.take is not None:  # gathered loads (each word once), no concatenation
+        if ops.take is not None:  # GPU: per-channel gathers, nothing repeated or reshaped
             codes = _take_codes(ops, blocks[0], d, self.bits, s)
+            groups = jax.lax.iota(jnp.int32, d) // self.group  # [D] each channel's group
             if self.symmetric:
-                scale = _take_params(ops, blocks[0], n_words, jax.lax.iota(jnp.int32, ng), n,
-                                     self.param_dtype, s)  # [NG, L]
+                scale = _take_params(ops, blocks[0], n_words, groups, n, self.param_dtype, s)
                 offset = None
             else:
-                scale, offset = _take_scale_offset(ops, blocks[0], n_words, ng, self.param_dtype,
-                                                   s)
-                offset = _repeat_rows(offset, self.group)
-            scale = _repeat_rows(scale, self.group)  # over each group's channels
+                scale, offset = _take_scale_offset(ops, blocks[0], n_words, ng,
+                                                   self.param_dtype, s, groups)  # [D, L]
         else:
             codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]
             params = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(d), s), n,
@@ -461,7 +474,7 @@ class PackedTokens(_PerTokenCodes):
                 offset = None
             else:
                 scale, offset = _take_scale_offset(ops, blocks[0], n_words, 1, self.param_dtype,
-                                                   s)
+                                                   s, jnp.zeros((1,), jnp.int32))
         else:
             codes = unpack_planes(ops.rows(blocks[0], 0, n_words, s), self.bits)  # [D, S]
             params = unpack_rows(ops.rows(blocks[0], n_words, self.param_words(head_dim), s), n,

@@ -45,11 +45,14 @@ Backends:
 - `"gpu"`: Pallas on Triton (a justified fallback, docs/DECISIONS.md): one
   program per (sequence, KV head, split) loops over its pages in steps of
   `pages_per_block` pages (default 64 slots), each step one `[L, D]` tile
-  gathered through the block table (L = pages x S, pages side by side);
-  bf16 queries make both dots bf16 x bf16 -> f32 (tensor cores); query rows
-  are padded to 16 (`tl.dot`'s minimum) and no further. Head dim, page size
-  and pages per step must be powers of two (ValueError otherwise). Not run
-  on a GPU; `tests/test_gpu_kernel.py` reads the lowered Triton IR.
+  gathered through the block table (L = pages x S, pages side by side; one
+  page a step is a scalar page, so Triton sees contiguous slots); packed
+  pages decode elementwise where they load (each channel gathers its own code
+  word and group parameters: no reshape); bf16 queries make both dots bf16 x
+  bf16 -> f32 (tensor cores); query rows are padded to 16 (`tl.dot`'s
+  minimum) and no further. Head dim, page size and pages per step must be
+  powers of two (ValueError otherwise). Timed on an H200
+  (docs/BENCHMARKS.md); `tests/test_gpu_kernel.py` reads the lowered Triton IR.
 Both split the pages into `pages_per_split` chunks (flash-decoding; TPU:
 a multiple of `pages_per_block`); the
 per-split partial softmax states are merged in plain jnp.
@@ -79,7 +82,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Dense, Format,
                                          PackedTokenRows, PackedTokens, PageRef,
-                                         block_spec, half_to_f32)
+                                         block_spec, exact_float, half_to_f32)
 
 EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
 NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
@@ -406,11 +409,6 @@ def uses_slabs(k_format, v_format, head_dim: int) -> bool:
     return k is not None and slab_width(v_format, head_dim) == k
 
 
-def _exact_float(codes: jax.Array) -> jax.Array:
-    """uint32 codes < 2**23 -> float32, exactly: the codes become the mantissa of 2**23 + c."""
-    return jax.lax.bitcast_convert_type(codes | jnp.uint32(0x4B000000), jnp.float32) - 8388608.0
-
-
 class _Words:
     """One loop step's word rows of a packed page block, each loaded at most once."""
 
@@ -431,7 +429,7 @@ class _Words:
                                                  self.width)
         mask = jnp.uint32((1 << fmt.bits) - 1)
         codes = (self.loaded["planes"] >> jnp.uint32(i * fmt.bits)) & mask
-        return _exact_float(codes).astype(dtype)
+        return exact_float(codes).astype(dtype)
 
 
 def _param_row(load, start: int, logical: int, n: int, dtype: str) -> jax.Array:
@@ -513,7 +511,9 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
     page_size = pos_ref.shape[-1]
     cols = pages_per_step * page_size
     col = jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
-    which = jax.lax.div(col, page_size)  # [1, L] the column's page within the step
+    # the column's page within the step: [1, L], or one scalar page a step, whose gathers
+    # Triton can see are contiguous along the slots (vector loads)
+    which = jax.lax.div(col, page_size) if pages_per_step > 1 else 0
     slot = jax.lax.rem(col, page_size)
     width = slab_width(k_format, d)  # channels per code slab (slab path only)
     slabs = uses_slabs(k_format, v_format, d)
@@ -528,7 +528,7 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
                         else tables_ref[b, i] + h * head_stride)
 
     def body(step, carry):
-        idx = first + step * pages_per_step + which  # [1, L] table entries
+        idx = first + step * pages_per_step + which  # [1, L] table entries (or one)
         live = idx < last
         # a column past the row's pages re-reads the row's last page (finite data), masked EMPTY
         page = lookup(jnp.minimum(idx, last - 1))

@@ -135,11 +135,14 @@ LOAD = re.compile(r"tt\.load .*: tensor<(\d+)x(\d+)x!tt\.ptr<i32>>")
 
 @pytest.mark.parametrize("name,head_dim", [("int4-tokens", 128), ("int8-tokens", 128),
                                            ("int8-tokens", 64), ("int4-tokens", 64)])
-def test_each_page_word_is_loaded_once_per_step(name, head_dim):
+def test_packed_pages_load_as_whole_channel_tiles(name, head_dim):
     """The loop's i32 loads of a step of 64 slots: the block table entries and positions (one
-    row each), then for keys and values the W code word rows once (one [W, 64] load; on the
-    slab path cut into planes in registers) and the parameter word rows once: the step reads
-    exactly its pages' bytes."""
+    row each), then for keys and values, on the decode path, one [D, 64] load of each
+    channel's code word and one [D, 64] load of its group's parameter word (16-bit scale and
+    offset share a word; one [1, 64] row where a single group's scale goes on the scores):
+    channels decode in place, with no [W, 64] tile cut and reshaped
+    into channel order (the planes of a word re-read it from cache). On the slab path the W
+    code rows load at once and each parameter row on its own."""
     kf, vf, encode = FORMATS[name]
     q, q_pos, k, v, pos, tables, counts = _pool(head_dim=head_dim)
     kp, vp = encode(k, v)
@@ -147,11 +150,12 @@ def test_each_page_word_is_loaded_once_per_step(name, head_dim):
     (text, _), = triton_modules(fn, q.astype(jnp.bfloat16), q_pos, kp, vp, pos, tables, counts)
     rows = sorted(int(r) for r, cols in LOAD.findall(text) if cols == "64")
     words, params = head_dim * kf.bits // 32, kf.param_words(head_dim)
-    if slab_width(kf, head_dim):  # the code rows at once, each parameter row on its own
+    if slab_width(kf, head_dim):
         assert rows == sorted([1, 1] + 2 * ([words] + [1] * params)), rows
     else:
-        assert rows == sorted([1, 1, words, words, params, params]), rows
-    assert sum(rows) == 2 + 2 * kf.rows(head_dim)  # table + positions + both pages' rows
+        assert kf.param_dtype != "float32" and not kf.symmetric  # one word per group
+        key_params = 1 if kf.scales_scores(head_dim) else head_dim  # one group: on the scores
+        assert rows == sorted([1, 1, key_params] + [head_dim] * 3), rows
 
 
 def test_float32_queries_get_bf16_dots_when_asked():
