@@ -559,12 +559,15 @@ def gpu_launch(rows: int, head_dim: int, cols: int, quantized: bool) -> tuple[in
 
     Four warps for small tiles; eight once a step's [cols, D] tile reaches 128 x 128 (or 64 x
     128 of decoded quantized pages, whose f32 decode lives in registers), as jax's own GPU paged
-    attention uses. Two stages: the loop's gathers of step i + 1 overlap step i's math.
-    A heuristic; on an H200 it gave bf16 pages 0.97-1.04 of copy bandwidth at 64 slots a
-    step (docs/BENCHMARKS.md); not tuned for the quantized formats.
+    attention uses. Dense pages: two stages (the loop's gathers of step i + 1 overlap step
+    i's math); on an H200 bf16 pages read at 0.97-1.04 of copy bandwidth so
+    (docs/BENCHMARKS.md). Decoded packed pages: one stage, because Triton stages each
+    channel's `[D, L]` word and parameter gathers in shared memory: for int4 pages of D = 128,
+    168 KB at two stages (one program per multiprocessor) against 37 KB at one
+    (`experiments/bench/triton_static.py`; not yet timed on a GPU).
     """
     big = cols * head_dim >= (64 if quantized else 128) * 128 or rows >= 64
-    return (8 if big else 4), 2
+    return (8 if big else 4), (1 if quantized else 2)
 
 
 def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,

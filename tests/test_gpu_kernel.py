@@ -22,37 +22,12 @@ import numpy as np
 import pytest
 
 import kernel_mode
+from experiments.bench.triton_static import triton_modules
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import (gpu_block_sizes, gpu_launch, paged_attention,
-                                            paged_attention_reference, slab_width)
+                                            paged_attention_reference, slab_width,
+                                            uses_slabs)
 from test_paged_attention import make_pool, packed_channels, packed_tokens, queries
-
-
-def triton_modules(fn, *args) -> list[tuple[str, dict]]:
-    """(Triton IR text, launch config) of every Triton kernel `jax.jit(fn)` lowers to for CUDA."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton.lowering import _new_ir_context
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    found = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    if (child.operation.name == "stablehlo.custom_call" and "triton" in
-                            str(child.attributes["call_target_name"])):
-                        found.append(child)
-                    walk(child.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
-    out = []
-    for call in found:
-        config = call.attributes["mhlo.backend_config"]
-        with _new_ir_context():
-            text = str(ir.Module.parse(config["ir"].value_bytes))
-        launch = {k: int(str(config[k]).split(":")[0]) for k in ("num_warps", "num_stages")}
-        out.append((text, launch))
-    return out
 
 
 DOT = re.compile(r"tt\.dot .*: tensor<(\d+)x(\d+)x(\w+)> \* tensor<(\d+)x(\d+)x(\w+)> -> "
@@ -115,7 +90,8 @@ def test_triton_dots_take_bf16_operands(name, head_dim):
         assert (a, b, acc) == ("bf16", "bf16", "f32"), (a, b, acc)
     shapes = sorted((int(d[0]), int(d[1]), int(d[4])) for d in dots)
     assert shapes == _dot_shapes(kf, vf, head_dim, 64), shapes
-    assert launch["num_warps"] in (4, 8) and launch["num_stages"] == 2
+    assert launch == dict(zip(("num_warps", "num_stages"), gpu_launch(
+        16, head_dim, 64, not (uses_slabs(kf, vf, head_dim) or kf is vf is pf.DENSE))))
 
 
 def test_packed_pages_take_the_slab_path_where_the_shapes_allow():
@@ -252,6 +228,7 @@ def test_gpu_block_sizes():
     assert gpu_block_sizes(100, 16, 5, 4) == (4, 8, 13)  # splits a multiple of the step
     assert gpu_launch(16, 128, 128, quantized=False) == (8, 2)
     assert gpu_launch(16, 64, 64, quantized=False) == (4, 2)
+    assert gpu_launch(16, 128, 64, quantized=True) == (8, 1)  # [D, L] gathers: one stage
 
 
 def test_compiled_mode_switch(monkeypatch):

@@ -42,8 +42,8 @@ bench() {  # name, shape, time limit, extra args
   cp "$SCRATCH/$name.json" "$OUT/" 2>/dev/null
 }
 bench bench_llama3-8b llama3-8b "${BENCH_S:-150}" --formats bf16 fp8 int8 int4 kivi4 kivi2 \
-  --launch 0 4x2 4x3
-bench bench_smollm2 smollm2 "${BENCH_SMALL_S:-55}" --formats bf16 fp8 int8 int4 kivi4 --launch 0 4x2
+  --launch 0 4x1 8x2 4x2
+bench bench_smollm2 smollm2 "${BENCH_SMALL_S:-55}" --formats bf16 fp8 int8 int4 kivi4 --launch 0 4x2 4x1
 if [ -n "${BEFORE:-}" ]; then  # the earlier kernel, and int8 off the slab path, same device
   PYTHONPATH="$ROOT/$BEFORE:$PYTHONPATH" $PY -c "import kernels_pallas as k; print('before:', k.__file__)" >>"$OUT/bench.log" 2>&1
   PYTHONPATH="$ROOT/$BEFORE:$PYTHONPATH" bench bench_before llama3-8b "${BEFORE_S:-50}" \

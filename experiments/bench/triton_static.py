@@ -1,0 +1,176 @@
+"""What the GPU kernel costs per loop step, read from the compiler instead of a GPU.
+
+For each page format (and launch config) this lowers kvjax's GPU paged
+attention for CUDA on this host, takes the Triton IR out of the
+`__gpu$xla.gpu.triton` custom call, compiles it for an H100/H200 (sm_90a) with
+the `triton` package's own compiler and `ptxas` (no GPU needed), and reads:
+
+  * registers per thread and spill bytes (`ptxas -v`), shared memory per
+    program, and so how many programs fit on one multiprocessor (65,536
+    registers, 228 KB of shared memory, 64 warps);
+  * the SASS of the main loop (the longest backward branch, `nvdisasm`): its
+    instructions per warp, times the warps, is the warp-instructions one loop
+    step issues; beside the bytes a step reads, that is the issue cost per
+    byte, which bounds a format's speed when it is not memory-bound;
+  * the loop's opcode histogram (global loads, cp.async copies, shared-memory
+    round trips, barriers, tensor-core ops, conversions).
+
+A static proxy, not a timing: the `triton` package here is not the Triton
+that XLA bundles on a GPU machine, and nothing is run. Use it to compare
+kernel variants between GPU runs; time them with `experiments/bench/kernels.py`.
+Needs `pip install triton` (Linux x86-64; any 3.x whose parser reads the IR).
+
+    python experiments/bench/triton_static.py --out docs/bench/triton_static.json
+    python experiments/bench/triton_static.py --formats int4 --launch 0 8x1 8x2
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+from experiments.bench import kernels as bench
+from kernels_pallas.paged_attention import paged_attention
+
+SM90 = dict(registers=65536, shared=228 * 1024, warps=64)
+
+
+def triton_modules(fn, *args) -> list[tuple[str, dict]]:
+    """(Triton IR text, launch config) of every Triton kernel `jax.jit(fn)` lowers to for CUDA."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton.lowering import _new_ir_context
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    if (child.operation.name == "stablehlo.custom_call" and "triton" in
+                            str(child.attributes["call_target_name"])):
+                        found.append(child)
+                    walk(child.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    out = []
+    for call in found:
+        config = call.attributes["mhlo.backend_config"]
+        with _new_ir_context():
+            text = str(ir.Module.parse(config["ir"].value_bytes))
+        launch = {k: int(str(config[k]).split(":")[0]) for k in ("num_warps", "num_stages")}
+        out.append((text, launch))
+    return out
+
+
+def _tool(name: str) -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def compile_sm90(ttir: str, num_warps: int, num_stages: int, workdir: Path) -> dict:
+    """Triton IR text -> PTX (Triton's compiler) -> cubin (ptxas): resources and loop SASS."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    src = workdir / "kernel.ttir"
+    src.write_text(ttir)
+    kernel = triton_compile(str(src), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = workdir / "kernel.ptx"
+    ptx.write_text(kernel.asm["ptx"])
+    cubin = workdir / "kernel.cubin"
+    info = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)],
+                          capture_output=True, text=True, check=True).stderr
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    shared = kernel.metadata.shared
+    fit = min(SM90["registers"] // max(regs * 32 * num_warps, 1),
+              SM90["shared"] // max(shared, 1), SM90["warps"] // num_warps)
+    loop = loop_opcodes(sass)
+    return dict(registers=regs, spill_bytes=spills, shared_bytes=shared,
+                programs_per_sm=fit, loop_instructions_per_warp=sum(loop.values()),
+                loop_warp_instructions=sum(loop.values()) * num_warps,
+                loop_opcodes=dict(loop.most_common()))
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcode counts (`LDG`, `HMMA`, ...) of the longest backward-branch span: the main loop."""
+    instructions, labels = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instructions)
+        op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);",
+                      line)
+        if op:
+            instructions.append((op.group(1).split(".")[0], op.group(2)))
+    spans = [(labels[t.group(1)], i) for i, (op, rest) in enumerate(instructions)
+             if op == "BRA" and (t := re.search(r"(\.L_x_\d+)", rest))
+             and labels.get(t.group(1), i) < i]
+    start, end = max(spans, key=lambda s: s[1] - s[0], default=(0, len(instructions) - 1))
+    return collections.Counter(op for op, _ in instructions[start:end + 1])
+
+
+def analyse(shape_name: str, fmt_name: str, launch, page_size: int = 64) -> dict:
+    """One format's kernel at Llama-style decode (one 64-slot page a loop step by default)."""
+    shape = bench.SHAPES[shape_name]
+    kvh, d = shape["kv_heads"], shape["head_dim"]
+    q, q_pos, pos, tables, counts, plane = bench.make_layout(jax.random.key(0), 2, 1024,
+                                                             page_size, shape)
+    kf, vf = bench.formats(fmt_name, page_size, d)
+    k = bench.random_pages(jax.random.key(1), kf, fmt_name, kvh * plane, page_size, d)
+    v = bench.random_pages(jax.random.key(2), vf, fmt_name if vf is kf else "v", kvh * plane,
+                           page_size, d)
+    fn = functools.partial(paged_attention, backend="gpu", k_format=kf, v_format=vf,
+                           head_stride=plane, launch=launch)
+    (ttir, config), = triton_modules(fn, q, q_pos, k, v, pos, tables, counts)
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = compile_sm90(ttir, config["num_warps"], config["num_stages"], Path(tmp))
+    read = bench.per_page_bytes((k, v)) + page_size * 4  # one page of keys, values, positions
+    return dict(shape=shape_name, format=fmt_name, **config, step_bytes=read,
+                warp_instructions_per_kb=round(stats["loop_warp_instructions"] / read * 1024, 1),
+                **stats)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["llama3-8b"], choices=list(bench.SHAPES))
+    parser.add_argument("--formats", nargs="+", default=["bf16", "fp8", "int8", "int4", "kivi4"],
+                        choices=list(bench.FORMATS))
+    parser.add_argument("--launch", type=bench.launch_arg, nargs="+", default=[None],
+                        help="WARPSxSTAGES; 0 = the kernel's default")
+    parser.add_argument("--out", default=None, help="JSON file")
+    args = parser.parse_args(argv)
+    import triton  # noqa: F401 - fail early with the package's name
+    rows = []
+    for shape in args.shapes:
+        for fmt in args.formats:
+            for launch in args.launch:
+                rows.append(analyse(shape, fmt, launch))
+                r = rows[-1]
+                print(f"{shape} {fmt} warps={r['num_warps']} stages={r['num_stages']}: "
+                      f"{r['registers']} regs, {r['spill_bytes']} B spilled, "
+                      f"{r['shared_bytes']} B shared, {r['programs_per_sm']} programs/SM, "
+                      f"loop {r['loop_warp_instructions']} warp-instr for {r['step_bytes']} B "
+                      f"({r['warp_instructions_per_kb']}/KB)", flush=True)
+    if args.out:
+        import triton
+        meta = dict(**bench.environment(), triton=triton.__version__, target="sm_90a",
+                    command="python experiments/bench/triton_static.py " +
+                    " ".join(argv if argv is not None else __import__("sys").argv[1:]))
+        Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
