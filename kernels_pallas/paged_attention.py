@@ -81,8 +81,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Dense, Format,
-                                         PackedTokenRows, PackedTokens, PageRef,
-                                         block_spec, exact_float, half_to_f32)
+                                         PackedChannels, PackedTokenRows, PageRef)
 
 EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
 NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
@@ -375,125 +374,6 @@ def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
 # ----------------------------------------------------------------------------- GPU (Triton)
 
 
-# Packed pages as channel slabs (GPU). Plane j of a packed page's W code words per slot holds
-# channels [jW, (j+1)W) (`page_formats.unpack_planes`), so each plane is a *slab* of W
-# consecutive channels cut from the words with one shift and mask; it enters the dots as exact
-# integer codes, the keys' scale and offset on the [GT, L] scores and the values' on the
-# probabilities. Nothing [D, L]-sized is dequantized and no tile is reshaped. Measured on an
-# H200 (docs/BENCHMARKS.md, "Codes into the dots"): 2.8x faster than the decode path for int8
-# pages of D = 128 (W = 32), but 3-6x slower for W = 16 (int4 at D = 128, int8 at D = 64) and
-# for KIVI keys, so only slabs of at least `SLAB_MIN_WORDS` words take it (docs/DECISIONS.md,
-# "GPU: codes into the dots").
-
-SLAB_MIN_WORDS = 32  # narrower planes measured slower than the decode path on an H200
-
-
-def slab_width(fmt, head_dim: int) -> int | None:
-    """Channels per slab where `fmt` pages enter the GPU dots as codes, else None (decode path).
-
-    Per-token packed codes (`PackedTokens`) whose planes hold >= `SLAB_MIN_WORDS` word rows
-    (W = D * bits / 32: 8-bit codes at D >= 128), each plane inside one parameter group
-    (group % W == 0).
-    """
-    if not isinstance(fmt, PackedTokens):
-        return None
-    w = head_dim * fmt.bits // 32
-    if w < SLAB_MIN_WORDS or fmt.group % w:
-        return None
-    return w
-
-
-def uses_slabs(k_format, v_format, head_dim: int) -> bool:
-    """True when the GPU kernel reads both keys and values as code slabs of one width."""
-    k = slab_width(k_format, head_dim)
-    return k is not None and slab_width(v_format, head_dim) == k
-
-
-class _Words:
-    """One loop step's word rows of a packed page block, each loaded at most once."""
-
-    def __init__(self, block: PageRef, width: int):
-        self.block, self.width, self.loaded = block, width, {}
-
-    def row(self, r: int) -> jax.Array:  # [1, L] uint32
-        if r not in self.loaded:
-            self.loaded[r] = GPU_OPS.take(self.block, jnp.full((1,), r, jnp.int32), self.width)
-        return self.loaded[r]
-
-    def codes(self, fmt, head_dim: int, i: int, dtype) -> jax.Array:
-        """Plane i's codes: channels [i*W, (i+1)*W) -> [W, L] in `dtype` (exact integers); the
-        W word rows are loaded once for all planes."""
-        w = head_dim * fmt.bits // 32
-        if "planes" not in self.loaded:
-            self.loaded["planes"] = GPU_OPS.take(self.block, jax.lax.iota(jnp.int32, w),
-                                                 self.width)
-        mask = jnp.uint32((1 << fmt.bits) - 1)
-        codes = (self.loaded["planes"] >> jnp.uint32(i * fmt.bits)) & mask
-        return exact_float(codes).astype(dtype)
-
-
-def _param_row(load, start: int, logical: int, n: int, dtype: str) -> jax.Array:
-    """Logical parameter row `logical` of n packed by `pack_rows` from word row `start` -> f32.
-
-    `load(word_row)` returns that row's words (any shape)."""
-    if dtype == "float32":
-        return jax.lax.bitcast_convert_type(load(start + logical), jnp.float32)
-    half = -(-n // 2)
-    words = jax.lax.bitcast_convert_type(load(start + logical % half), jnp.int32)
-    return half_to_f32((words >> (16 * (logical // half))) & 0xFFFF, dtype)
-
-
-def _token_params(fmt: PackedTokens, words: _Words, head_dim: int, g: int):
-    """Group g's per-slot scale and offset -> ([1, L], [1, L]) float32."""
-    start, n = head_dim * fmt.bits // 32, fmt.n_params(head_dim)
-    scale = _param_row(words.row, start, g, n, fmt.param_dtype)
-    if fmt.symmetric:
-        return scale, -(2.0 ** (fmt.bits - 1)) * scale
-    return scale, _param_row(words.row, start, head_dim // fmt.group + g, n, fmt.param_dtype)
-
-
-def _slab_dot(a, b, contract_b: int):
-    prec = (jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else jax.lax.Precision.DEFAULT)
-    return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=prec,
-                               preferred_element_type=jnp.float32)
-
-
-def _slab_scores(q_slabs, k_format, k_blocks, head_dim: int, k: int, dtype):
-    """Unscaled scores [GT, L] of the step's per-token keys, entering the dots as codes:
-    sum over groups g of scale_g * (q_g . c) + offset_g * sum(q_g). q_slabs: [GT, K] query
-    slabs in `dtype`."""
-    words = _Words(k_blocks[0], k_format.page_size([k_blocks[0].ref], head_dim))
-    per_group = {}
-    for i, q_i in enumerate(q_slabs):
-        g = i * k // k_format.group
-        d = _slab_dot(q_i, words.codes(k_format, head_dim, i, dtype), 0)  # [GT, L]
-        q_sum = jnp.sum(q_i.astype(jnp.float32), axis=1, keepdims=True)
-        d0, q0 = per_group.get(g, (0.0, 0.0))
-        per_group[g] = (d0 + d, q0 + q_sum)
-    out = 0.0
-    for g, (d, q_sum) in per_group.items():
-        scale, offset = _token_params(k_format, words, head_dim, g)
-        out = out + d * scale + q_sum * offset
-    return out
-
-
-def _slab_values(p, correction, acc, v_format, v_blocks, head_dim: int, k: int, dtype):
-    """acc: per-slab accumulators [GT, K] -> acc * correction + p @ v, slab by slab.
-
-    v_s = scale_s * c_s + offset_s per group: p @ v = (p * scale) @ c + (p . offset)."""
-    words = _Words(v_blocks[0], v_format.page_size([v_blocks[0].ref], head_dim))
-    groups, out = {}, []
-    for i, acc_i in enumerate(acc):
-        g = i * k // v_format.group
-        if g not in groups:
-            scale, offset = _token_params(v_format, words, head_dim, g)
-            groups[g] = ((p * scale).astype(dtype), jnp.sum(p * offset, axis=1, keepdims=True))
-        p_scaled, p_offset = groups[g]
-        pv = _slab_dot(p_scaled, words.codes(v_format, head_dim, i, dtype), 1)  # [GT, K]
-        out.append(acc_i * correction + pv + p_offset)
-    return tuple(out)
-
-
 def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format,
                 v_format, pages_per_split, pages_per_step, math, head_stride):
     # tables_ref [B, KVH, NP] or shared [B, NP], counts_ref / starts_ref [B, KVH]: whole arrays;
@@ -515,15 +395,7 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
     # Triton can see are contiguous along the slots (vector loads)
     which = jax.lax.div(col, page_size) if pages_per_step > 1 else 0
     slot = jax.lax.rem(col, page_size)
-    width = slab_width(k_format, d)  # channels per code slab (slab path only)
-    slabs = uses_slabs(k_format, v_format, d)
-    dtype = math["compute_dtype"]
-    if slabs:
-        q_slabs = [q_ref[:, pl.ds(i * width, width)] for i in range(d // width)]
-        acc0 = tuple(jnp.zeros((rows, width), jnp.float32) for _ in q_slabs)
-    else:
-        q = q_ref[...]
-        acc0 = jnp.zeros((rows, d), jnp.float32)
+    q = q_ref[...]
     lookup = lambda i: (tables_ref[b, h, i] if head_stride is None
                         else tables_ref[b, i] + h * head_stride)
 
@@ -534,40 +406,34 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
         page = lookup(jnp.minimum(idx, last - 1))
         kpos = jnp.where(live, pos_ref[page, 0, slot], EMPTY)  # [1, L]
         blocks = lambda fmt_refs: [PageRef(r, page) for r in fmt_refs]
-        if not slabs:
-            return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), kpos, qpos,
-                              carry, GPU_OPS, head_dim=d, **math)
-        m, l, acc = carry
-        s = _slab_scores(q_slabs, k_format, blocks(k_refs), d, width, dtype)
-        m, l, p, correction = online_softmax(s * math["scale"], kpos, qpos, m, l,
-                                             window=math["window"], softcap=math["softcap"])
-        return m, l, _slab_values(p, correction, acc, v_format, blocks(v_refs), d, width, dtype)
+        return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), kpos, qpos,
+                          carry, GPU_OPS, head_dim=d, **math)
 
-    init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32), acc0)
+    init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
+            jnp.zeros((rows, d), jnp.float32))
     steps = jax.lax.div(jnp.maximum(last - first, 0) + pages_per_step - 1, pages_per_step)
     m, l, acc = jax.lax.fori_loop(0, steps, body, init)
-    if slabs:
-        for i, acc_i in enumerate(acc):
-            acc_out[:, pl.ds(i * width, width)] = acc_i
-    else:
-        acc_out[...] = acc
+    acc_out[...] = acc
     m_out[...], l_out[...] = m, l
 
 
-def gpu_launch(rows: int, head_dim: int, cols: int, quantized: bool) -> tuple[int, int]:
+def gpu_launch(rows: int, head_dim: int, cols: int, k_format, v_format) -> tuple[int, int]:
     """(num_warps, num_stages) for a Triton program of `rows` query rows over `cols` slots a step.
 
-    Four warps for small tiles; eight once a step's [cols, D] tile reaches 128 x 128 (or 64 x
-    128 of decoded quantized pages, whose f32 decode lives in registers), as jax's own GPU paged
-    attention uses. Dense pages: two stages (the loop's gathers of step i + 1 overlap step
-    i's math); on an H200 bf16 pages read at 0.97-1.04 of copy bandwidth so
-    (docs/BENCHMARKS.md). Decoded packed pages: one stage, because Triton stages each
-    channel's `[D, L]` word and parameter gathers in shared memory: for int4 pages of D = 128,
-    168 KB at two stages (one program per multiprocessor) against 37 KB at one
-    (`experiments/bench/triton_static.py`; not yet timed on a GPU).
+    Dense pages: four warps, eight once a step's [cols, D] tile reaches 128 x 128 or the
+    rows 64 (as jax's own GPU paged attention uses), and two stages (the loop's gathers of
+    step i + 1 overlap step i's math); on an H200 bf16 pages read at 0.97-1.04 of copy
+    bandwidth so (docs/BENCHMARKS.md). Packed pages: one stage, because Triton stages each
+    channel's `[D, L]` word and parameter gathers in shared memory (int4 at D = 128: 168 KB
+    at two stages, one program per multiprocessor; 37 KB at one); four warps, the fewest
+    instructions a step, except for KIVI keys, whose per-slot table gathers spill at four
+    (eight: none). From `experiments/bench/triton_static.py` (docs/BENCHMARKS.md); not yet
+    timed on a GPU.
     """
-    big = cols * head_dim >= (64 if quantized else 128) * 128 or rows >= 64
-    return (8 if big else 4), (1 if quantized else 2)
+    big = cols * head_dim >= 128 * 128 or rows >= 64
+    if isinstance(k_format, Dense) and isinstance(v_format, Dense):
+        return (8 if big else 4), 2
+    return (8 if big or isinstance(k_format, PackedChannels) else 4), 1
 
 
 def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
@@ -580,12 +446,8 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
     kernel = functools.partial(_gpu_kernel, k_format=k_format, v_format=v_format,
                                pages_per_split=pages_per_split, pages_per_step=pages_per_block,
                                math=math, head_stride=head_stride)
-    # codes in the dots keep no [D, L] float tile in registers: launched as dense pages are
-    # (measured on an H200: 4 warps 3.62 ms, 8 warps 5.33 ms for Llama-3-8B int8 at 64 x 32k)
-    quantized = not (isinstance(k_format, Dense) and isinstance(v_format, Dense)
-                     or uses_slabs(k_format, v_format, d))
     num_warps, num_stages = launch or gpu_launch(rows, d, pages_per_block * pos_pages.shape[-1],
-                                                 quantized)
+                                                 k_format, v_format)
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid=(b, kvh, splits),

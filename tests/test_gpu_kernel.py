@@ -16,7 +16,6 @@ compiled on one.
 import functools
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,8 +24,7 @@ import kernel_mode
 from experiments.bench.triton_static import triton_modules
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import (gpu_block_sizes, gpu_launch, paged_attention,
-                                            paged_attention_reference, slab_width,
-                                            uses_slabs)
+                                            paged_attention_reference)
 from test_paged_attention import make_pool, packed_channels, packed_tokens, queries
 
 
@@ -60,24 +58,13 @@ def _pool(group=3, t=1, page_size=16, lengths=(70, 128, 5), head_dim=64):
     return q, jnp.maximum(q_pos, 0), k, v, pos, tables, counts
 
 
-def _dot_shapes(kf, vf, head_dim: int, cols: int):
-    """The (M, K, N) of every tl.dot one loop step should issue: two [D, L] dots on decoded
-    pages, or per-slab dots on codes (`slab_width`): q_i [16, W] @ codes [W, L] per key plane,
-    p [16, L] @ codes.T [L, W] per value plane."""
-    k = slab_width(kf, head_dim)
-    if k is None or slab_width(vf, head_dim) != k:
-        return sorted([(16, head_dim, cols), (16, cols, head_dim)])
-    n = head_dim // k
-    return sorted([(16, k, cols)] * n + [(16, cols, k)] * n)
-
-
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_triton_dots_take_bf16_operands(name, head_dim):
     """bf16 queries: every tl.dot of every format takes bf16 x bf16 -> f32 (tensor cores), over
-    L = 4 pages x 16 slots = 64 columns a step, on GQA-3 rows padded to 16 (tl.dot's minimum).
-    8-bit pages of D = 128 enter the dots as codes, one dot per plane (no [D, L] decode); the
-    other formats as two dots on decoded pages."""
+    L = 4 pages x 16 slots = 64 columns a step, on GQA-3 rows padded to 16 (tl.dot's minimum):
+    two dots a step, q [16, D] @ k [D, L] and p [16, L] @ v [L, D], on pages decoded in
+    registers."""
     kf, vf, encode = FORMATS[name]
     q, q_pos, k, v, pos, tables, counts = _pool(head_dim=head_dim)
     kp, vp = encode(k, v)
@@ -89,21 +76,19 @@ def test_triton_dots_take_bf16_operands(name, head_dim):
     for m, kdim, a, k2, n, b, m2, n2, acc in dots:
         assert (a, b, acc) == ("bf16", "bf16", "f32"), (a, b, acc)
     shapes = sorted((int(d[0]), int(d[1]), int(d[4])) for d in dots)
-    assert shapes == _dot_shapes(kf, vf, head_dim, 64), shapes
-    assert launch == dict(zip(("num_warps", "num_stages"), gpu_launch(
-        16, head_dim, 64, not (uses_slabs(kf, vf, head_dim) or kf is vf is pf.DENSE))))
+    assert shapes == sorted([(16, head_dim, 64), (16, 64, head_dim)]), shapes
+    assert launch == dict(zip(("num_warps", "num_stages"), gpu_launch(16, head_dim, 64, kf, vf)))
 
 
-def test_packed_pages_take_the_slab_path_where_the_shapes_allow():
-    """Which formats enter the dots as codes: per-token planes of W >= 32 word rows (8-bit at
-    D >= 128; narrower planes and KIVI keys measured slower on an H200), inside one group."""
-    assert slab_width(pf.PackedTokens(8, 32), 128) == 32
-    assert slab_width(pf.PackedTokens(8, 64, True), 256) == 64
-    assert slab_width(pf.PackedTokens(4, 32), 128) is None  # W = 16
-    assert slab_width(pf.PackedTokens(8, 32), 64) is None  # W = 16
-    assert slab_width(pf.PackedTokens(8, 16), 128) is None  # a plane would span two groups
-    assert slab_width(pf.PackedChannels(8, 3), 128) is None  # KIVI keys: the decode path
-    assert slab_width(pf.DENSE, 128) is None
+def test_launch_configs():
+    """Dense pages: two stages, 8 warps from [128, 128] tiles; packed pages: one stage (their
+    per-channel gathers are staged in shared memory otherwise), 4 warps, 8 for KIVI keys."""
+    dense, int4, kivi = pf.DENSE, pf.PackedTokens(4, 32), pf.PackedChannels(4, 3)
+    assert gpu_launch(16, 128, 128, dense, dense) == (8, 2)
+    assert gpu_launch(16, 64, 64, dense, dense) == (4, 2)
+    assert gpu_launch(16, 128, 64, int4, int4) == (4, 1)
+    assert gpu_launch(16, 128, 64, kivi, int4) == (8, 1)
+    assert gpu_launch(64, 128, 64, int4, int4) == (8, 1)  # prefill chunks of 64 rows
 
 
 LOAD = re.compile(r"tt\.load .*: tensor<(\d+)x(\d+)x!tt\.ptr<i32>>")
@@ -117,21 +102,16 @@ def test_packed_pages_load_as_whole_channel_tiles(name, head_dim):
     channel's code word and one [D, 64] load of its group's parameter word (16-bit scale and
     offset share a word; one [1, 64] row where a single group's scale goes on the scores):
     channels decode in place, with no [W, 64] tile cut and reshaped
-    into channel order (the planes of a word re-read it from cache). On the slab path the W
-    code rows load at once and each parameter row on its own."""
+    into channel order (the planes of a word re-read it from cache)."""
     kf, vf, encode = FORMATS[name]
     q, q_pos, k, v, pos, tables, counts = _pool(head_dim=head_dim)
     kp, vp = encode(k, v)
     fn = functools.partial(paged_attention, k_format=kf, v_format=vf, backend="gpu")
     (text, _), = triton_modules(fn, q.astype(jnp.bfloat16), q_pos, kp, vp, pos, tables, counts)
     rows = sorted(int(r) for r, cols in LOAD.findall(text) if cols == "64")
-    words, params = head_dim * kf.bits // 32, kf.param_words(head_dim)
-    if slab_width(kf, head_dim):
-        assert rows == sorted([1, 1] + 2 * ([words] + [1] * params)), rows
-    else:
-        assert kf.param_dtype != "float32" and not kf.symmetric  # one word per group
-        key_params = 1 if kf.scales_scores(head_dim) else head_dim  # one group: on the scores
-        assert rows == sorted([1, 1, key_params] + [head_dim] * 3), rows
+    assert kf.param_dtype != "float32" and not kf.symmetric  # one word per group
+    key_params = 1 if kf.scales_scores(head_dim) else head_dim  # one group: on the scores
+    assert rows == sorted([1, 1, key_params] + [head_dim] * 3), rows
 
 
 def test_float32_queries_get_bf16_dots_when_asked():
@@ -170,7 +150,7 @@ def test_bf16_operands_match_the_reference(name, pages_per_block):
     assert err.mean() < 5e-3  # most elements far inside the bound
 
 
-SLAB_FORMATS = {
+EIGHT_BIT = {
     "int8-g32": (pf.PackedTokens(8, 32), pf.PackedTokens(8, 32),
                  lambda k, v: (packed_tokens(k, 8, 32, False), packed_tokens(v, 8, 32, False))),
     "int8-sym-g64-int8-g32": (pf.PackedTokens(8, 64, True), pf.PackedTokens(8, 32),
@@ -183,13 +163,13 @@ SLAB_FORMATS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SLAB_FORMATS))
-def test_codes_in_the_dots_match_float32(name):
-    """The slab path (codes into the dots, scales on scores and probabilities) at float32:
-    equal to the reference that dequantizes every page, to float32 rounding; 8-bit pages of
-    D = 128, symmetric or not, 16/32-bit parameters, one or two planes a group, ragged rows."""
-    kf, vf, encode = SLAB_FORMATS[name]
-    assert slab_width(kf, 128) and slab_width(vf, 128)
+@pytest.mark.parametrize("name", list(EIGHT_BIT))
+def test_per_channel_gathers_match_float32(name):
+    """The GPU decode (each channel's word and group parameters gathered per channel) at
+    float32: equal to the reference that unpacks every page with `unpack_planes`, to float32
+    rounding; 8-bit pages of D = 128, symmetric or not, 16/32-bit parameters, one or two
+    groups a slot's 32-channel planes, ragged rows."""
+    kf, vf, encode = EIGHT_BIT[name]
     rng = np.random.default_rng(7)
     lengths = [0, 1, 17, 50, 112]
     k, v, pos, tables, counts = make_pool(rng, batch=5, kv_heads=2, page_size=16,
@@ -226,9 +206,6 @@ def test_gpu_block_sizes():
     assert gpu_block_sizes(3, 16, 8, None) == (4, 4, 1)  # capped at the table's next pow2
     assert gpu_block_sizes(1, 8, 1, None) == (2, 2, 1)  # >= 16 slots for tl.dot
     assert gpu_block_sizes(100, 16, 5, 4) == (4, 8, 13)  # splits a multiple of the step
-    assert gpu_launch(16, 128, 128, quantized=False) == (8, 2)
-    assert gpu_launch(16, 64, 64, quantized=False) == (4, 2)
-    assert gpu_launch(16, 128, 64, quantized=True) == (8, 1)  # [D, L] gathers: one stage
 
 
 def test_compiled_mode_switch(monkeypatch):

@@ -2,9 +2,9 @@
 # Every GPU check in one prepared run (an H100/H200; about 9 minutes: run it with timeout_s 600):
 #   1. experiments/bench/kernels.py: decode attention per page format, Llama-3-8B and SmolLM2
 #      shapes at batch 64 x 32k, with a sweep of launch configs, beside jax's own GPU paged
-#      attention (bf16 pages); int8 pages on and off the codes-into-the-dots (slab) path;
-#      with BEFORE=DIR, the packed formats again with DIR/kernels_pallas (an earlier kernel,
-#      e.g. `git show` of the parent commit) in the same run: an A/B on the same device;
+#      attention (bf16 pages); with BEFORE=DIR, bf16 and the packed formats again with
+#      DIR/kernels_pallas (an earlier kernel, e.g. `git show` of an older commit) in the same
+#      run: an A/B on the same device;
 #   2. the kernel tests compiled on the GPU (KVJAX_PALLAS_COMPILED=1, tests/kernel_mode.py),
 #      tests/test_paged_attention.py first;
 #   3. experiments/bench/gpu_model_check.py: whole-model impl="pallas" beside impl="xla".
@@ -44,22 +44,10 @@ bench() {  # name, shape, time limit, extra args
 bench bench_llama3-8b llama3-8b "${BENCH_S:-150}" --formats bf16 fp8 int8 int4 kivi4 kivi2 \
   --launch 0 4x1 8x2 4x2
 bench bench_smollm2 smollm2 "${BENCH_SMALL_S:-55}" --formats bf16 fp8 int8 int4 kivi4 --launch 0 4x2 4x1
-if [ -n "${BEFORE:-}" ]; then  # the earlier kernel, and int8 off the slab path, same device
+if [ -n "${BEFORE:-}" ]; then  # the earlier kernel on the same device, same pages
   PYTHONPATH="$ROOT/$BEFORE:$PYTHONPATH" $PY -c "import kernels_pallas as k; print('before:', k.__file__)" >>"$OUT/bench.log" 2>&1
-  PYTHONPATH="$ROOT/$BEFORE:$PYTHONPATH" bench bench_before llama3-8b "${BEFORE_S:-50}" \
-    --formats int8 int4 kivi4
-  bench bench_slabs llama3-8b 35 --formats int8 --slab-min-words 1024 --launch 0 4x2
-  $PY - "$SCRATCH" "$OUT/bench_before.json" <<'PY'  # one file: the before rows, then slab-off
-import json, sys, pathlib
-rows, meta = [], {}
-for name, tag in (("bench_before", "before "), ("bench_slabs", "")):
-    p = pathlib.Path(sys.argv[1]) / f"{name}.json"
-    if p.is_file():
-        d = json.loads(p.read_text()); meta = meta or d["meta"]
-        rows += [dict(r, method=r["method"].replace("kvjax paged", f"kvjax paged {tag}".strip()))
-                 for r in d["rows"]]
-pathlib.Path(sys.argv[2]).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-PY
+  PYTHONPATH="$ROOT/$BEFORE:$PYTHONPATH" bench bench_before llama3-8b "${BEFORE_S:-60}" \
+    --formats bf16 int8 int4 kivi4
 fi
 grep -E "^\| (llama|smollm)" "$OUT/bench.log" | cut -c1-120
 

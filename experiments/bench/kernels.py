@@ -41,7 +41,6 @@ meaningless, nothing written unless `--out` is given); tests run it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import functools
 import json
@@ -53,7 +52,6 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import page_formats as pf
-from kernels_pallas import paged_attention as paged_attention_module
 from kernels_pallas.paged_attention import paged_attention
 from kvjax.backends.pallas import pallas_backend
 
@@ -142,18 +140,6 @@ def copy_gbs(n_bytes: int, repeats: int, rounds: int) -> float:
     return 2 * x.size * 4 / ms / 1e6
 
 
-@contextlib.contextmanager
-def slab_min_words(n: int):
-    """The GPU kernel's `SLAB_MIN_WORDS` set to n (0: left alone) while a variant is traced:
-    an A/B of its codes-into-the-dots path against the decode path on the same pages."""
-    old = paged_attention_module.SLAB_MIN_WORDS
-    paged_attention_module.SLAB_MIN_WORDS = n or old
-    try:
-        yield
-    finally:
-        paged_attention_module.SLAB_MIN_WORDS = old
-
-
 def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
     shape = SHAPES[shape_name]
     kvh, d, s = shape["kv_heads"], shape["head_dim"], args.page_size
@@ -201,13 +187,10 @@ def bench_cell(shape_name, batch, context, args, backend, interpret, copy_bw):
         k = random_pages(kk, kf, name, kvh * plane, s, d)
         v = random_pages(kv, vf, name if isinstance(vf, pf.Dense) else "v", kvh * plane, s, d)
         per_page = per_page_bytes((k, v)) + pos.shape[-1] * 4
-        variants = [(npb, launch, slabs) for slabs in args.slab_min_words
-                    for npb in args.pages_per_block for launch in args.launch]
-        for npb, launch, slabs in variants:  # 0 / None: the kernel's default
-            label = (f" ppb={npb}" if npb else "") + (
-                f" warps={launch[0]} stages={launch[1]}" if launch else "") + (
-                f" slab_min_words={slabs}" if slabs else "")
-            with slab_min_words(slabs):
+        for npb in args.pages_per_block:  # 0: the kernel's default step
+            for launch in args.launch:  # None: the kernel's default warps and stages
+                label = (f" ppb={npb}" if npb else "") + (
+                    f" warps={launch[0]} stages={launch[1]}" if launch else "")
                 measure("kvjax paged" + label, name, per_page,
                         lambda: jax.jit(functools.partial(kernel, k_format=kf, v_format=vf,
                                                           pages_per_block=npb or None,
@@ -329,9 +312,6 @@ def parse_args(argv=None):
     parser.add_argument("--launch", type=launch_arg, nargs="+", default=[None],
                         help="GPU (num_warps x num_stages) to try, e.g. 0 4x2 8x2 4x3 (0: the "
                              "kernel's default)")
-    parser.add_argument("--slab-min-words", type=int, nargs="+", default=[0],
-                        help="GPU: variants with the kernel's SLAB_MIN_WORDS set to each (0: "
-                             "its own); e.g. 0 1024 times int8 pages on and off the slab path")
     parser.add_argument("--mosaic-pages-per-step", type=int, default=2,
                         help="pages per pipeline step of the Mosaic GPU kernel (bf16 pages)")
     parser.add_argument("--repeats", type=int, default=10)

@@ -20,8 +20,9 @@ that XLA bundles on a GPU machine, and nothing is run. Use it to compare
 kernel variants between GPU runs; time them with `experiments/bench/kernels.py`.
 Needs `pip install triton` (Linux x86-64; any 3.x whose parser reads the IR).
 
-    python experiments/bench/triton_static.py --out docs/bench/triton_static.json
-    python experiments/bench/triton_static.py --formats int4 --launch 0 8x1 8x2
+    python -m experiments.bench.triton_static --out docs/bench/triton_static.json
+    python -m experiments.bench.triton_static --formats int4 --launch 0 4x1 8x2
+    python -m experiments.bench.triton_static --kernels OLD   # OLD/kernels_pallas: an A/B
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import importlib
 import json
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -142,6 +145,22 @@ def analyse(shape_name: str, fmt_name: str, launch, page_size: int = 64) -> dict
                 **stats)
 
 
+def use_kernels_from(directory: str) -> None:
+    """Analyse `directory`/kernels_pallas (an earlier kernel, e.g. `git show` of an older
+    commit) instead of the installed one: an A/B of two kernel versions by the same reading."""
+    global bench, paged_attention
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    sys.path.insert(0, str(Path(directory).resolve()))
+    for name in [m for m in sys.modules
+                 if m.split(".")[0] == "kernels_pallas" or m == "experiments.bench.kernels"]:
+        del sys.modules[name]
+    bench = importlib.import_module("experiments.bench.kernels")
+    paged_attention = importlib.import_module("kernels_pallas.paged_attention").paged_attention
+    found = importlib.import_module("kernels_pallas").__file__
+    if not found.startswith(str(Path(directory).resolve())):
+        raise SystemExit(f"--kernels {directory}: kernels_pallas still imports from {found}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["llama3-8b"], choices=list(bench.SHAPES))
@@ -149,9 +168,13 @@ def main(argv=None):
                         choices=list(bench.FORMATS))
     parser.add_argument("--launch", type=bench.launch_arg, nargs="+", default=[None],
                         help="WARPSxSTAGES; 0 = the kernel's default")
+    parser.add_argument("--kernels", default=None,
+                        help="a folder holding an earlier kernels_pallas to analyse instead")
     parser.add_argument("--out", default=None, help="JSON file")
     args = parser.parse_args(argv)
-    import triton  # noqa: F401 - fail early with the package's name
+    if args.kernels:
+        use_kernels_from(args.kernels)
+    import triton  # fail early, with the package's name
     rows = []
     for shape in args.shapes:
         for fmt in args.formats:
@@ -164,10 +187,10 @@ def main(argv=None):
                       f"loop {r['loop_warp_instructions']} warp-instr for {r['step_bytes']} B "
                       f"({r['warp_instructions_per_kb']}/KB)", flush=True)
     if args.out:
-        import triton
-        meta = dict(**bench.environment(), triton=triton.__version__, target="sm_90a",
-                    command="python experiments/bench/triton_static.py " +
-                    " ".join(argv if argv is not None else __import__("sys").argv[1:]))
+        meta = {**bench.environment(), "triton": triton.__version__, "target": "sm_90a",
+                "kernels": args.kernels or "installed",
+                "command": "python -m experiments.bench.triton_static " +
+                " ".join(sys.argv[1:] if argv is None else argv)}
         Path(args.out).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     return rows
 
