@@ -24,6 +24,11 @@ def test_nbytes_is_exact():
     assert kvjax.nbytes(jax.eval_shape(lambda: c)) == want  # works on shape structs too
     model_cache = kvjax.init_model_cache(kvjax.CacheSpec(5, 3, 8), batch=2, capacity=16)
     assert kvjax.nbytes(model_cache) == 5 * (2 * (2 * 3 * 16 * 8 * 4) + 2 * 3 * 16 * 4 + 4)
+    # as a bfloat16 cache stores it: float32 keys and values at 2 bytes, positions as they are
+    assert kvjax.nbytes(model_cache, float_dtype=jnp.bfloat16) == \
+        5 * (2 * (2 * 3 * 16 * 8 * 2) + 2 * 3 * 16 * 4 + 4)
+    fp8 = {"codes": jnp.zeros((4, 8), jnp.float8_e4m3fn), "scale": jnp.zeros((4,), jnp.float32)}
+    assert kvjax.nbytes(fp8, float_dtype=jnp.bfloat16) == 4 * 8 * 1 + 4 * 2  # fp8 not widened
 
 
 def test_write_appends_at_cursor_and_marks_padding_empty():

@@ -111,8 +111,11 @@ def grid_vs(method: str) -> float:
     return pct(GRID_PPL[method]["score"], GRID_FULL["score"])
 
 
+BYTES = "cache_bytes_per_token_bf16"  # the bytes a bfloat16 cache would hold (the tables' axis)
+
+
 def grid_of_full(method: str) -> float:
-    return 100 * GRID_PPL[method]["cache_bytes_per_token"] / GRID_FULL["cache_bytes_per_token"]
+    return 100 * GRID_PPL[method][BYTES] / GRID_FULL[BYTES]
 
 
 def grid(task: str, method: str, length: int = 1024) -> dict:
@@ -176,7 +179,7 @@ POLICIES_075 = [m for m in GRID_PPL if "+" not in m and m.endswith("ratio=0.75")
 def pareto(rows: dict) -> list[str]:
     """Methods no smaller cache beats on perplexity, smallest cache first."""
     front, best = [], math.inf
-    for m in sorted(rows, key=lambda m: rows[m]["cache_bytes_per_token"]):
+    for m in sorted(rows, key=lambda m: rows[m][BYTES]):
         if rows[m]["score"] < best:
             front.append(m)
             best = rows[m]["score"]
@@ -197,26 +200,41 @@ def _cells(q):
     same(q[3], len(timed))
 
 
+LABELS = {"H2O-0.75 + KIVI-4": "h2o:ratio=0.75+kivi:bits=4", "H2O-0.75": "h2o:ratio=0.75",
+          "Ada-KV-0.75": "snapkv:ratio=0.75,headwise=true",
+          "SnapKV-0.5 + KIVI-4": "snapkv:ratio=0.5+kivi:bits=4",
+          "H2O-0.5 + KIVI-4": "h2o:ratio=0.5+kivi:bits=4", "KIVI-4": "kivi:bits=4",
+          "int8": "quantize:bits=8,group=32", "fp8": "fp8",
+          "per-token int4": "quantize:bits=4,group=32"}
+
+
 def _pareto(q):
-    names = {"per-token int4": "quantize:bits=4,group=32",
-             "per-channel int4": "quantize:bits=4,group=32,axis=channel",
-             "SnapKV-0.5 + KIVI-4": "snapkv:ratio=0.5+kivi:bits=4",
-             "H2O-0.5 + KIVI-4": "h2o:ratio=0.5+kivi:bits=4", "fp8": "fp8",
-             "int8": "quantize:bits=8,group=32"}
-    listed = [names[q[i]] for i in range(0, len(q), 3)]
+    listed = [LABELS[q[i]] for i in range(0, len(q), 3)]
     assert listed == [m for m in pareto(GRID_PPL) if m != "full"]
     for i, m in zip(range(0, len(q), 3), listed):
         same(q[i + 1], grid_of_full(m))
         same(q[i + 2], grid_vs(m))
 
 
+def _codecs_off_front(q):
+    front = pareto(GRID_PPL)
+    for i in (0, 3):
+        m = LABELS[q[i]]
+        assert m not in front, m
+        same(q[i + 1], grid_of_full(m))
+        same(q[i + 2], grid_vs(m))
+
+
 def _beats_075(q):
     chain = "h2o:ratio=0.5+kivi:bits=4"
-    assert all(GRID_PPL[chain]["score"] < GRID_PPL[m]["score"] and
-               grid_of_full(chain) < grid_of_full(m) for m in POLICIES_075)
-    same(q[0], *(grid_of_full(m) for m in POLICIES_075))
-    same(q[1], min(grid_vs(m) for m in POLICIES_075))
-    same(q[2], max(grid_vs(m) for m in POLICIES_075))
+    same(q[0], grid_vs(chain))
+    same(q[1], grid_of_full(chain))
+    assert all(GRID_PPL[chain]["score"] < GRID_PPL[m]["score"] for m in POLICIES_075)
+    sizes = [grid_of_full(m) for m in POLICIES_075]
+    same(q[2], min(sizes))
+    same(q[3], max(sizes))
+    same(q[4], min(grid_vs(m) for m in POLICIES_075))
+    same(q[5], max(grid_vs(m) for m in POLICIES_075))
 
 
 def _rank_05(q):
@@ -240,9 +258,9 @@ def _kivi4(q):
     from kvjax.policies.codecs import kivi
     same(q[0], grid_vs("kivi:bits=4"))
     same(q[1], grid_of_full("kivi:bits=4"))
-    assert grid_of_full("kivi:bits=4") > grid_of_full("quantize:bits=8,group=32")
-    same(q[2], inspect.signature(kivi).parameters["residual"].default)
-    same(q[3], GRID_FULL["prefix"])
+    same(q[2], grid_of_full("quantize:bits=8,group=32"))
+    same(q[3], inspect.signature(kivi).parameters["residual"].default)
+    same(q[4], GRID_FULL["prefix"])
 
 
 def _depth_maps(q):
@@ -501,10 +519,13 @@ CLAIMS = {
     "peak_rss": (rf"peak resident memory of any worker was {N} GB",
                  lambda q: same(q[0], max(r["peak_rss_gb"] for r in EVAL))),
     "pareto": (r"The Pareto front, from the smallest cache up: - " + "; - ".join(
-        [rf"(per-token int4|per-channel int4|SnapKV-0.5 \+ KIVI-4|H2O-0.5 \+ KIVI-4|fp8|int8) "
-         rf"\({N} %, \+{N} %\)"] * 6) + r"\.", _pareto),
-    "beats_075": (rf"H2O-0.5 \+ KIVI-4 beats every policy at r = 0.75 \({N} %, \+{N} to \+{N} %\)",
-                  _beats_075),
+        [r"(" + "|".join(re.escape(k) for k in LABELS) + rf") \({N} %, \+{N} %\)"] * 7) + r"\.",
+        _pareto),
+    "codecs_off_front": (rf"per-token int4 keeps {N} % \(\+{N} %\) and fp8 {N} % \(\+{N} %\), "
+                         r"neither on the front",
+                         lambda q: _codecs_off_front(["per-token int4", *q[:2], "fp8", *q[2:]])),
+    "beats_075": (rf"H2O-0.5 \+ KIVI-4 reaches \+{N} % at {N} %, where every policy alone at "
+                  rf"r = 0.75 \({N}-{N} %\) costs \+{N} to \+{N} %", _beats_075),
     "rank_05": (rf"Ada-KV \+{N} %; - SnapKV, ExpectedAttention and H2O \+{N} %; - PyramidKV "
                 rf"\+{N} %, StreamingLLM \+{N} %, TOVA \+{N} %, Knorm \+{N} %; - random \+{N} %; "
                 rf"- a sliding window without sinks \+{N} %", _rank_05),
@@ -513,8 +534,8 @@ CLAIMS = {
                                    GRID_PPL["snapkv:ratio=0.75"]["score"])),
     "low_rank": (rf"rank 48 doubles perplexity \({N}, at {N} % of the bytes\) and rank 32 "
                  rf"quadruples it \({N}\)", _low_rank),
-    "kivi4": (rf"KIVI-4 costs \+{N} % but {N} % of the bytes, more than int8. Its {N} exact "
-              rf"recent tokens are a sixth of a {N}-token prefix", _kivi4),
+    "kivi4": (rf"KIVI-4 costs \+{N} % at {N} % of the bytes, against int8's {N} %. Its {N} "
+              rf"exact recent tokens are a sixth of a {N}-token prefix", _kivi4),
     "depth_maps": (rf"SnapKV-0.5, scoring the context's last 64 tokens, finds {N}-{N} of "
                    rf"10. - H2O-0.5 \+ KIVI-4 finds {N}, {N} and {N} of 10", _depth_maps),
     "ruler": (rf"multi-key: full {N}, StreamingLLM {N}, SnapKV {N}, H2O \+ KIVI-4 {N}; - "

@@ -13,8 +13,10 @@ side of a comparison is experiments/eval/kvpress_engine.py.
 * `ppl`: `trials` whole windows of `length` tokens of KJV Genesis (or the cell's `text_path`
   file); each window's first 3/4 is prefilled and compressed, the last 1/4 is fed on top
   and scored; `score` is the perplexity of those tokens (lower is better).
-  `cache_bytes_per_token` is the compressed prefix's bytes per prefix token (float32
-  cache), so methods compare on one memory axis.
+  `cache_bytes_per_token` is the compressed prefix's bytes per prefix token (the run's
+  float32 cache) and `cache_bytes_per_token_bf16` the same cache as bfloat16 would store it
+  (`kvjax.nbytes(..., float_dtype=bfloat16)`: float leaves at 2 bytes, codes unchanged), the
+  memory axis the tables use: compression against the cache users deploy.
 * `memory`: one window of `length` tokens of the same text prefilled into a bfloat16
   cache, compressed and shrunk to what it keeps; `score` is bytes per context token over
   all layers and KV heads, beside `theoretical` (`theoretical_bytes`: the formats alone),
@@ -284,6 +286,7 @@ def retrieval_row(cell: Cell, prompts: Prompts, texts: list[str], seconds: float
 
 def run_ppl_cell(cell: Cell) -> dict:
     """Continuation perplexity of `cell.trials` windows under the method (see module doc)."""
+    import jax.numpy as jnp
     import numpy as np
 
     import kvjax
@@ -295,14 +298,16 @@ def run_ppl_cell(cell: Cell) -> dict:
     prefix = int(cell.length * PPL_PREFIX)
     text = text_of(cell)
     windows = window_ids(tokenizer, text, cell.length, cell.trials)
-    nll, scored, kept_bytes, start = 0.0, 0, 0, time.perf_counter()
+    nll, scored, kept_bytes, kept_bf16, start = 0.0, 0, 0, 0, time.perf_counter()
     for b in range(0, len(windows), cell.batch):
         group = windows[b:b + cell.batch]
         conts = [w[prefix:] for w in group]
         pre = prefill_and_compress(model, [w[:prefix] for w in group],
                                    transform=method.transform,
                                    room=len(conts[0]), place_cache=place_cache)
-        kept_bytes += kvjax.nbytes(kvjax.shrink(pre.cache, 0))  # the prefix's cache, no room
+        kept = kvjax.shrink(pre.cache, 0)  # the prefix's cache, no room
+        kept_bytes += kvjax.nbytes(kept)
+        kept_bf16 += kvjax.nbytes(kept, float_dtype=jnp.bfloat16)
         for lp in score_continuations(model, pre, conts):
             nll -= float(np.sum(lp, dtype=np.float64))
             scored += len(lp)
@@ -311,6 +316,7 @@ def run_ppl_cell(cell: Cell) -> dict:
     return dict(asdict(cell), status="ok", score=float(np.exp(nll / scored)), nll=nll,
                 tokens_scored=scored, prefix=prefix, text=text.name,
                 cache_bytes_per_token=kept_bytes / (len(windows) * prefix),
+                cache_bytes_per_token_bf16=kept_bf16 / (len(windows) * prefix),
                 seconds=round(time.perf_counter() - start, 2), **_plan_fields(cell, model))
 
 

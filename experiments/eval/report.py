@@ -166,18 +166,17 @@ def ppl_section(rows: list[dict], out: Path, images: str) -> list[str]:
     lines = []
     for length in sorted({r["length"] for r in sub}):
         every = [r for r in sub if r["length"] == length]
-        group = sorted((r for r in every if "cache_bytes_per_token" in r),
-                       key=lambda r: (r["cache_bytes_per_token"], r["score"]))
-        unsized = [r for r in every if "cache_bytes_per_token" not in r]  # converted rows
+        key, caption = _bytes_key(every)
+        group = sorted((r for r in every if key in r), key=lambda r: (r[key], r["score"]))
+        unsized = [r for r in every if key not in r]  # converted rows
         full = next((r for r in every if r["method"] == "full"), None)
-        front = set(pareto_front([(r["cache_bytes_per_token"], r["score"], r["method"])
-                                  for r in group]))
+        front = set(pareto_front([(r[key], r["score"], r["method"]) for r in group]))
         body = []
         for r in group + unsized:
             vs = "" if full is None else f"{100 * (r['score'] / full['score'] - 1):+.1f}%"
-            size = r.get("cache_bytes_per_token")
-            frac = "" if full is None or size is None or "cache_bytes_per_token" not in full \
-                else f"{size / full['cache_bytes_per_token']:.3f}"
+            size = r.get(key)
+            frac = "" if full is None or size is None or key not in full \
+                else f"{size / full[key]:.3f}"
             body.append([f"`{r['method']}`" + (" *" if r["method"] in front else ""),
                          f"{r['score']:.3f}", vs, "" if size is None else f"{size:.0f}", frac])
         r0 = every[0]
@@ -185,12 +184,26 @@ def ppl_section(rows: list[dict], out: Path, images: str) -> list[str]:
                   f"{length} tokens: the first {r0['prefix']} compressed, "
                   f"{r0['tokens_scored']} scored)", "",
                   "`*`: on the Pareto front (no method with a smaller cache has a lower "
-                  "perplexity). Bytes are per compressed context token, float32 cache.", ""]
+                  f"perplexity). {caption}", ""]
         lines += _table(["method", "ppl", "vs full", "bytes/token", "of full"], body)
         if group:
-            _ppl_plot(group, full, front, out / f"ppl_{length}.png")
+            _ppl_plot(group, full, front, key, out / f"ppl_{length}.png")
             lines += [f"![ppl]({images}ppl_{length}.png)", ""]
     return lines
+
+
+BF16_BYTES, RUN_BYTES = "cache_bytes_per_token_bf16", "cache_bytes_per_token"
+
+
+def _bytes_key(rows: list[dict]) -> tuple[str, str]:
+    """The bytes field a table ranks by, and its caption: bfloat16 storage when every sized row
+    has it (rows of runs before it was recorded have only the run's float32 bytes)."""
+    if all(BF16_BYTES in r for r in rows if RUN_BYTES in r):
+        return BF16_BYTES, ("Bytes are per compressed context token as a bfloat16 cache stores "
+                            "them (the run's cache is float32; float leaves counted at 2 "
+                            "bytes, codes as they are), so \"of full\" is a fraction of the "
+                            "bfloat16 full cache.")
+    return RUN_BYTES, "Bytes are per compressed context token, float32 cache."
 
 
 def pareto_front(points) -> list[str]:
@@ -208,22 +221,23 @@ def pareto_front(points) -> list[str]:
     return front
 
 
-def _ppl_plot(group, full, front, path):
+def _ppl_plot(group, full, front, key, path):
     """Perplexity against the cache fraction: all methods (log), and a zoom on the good ones."""
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(13, 5.5), width_ratios=[1, 1.4])
-    base = full.get("cache_bytes_per_token", 1.0) if full else 1.0
+    base = full.get(key, 1.0) if full else 1.0
     best = min(r["score"] for r in group)
     cmap = plt.get_cmap("tab20")
     on_front = [r for r in group if r["method"] in front]
     for ax, zoom in zip(axes, (False, True)):
         for i, r in enumerate(group):
-            ax.scatter(r["cache_bytes_per_token"] / base, r["score"], color=cmap(i % 20),
+            ax.scatter(r[key] / base, r["score"], color=cmap(i % 20),
                        label=r["method"] if zoom else None, s=30, marker="os^Dv<>p"[i // 20 % 8])
-        ax.plot([r["cache_bytes_per_token"] / base for r in on_front],
+        ax.plot([r[key] / base for r in on_front],
                 [r["score"] for r in on_front], "k--", lw=0.8,
                 label="Pareto front" if zoom else None)
-        ax.set_xlabel("cache bytes per token (fraction of the full float32 cache)")
+        ax.set_xlabel("cache bytes per token (fraction of the full cache, "
+                      + ("bfloat16)" if key == BF16_BYTES else "float32)"))
         ax.grid(alpha=0.3)
     axes[0].set_yscale("log")
     axes[0].set(ylabel="continuation perplexity (log)", title="every method")

@@ -18,6 +18,7 @@ from experiments.eval.grid import cell_of
 from experiments.eval.report import latest_rows
 
 COMPARED = ("score", "scores", "outputs", "nll", "tokens_scored", "cache_bytes_per_token",
+            "cache_bytes_per_token_bf16",
             "cache_bytes_per_seq")
 
 

@@ -579,15 +579,27 @@ def shard_cache(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | None = 
     return jax.device_put(cache, cache_shardings(cache, mesh, batch_axis, kv_axis))
 
 
-def nbytes(tree: Any) -> int:
+def nbytes(tree: Any, float_dtype=None) -> int:
     """Exact bytes held by every array leaf of `tree` (arrays or shape structs).
+
+    `float_dtype` counts every floating-point leaf wider than that dtype at its size: the
+    bytes of the same cache stored in it (a float32 run's cache as the bfloat16 cache users
+    deploy would hold it; narrower floats such as fp8 codes, integer codes, positions and
+    lengths are unchanged).
 
     Example:
         >>> nbytes(init_cache(1, 3, 2048, 64))   # k + v + pos + length
         3170308
+        >>> nbytes(init_cache(1, 3, 2048, 64), float_dtype=jnp.bfloat16)   # k and v halve
+        1597444
     """
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-               for x in jax.tree_util.tree_leaves(tree))
+    def size(x) -> int:
+        dtype = jnp.dtype(x.dtype)
+        size = dtype.itemsize
+        if float_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            size = min(size, jnp.dtype(float_dtype).itemsize)
+        return math.prod(x.shape) * size
+    return sum(size(x) for x in jax.tree_util.tree_leaves(tree))
 
 
 def num_valid(cache: TokenCache) -> jax.Array:
