@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import kernel_mode
-from experiments.bench.triton_static import triton_modules
+from kernels_pallas.gpu_lowering import triton_modules
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import (gpu_block_sizes, gpu_launch, paged_attention,
                                             paged_attention_reference)

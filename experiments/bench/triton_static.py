@@ -28,13 +28,9 @@ Needs `pip install triton` (Linux x86-64; any 3.x whose parser reads the IR).
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import importlib
 import json
-import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -42,86 +38,8 @@ from pathlib import Path
 import jax
 
 from experiments.bench import kernels as bench
+from kernels_pallas.gpu_lowering import _triton, compile_sm90, triton_modules
 from kernels_pallas.paged_attention import paged_attention
-
-SM90 = dict(registers=65536, shared=228 * 1024, warps=64)
-
-
-def triton_modules(fn, *args) -> list[tuple[str, dict]]:
-    """(Triton IR text, launch config) of every Triton kernel `jax.jit(fn)` lowers to for CUDA."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton.lowering import _new_ir_context
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    found = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    if (child.operation.name == "stablehlo.custom_call" and "triton" in
-                            str(child.attributes["call_target_name"])):
-                        found.append(child)
-                    walk(child.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
-    out = []
-    for call in found:
-        config = call.attributes["mhlo.backend_config"]
-        with _new_ir_context():
-            text = str(ir.Module.parse(config["ir"].value_bytes))
-        launch = {k: int(str(config[k]).split(":")[0]) for k in ("num_warps", "num_stages")}
-        out.append((text, launch))
-    return out
-
-
-def _tool(name: str) -> str:
-    import triton
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
-
-
-def compile_sm90(ttir: str, num_warps: int, num_stages: int, workdir: Path) -> dict:
-    """Triton IR text -> PTX (Triton's compiler) -> cubin (ptxas): resources and loop SASS."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as triton_compile
-    src = workdir / "kernel.ttir"
-    src.write_text(ttir)
-    kernel = triton_compile(str(src), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
-    ptx = workdir / "kernel.ptx"
-    ptx.write_text(kernel.asm["ptx"])
-    cubin = workdir / "kernel.cubin"
-    info = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", str(cubin)],
-                          capture_output=True, text=True, check=True).stderr
-    regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", info).group(1))
-    sass = subprocess.run([_tool("nvdisasm"), "-c", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
-    shared = kernel.metadata.shared
-    fit = min(SM90["registers"] // max(regs * 32 * num_warps, 1),
-              SM90["shared"] // max(shared, 1), SM90["warps"] // num_warps)
-    loop = loop_opcodes(sass)
-    return dict(registers=regs, spill_bytes=spills, shared_bytes=shared,
-                programs_per_sm=fit, loop_instructions_per_warp=sum(loop.values()),
-                loop_warp_instructions=sum(loop.values()) * num_warps,
-                loop_opcodes=dict(loop.most_common()))
-
-
-def loop_opcodes(sass: str) -> collections.Counter:
-    """Opcode counts (`LDG`, `HMMA`, ...) of the longest backward-branch span: the main loop."""
-    instructions, labels = [], {}
-    for line in sass.splitlines():
-        label = re.match(r"\s*(\.L_x_\d+):", line)
-        if label:
-            labels[label.group(1)] = len(instructions)
-        op = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);",
-                      line)
-        if op:
-            instructions.append((op.group(1).split(".")[0], op.group(2)))
-    spans = [(labels[t.group(1)], i) for i, (op, rest) in enumerate(instructions)
-             if op == "BRA" and (t := re.search(r"(\.L_x_\d+)", rest))
-             and labels.get(t.group(1), i) < i]
-    start, end = max(spans, key=lambda s: s[1] - s[0], default=(0, len(instructions) - 1))
-    return collections.Counter(op for op, _ in instructions[start:end + 1])
 
 
 def analyse(shape_name: str, fmt_name: str, launch, page_size: int = 64) -> dict:
@@ -174,7 +92,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.kernels:
         use_kernels_from(args.kernels)
-    import triton  # fail early, with the package's name
+    triton, _, _ = _triton()  # fail early, with the package's name
     rows = []
     for shape in args.shapes:
         for fmt in args.formats:

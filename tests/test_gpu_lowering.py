@@ -1,7 +1,7 @@
-"""experiments/bench/triton_static.py's SASS reading (the compile itself needs the `triton`
+"""kernels_pallas/gpu_lowering.py: reading the SASS (the compile itself needs the `triton`
 package and runs by hand: its numbers are in docs/BENCHMARKS.md)."""
 
-from experiments.bench.triton_static import loop_opcodes
+from kernels_pallas.gpu_lowering import loop_opcodes
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;
