@@ -36,10 +36,9 @@ import jax
 SM90 = dict(registers=65536, shared=228 * 1024, warps=64)
 
 
-def triton_modules(fn, *args) -> list[tuple[str, dict]]:
-    """(Triton IR text, launch config) of every Triton kernel `jax.jit(fn)` lowers to for CUDA."""
-    from jax._src.lib.mlir import ir
-    from jax._src.pallas.triton.lowering import _new_ir_context
+def cuda_custom_calls(fn, *args, target: str) -> list:
+    """The `stablehlo.custom_call` ops whose target names `target` ("triton", "mosaic_gpu")
+    in what `jax.jit(fn)(*args)` lowers to for CUDA, in program order."""
     lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     found = []
 
@@ -47,14 +46,21 @@ def triton_modules(fn, *args) -> list[tuple[str, dict]]:
         for region in op.regions:
             for block in region.blocks:
                 for child in block.operations:
-                    if (child.operation.name == "stablehlo.custom_call" and "triton" in
+                    if (child.operation.name == "stablehlo.custom_call" and target in
                             str(child.attributes["call_target_name"])):
                         found.append(child)
                     walk(child.operation)
 
     walk(lowered.compiler_ir("stablehlo").operation)
+    return found
+
+
+def triton_modules(fn, *args) -> list[tuple[str, dict]]:
+    """(Triton IR text, launch config) of every Triton kernel `jax.jit(fn)` lowers to for CUDA."""
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.triton.lowering import _new_ir_context
     out = []
-    for call in found:
+    for call in cuda_custom_calls(fn, *args, target="triton"):
         config = call.attributes["mhlo.backend_config"]
         with _new_ir_context():
             text = str(ir.Module.parse(config["ir"].value_bytes))

@@ -20,7 +20,6 @@ import collections
 import functools
 import re
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ import pytest
 import kernel_mode
 from kernels_pallas import page_formats as pf
 from kernels_pallas import paged_attention_mgpu as mgpu
+from kernels_pallas.gpu_lowering import cuda_custom_calls
 from kernels_pallas.paged_attention import decode_pages, paged_attention_reference
 from test_paged_attention import make_pool, packed_tokens, queries
 
@@ -126,19 +126,7 @@ def mosaic_ops(fn, *args) -> collections.Counter:
     import jax.experimental.mosaic.gpu as mosaic
     from jax._src.interpreters import mlir
     from jax._src.lib.mlir import ir
-    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-    calls = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for child in block.operations:
-                    if (child.operation.name == "stablehlo.custom_call" and "mosaic_gpu" in
-                            str(child.attributes["call_target_name"])):
-                        calls.append(child)
-                    walk(child.operation)
-
-    walk(lowered.compiler_ir("stablehlo").operation)
+    calls = cuda_custom_calls(fn, *args, target="mosaic_gpu")
     ops = collections.Counter()
     for call in calls:
         ctx = mlir.make_ir_context()
