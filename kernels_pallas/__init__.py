@@ -10,6 +10,8 @@
   GPU has run it); proven in GPU interpret mode (`tests/test_mgpu_kernel.py`).
 
 - `tpu_compile`: compile for a TPU without one (deviceless libtpu).
+- `gpu_lowering`: the Triton IR a function lowers to for CUDA, and (with the
+  `triton` package) its sm_90a compile: registers, shared memory, loop SASS.
 
 `kvjax.attend(impl="pallas")` dispatches here on TPU/GPU; tests run the
 kernels in interpret mode on CPU, lower them with `jax.export`, and compile
