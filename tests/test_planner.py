@@ -16,10 +16,10 @@ from kvjax.policies import planner
 
 @pytest.fixture(scope="module")
 def long_tiny():
-    """The tiny random Llama with room for a few thousand positions."""
+    """The tiny random Llama with room for 8k positions."""
     from flax import nnx
     from models.llama import Llama, LlamaConfig
-    return Llama(LlamaConfig.tiny(max_position=4096), rngs=nnx.Rngs(0))
+    return Llama(LlamaConfig.tiny(max_position=8192), rngs=nnx.Rngs(0))
 
 
 def bf16_budget(model, batch: int, tokens: int, fraction: float) -> float:
@@ -81,6 +81,22 @@ def test_budget_holds_from_one_token_to_thousands(long_tiny, fraction):
         assert held <= budget, (n, held, budget)
         if n >= 700:  # a long prompt uses its budget: what is left is less than a slot a layer
             assert held >= budget - 2 * 200 * long_tiny.config.num_layers, (n, held, budget)
+
+
+def test_budget_holds_at_8k_tokens_beside_a_short_row(long_tiny):
+    """The longest prompts the budget is promised for: 8,192 tokens at 1/8 of bf16, batched
+    with a 40-token row. A batch is one dense cache, so it holds at most the budget of two
+    8k rows and uses it (less than a slot a layer and row left); the short row keeps only
+    its own tokens."""
+    from models.sampler import prefill_and_compress
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (8192, 40)]
+    pre = prefill_and_compress(long_tiny, prompts, transform=parse_method("auto:budget=0.125"),
+                               chunk=512)
+    held, budget = held_bytes(pre.cache), bf16_budget(long_tiny, 2, 8192, 0.125)
+    assert budget - 2 * 2 * 200 * long_tiny.config.num_layers <= held <= budget, (held, budget)
+    pos = np.asarray(pre.cache[0].pos)  # [B, KVH, slots]
+    assert (pos[1] != kvjax.EMPTY).sum() <= 40 * long_tiny.config.num_kv_heads
 
 
 def test_bytes_budget_holds_and_is_used(long_tiny):
