@@ -34,6 +34,7 @@ SPECIAL = {
     "fold": "snapkv:ratio=0.5+fold",
     "rerotate": "knorm:ratio=0.5+rerotate",
     "simlayerkv": "simlayerkv:lazy_threshold=0.3,n_recent=16",  # 1.0 (the default) never trims
+    "finch": "finch:ratio=0.5,window=4",  # window: the question's tokens (no default)
     "auto": "auto:budget=0.25",
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""

@@ -67,6 +67,7 @@ DEFAULT_SPECS = {
     "think": "think:ratio=0.5",
     "cap": "cap:ratio=0.5",
     "entropy_chunkkv": "entropy_chunkkv:inner=snapkv,ratio=0.5",
+    "finch": "finch:ratio=0.5,window=8",  # the prompt's last 8 tokens as the question
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
     "auto": "auto:budget=0.25",
 }
