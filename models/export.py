@@ -34,7 +34,7 @@ from flax import nnx
 import kvjax
 from kvjax.core import cpu_kernel
 from kvjax.tools import exported
-from models.llama import FEW_ROWS, Llama, rope_frequencies
+from models.llama import FEW_ROWS, Llama, fixed_rope_frequencies
 
 
 def params_dict(model: Llama) -> dict[str, jax.Array]:
@@ -231,7 +231,7 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     spec = transform.stats
-    inv_freq = np.asarray(rope_frequencies(cfg), np.float32)
+    inv_freq = np.asarray(fixed_rope_frequencies(cfg), np.float32)
     graphdef, state = nnx.split(model)
     keys, _, treedef = _flatten(state)
     merged = lambda params: nnx.merge(graphdef, jax.tree_util.tree_unflatten(

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,26 @@ _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
-def _rope(params: dict[str, Any], theta_default: float) -> tuple[float, RopeScaling | None]:
+def _longrope(params: dict[str, Any], raw: dict[str, Any]) -> RopeScaling:
+    """LongRoPE as transformers reads it: `original_max_position_embeddings` from the rope dict
+    or the config, `factor` default max / original positions, `attention_factor` default
+    sqrt(1 + ln(factor) / ln(original)) (1 when factor <= 1)."""
+    original = params.get("original_max_position_embeddings",
+                          raw.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("rope_type='longrope' needs original_max_position_embeddings")
+    factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = (1.0 if factor <= 1.0
+                     else math.sqrt(1 + math.log(factor) / math.log(original)))
+    return RopeScaling(factor=float(factor), original_max_position=int(original),
+                       rope_type="longrope", short_factor=params["short_factor"],
+                       long_factor=params["long_factor"], attention_factor=float(attention))
+
+
+def _rope(params: dict[str, Any], theta_default: float,
+          raw: dict[str, Any] | None = None) -> tuple[float, RopeScaling | None]:
     """(theta, scaling) from one rope dict (transformers' `rope_scaling` / `rope_parameters`)."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", theta_default))
@@ -52,8 +72,10 @@ def _rope(params: dict[str, Any], theta_default: float) -> tuple[float, RopeScal
             factor=params["factor"], low_freq_factor=params["low_freq_factor"],
             high_freq_factor=params["high_freq_factor"],
             original_max_position=params["original_max_position_embeddings"])
+    if rope_type == "longrope":
+        return theta, _longrope(params, raw or {})
     raise ValueError(f"unsupported rope scaling rope_type={rope_type!r}; kvjax supports "
-                     f"'default', 'llama3' and 'linear'")
+                     f"'default', 'llama3', 'linear' and 'longrope'")
 
 
 def _eos_ids(raw: dict) -> tuple[int, ...]:
@@ -160,7 +182,7 @@ def hf_config(raw: dict) -> LlamaConfig:
         if local_scaling is not None:
             raise ValueError("Gemma 3 sliding layers with scaled RoPE are not supported")
     else:
-        theta, scaling = _rope(rope, raw.get("rope_theta", 10_000.0))
+        theta, scaling = _rope(rope, raw.get("rope_theta", 10_000.0), raw)
         theta = float(raw.get("rope_theta", theta))
     head_dim = raw.get("head_dim") or hidden // heads
     return LlamaConfig(

@@ -44,21 +44,28 @@ from kvjax.core.stores import is_encoded
 from kvjax.core.stats import NO_STATS, LayerStats, StatsSpec, accumulate_mass, init_stats, observe
 
 
-ROPE_TYPES = ("llama3", "linear")
+ROPE_TYPES = ("llama3", "linear", "longrope")
 ACTIVATIONS = ("silu", "gelu_tanh")
 LAYER_TYPES = ("full", "sliding")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """RoPE frequency scaling: Llama-3 style (`rope_type: llama3`, the default) or linear
-    (`linear`: every inverse frequency divided by `factor`; Gemma 3's global layers)."""
+    """RoPE frequency scaling: Llama-3 style (`rope_type: llama3`, the default), linear
+    (`linear`: every inverse frequency divided by `factor`; Gemma 3's global layers) or
+    LongRoPE (`longrope`, Phi-3/3.5's long-context models: inverse frequency i divided by
+    `short_factor[i]` while a forward call's positions fit `original_max_position`, by
+    `long_factor[i]` once its largest position + 1 passes it, as transformers chooses per call;
+    rotated queries and keys times `attention_factor`)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
     rope_type: str = "llama3"
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
 
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
@@ -67,6 +74,19 @@ class RopeScaling:
         if not 0 < float(self.factor) < float("inf"):
             raise ValueError(f"RopeScaling.factor must be a positive finite number, "
                              f"got {self.factor!r}")
+        if not 0 < float(self.attention_factor) < float("inf"):
+            raise ValueError(f"RopeScaling.attention_factor must be a positive finite number, "
+                             f"got {self.attention_factor!r}")
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if self.rope_type == "longrope" and value is None:
+                raise ValueError(f"RopeScaling.{name} is required with rope_type='longrope'")
+            if value is not None:  # hashable (the config keys a cache), positive and finite
+                value = tuple(float(f) for f in value)
+                if not value or not all(0 < f < float("inf") for f in value):
+                    raise ValueError(f"RopeScaling.{name} must be positive finite numbers, "
+                                     f"got {getattr(self, name)!r}")
+                object.__setattr__(self, name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +123,12 @@ class LlamaConfig:
     local_rope_theta: float | None = None  # RoPE base of sliding layers (unscaled); None: rope_theta
 
     def __post_init__(self):
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(getattr(s, name)) != self.head_dim // 2:
+                    raise ValueError(f"rope_scaling.{name} has {len(getattr(s, name))} entries, "
+                                     f"expected head_dim/2 = {self.head_dim // 2}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position"):
             if getattr(self, name) < 1:
@@ -185,11 +211,12 @@ class LlamaConfig:
 
 
 @functools.lru_cache(maxsize=64)
-def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
+def rope_frequencies(cfg: LlamaConfig, local: bool = False, long: bool = False) -> np.ndarray:
     """[head_dim // 2] float32 inverse frequencies, with the config's scaling if set.
 
     `local`: a sliding layer's, from `local_rope_theta` unscaled when the config has one
-    (Gemma 3); otherwise the same as the full layers'.
+    (Gemma 3); otherwise the same as the full layers'. `long`: LongRoPE's long factors
+    (`rotate_queries_and_keys` picks them per call); its short ones otherwise.
     """
     d = cfg.head_dim
     if local and cfg.local_rope_theta is not None:
@@ -199,6 +226,13 @@ def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
     s = cfg.rope_scaling
     if s is not None and s.rope_type == "linear":
         inv = inv / s.factor
+    elif s is not None and s.rope_type == "longrope":
+        name = "long_factor" if long else "short_factor"
+        factors = getattr(s, name)
+        if len(factors) != d // 2:
+            raise ValueError(f"rope_scaling.{name} has {len(factors)} entries, expected "
+                             f"head_dim/2 = {d // 2}")
+        inv = inv / np.asarray(factors, np.float64)
     elif s is not None:
         low_wavelen = s.original_max_position / s.low_freq_factor
         high_wavelen = s.original_max_position / s.high_freq_factor
@@ -220,6 +254,35 @@ def rope_frequencies(cfg: LlamaConfig, local: bool = False) -> np.ndarray:
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate `x` [B, T, N, D] by `positions` [B, T] (the rotate-half convention)."""
     return cpu_kernel.rope(x, positions, inv_freq)
+
+
+def rotate_queries_and_keys(cfg: LlamaConfig, q: jax.Array, k: jax.Array,
+                            positions: jax.Array, local: bool = False):
+    """q [B, T, H, D] and k [B, T, KVH, D] turned by RoPE at `positions` [B, T].
+
+    LongRoPE: both factor sets are applied and the long ones kept where the call's largest
+    position + 1 passes `original_max_position` (transformers' rule per forward call: a cached
+    key keeps the rotation it was written with), then times `attention_factor`.
+    """
+    inv = rope_frequencies(cfg, local)
+    s = cfg.rope_scaling
+    if s is None or s.rope_type != "longrope" or (local and cfg.local_rope_theta is not None):
+        return apply_rope(q, positions, inv), apply_rope(k, positions, inv)
+    long_inv = rope_frequencies(cfg, local, long=True)
+    use_long = jnp.max(positions) + 1 > s.original_max_position
+    turn = lambda x: np.float32(s.attention_factor) * jnp.where(
+        use_long, apply_rope(x, positions, long_inv), apply_rope(x, positions, inv))
+    return turn(q), turn(k)
+
+
+def fixed_rope_frequencies(cfg: LlamaConfig) -> np.ndarray:
+    """The inverse frequencies every key was rotated with, for the policies that undo or
+    redo RoPE (`kvjax.core.stats.LayerStats.inv_freq`); [0] when there is no one set
+    (LongRoPE's change with the context), which those policies refuse by name."""
+    s = cfg.rope_scaling
+    if s is not None and s.rope_type == "longrope":
+        return np.zeros((0,), np.float32)
+    return rope_frequencies(cfg)
 
 
 FEW_ROWS = 32  # most rows for which `Llama.logits` multiply-reduces instead of a dot (XLA:CPU)
@@ -326,7 +389,6 @@ class Attention(nnx.Module):
         b, t = positions.shape
         h, kvh, d = self.shape
         cfg = self.config
-        inv_freq = rope_frequencies(cfg, local=self.window is not None)
         q_pre, k, v = dense_together(x, (self.q_proj, self.k_proj, self.v_proj))
         q_pre = q_pre.reshape(b, t, h, d)
         k = k.reshape(b, t, kvh, d)
@@ -334,8 +396,7 @@ class Attention(nnx.Module):
             q_pre, k = self.q_norm(q_pre), self.k_norm(k)
         if cfg.query_scale is not None:  # kvjax.attend scales by d ** -0.5: fold in the rest
             q_pre = q_pre * np.float32(cfg.query_scale * math.sqrt(d))
-        q = apply_rope(q_pre, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q, k = rotate_queries_and_keys(cfg, q_pre, k, positions, local=self.window is not None)
         v = v.reshape(b, t, kvh, d)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KVH, T, D]
         if self.window is None:
@@ -466,7 +527,7 @@ class Llama(nnx.Module):
             return None
         out_proj = ([layer.attn.o_proj.kernel[...] for layer in self.layers]
                     if spec.output_projection else None)  # W_o [H*D, hidden] per layer
-        return init_stats(spec, cache, self.config.num_heads, rope_frequencies(self.config),
+        return init_stats(spec, cache, self.config.num_heads, fixed_rope_frequencies(self.config),
                           out_proj)
 
     def logits(self, h: jax.Array) -> jax.Array:

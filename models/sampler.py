@@ -131,6 +131,17 @@ def sample_tokens(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+def _prefill_chunk(model: Llama, chunk: int, prompts: Sequence[Sequence[int]]) -> int:
+    """The chunk a prefill runs: at most the longest prompt; the whole prompt in one call for a
+    LongRoPE model, whose factors are chosen per call by its largest position (transformers'
+    rule: a prompt past `original_max_position` is rotated with the long factors throughout,
+    which chunks whose positions fit would not be)."""
+    longest = max(len(p) for p in prompts)
+    scaling = model.config.rope_scaling
+    return longest if scaling is not None and scaling.rope_type == "longrope" else min(
+        chunk, longest)
+
+
 def _padded_width(prompts: Sequence[Sequence[int]], chunk: int) -> int:
     """The width `pad_prompts` gives `prompts` with the chunk `generate` uses for them."""
     longest = max(len(p) for p in prompts)
@@ -402,7 +413,7 @@ def prefill_inputs(model: Llama, prompts: Sequence[Sequence[int]], *,
     chunk, capacity = run.chunk, run.capacity
     if not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
-    chunk = min(chunk, max(len(p) for p in prompts)) if prompts else chunk
+    chunk = _prefill_chunk(model, chunk, prompts) if prompts else chunk
     padded = pad_prompts(prompts, chunk, 0)
     width = padded.tokens.shape[1]
     _check_token_ids(padded.tokens, model.config.vocab_size)
@@ -484,7 +495,7 @@ def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,
     spec = for_full_layers(model, transform or full()).stats
     if len(suffixes) != len(pre.next_pos):
         raise ValueError(f"{len(suffixes)} suffixes for a batch of {len(pre.next_pos)}")
-    chunk = min(chunk, max(len(p) for p in suffixes))
+    chunk = _prefill_chunk(model, chunk, suffixes)
     padded = pad_prompts(suffixes, chunk, 0)
     width = padded.tokens.shape[1]
     _check_token_ids(padded.tokens, model.config.vocab_size)

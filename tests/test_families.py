@@ -18,6 +18,7 @@ identical for every family.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -34,9 +35,9 @@ from models.loading import build_model, load_hf_dir
 from models.sampler import generate
 
 GOLDEN = Path(__file__).parent / "golden" / "families"
-FAMILIES = ("llama3", "qwen2", "qwen3", "mistral_sw", "gemma3", "phi3")
+FAMILIES = ("llama3", "qwen2", "qwen3", "mistral_sw", "gemma3", "phi3", "phi3_longrope")
 WINDOWS = {"llama3": (None, None), "qwen2": (None, None), "qwen3": (None, None), "mistral_sw": (48, 48),
-           "gemma3": (40, None, 40), "phi3": (64, 64)}
+           "gemma3": (40, None, 40), "phi3": (64, 64), "phi3_longrope": (None, None)}
 F32_REL = 1e-5  # the issue's bound; measured 1.3e-6 - 4.3e-6
 
 
@@ -98,6 +99,50 @@ def test_chunked_prefill_then_token_by_token_equals_transformers(family):
         logits, cache = step(model, ids[:, i:i + 1], jnp.array([[i]]), cache)
         outs.append(logits)
     assert relative_error(jnp.concatenate(outs, axis=1), golden["logits"]) <= F32_REL
+
+
+def test_longrope_picks_its_factors_per_call_as_transformers_forward():
+    """Phi-3's LongRoPE: a 20-token prompt in one call (positions fit the original 32: short
+    factors), then one token a call to 40 (long factors from position 32 on, cached keys
+    keeping the rotation they were written with): every logit equals transformers' forward
+    called the same way, across the switch. Against the same run with the short factors
+    forced, the logits after the switch differ (so the switch is exercised)."""
+    cfg, params = load_hf_dir(GOLDEN / "phi3_longrope")
+    golden = dict(np.load(GOLDEN / "phi3_longrope" / "golden.npz"))
+    assert cfg.rope_scaling.rope_type == "longrope" and cfg.rope_scaling.original_max_position == 32
+    want = golden["switch_logits"]  # [1, 40, V]
+    ids = jnp.asarray(golden["input_ids"][:, :want.shape[1]], jnp.int32)
+
+    def call_by_call(model):
+        cache = kvjax.init_model_cache(model.config.cache_spec, 1, want.shape[1])
+        logits, cache = model(ids[:, :20], jnp.arange(20)[None], cache)
+        out = [logits]
+        for i in range(20, want.shape[1]):
+            logits, cache = model(ids[:, i:i + 1], jnp.array([[i]]), cache)
+            out.append(logits)
+        return jnp.concatenate(out, axis=1)
+
+    got = call_by_call(build_model(cfg, params))
+    assert relative_error(got, want) <= F32_REL
+    short_only = dataclasses.replace(cfg, rope_scaling=dataclasses.replace(
+        cfg.rope_scaling, original_max_position=10_000))
+    forced = call_by_call(build_model(short_only, params))
+    assert relative_error(forced[:, :32], want[:, :32]) <= F32_REL
+    assert relative_error(forced[:, 32:], want[:, 32:]) > 100 * F32_REL
+
+
+def test_longrope_refuses_the_policies_that_undo_rope():
+    """Keys of a LongRoPE model carry short or long rotations, so the policies that undo or
+    redo RoPE with one set of frequencies refuse it by name; the others run."""
+    from models.sampler import prefill_and_compress
+    model = build_model(*load_hf_dir(GOLDEN / "phi3_longrope"))
+    prompt = [list(range(3, 60))]
+    for spec, name in (("expected_attention:ratio=0.5", "expected_attention"),
+                       ("snapkv:ratio=0.5+rerotate", "rerotate")):
+        with pytest.raises(ValueError, match=f"{name} needs the model's RoPE frequencies"):
+            prefill_and_compress(model, prompt, transform=kvjax.parse_method(spec))
+    pre = prefill_and_compress(model, prompt, transform=kvjax.parse_method("snapkv:ratio=0.5"))
+    assert int(pre.cache[0].length) < len(prompt[0])
 
 
 def test_32_greedy_tokens_equal_transformers(family):
@@ -174,8 +219,14 @@ BASE = {"vocab_size": 128, "hidden_size": 64, "intermediate_size": 48, "num_hidd
 @pytest.mark.parametrize("raw, message", [
     ({"model_type": "falcon"}, "unsupported model_type 'falcon'"),
     ({"model_type": "phi3", "partial_rotary_factor": 0.75}, "partial_rotary_factor=0.75"),
-    ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0],
-                                             "long_factor": [1.0]}}, "rope_type='longrope'"),
+    ({"model_type": "phi3", "original_max_position_embeddings": 16,
+      "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+     "rope_scaling.short_factor has 1 entries, expected head_dim/2 = 8"),
+    ({"model_type": "phi3", "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                             "long_factor": [1.0] * 8}},
+     "rope_type='longrope' needs original_max_position_embeddings"),
+    ({"model_type": "phi3", "rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+     "rope_type='yarn'"),
     ({"model_type": "llama", "hidden_act": "relu"}, "activation 'relu'"),
     ({"model_type": "gemma3_text", "sliding_window": 8, "layer_types": ["chunked", "full"]},
      "layer_types"),

@@ -47,7 +47,7 @@ def shard_plan(mesh, cfg, method: str, context: int, batch: int) -> dict:
     import kvjax
     from kvjax.core.stats import init_stats
     from experiments.cli.compile_cmd import _abstract, _by_batch, planned_cache, shard_bytes
-    from models.llama import rope_frequencies
+    from models.llama import fixed_rope_frequencies
     from models.sharding import abstract_model, cache_shardings
 
     transform = kvjax.parse_method(method)
@@ -58,7 +58,7 @@ def shard_plan(mesh, cfg, method: str, context: int, batch: int) -> dict:
     stats = 0
     if transform.stats.window or transform.stats.query_moments:
         stats = shard_bytes(_by_batch(jax.eval_shape(lambda c: init_stats(
-            transform.stats, c, cfg.num_heads, rope_frequencies(cfg)), dense), batch, mesh))
+            transform.stats, c, cfg.num_heads, fixed_rope_frequencies(cfg)), dense), batch, mesh))
     small = planned_cache(cfg, transform, method, batch, context, NEW_TOKENS, jnp.bfloat16)
     return {"weights": shard_bytes(state),
             "prefill_cache": shard_bytes(_abstract(dense, cache_shardings(dense, mesh))),

@@ -159,7 +159,7 @@ def _one_sequence(cfg, transform, layers: int, kvh: int, context: int, room: int
     import jax.numpy as jnp
     import kvjax
     from kvjax.core.stats import init_stats
-    from models.llama import rope_frequencies
+    from models.llama import fixed_rope_frequencies
 
     d, query_heads = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads * kvh
     cache = kvjax.init_model_cache(kvjax.CacheSpec(layers, kvh, d), 1, context + room, dtype,
@@ -168,7 +168,7 @@ def _one_sequence(cfg, transform, layers: int, kvh: int, context: int, room: int
     cache = tuple(kvjax.write(layer, k, v, jnp.arange(context)[None]) for layer in cache)
     stats = None
     if transform.stats.window or transform.stats.query_moments:
-        stats = init_stats(transform.stats, cache, query_heads, rope_frequencies(cfg))
+        stats = init_stats(transform.stats, cache, query_heads, fixed_rope_frequencies(cfg))
     cache, _ = jax.jit(transform.update)(cache, transform.init(cache), stats)
     cache = kvjax.shrink(cache, room, 1)
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
@@ -240,7 +240,7 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
     from jax.sharding import NamedSharding, PartitionSpec as P
     from kvjax.core.stats import init_stats
     from models import sampler
-    from models.llama import rope_frequencies
+    from models.llama import fixed_rope_frequencies
     from models.sharding import abstract_model, cache_shardings, on_mesh
 
     dtype = jnp.bfloat16 if dtype is None else dtype
@@ -266,7 +266,7 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
     stats = None
     if transform.stats.window or transform.stats.query_moments:
         stats = _by_batch(jax.eval_shape(lambda c: init_stats(
-            transform.stats, c, cfg.num_heads, rope_frequencies(cfg)), dense), batch, mesh)
+            transform.stats, c, cfg.num_heads, fixed_rope_frequencies(cfg)), dense), batch, mesh)
     ids = _by_batch(jax.ShapeDtypeStruct((batch, context), jnp.int32), batch, mesh)
     if "prefill" in steps:
         _compiled("prefill", lambda: sampler._prefill.lower(

@@ -79,7 +79,15 @@ MODELS = {
         pad_token_id=0), 13),
     "phi3": ("phi3", dict(tie_word_embeddings=False, rope_theta=10_000.0, sliding_window=64,
                           rms_norm_eps=1e-5, original_max_position_embeddings=512), 14),
+    # Phi-3 long-context RoPE: short factors up to 32 positions, long ones past them
+    "phi3_longrope": ("phi3", dict(
+        tie_word_embeddings=False, rope_theta=10_000.0, sliding_window=None, rms_norm_eps=1e-5,
+        original_max_position_embeddings=32, rope_scaling={
+            "rope_type": "longrope",
+            "short_factor": [round(1.0 + 0.5 * i / 15, 4) for i in range(16)],
+            "long_factor": [round(1.0 + 7.0 * i / 15, 4) for i in range(16)]}), 16),
 }
+SWITCH_PROMPT, SWITCH_END = 20, 40  # longrope: prefill 20 tokens (short), then 1 a call to 40
 
 SEQ, PROMPT, NEW = 272, 200, 32
 
@@ -159,10 +167,30 @@ def draw(family: str, kwargs: dict, seed: int):
         model.generation_config.eos_token_id = eos
     greedy = greedy[0, PROMPT:].numpy()
     assert logits.shape == (1, SEQ, COMMON["vocab_size"]) and greedy.shape == (NEW,)
-
+    extra = {}
+    if (kwargs.get("rope_scaling") or {}).get("rope_type") == "longrope":
+        extra["switch_logits"] = call_by_call_logits(model, input_ids[:, :SWITCH_END])
     return model, dict(input_ids=input_ids, logits=logits, prompt_len=np.array(PROMPT),
                        greedy=greedy, transformers_version=np.array(transformers.__version__),
-                       torch_version=np.array(torch.__version__))
+                       torch_version=np.array(torch.__version__), **extra)
+
+
+def call_by_call_logits(model, ids: np.ndarray) -> np.ndarray:
+    """[1, T, V] logits of `SWITCH_PROMPT` tokens in one call, then one token a call with the
+    cache: the model's forward decides LongRoPE's factors per call (short while its positions
+    fit `original_max_position_embeddings`), so the cache holds keys of both. (transformers'
+    Phi-3 `generate` instead recomputes the whole cache once at the crossing.)"""
+    import torch
+    ids = torch.from_numpy(ids)
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :SWITCH_PROMPT], use_cache=True)
+        cache, logits = out.past_key_values, [out.logits]
+        for i in range(SWITCH_PROMPT, ids.shape[1]):
+            out = model(input_ids=ids[:, i:i + 1], past_key_values=cache, use_cache=True,
+                        position_ids=torch.tensor([[i]]))
+            cache = out.past_key_values
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1).float().numpy()
 
 
 def make_multimodal(out: Path) -> None:

@@ -92,6 +92,17 @@ class LayerStats(NamedTuple):
     out_proj: jax.Array  # [H*D, hidden] the layer's attention output projection W_o (or [0, 0])
 
 
+def rope_inv_freq(stats: LayerStats, who: str) -> jax.Array:
+    """`stats.inv_freq` for `who`, a policy that undoes or redoes RoPE; a ValueError naming it
+    when the model has no one set of frequencies (LongRoPE's short and long factors, chosen
+    per call by the context length: its keys may carry either)."""
+    if stats.inv_freq.shape[0] == 0:
+        raise ValueError(f"{who} needs the model's RoPE frequencies, and this model's change "
+                         f"with the context (rope_scaling 'longrope'): use a method that does "
+                         f"not undo or redo RoPE")
+    return stats.inv_freq
+
+
 def init_stats(spec: StatsSpec, cache: Sequence[TokenCache], num_heads: int,
                inv_freq: np.ndarray, out_proj: Sequence[jax.Array] | None = None
                ) -> tuple[LayerStats, ...]:

@@ -83,7 +83,8 @@ from kvjax.core.cache import EMPTY, Cache, TokenCache, view
 from kvjax.core.layout import compact, map_layers, pool_heads
 from kvjax.core.selection import BudgetState, init_budget, keep_top_k, layer_budgets, rank, select
 from kvjax.core.stores import count_true
-from kvjax.core.stats import NO_STATS, LayerStats, StatsSpec, mean_rotation, query_mean_cov
+from kvjax.core.stats import (NO_STATS, LayerStats, StatsSpec, mean_rotation, query_mean_cov,
+                              rope_inv_freq)
 from kvjax.core.transforms import CacheTransform
 
 # ----------------------------------------------------------------------------- the contract
@@ -408,7 +409,7 @@ class ExpectedAttentionScorer:
                              "StatsSpec(query_moments=True)")
         mean, cov = query_mean_cov(stats)  # [B, H, D], [B, H, D, D]
         start = jnp.max(layer.pos, axis=(1, 2)) + 1  # [B] the next position
-        rot = mean_rotation(stats.inv_freq, start, self.n_future)  # [B, D, D]
+        rot = mean_rotation(rope_inv_freq(stats, "expected_attention"), start, self.n_future)  # [B, D, D]
         b, kvh, c = layer.pos.shape
         d = layer.head_dim
         mean = jnp.einsum("bij,bhj->bhi", rot, mean).reshape(b, kvh, -1, d)  # [B, KVH, G, D]

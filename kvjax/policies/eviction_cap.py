@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.core.cache import EMPTY
-from kvjax.core.stats import StatsSpec, mean_rotation
+from kvjax.core.stats import StatsSpec, mean_rotation, rope_inv_freq
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import check_int, check_real, earliest, scored_policy
 
@@ -75,7 +75,7 @@ class CapScorer:
         d = layer.head_dim
         mean = stats.q_sum / jnp.maximum(stats.q_count, 1.0)[:, None, None]  # [B, H, D]
         start = jnp.max(layer.pos, axis=(1, 2)) + 1  # [B] the next position
-        rot = mean_rotation(stats.inv_freq, start, self.n_future)  # [B, D, D]
+        rot = mean_rotation(rope_inv_freq(stats, "cap"), start, self.n_future)  # [B, D, D]
         anchor = jnp.einsum("bij,bhj->bhi", rot, mean).reshape(b, kvh, -1, d)  # [B, KVH, G, D]
         keys = jnp.broadcast_to(layer.logical_k.astype(jnp.float32), (b, kvh, c, d))
         sink = earliest(layer.pos, self.sinks)

@@ -36,7 +36,7 @@ from kvjax.core.cache import EMPTY
 from kvjax.policies.eviction import check_int, check_real, scored_policy
 from kvjax.policies.eviction_sequence import (in_sequence, keys_values, pool3, shift, to_slots,
                                               unrope, unshift, zscore)
-from kvjax.core.stats import StatsSpec
+from kvjax.core.stats import StatsSpec, rope_inv_freq
 from kvjax.core.transforms import CacheTransform
 
 JITTER = 1e-2  # kvpress's chol_with_jitter(jitter=1e-2): its first (and in practice only) try
@@ -71,7 +71,7 @@ def _pre_rope_keys(layer, seq, stats, name: str) -> jax.Array:
         raise ValueError(f"{name} needs the model's RoPE frequencies: run the model with "
                          f"the policy's StatsSpec (the sampler does this from transform.stats)")
     k, _ = keys_values(seq, layer)
-    return jnp.where(seq.valid[..., None], unrope(k, seq.pos, stats.inv_freq), 0.0)
+    return jnp.where(seq.valid[..., None], unrope(k, seq.pos, rope_inv_freq(stats, name)), 0.0)
 
 
 def _sketch(key: jax.Array, kvh: int, d: int, dim: int) -> jax.Array:

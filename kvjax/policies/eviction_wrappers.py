@@ -34,7 +34,7 @@ from kvjax.policies.eviction_geometry import keydiff
 from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
 from kvjax.core.layout import compact
 from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
-from kvjax.core.stats import StatsSpec
+from kvjax.core.stats import StatsSpec, rope_inv_freq
 from kvjax.core.transforms import CacheTransform, EmptyState
 
 
@@ -247,7 +247,8 @@ class RerotateUpdate:
         if stats is None:
             raise ValueError("rerotate needs the model's RoPE frequencies: run the model with "
                              "the transform's StatsSpec (the sampler does this)")
-        return tuple(rerotate_layer(layer, s.inv_freq) for layer, s in zip(cache, stats)), state
+        return tuple(rerotate_layer(layer, rope_inv_freq(s, "rerotate"))
+                     for layer, s in zip(cache, stats)), state
 
 
 def rerotate() -> CacheTransform:

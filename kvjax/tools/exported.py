@@ -327,9 +327,11 @@ def check_manifest(directory: Path, manifest: Any) -> dict[str, Any]:
         raise ValueError(f"{where}: chunk {m['chunk']} / max_len {m['max_len']} out of range "
                          f"(chunk >= 1, max_len <= the model's {m['model']['max_position']} "
                          f"positions)")
-    if len(m["inv_freq"]) != m["model"]["head_dim"] // 2:
+    longrope = (m["model"].get("rope_scaling") or {}).get("rope_type") == "longrope"
+    if len(m["inv_freq"]) != (0 if longrope else m["model"]["head_dim"] // 2):
         raise ValueError(f"{where}: inv_freq has {len(m['inv_freq'])} entries; the model's "
-                         f"head_dim {m['model']['head_dim']} needs {m['model']['head_dim'] // 2}")
+                         f"head_dim {m['model']['head_dim']} needs {m['model']['head_dim'] // 2}"
+                         f" (none with longrope RoPE, whose frequencies change with the context)")
     vocab = m["model"]["vocab_size"]
     if not 0 <= m["pad_id"] < vocab or any(not 0 <= e < vocab for e in m["eos_ids"]):
         raise ValueError(f"{where}: pad_id {m['pad_id']} / eos_ids {m['eos_ids']} must be in "
