@@ -1,0 +1,54 @@
+"""docs/BENCHMARKS.md's tables that quote committed JSON agree with it (issue 48: claims pinned).
+
+The compiler-read table of the GPU kernel ("The kernel since, read from the compiler"): every
+row's launch, warp-instructions per loop step, instructions per KB, step bytes and programs per
+multiprocessor, before and now, are the first (default-launch) row of their shape and format
+in `docs/bench/triton_static_sm90_before.json` and `docs/bench/triton_static_sm90.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"Llama-3-8B": "llama3-8b", "SmolLM2": "smollm2"}
+FORMATS = {"bf16": "bf16", "fp8": "fp8", "int8": "int8", "int4": "int4", "KIVI-4": "kivi4",
+           "KIVI-2": "kivi2"}
+ROW = re.compile(r"^\|\s*([^|]*?)\s*\| (\S+) \(([\d.]+) KB\) \| (\d+x\d+)(?: codes path)?, ([\d,]+), "
+                 r"([\d,]+) \| (\d+x\d+), ([\d,]+), ([\d,]+) \| (\d+) -> (\d+) \|$")
+
+
+def defaults(name: str) -> dict:
+    """(shape, format) -> the first row of a triton_static JSON (its default launch)."""
+    rows = json.loads((ROOT / "docs" / "bench" / name).read_text())["rows"]
+    first = {}
+    for r in rows:
+        first.setdefault((r["shape"], r["format"]), r)
+    return first
+
+
+def test_compiler_read_kernel_table_is_its_json_rows():
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    section = text[text.index("### The kernel since, read from the compiler"):]
+    before, now = defaults("triton_static_sm90_before.json"), defaults("triton_static_sm90.json")
+    number = lambda s: int(s.replace(",", ""))
+    launch = lambda r: f"{r['num_warps']}x{r['num_stages']}"
+    shape, checked = None, 0
+    for line in section.splitlines():
+        m = ROW.match(line)
+        if not m:
+            if checked and not line.startswith("|"):
+                break
+            continue
+        shape = SHAPES[m[1].strip()] if m[1].strip() else shape
+        key = (shape, FORMATS[m[2]])
+        old, new = before[key], now[key]
+        assert float(m[3]) == round(new["step_bytes"] / 1000, 1) == round(old["step_bytes"] / 1000, 1)
+        for (lq, wq, kq), r in (((m[4], m[5], m[6]), old), ((m[7], m[8], m[9]), new)):
+            assert (lq, number(wq)) == (launch(r), r["loop_warp_instructions"]), line
+            assert abs(number(kq) - r["warp_instructions_per_kb"]) <= 0.5, line  # rounded
+        assert (int(m[10]), int(m[11])) == (old["programs_per_sm"], new["programs_per_sm"]), line
+        checked += 1
+    assert checked == 10, f"{checked} rows of the table matched its pattern"
