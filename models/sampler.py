@@ -137,9 +137,8 @@ def _prefill_chunk(model: Llama, chunk: int, prompts: Sequence[Sequence[int]]) -
     rule: a prompt past `original_max_position` is rotated with the long factors throughout,
     which chunks whose positions fit would not be)."""
     longest = max(len(p) for p in prompts)
-    scaling = model.config.rope_scaling
-    return longest if scaling is not None and scaling.rope_type == "longrope" else min(
-        chunk, longest)
+    scaling = getattr(model.config, "rope_scaling", None)  # an own decoder's config may lack it
+    return longest if getattr(scaling, "rope_type", None) == "longrope" else min(chunk, longest)
 
 
 def _padded_width(prompts: Sequence[Sequence[int]], chunk: int) -> int:
