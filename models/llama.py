@@ -227,12 +227,8 @@ def rope_frequencies(cfg: LlamaConfig, local: bool = False, long: bool = False) 
     if s is not None and s.rope_type == "linear":
         inv = inv / s.factor
     elif s is not None and s.rope_type == "longrope":
-        name = "long_factor" if long else "short_factor"
-        factors = getattr(s, name)
-        if len(factors) != d // 2:
-            raise ValueError(f"rope_scaling.{name} has {len(factors)} entries, expected "
-                             f"head_dim/2 = {d // 2}")
-        inv = inv / np.asarray(factors, np.float64)
+        # (LlamaConfig checked both lists hold head_dim / 2 factors)
+        inv = inv / np.asarray(s.long_factor if long else s.short_factor, np.float64)
     elif s is not None:
         low_wavelen = s.original_max_position / s.low_freq_factor
         high_wavelen = s.original_max_position / s.high_freq_factor
