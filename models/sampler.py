@@ -475,6 +475,10 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
     transform = for_full_layers(model, transform or full())
     pre = prefill_batch(model, prompts, stats=transform.stats, room=room,
                         **run.only(RunOptions.PREFILL))
+    if transform.stats.reconstruction is not None:  # KVzip: its pass over the prefilled cache
+        from models.reconstruction import reconstruct
+        pre = pre._replace(stats=reconstruct(model, pre.cache, pre.stats, pre.next_pos, prompts,
+                                             transform.stats.reconstruction, run.impl))
     out = compress(pre, transform, room=room, shrink=run.shrink, max_write=max_write)
     windowed = windowed_layers(model)
     if windowed and out.cache is not pre.cache:  # `shrink` cut every layer: windows stay
@@ -592,6 +596,10 @@ def decode(model: Llama, pre: Prefilled, *, max_new_tokens: int = 32,
     config = DecodeConfig(max_new_tokens, run.sampling, eos_ids, run.pad_id, run.impl,
                           after_write=transform.after_write)
     stats = None
+    if run.compress_every and transform.stats.reconstruction is not None:
+        raise ValueError(f"compress_every={run.compress_every}: this method scores by a "
+                         f"reconstruction pass after prefill (kvzip) and compresses the prompt "
+                         f"only; use compress_every=0")
     if run.compress_every:
         config = dataclasses.replace(config, compress_every=run.compress_every,
                                      update=transform.update, stats=transform.stats)

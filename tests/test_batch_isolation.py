@@ -35,6 +35,7 @@ SPECIAL = {
     "rerotate": "knorm:ratio=0.5+rerotate",
     "simlayerkv": "simlayerkv:lazy_threshold=0.3,n_recent=16",  # 1.0 (the default) never trims
     "finch": "finch:ratio=0.5,window=4",  # window: the question's tokens (no default)
+    "kvzip": "kvzip:ratio=0.5,prompt=bare",  # a tiny model has no tokenizer for kvpress's prompt
     "auto": "auto:budget=0.25",
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""

@@ -68,6 +68,7 @@ DEFAULT_SPECS = {
     "cap": "cap:ratio=0.5",
     "entropy_chunkkv": "entropy_chunkkv:inner=snapkv,ratio=0.5",
     "finch": "finch:ratio=0.5,window=8",  # the prompt's last 8 tokens as the question
+    "kvzip": "kvzip:ratio=0.5,prompt=bare",  # no tokenizer here: the chunks without kvpress's prompt
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
     "auto": "auto:budget=0.25",
 }
@@ -87,6 +88,9 @@ def registered_specs() -> list[str]:
 
 
 SPECS = registered_specs() + MORE + CHAINS
+PROMPT_ONLY = {DEFAULT_SPECS["kvzip"]}
+"""Methods that compress the prompt only (kvzip: its scores come from a pass after prefill):
+with `compress_every` they must refuse by name."""
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +226,10 @@ def test_method_generates_on_every_prompt_length(model, basis_file, spec, every)
     spec = spec.replace(BASIS, basis_file)
     failures = []
     for prompts, options in cases():
+        if every and spec in PROMPT_ONLY:  # a clear refusal, never a silent other method
+            with pytest.raises(ValueError, match="compress_every"):
+                run_and_check(model, spec, prompts, every, **options)
+            continue
         try:
             run_and_check(model, spec, prompts, every, **options)
         except Exception as e:  # collect every failing case, then fail with all of them

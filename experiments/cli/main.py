@@ -502,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         notice_conversion(args.model)
         model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
         check_model_args(args, model.config)
+        from models.reconstruction import with_tokenizer  # kvzip's prompt: this tokenizer's ids
+        args.method = args.method.with_transform(with_tokenizer(args.method.transform, tokenizer))
         if mesh is not None:
             from models.sharding import shard_model
             model = shard_model(model, mesh)

@@ -17,6 +17,10 @@ decode step), so no statistic ever needs a `T x T` matrix:
 * `output_projection`: the layer's attention output projection `W_o`
   ([H*D, hidden], the model's own weight, not a copy), for scorers that weigh
   a value by what it adds to the layer's output (CriticalKV's `||V W_o||_1`).
+* `reconstruction`: a pass the model runs once after prefill, feeding the
+  context again behind a "repeat" prompt (KVzip); each slot's score from it
+  arrives as `LayerStats.slot_scores` (`models.reconstruction` runs it,
+  `kvjax.policies.eviction_kvzip` says what it is).
 
 Example:
     >>> from flax import nnx
@@ -35,7 +39,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +58,7 @@ class StatsSpec:
     moments_skip: int = 0  # positions below this are left out of the moments (sinks)
     attention_mass: bool = False  # the cache accumulates attention per slot
     output_projection: bool = False  # each layer's W_o [H*D, hidden] rides along (CriticalKV)
+    reconstruction: Any = None  # a hashable request for a pass after prefill (KVzip), or None
 
     def __post_init__(self):
         if self.window < 0 or self.moments_skip < 0:
@@ -62,19 +67,25 @@ class StatsSpec:
     @property
     def needed(self) -> bool:
         return bool(self.window or self.query_moments or self.attention_mass
-                    or self.output_projection)
+                    or self.output_projection or self.reconstruction is not None)
 
     def merge(self, other: "StatsSpec") -> "StatsSpec":
         """The union of two needs (the larger window; moments must skip alike)."""
         if self.query_moments and other.query_moments and self.moments_skip != other.moments_skip:
             raise ValueError("StatsSpec.merge: two policies want query moments skipping "
                              f"{self.moments_skip} and {other.moments_skip} positions")
+        if None not in (self.reconstruction, other.reconstruction) and \
+                self.reconstruction != other.reconstruction:
+            raise ValueError("StatsSpec.merge: two policies want different reconstruction "
+                             f"passes, {self.reconstruction} and {other.reconstruction}")
         return StatsSpec(
             window=max(self.window, other.window),
             query_moments=self.query_moments or other.query_moments,
             moments_skip=self.moments_skip if self.query_moments else other.moments_skip,
             attention_mass=self.attention_mass or other.attention_mass,
-            output_projection=self.output_projection or other.output_projection)
+            output_projection=self.output_projection or other.output_projection,
+            reconstruction=(self.reconstruction if self.reconstruction is not None
+                            else other.reconstruction))
 
 
 NO_STATS = StatsSpec()
@@ -90,6 +101,7 @@ class LayerStats(NamedTuple):
     q_count: jax.Array  # [B] float32 tokens in the sums
     inv_freq: jax.Array  # [D/2] float32 the model's RoPE inverse frequencies
     out_proj: jax.Array  # [H*D, hidden] the layer's attention output projection W_o (or [0, 0])
+    slot_scores: Any = None  # [B, KVH, C] float32 a reconstruction pass's score per slot, or None
 
 
 def rope_inv_freq(stats: LayerStats, who: str) -> jax.Array:

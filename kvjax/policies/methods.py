@@ -27,6 +27,7 @@ from kvjax.policies.low_rank import LowRankBasis, low_rank
 from kvjax.policies import eviction_cap, eviction_critical, eviction_simlayer, eviction_think
 from kvjax.policies import eviction_entropy_chunk
 from kvjax.policies import eviction_finch
+from kvjax.policies import eviction_kvzip
 from kvjax.policies import eviction_merging
 from kvjax.policies import decoding
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
@@ -90,6 +91,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
     "entropy_chunkkv": _inner_by_name(eviction_entropy_chunk.entropy_chunkkv),
     "finch": eviction_finch.finch,
+    "kvzip": eviction_kvzip.kvzip,
     "merging": _inner_by_name(eviction_merging.merging),
     "decoding_ratio": _inner_by_name(decoding.decoding_ratio),
     "rerotate": eviction_wrappers.rerotate,
@@ -121,6 +123,7 @@ _CRITICAL = "Feng et al. 2025, https://arxiv.org/abs/2502.03805"
 _ZOO_THIRD = "tests/test_kvpress_zoo_third.py"
 _MERGING = "tests/test_kvpress_merging.py"
 _FINCH = "tests/test_kvpress_finch.py"
+_KVZIP = "tests/test_kvpress_kvzip.py"
 METHOD_INFO: dict[str, MethodInfo] = {
     "streaming_llm": MethodInfo("Xiao et al. 2023, https://arxiv.org/abs/2309.17453",
                                 "StreamingLLMPress", "streaming_llm:ratio={r}", _PARITY),
@@ -169,6 +172,9 @@ METHOD_INFO: dict[str, MethodInfo] = {
     "finch": MethodInfo("Corallo & Papotti 2024, "
                         "https://direct.mit.edu/tacl/article/doi/10.1162/tacl_a_00716/125280",
                         "FinchPress", "finch:ratio={r},window=W", _FINCH),
+    # the prompt's ids come from the tokenizer (models.reconstruction.with_tokenizer)
+    "kvzip": MethodInfo("Kim et al. 2025, https://arxiv.org/abs/2505.23416", "KVzipPress",
+                        "kvzip:ratio={r}", _KVZIP),
     "merging": MethodInfo("kvpress; after ToMe (Bolya et al. 2023, "
                           "https://arxiv.org/abs/2210.09461) and D2O (Wan et al. 2024, "
                           "https://arxiv.org/abs/2406.13035)",

@@ -1,0 +1,227 @@
+"""KVzip (kvpress KVzipPress): keep what the model needs to repeat its context.
+
+KVzip (Kim et al. 2025) scores a prefilled context query-agnostically by
+*context reconstruction*: the model is fed "Repeat the previous context
+exactly." (its chat template's closing after it) followed by the context
+again, on top of the prefilled cache, and each cached token scores the most
+attention any reconstruction query pays it. Exactly kvpress's rule:
+
+1. The context after the template's opening (`prefix` tokens, which are not
+   reconstructed and score 0) is cut into chunks of `chunk_size` tokens. The
+   first chunk is fed behind `first + suffix`, each later one behind
+   `next + (the previous chunk's last 8 ids) + suffix`, at positions after the
+   whole context (the cache goes back to the context before every chunk).
+2. In every layer, the queries of that pass attend (softmax) over the
+   `min(n_sink, chunk start)` first tokens, the chunk's own tokens and,
+   causally, the pass's tokens, and nothing else; a chunk token's score is
+   the maximum of that attention over the pass's queries and the query heads
+   of its KV head.
+3. The first `n_sink` tokens score above everything (kvpress: the maximum +
+   1). The `floor(L * KVH * T * ratio)` lowest scores of all layers and KV
+   heads together are evicted (`layerwise`: `floor(KVH * T * ratio)` per
+   layer), so budgets differ by layer and head (the pooled layout, as Ada-KV).
+
+Steps 1-2 need the model: this module only declares the pass
+(`StatsSpec(reconstruction=Reconstruction(...))`) and scores it
+(`chunk_scores`); `models.reconstruction` runs it after prefill (the sampler
+does so for any transform that asks) and hands each layer's scores to the
+update as `LayerStats.slot_scores`. Step 3 is this transform's update.
+
+The prompt is token ids of the model's tokenizer: `prompt="chat"` (kvpress's)
+wants them bound by `models.reconstruction.with_tokenizer(transform, tok)`,
+which the CLI does; `prompt="bare"` feeds the chunks alone (no instruction, no
+template), for a model without a tokenizer.
+
+Example:
+    >>> t = kvzip(ratio=0.5)                          # KVzipPress(0.5)
+    >>> t.stats.reconstruction.chunk_size, t.stats.reconstruction.prompt is None
+    (2048, True)
+    >>> kvzip(ratio=0.5, prompt="bare").stats.reconstruction.prompt
+    ReconstructionPrompt(first=(), next=(), suffix=(), prefix=0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.core.attention import attention_weights
+from kvjax.core.cache import EMPTY, Cache, TokenCache
+from kvjax.core.layout import compact, map_layers, pool_heads
+from kvjax.core.selection import init_budget, rank
+from kvjax.core.stats import StatsSpec
+from kvjax.core.transforms import CacheTransform
+from kvjax.policies.eviction import _check_bool, check_int, check_real
+
+PROMPTS = ("chat", "bare")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReconstructionPrompt:
+    """The token ids around each reconstructed chunk (kvpress's `prepare`)."""
+
+    first: tuple[int, ...] = ()  # before the first chunk: "\n\nRepeat the previous context exactly."
+    next: tuple[int, ...] = ()  # before a later chunk: "...exactly, starting with" (+ 8 ids)
+    suffix: tuple[int, ...] = ()  # after the instruction: the chat template's closing
+    prefix: int = 0  # leading context tokens not reconstructed: the template's opening
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconstruction:
+    """What the model runs after prefill for KVzip (hashable: part of the `StatsSpec`)."""
+
+    chunk_size: int = 2048
+    n_sink: int = 4
+    overlap: int = 8  # ids of the previous chunk repeated before a later chunk (kvpress's 8)
+    prompt: ReconstructionPrompt | None = None  # None: bind a tokenizer's first
+
+
+def reconstruction_inputs(context: Sequence[int], rec: Reconstruction
+                          ) -> list[tuple[int, int, list[int]]]:
+    """kvpress's `prepare` for one sequence: per chunk, (start, end, ids fed), where the chunk
+    is the context's tokens `[start, end)` and the ids are prompt + suffix + the chunk.
+
+    Example:
+        >>> p = ReconstructionPrompt(first=(7,), next=(8,), suffix=(9,), prefix=1)
+        >>> reconstruction_inputs([1, 2, 3, 4, 5], Reconstruction(chunk_size=3, overlap=1, prompt=p))
+        [(1, 4, [7, 9, 2, 3, 4]), (4, 5, [8, 4, 9, 5])]
+    """
+    p = rec.prompt
+    if p is None:
+        raise ValueError("kvzip: the reconstruction prompt's token ids are not bound: "
+                         "models.reconstruction.with_tokenizer(transform, tokenizer) binds "
+                         "the tokenizer's (the CLI does), or use prompt=bare")
+    ctx = list(context)[p.prefix:]
+    chunks = [ctx[i:i + rec.chunk_size] for i in range(0, len(ctx), rec.chunk_size)] or [[]]
+    out, start = [], p.prefix
+    for i, chunk in enumerate(chunks):
+        head = list(p.first) if i == 0 else \
+            list(p.next) + chunks[i - 1][-rec.overlap:] if rec.overlap else list(p.next)
+        out.append((start, start + len(chunk), head + list(p.suffix) + chunk))
+        start += len(chunk)
+    return out
+
+
+def chunk_scores(layer: TokenCache, queries: jax.Array, query_pos: jax.Array, start: jax.Array,
+                 end: jax.Array, sinks: jax.Array, context: jax.Array) -> jax.Array:
+    """[B, KVH, C] float32: per slot of the chunk `[start, end)`, the most attention a
+    reconstruction query pays it (0 outside the chunk).
+
+    The queries' softmax runs over the first `sinks` tokens, the chunk and the pass's own
+    tokens (positions >= `context`, causally): kvpress's `_compute_cross_attention`.
+
+    Args:
+      layer: the layer's cache after the pass (the context, then the pass's tokens).
+      queries: [B, W, H, D] the pass's post-RoPE queries; query_pos [B, W] (EMPTY: padding).
+      start, end, sinks, context: [B] int32 (a row with start == end scores nothing).
+
+    Example:
+        >>> import jax.numpy as jnp, kvjax
+        >>> layer = kvjax.init_cache(batch=1, kv_heads=1, capacity=4, head_dim=2)
+        >>> layer = kvjax.write(layer, jnp.zeros((1, 1, 4, 2)), jnp.zeros((1, 1, 4, 2)),
+        ...                     jnp.arange(4)[None])       # context 0..2, one pass token at 3
+        >>> s = chunk_scores(layer, jnp.zeros((1, 1, 1, 2)), jnp.array([[3]]), jnp.array([1]),
+        ...                  jnp.array([3]), jnp.array([0]), jnp.array([3]))
+        >>> [round(x, 4) for x in s[0, 0].tolist()]   # slots 1, 2 and the pass token share 1
+        [0.0, 0.3333, 0.3333, 0.0]
+    """
+    row = lambda x: x.reshape(-1, 1, 1)
+    pos = layer.pos  # [B, KVH, C]
+    in_chunk = (pos >= row(start)) & (pos < row(end))
+    seen = in_chunk | (pos < row(sinks)) | (pos >= row(context))
+    sub = layer.replace(pos=jnp.where(seen & (pos != EMPTY), pos, EMPTY))
+    weights = attention_weights(queries.astype(jnp.float32), query_pos, sub)  # [B, KVH, G, W, C]
+    return jnp.where(in_chunk, weights.max(axis=(2, 3)), 0.0)
+
+
+def kvzip_keep(scores: jax.Array, pos: jax.Array, ratio: jax.Array, n_sink: int,
+               layerwise: bool) -> jax.Array:
+    """[L, B, KVH, C] bool: what KVzip keeps of `scores` [L, B, KVH, C] (slots at `pos`).
+
+    The first `n_sink` positions always; then per row the lowest `floor(N * ratio)` scores
+    go, N every layer's and KV head's tokens (or, `layerwise`, one layer's). Ties go to
+    the earlier layer, head and slot.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> s = jnp.array([[[[0.9, 0.1, 0.3, 0.2]]], [[[0.5, 0.6, 0.05, 0.7]]]])  # L=2, C=4
+        >>> pos = jnp.broadcast_to(jnp.arange(4), s.shape)
+        >>> kvzip_keep(s, pos, jnp.float32(0.5), 1, False)[:, 0, 0].astype(int).tolist()
+        [[1, 0, 0, 0], [1, 1, 0, 1]]
+    """
+    num_layers, b, kvh, c = scores.shape
+    valid = pos != EMPTY
+    scores = jnp.where(pos < n_sink, jnp.inf, scores.astype(jnp.float32))
+    tokens = jnp.max(jnp.sum(valid, axis=-1), axis=(0, 2))  # [B] tokens per head
+    if layerwise:  # [L, B, KVH*C]: each layer alone
+        flat = lambda x: x.reshape(num_layers, b, kvh * c)
+        n = jnp.floor((kvh * tokens).astype(jnp.float32) * ratio).astype(jnp.int32)[None, :, None]
+        lowest = rank(-flat(scores), flat(valid)) < n
+    else:  # [B, L*KVH*C]: every layer together
+        flat = lambda x: x.transpose(1, 0, 2, 3).reshape(b, num_layers * kvh * c)
+        n = jnp.floor((num_layers * kvh * tokens).astype(jnp.float32) * ratio)
+        lowest = rank(-flat(scores), flat(valid)) < n.astype(jnp.int32)[:, None]
+        lowest = lowest.reshape(b, num_layers, kvh, c).transpose(1, 0, 2, 3)
+    return valid & ~lowest.reshape(scores.shape)
+
+
+def pooled_mask(keep: jax.Array) -> jax.Array:
+    """[B, KVH, C] per-head mask -> [B, KVH, KVH*C], the pooled layout's (`pool_heads`:
+    head h owns slots [h*C, (h+1)*C))."""
+    b, kvh, c = keep.shape
+    own = jnp.eye(kvh, dtype=bool)[None, :, :, None]
+    return (own & keep[:, :, None, :]).reshape(b, kvh, kvh * c)
+
+
+def _evict(layer: TokenCache, keep: jax.Array) -> TokenCache:
+    return compact(pool_heads(layer), pooled_mask(keep))
+
+
+@dataclasses.dataclass(frozen=True)
+class KVzipUpdate:
+    """`kvzip`'s update: every layer's reconstruction scores ranked together (or by layer)."""
+
+    n_sink: int = 4
+    layerwise: bool = False
+
+    def __call__(self, cache: Cache, state, stats=None):
+        if stats is None or any(s is None or s.slot_scores is None for s in stats):
+            raise ValueError("kvzip scores slots by a reconstruction pass the model runs after "
+                             "prefill (models.reconstruction; the sampler runs it): it has no "
+                             "scores here. It compresses the prompt only, not during decoding "
+                             "(compress_every)")
+        for i, (layer, s) in enumerate(zip(cache, stats)):
+            if not isinstance(layer, TokenCache) or layer.pooled or \
+                    s.slot_scores.shape != layer.pos.shape:
+                raise ValueError(f"kvzip: layer {i} is not the plain cache its reconstruction "
+                                 f"scores {s.slot_scores.shape} were made for; kvzip compresses "
+                                 f"the prefilled cache, first in a chain and only after prefill")
+        scores = jnp.stack([s.slot_scores for s in stats])  # [L, B, KVH, C]
+        pos = jnp.stack([layer.pos for layer in cache])
+        keep = kvzip_keep(scores, pos, state.ratio, self.n_sink, self.layerwise)
+        return map_layers(_evict, tuple(cache), tuple(keep)), state
+
+
+def kvzip(ratio: float | None = None, n_sink: int = 4, layerwise: bool = False,
+          chunk_size: int = 2048, prompt: str = "chat") -> CacheTransform:
+    """KVzip (Kim et al. 2025): evict what context reconstruction attends to least.
+
+    As kvpress KVzipPress(compression_ratio=ratio, layerwise=layerwise, n_sink=n_sink,
+    chunk_size=chunk_size) (kvzip_plus_normalization=False): see the module docstring.
+    `prompt`: "chat" (kvpress's instruction and chat template, bound from the tokenizer by
+    `models.reconstruction.with_tokenizer`) or "bare" (the chunks alone).
+    """
+    check_real("kvzip", "ratio", ratio, 0.0, 1.0, high_open=True)
+    check_int("kvzip", "n_sink", n_sink, 0)
+    check_int("kvzip", "chunk_size", chunk_size)
+    _check_bool("kvzip", "layerwise", layerwise)
+    if prompt not in PROMPTS:
+        raise ValueError(f"kvzip: prompt must be one of {', '.join(PROMPTS)}, got {prompt!r}")
+    rec = Reconstruction(chunk_size, n_sink,
+                         prompt=ReconstructionPrompt() if prompt == "bare" else None)
+    return CacheTransform(functools.partial(init_budget, ratio, None, 0),
+                          KVzipUpdate(n_sink, layerwise), StatsSpec(reconstruction=rec))

@@ -1,0 +1,125 @@
+"""KVzip's context-reconstruction pass: the model half of `kvjax.policies.eviction_kvzip`.
+
+A transform whose `StatsSpec` asks for a `reconstruction` gets it here, after
+prefill: every sequence's context is fed again, chunk by chunk, behind the
+reconstruction prompt, on top of a copy of the prefilled cache (each chunk
+starts from the prefilled cache again), and each layer's slots are scored by
+`eviction_kvzip.chunk_scores` from the pass's queries. The scores reach the
+transform's update as `LayerStats.slot_scores`. `models.sampler.prefill_and_compress`
+calls `reconstruct` for such a transform; nothing else changes.
+
+The prompt is token ids: `chat_prompt(tokenizer)` makes kvpress's ("Repeat the
+previous context exactly.", the chat template's closing after it, its opening
+as the prefix not reconstructed), `with_tokenizer` binds it to a transform.
+
+Example:
+    >>> from flax import nnx
+    >>> import kvjax
+    >>> from models.llama import Llama, LlamaConfig
+    >>> from models.sampler import prefill_and_compress
+    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    >>> t = kvjax.parse_method("kvzip:ratio=0.5,prompt=bare")   # no tokenizer: chunks alone
+    >>> out = prefill_and_compress(model, [list(range(3, 35))], transform=t, room=4)
+    >>> sum(int(kvjax.num_valid(layer).sum()) for layer in out.cache)  # half of 32 x 2 KV heads x 2 layers
+    64
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import kvjax
+from kvjax.core.cache import EMPTY
+from kvjax.core.layout import resize
+from kvjax.core.stats import StatsSpec, init_stats
+from kvjax.core.transforms import CacheTransform
+from kvjax.policies.eviction_kvzip import (Reconstruction, ReconstructionPrompt, chunk_scores,
+                                           reconstruction_inputs)
+from models.llama import Llama, fixed_rope_frequencies
+
+FIRST = "\n\nRepeat the previous context exactly."
+NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+def chat_prompt(tokenizer) -> ReconstructionPrompt:
+    """kvpress KVzipPress's prompt ids for `tokenizer` (a `models.tokenizer.Tokenizer`): the
+    instruction, the chat template's closing of a user turn as the suffix and its opening's
+    token count as the prefix (no template: no prefix, "\\n" as the suffix)."""
+    if not tokenizer.chat_template:
+        prefix, suffix = [], tokenizer.encode("\n")
+    else:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}])
+        opening, closing = text.split(separator)
+        prefix = tokenizer.encode(opening.split(dummy)[0], allow_special=True)
+        suffix = tokenizer.encode(closing, allow_special=True)
+    return ReconstructionPrompt(first=tuple(tokenizer.encode(FIRST)),
+                                next=tuple(tokenizer.encode(NEXT)), suffix=tuple(suffix),
+                                prefix=len(prefix))
+
+
+def with_tokenizer(transform: CacheTransform, tokenizer) -> CacheTransform:
+    """`transform` with its reconstruction prompt bound to `tokenizer`'s ids (`chat_prompt`)
+    when it asks for one and has none yet; any other transform unchanged."""
+    rec = transform.stats.reconstruction
+    if rec is None or rec.prompt is not None:
+        return transform
+    bound = dataclasses.replace(rec, prompt=chat_prompt(tokenizer))
+    return transform._replace(stats=dataclasses.replace(transform.stats, reconstruction=bound))
+
+
+@functools.partial(jax.jit, static_argnames=("capacities", "impl"))
+def _pass_scores(model, tokens, positions, cache, start, end, sinks, context,
+                 capacities: tuple[int, ...], impl):
+    """Per layer [B, KVH, C_l]: one reconstruction pass's scores of the prefilled slots (a
+    sliding-window layer's are computed alike, and unused: methods leave those layers be)."""
+    spec = StatsSpec(window=tokens.shape[1])
+    stats = model.init_stats(spec, cache)
+    _, cache, stats = model.forward(tokens, positions, cache, stats, spec, impl=impl)
+    return tuple(chunk_scores(layer, s.queries, s.query_pos, start, end, sinks, context)
+                 [..., :c] for layer, s, c in zip(cache, stats, capacities))
+
+
+def reconstruct(model: Llama, cache, stats, next_pos: np.ndarray,
+                contexts: Sequence[Sequence[int]], rec: Reconstruction, impl="xla"):
+    """`stats` (one `LayerStats` per layer, or None) with `slot_scores` [B, KVH, C] from
+    KVzip's reconstruction of `contexts` (the prefilled prompts, at positions 0..n-1 of
+    `cache`, whose next positions are `next_pos` [B]).
+
+    Every pass is padded to the longest one, so all compile to one program.
+    """
+    plans = [reconstruction_inputs(c, rec) for c in contexts]
+    width = max(len(ids) for plan in plans for _, _, ids in plan)
+    from models.sampler import windowed_layers
+
+    windowed = windowed_layers(model)  # their cache is the window: the model keeps it so
+    capacities = tuple(layer.capacity for layer in cache)
+    grown = tuple(layer if i in windowed else  # room for a pass behind the prefilled slots
+                  resize(layer, max(layer.capacity, int(layer.length) + width))
+                  for i, layer in enumerate(cache))
+    total = None
+    for i in range(max(len(plan) for plan in plans)):
+        rows = [plan[i] if i < len(plan) else (0, 0, plan[-1][2]) for plan in plans]
+        padded = np.full((len(rows), width), 0, np.int32)
+        positions = np.full((len(rows), width), EMPTY, np.int32)
+        for b, (_, _, ids) in enumerate(rows):
+            padded[b, width - len(ids):] = ids
+            positions[b, width - len(ids):] = next_pos[b] + np.arange(len(ids))
+        start = np.array([r[0] for r in rows], np.int32)
+        end = np.array([r[1] for r in rows], np.int32)
+        sinks = np.minimum(rec.n_sink, start).astype(np.int32)
+        scores = _pass_scores(model, jnp.asarray(padded), jnp.asarray(positions), grown,
+                              jnp.asarray(start), jnp.asarray(end), jnp.asarray(sinks),
+                              jnp.asarray(next_pos, jnp.int32), capacities, impl)
+        total = scores if total is None else tuple(a + s for a, s in zip(total, scores))
+    if stats is None:
+        cfg = model.config
+        stats = init_stats(StatsSpec(), cache, cfg.num_heads, fixed_rope_frequencies(cfg))
+    return tuple(s._replace(slot_scores=x) for s, x in zip(stats, total))
