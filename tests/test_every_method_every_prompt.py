@@ -69,6 +69,7 @@ DEFAULT_SPECS = {
     "entropy_chunkkv": "entropy_chunkkv:inner=snapkv,ratio=0.5",
     "finch": "finch:ratio=0.5,window=8",  # the prompt's last 8 tokens as the question
     "kvzip": "kvzip:ratio=0.5,prompt=bare",  # no tokenizer here: the chunks without kvpress's prompt
+    "cam": "cam:ratio=0.5,merge_budget=4",  # merges only with compress_every (a decoding press)
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
     "auto": "auto:budget=0.25",
 }

@@ -26,6 +26,7 @@ from kvjax.policies import (codecs, eviction, eviction_compactor, eviction_geome
 from kvjax.policies.low_rank import LowRankBasis, low_rank
 from kvjax.policies import eviction_cap, eviction_critical, eviction_simlayer, eviction_think
 from kvjax.policies import eviction_entropy_chunk
+from kvjax.policies import eviction_cam
 from kvjax.policies import eviction_finch
 from kvjax.policies import eviction_kvzip
 from kvjax.policies import eviction_merging
@@ -93,6 +94,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "finch": eviction_finch.finch,
     "kvzip": eviction_kvzip.kvzip,
     "merging": _inner_by_name(eviction_merging.merging),
+    "cam": _inner_by_name(eviction_cam.cam),
     "decoding_ratio": _inner_by_name(decoding.decoding_ratio),
     "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
@@ -123,6 +125,7 @@ _CRITICAL = "Feng et al. 2025, https://arxiv.org/abs/2502.03805"
 _ZOO_THIRD = "tests/test_kvpress_zoo_third.py"
 _MERGING = "tests/test_kvpress_merging.py"
 _FINCH = "tests/test_kvpress_finch.py"
+_CAM = "tests/test_kvpress_cam.py"
 _KVZIP = "tests/test_kvpress_kvzip.py"
 METHOD_INFO: dict[str, MethodInfo] = {
     "streaming_llm": MethodInfo("Xiao et al. 2023, https://arxiv.org/abs/2309.17453",
@@ -179,6 +182,9 @@ METHOD_INFO: dict[str, MethodInfo] = {
                           "https://arxiv.org/abs/2210.09461) and D2O (Wan et al. 2024, "
                           "https://arxiv.org/abs/2406.13035)",
                           "MergingPress", "merging:inner=snapkv,ratio={r}", _MERGING),
+    # with --compress-every N = its compression_interval (512 by default); K = target_size
+    "cam": MethodInfo("Zhang et al. 2024, https://openreview.net/forum?id=LCTmppB165",
+                      "CAMPress", "cam:inner=knorm,budget=K", _CAM),
     # with --compress-every N = its compression_interval (512 by default)
     "decoding_ratio": MethodInfo("kvpress (decoding-time compression)",
                                  "CompressionRatioDecodingPress",
