@@ -1,10 +1,12 @@
-"""KVzip's context-reconstruction pass: the model half of `kvjax.policies.eviction_kvzip`.
+"""KVzip's (and KVgrad's) context-reconstruction pass: the model half of
+`kvjax.policies.eviction_kvzip`.
 
 A transform whose `StatsSpec` asks for a `reconstruction` gets it here, after
 prefill: every sequence's context is fed again, chunk by chunk, behind the
 reconstruction prompt, on top of a copy of the prefilled cache (each chunk
 starts from the prefilled cache again), and each layer's slots are scored by
-`eviction_kvzip.chunk_scores` from the pass's queries. The scores reach the
+`eviction_kvzip.chunk_scores` from the pass's queries (KVgrad: also from the
+gradient of the pass's objective, `jax.grad` of `probe_forward`). The scores reach the
 transform's update as `LayerStats.slot_scores`. `models.sampler.prefill_and_compress`
 calls `reconstruct` for such a transform; nothing else changes.
 
@@ -35,12 +37,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
+from kvjax.core import cpu_kernel
 from kvjax.core.cache import EMPTY
 from kvjax.core.layout import resize
 from kvjax.core.stats import StatsSpec, init_stats
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction_kvzip import (Reconstruction, ReconstructionPrompt, chunk_scores,
-                                           reconstruction_inputs)
+                                           reconstruction_inputs, value_output_norms)
 from models.llama import Llama, fixed_rope_frequencies
 
 FIRST = "\n\nRepeat the previous context exactly."
@@ -87,6 +90,58 @@ def _pass_scores(model, tokens, positions, cache, start, end, sinks, context,
                  [..., :c] for layer, s, c in zip(cache, stats, capacities))
 
 
+def probe_forward(model: Llama, tokens, positions, cache, offsets, spec: StatsSpec, impl="xla"):
+    """`model.forward` with `offsets[l]` [B*T, hidden] added to layer l's attention output
+    (what KVgrad differentiates by): (the last layer's output [B, T, hidden] before the final
+    norm, cache, stats). With zero offsets, `model.norm` of it is `model.forward`'s output
+    (tested): the same layers, the same order, the same embedding."""
+    b, t = tokens.shape
+    x = jnp.take(model.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
+    if model.config.scale_embeddings:  # Gemma, as Llama.forward
+        x = x * jnp.asarray(model.config.hidden_size ** 0.5, model.embed.dtype).astype(jnp.float32)
+    stats = model.init_stats(spec, cache)
+    new_cache, new_stats = [], []
+    for layer, layer_cache, layer_stats, offset in zip(model.layers, cache, stats, offsets):
+        a, layer_cache, layer_stats = layer.attn(layer.input_norm(x), positions, layer_cache,
+                                                 impl, layer_stats, spec)
+        a = a + offset  # as Block.__call__, the attention output shifted
+        if layer.pre_mlp_norm is None:
+            x = x + a
+            x = x + layer.mlp(layer.post_attn_norm(x))
+        else:
+            x = x + layer.post_attn_norm(a)
+            x = x + layer.post_mlp_norm(layer.mlp(layer.pre_mlp_norm(x)))
+        new_cache.append(layer_cache)
+        new_stats.append(layer_stats)
+    return x.reshape(b, t, -1), tuple(new_cache), tuple(new_stats)
+
+
+@functools.partial(jax.jit, static_argnames=("capacities", "impl"))
+def _gradient_pass_scores(model, tokens, positions, cache, start, end, sinks, context,
+                          capacities: tuple[int, ...], impl=None):
+    """KVgrad's scores of one pass: attention x ||v W_o||_2 x ||d Phi / d a_p||_2, per layer
+    [B, KVH, C_l], Phi = sum over the pass's real tokens of ||h_p||^2 (last layer, pre-norm)."""
+    b, t = tokens.shape
+    spec = StatsSpec(window=t)
+    real = (positions != EMPTY).astype(jnp.float32)[..., None]  # [B, T, 1]
+
+    def objective(offsets):  # attention by its plain definition: the blockwise loop has no VJP
+        h, new_cache, stats = probe_forward(model, tokens, positions, cache, offsets, spec,
+                                            "reference")
+        return jnp.sum(jnp.square(h) * real), (new_cache, stats)
+
+    zeros = tuple(jnp.zeros((b * t, model.config.hidden_size), jnp.float32)
+                  for _ in model.layers)
+    grads, (new_cache, stats) = jax.grad(objective, has_aux=True)(zeros)
+    out = []
+    for layer, s, g, c, block in zip(new_cache, stats, grads, capacities, model.layers):
+        norms = value_output_norms(layer.logical_v, block.attn.o_proj.kernel[...])
+        weight = jnp.linalg.norm(g.reshape(b, t, -1), axis=-1)  # [B, T]
+        out.append(chunk_scores(layer, s.queries, s.query_pos, start, end, sinks, context,
+                                norms, weight)[..., :c])
+    return tuple(out)
+
+
 def reconstruct(model: Llama, cache, stats, next_pos: np.ndarray,
                 contexts: Sequence[Sequence[int]], rec: Reconstruction, impl="xla"):
     """`stats` (one `LayerStats` per layer, or None) with `slot_scores` [B, KVH, C] from
@@ -115,9 +170,14 @@ def reconstruct(model: Llama, cache, stats, next_pos: np.ndarray,
         start = np.array([r[0] for r in rows], np.int32)
         end = np.array([r[1] for r in rows], np.int32)
         sinks = np.minimum(rec.n_sink, start).astype(np.int32)
-        scores = _pass_scores(model, jnp.asarray(padded), jnp.asarray(positions), grown,
-                              jnp.asarray(start), jnp.asarray(end), jnp.asarray(sinks),
-                              jnp.asarray(next_pos, jnp.int32), capacities, impl)
+        args = (model, jnp.asarray(padded), jnp.asarray(positions), grown, jnp.asarray(start),
+                jnp.asarray(end), jnp.asarray(sinks), jnp.asarray(next_pos, jnp.int32),
+                capacities, impl)
+        if rec.gradient:  # the CPU kernels (FFI calls) have no derivative: XLA's ops here
+            with cpu_kernel.disabled():
+                scores = _gradient_pass_scores(*args)
+        else:
+            scores = _pass_scores(*args)
         total = scores if total is None else tuple(a + s for a, s in zip(total, scores))
     if stats is None:
         cfg = model.config

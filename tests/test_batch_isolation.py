@@ -36,6 +36,7 @@ SPECIAL = {
     "simlayerkv": "simlayerkv:lazy_threshold=0.3,n_recent=16",  # 1.0 (the default) never trims
     "finch": "finch:ratio=0.5,window=4",  # window: the question's tokens (no default)
     "kvzip": "kvzip:ratio=0.5,prompt=bare",  # a tiny model has no tokenizer for kvpress's prompt
+    "kvgrad": "kvgrad:ratio=0.5,prompt=bare",
     "auto": "auto:budget=0.25",
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""

@@ -69,6 +69,7 @@ DEFAULT_SPECS = {
     "entropy_chunkkv": "entropy_chunkkv:inner=snapkv,ratio=0.5",
     "finch": "finch:ratio=0.5,window=8",  # the prompt's last 8 tokens as the question
     "kvzip": "kvzip:ratio=0.5,prompt=bare",  # no tokenizer here: the chunks without kvpress's prompt
+    "kvgrad": "kvgrad:ratio=0.5,prompt=bare",  # as kvzip, with the gradient (jax.grad)
     "cam": "cam:ratio=0.5,merge_budget=4",  # merges only with compress_every (a decoding press)
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
     "auto": "auto:budget=0.25",
@@ -89,9 +90,9 @@ def registered_specs() -> list[str]:
 
 
 SPECS = registered_specs() + MORE + CHAINS
-PROMPT_ONLY = {DEFAULT_SPECS["kvzip"]}
-"""Methods that compress the prompt only (kvzip: its scores come from a pass after prefill):
-with `compress_every` they must refuse by name."""
+PROMPT_ONLY = {DEFAULT_SPECS["kvzip"], DEFAULT_SPECS["kvgrad"]}
+"""Methods that compress the prompt only (kvzip, kvgrad: their scores come from a pass after
+prefill): with `compress_every` they must refuse by name."""
 
 
 @pytest.fixture(scope="module")

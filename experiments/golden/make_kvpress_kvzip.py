@@ -82,8 +82,9 @@ def template_prefix(tok) -> list[int]:
 
 
 def run_kvzip(model, tok, torch, ids: np.ndarray, kwargs: dict, ratio: float,
-              n_layers: int, kvh: int) -> dict:
-    """One prefill under KVzipPress, then its reconstruction and masking -> arrays."""
+              n_layers: int, kvh: int, press_class: str = "KVzipPress") -> dict:
+    """One prefill under KVzipPress (or its subclass `press_class`), then its reconstruction
+    and masking -> arrays."""
     import kvpress
     from kvpress.presses import kvzip_press
     from transformers import DynamicCache
@@ -93,7 +94,7 @@ def run_kvzip(model, tok, torch, ids: np.ndarray, kwargs: dict, ratio: float,
         def from_pretrained(*args, **kw):
             return tok
 
-    press = kvpress.KVzipPress(compression_ratio=ratio, **kwargs)
+    press = getattr(kvpress, press_class)(compression_ratio=ratio, **kwargs)
     stash = {}
     orig_post, orig_prepare = press.compress_post, press.prepare
 
@@ -141,10 +142,13 @@ def run_kvzip(model, tok, torch, ids: np.ndarray, kwargs: dict, ratio: float,
             "pairs": stash["pairs"], "prefix": stash["prefix"], "suffix": stash["suffix"]}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, presses: dict = PRESSES, default_out=KVZIP_OUT,
+         press_class: str = "KVzipPress", scores_stored: dict = SCORES_STORED,
+         description: str = __doc__) -> int:
+    ap = argparse.ArgumentParser(description=description.split("\n\n")[0])
     ap.add_argument("--gguf", default=DEFAULT_GGUF, help="path of the SmolLM2 GGUF file")
-    ap.add_argument("--out", default=str(KVZIP_OUT), help=f"output .npz (default {KVZIP_OUT})")
+    ap.add_argument("--out", default=str(default_out),
+                    help=f"output .npz (default {default_out})")
     args = ap.parse_args(argv)
     import torch
 
@@ -167,16 +171,17 @@ def main(argv=None) -> int:
         out[f"ctx{c}_ids"] = texts[c]
         out[f"ctx{c}_prefix"] = np.int32(len(prefix))
     t0 = time.perf_counter()
-    for name, kwargs in PRESSES.items():
+    for name, kwargs in presses.items():
         for c, ids in texts.items():
             for ratio in RATIOS:
                 t1 = time.perf_counter()
                 torch.manual_seed(SEED)
-                arrays = run_kvzip(model, tok, torch, ids, kwargs, ratio, n_layers, kvh)
+                arrays = run_kvzip(model, tok, torch, ids, kwargs, ratio, n_layers, kvh,
+                                   press_class)
                 assert arrays["prefix"] == len(prefix), (arrays["prefix"], len(prefix))
                 pairs = arrays["pairs"]
                 ctx = ids[len(prefix):]
-                size = kwargs.get("chunk_size", 2048)
+                size = kwargs.get("chunk_size", getattr(kvpress, press_class).chunk_size)
                 assert len(pairs) == -(-len(ctx) // size)
                 for i, (chunk, repeat) in enumerate(pairs):
                     assert (chunk[0] == ctx[i * size:(i + 1) * size]).all()
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
                 out[f"{prefix_key}_keep"] = np.packbits(arrays["keep"].ravel())
                 out[f"{prefix_key}_band"] = np.packbits(arrays["band"].ravel())
                 out[f"{prefix_key}_margin"] = arrays["margin"]
-                for layer in SCORES_STORED.get((name, c, ratio), ()):
+                for layer in scores_stored.get((name, c, ratio), ()):
                     out[f"{prefix_key}_scores_l{layer}"] = arrays["scores"][layer].astype(
                         np.float32)
                 m = arrays["margin"]
@@ -203,7 +208,7 @@ def main(argv=None) -> int:
                       flush=True)
     timings["presses"] = time.perf_counter() - t0
     out.update(provenance(info, n_layers, kvh))
-    out["presses"] = np.asarray(list(PRESSES))
+    out["presses"] = np.asarray(list(presses))
     save_golden(args.out, out, timings)
     return 0
 

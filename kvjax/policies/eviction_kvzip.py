@@ -1,4 +1,5 @@
-"""KVzip (kvpress KVzipPress): keep what the model needs to repeat its context.
+"""KVzip and KVgrad (kvpress KVzipPress, KVgradPress): keep what the model needs to repeat
+its context.
 
 KVzip (Kim et al. 2025) scores a prefilled context query-agnostically by
 *context reconstruction*: the model is fed "Repeat the previous context
@@ -26,6 +27,13 @@ Steps 1-2 need the model: this module only declares the pass
 (`chunk_scores`); `models.reconstruction` runs it after prefill (the sampler
 does so for any transform that asks) and hands each layer's scores to the
 update as `LayerStats.slot_scores`. Step 3 is this transform's update.
+
+KVgrad (`kvgrad`, kvpress KVgradPress, chunks of 512) scores the same pass
+differently: each attention weight times `||v W_o||_2` (the value through the
+query head's rows of the output projection) and times `||d Phi / d a_p||_2`,
+the gradient of `Phi = sum_p ||h_p||^2` (the last layer's output over the
+pass, before the final norm) with respect to probe token p's attention output,
+before the same maximum; `models.reconstruction` takes it with `jax.grad`.
 
 The prompt is token ids of the model's tokenizer: `prompt="chat"` (kvpress's)
 wants them bound by `models.reconstruction.with_tokenizer(transform, tok)`,
@@ -78,6 +86,7 @@ class Reconstruction:
     n_sink: int = 4
     overlap: int = 8  # ids of the previous chunk repeated before a later chunk (kvpress's 8)
     prompt: ReconstructionPrompt | None = None  # None: bind a tokenizer's first
+    gradient: bool = False  # KVgrad: weigh by ||v W_o|| and the objective's gradient
 
 
 def reconstruction_inputs(context: Sequence[int], rec: Reconstruction
@@ -107,7 +116,9 @@ def reconstruction_inputs(context: Sequence[int], rec: Reconstruction
 
 
 def chunk_scores(layer: TokenCache, queries: jax.Array, query_pos: jax.Array, start: jax.Array,
-                 end: jax.Array, sinks: jax.Array, context: jax.Array) -> jax.Array:
+                 end: jax.Array, sinks: jax.Array, context: jax.Array,
+                 value_norms: jax.Array | None = None,
+                 query_weights: jax.Array | None = None) -> jax.Array:
     """[B, KVH, C] float32: per slot of the chunk `[start, end)`, the most attention a
     reconstruction query pays it (0 outside the chunk).
 
@@ -118,6 +129,8 @@ def chunk_scores(layer: TokenCache, queries: jax.Array, query_pos: jax.Array, st
       layer: the layer's cache after the pass (the context, then the pass's tokens).
       queries: [B, W, H, D] the pass's post-RoPE queries; query_pos [B, W] (EMPTY: padding).
       start, end, sinks, context: [B] int32 (a row with start == end scores nothing).
+      value_norms: [B, KVH, G, C] KVgrad's `||v W_o||_2` per query head, or None.
+      query_weights: [B, W] KVgrad's gradient norm per query, or None.
 
     Example:
         >>> import jax.numpy as jnp, kvjax
@@ -135,7 +148,29 @@ def chunk_scores(layer: TokenCache, queries: jax.Array, query_pos: jax.Array, st
     seen = in_chunk | (pos < row(sinks)) | (pos >= row(context))
     sub = layer.replace(pos=jnp.where(seen & (pos != EMPTY), pos, EMPTY))
     weights = attention_weights(queries.astype(jnp.float32), query_pos, sub)  # [B, KVH, G, W, C]
+    if value_norms is not None:
+        weights = weights * value_norms[:, :, :, None, :]
+    if query_weights is not None:
+        weights = weights * query_weights[:, None, None, :, None]
     return jnp.where(in_chunk, weights.max(axis=(2, 3)), 0.0)
+
+
+def value_output_norms(values: jax.Array, out_proj: jax.Array) -> jax.Array:
+    """[B, KVH, G, C] `||v W_o,h||_2`: each value through each of its KV head's query heads' rows
+    of the output projection (kvpress `KVzipPress._compute_value_output_norm`).
+
+    Args:
+      values: [B, KVH, C, D]; out_proj: [H*D, hidden] (rows head by head).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> w = jnp.array([[3., 4.], [0., 0.], [1., 0.], [0., 0.]])   # H = 2 heads of D = 2
+        >>> value_output_norms(jnp.ones((1, 1, 1, 2)), w).tolist()      # |(3, 4)|, |(1, 0)|
+        [[[[5.0], [1.0]]]]
+    """
+    b, kvh, c, d = values.shape
+    w = out_proj.astype(jnp.float32).reshape(kvh, -1, d, out_proj.shape[-1])  # [KVH, G, D, hidden]
+    return jnp.linalg.norm(jnp.einsum("bhcd,hgdj->bhgcj", values.astype(jnp.float32), w), axis=-1)
 
 
 def kvzip_keep(scores: jax.Array, pos: jax.Array, ratio: jax.Array, n_sink: int,
@@ -206,6 +241,22 @@ class KVzipUpdate:
         return map_layers(_evict, tuple(cache), tuple(keep)), state
 
 
+def reconstruction_policy(name: str, ratio: float | None, n_sink: int, layerwise: bool,
+                          chunk_size: int, prompt: str, gradient: bool) -> CacheTransform:
+    """`kvzip` (gradient False) or `kvgrad` (True), its arguments checked under `name`."""
+    check_real(name, "ratio", ratio, 0.0, 1.0, high_open=True)
+    check_int(name, "n_sink", n_sink, 0)
+    check_int(name, "chunk_size", chunk_size)
+    _check_bool(name, "layerwise", layerwise)
+    if prompt not in PROMPTS:
+        raise ValueError(f"{name}: prompt must be one of {', '.join(PROMPTS)}, got {prompt!r}")
+    rec = Reconstruction(chunk_size, n_sink,
+                         prompt=ReconstructionPrompt() if prompt == "bare" else None,
+                         gradient=gradient)
+    return CacheTransform(functools.partial(init_budget, ratio, None, 0),
+                          KVzipUpdate(n_sink, layerwise), StatsSpec(reconstruction=rec))
+
+
 def kvzip(ratio: float | None = None, n_sink: int = 4, layerwise: bool = False,
           chunk_size: int = 2048, prompt: str = "chat") -> CacheTransform:
     """KVzip (Kim et al. 2025): evict what context reconstruction attends to least.
@@ -215,13 +266,16 @@ def kvzip(ratio: float | None = None, n_sink: int = 4, layerwise: bool = False,
     `prompt`: "chat" (kvpress's instruction and chat template, bound from the tokenizer by
     `models.reconstruction.with_tokenizer`) or "bare" (the chunks alone).
     """
-    check_real("kvzip", "ratio", ratio, 0.0, 1.0, high_open=True)
-    check_int("kvzip", "n_sink", n_sink, 0)
-    check_int("kvzip", "chunk_size", chunk_size)
-    _check_bool("kvzip", "layerwise", layerwise)
-    if prompt not in PROMPTS:
-        raise ValueError(f"kvzip: prompt must be one of {', '.join(PROMPTS)}, got {prompt!r}")
-    rec = Reconstruction(chunk_size, n_sink,
-                         prompt=ReconstructionPrompt() if prompt == "bare" else None)
-    return CacheTransform(functools.partial(init_budget, ratio, None, 0),
-                          KVzipUpdate(n_sink, layerwise), StatsSpec(reconstruction=rec))
+    return reconstruction_policy("kvzip", ratio, n_sink, layerwise, chunk_size, prompt, False)
+
+
+def kvgrad(ratio: float | None = None, n_sink: int = 4, layerwise: bool = False,
+           chunk_size: int = 512, prompt: str = "chat") -> CacheTransform:
+    """KVgrad: KVzip's reconstruction, each attention weight times `||v W_o||_2` and times
+    `||d Phi / d a_p||_2`, the gradient of `Phi = sum_p ||h_p||^2` (the last layer's output
+    over the pass, before the final norm) with respect to probe token p's attention output.
+
+    As kvpress KVgradPress(compression_ratio=ratio, layerwise=layerwise, n_sink=n_sink,
+    chunk_size=chunk_size); `models.reconstruction` takes the gradient with `jax.grad`.
+    """
+    return reconstruction_policy("kvgrad", ratio, n_sink, layerwise, chunk_size, prompt, True)

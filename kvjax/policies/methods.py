@@ -93,6 +93,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "entropy_chunkkv": _inner_by_name(eviction_entropy_chunk.entropy_chunkkv),
     "finch": eviction_finch.finch,
     "kvzip": eviction_kvzip.kvzip,
+    "kvgrad": eviction_kvzip.kvgrad,
     "merging": _inner_by_name(eviction_merging.merging),
     "cam": _inner_by_name(eviction_cam.cam),
     "decoding_ratio": _inner_by_name(decoding.decoding_ratio),
@@ -178,6 +179,8 @@ METHOD_INFO: dict[str, MethodInfo] = {
     # the prompt's ids come from the tokenizer (models.reconstruction.with_tokenizer)
     "kvzip": MethodInfo("Kim et al. 2025, https://arxiv.org/abs/2505.23416", "KVzipPress",
                         "kvzip:ratio={r}", _KVZIP),
+    "kvgrad": MethodInfo("KVgrad, https://openreview.net/forum?id=cg1wTCJjjk", "KVgradPress",
+                         "kvgrad:ratio={r}", "tests/test_kvpress_kvgrad.py"),
     "merging": MethodInfo("kvpress; after ToMe (Bolya et al. 2023, "
                           "https://arxiv.org/abs/2210.09461) and D2O (Wan et al. 2024, "
                           "https://arxiv.org/abs/2406.13035)",
