@@ -14,6 +14,10 @@ out-of-range fork sources, eager and under jit). After every operation:
 - what attention reads (the pages the kernel is handed, and the gathered dense view)
   equals the shadow slot for slot, and every value a sequence can read is one it
   wrote or inherited by fork.
+
+The same machine runs over a tiered pool (spill, restore, prefetch; out-of-range page ids
+refused eagerly and recorded under jit), and a third drives a paged KIVI layer
+(`kvjax.memory.paged_kivi`) against the unpaged KIVI cache given the same writes.
 """
 
 import jax
@@ -56,8 +60,8 @@ def plant(layers, pages, value, pos):
 
 def unread_pages(layer) -> np.ndarray:
     """[P] bool: the pages no row's table lists (free and reserved ones), never the null page."""
-    used = np.arange(NP) < np.asarray(layer.num_pages_used)[..., None]
-    read = np.zeros(P, bool)
+    used = np.arange(layer.tables.shape[-1]) < np.asarray(layer.num_pages_used)[..., None]
+    read = np.zeros(layer.pos.shape[0], bool)
     read[np.asarray(layer.tables)[used]] = True
     read[NULL_PAGE] = True
     return ~read
@@ -514,17 +518,42 @@ class TieredPoolMachine(PoolMachine):
                                    jnp.arange(S, dtype=jnp.int32) + shift)
 
     @rule(bad=st.sampled_from([-2, 0, PD - 1, P, P + 5, 2 ** 31 - 1]),
-          to_host=st.booleans())
-    def refuse_out_of_range_pages(self, bad, to_host):
+          to_host=st.booleans(), jit=st.booleans())
+    def refuse_out_of_range_pages(self, bad, to_host, jit):
         """A page id outside the tier a move reads from is an error, never a silent skip (the
         null page and host pages for `spill`, device pages for `restore`, ids beyond the
-        pool for both); the pool is untouched."""
+        pool for both): a ValueError for host ids, and under jit the pool's error record
+        (codes 9, 10) with nothing moved for that id."""
         Counter.operations += 1
         if to_host and 1 <= bad < PD or not to_host and PD <= bad < P:
             return  # in range for this move
-        pages = np.array([bad, tiers.NO_PAGE])
-        with pytest.raises(ValueError, match="out of range"):
-            (tiers.spill if to_host else tiers.restore)(self.pool, self.layers, pages)
+        pages = np.array([tiers.NO_PAGE, bad], np.int32)
+        move = tiers.spill if to_host else tiers.restore
+        if not jit:
+            with pytest.raises(ValueError, match="out of range"):
+                move(self.pool, self.layers, pages)
+            return
+        before = jax.device_get(self.snapshot(self.pool, self.layers))
+        self.pool, self.layers = (spill_jit if to_host else restore_jit)(
+            self.pool, self.layers, jnp.asarray(pages, jnp.int32))
+        self.expect_pool_error((9 if to_host else 10, 1, bad, PD if to_host else P))
+        after = jax.device_get(self.snapshot(self.pool, self.layers))
+        jax.tree.map(np.testing.assert_array_equal, after, before)
+
+    @rule(bad=st.sampled_from([-2, P, P + 5]))
+    def prefetch_out_of_range_ids(self, bad):
+        """Ids from a device array are not read back before the copies start (that would wait
+        for them): one outside the pool leaves its stage slot empty and sets the layers'
+        error record (code 11), which `check_pool` reports."""
+        Counter.operations += 1
+        pages = tiers.host_pages_in_use(self.layers[0]).at[0].set(bad)
+        self.layers = tiers.prefetch(self.layers, pages)
+        for layer in self.layers:
+            np.testing.assert_array_equal(np.asarray(layer.error), (11, 0, bad, P))
+            assert int(layer.stage_ids[0]) == tiers.NO_PAGE
+        with pytest.raises(ValueError, match=r"prefetch: pages\[0\] = %d is out of range" % bad):
+            check_pool(self.pool, self.layers)
+        self.layers = tuple(layer.replace(error=ZERO4) for layer in self.layers)
 
     def release_rows(self, rows):
         super().release_rows(rows)
@@ -541,3 +570,239 @@ def test_tiered_pool_against_shadow_model():
         deadline=None, suppress_health_check=list(HealthCheck)))
     print(f"{Counter.operations} tiered pool operations against the shadow model")
     assert Counter.operations >= 1000, Counter.operations
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged KIVI (issue 49): the same operations over KIVI groups in tiered pages, against the
+# unpaged KIVI cache given the same writes. Fork and release act on the unpaged reference row
+# by row (copy a row, mark a row EMPTY); evicting a page marks its tokens EMPTY there.
+
+import kvjax  # noqa: E402
+from kvjax.memory import paged_kivi  # noqa: E402
+
+KG, KRES, KD, KNP, KPD, KHOST = 4, 4, 8, 5, 14, 6  # group = page, residual, head dim, pages
+KCAP = 160  # the reference's room: every token the longest run flushes
+
+
+@jax.jit
+def kivi_write(layer, k, v, pos):
+    return kvjax.write(layer, k, v, pos)
+
+
+@jax.jit
+def reference_rows(ref, src, cleared):
+    """The unpaged reference with row b copied from row src[b], then rows `cleared` [B] EMPTY."""
+    rows = (src[:, None] * KVH + jnp.arange(KVH)).reshape(-1)
+
+    def copy(x):
+        if x.ndim >= 2 and x.shape[:2] == (B, KVH):
+            return x[src]
+        return x[rows] if x.ndim >= 1 and x.shape[0] == B * KVH else x
+    ref = jax.tree.map(copy, ref)
+    gone = lambda pos: jnp.where(cleared[:, None, None], EMPTY, pos)
+    return ref.replace(body=ref.body.replace(pos=gone(ref.body.pos)),
+                       recent=ref.recent.replace(pos=gone(ref.recent.pos)))
+
+
+@jax.jit
+def reference_forget(ref, forget):
+    """The reference with positions forget [B, KVH, N] (EMPTY-padded) EMPTY in its body."""
+    hit = jnp.any(ref.body.pos[..., None] == jnp.where(forget == EMPTY, -7, forget)[:, :, None],
+                  -1)
+    return ref.replace(body=ref.body.replace(pos=jnp.where(hit, EMPTY, ref.body.pos)))
+
+
+@jax.jit
+def kivi_views(layer, ref):
+    paged, want = layer.view(), ref.view()
+    return dict(k=paged.k, v=paged.v, pos=paged.pos, want_k=want.k, want_v=want.v,
+                want_pos=want.pos, lengths=layer.body.lengths)
+
+
+@jax.jit
+def plant_kivi(layer, pages, value, pos):
+    """Garbage into both tiers' unread pages [P] of a paged KIVI body: float leaves `value`,
+    code words all ones, positions `pos` [KG]."""
+    body = layer.body
+    n_dev = body.device_pages
+
+    def spoil(store, mask, to_host):
+        def leaf(x):
+            bad = jnp.full_like(x, -1) if jnp.issubdtype(x.dtype, jnp.integer) else \
+                (jnp.ones_like(x) * value).astype(x.dtype)
+            m = mask.reshape(mask.shape + (1,) * (x.ndim - 1))
+            if to_host:
+                return tiers._to_host(jnp.where(m, bad, tiers._to_device(x)))
+            return jnp.where(m, bad, x)
+        return store.replace(**{f: leaf(getattr(store, f)) for f in store.slot_fields
+                                if getattr(store, f) is not None})
+    dev, host = pages[:n_dev], pages[n_dev:]
+    body = body.replace(k=spoil(body.k, dev, False), v=spoil(body.v, dev, False),
+                        host_k=spoil(body.host_k, host, True),
+                        host_v=spoil(body.host_v, host, True),
+                        pos=jnp.where(pages[:, None, None], pos[None, None, :], body.pos))
+    return layer.replace(body=body)
+
+
+kivi_fork_jit, kivi_release_jit = jax.jit(paged_kivi.fork), jax.jit(paged_kivi.release)
+
+
+class PagedKiviMachine(RuleBasedStateMachine):
+    """One paged KIVI layer (tiered body) and its unpaged reference, driven by the same
+    writes. After every operation `check_pool` passes, each row's body length is the shadow's,
+    and every (sequence, KV head) reads exactly the reference's tokens: the same positions in
+    the same order, the same decoded keys and values bit for bit, nothing non-finite."""
+
+    @initialize()
+    def start(self):
+        t = kvjax.kivi(bits=4, group=KG, residual=KRES)
+        empty = (kvjax.init_cache(B, KVH, KCAP, KD),)
+        (self.ref,), _ = t.update(empty, t.init(empty), None)
+        self.pool, (self.layer,) = paged_kivi.from_residual(
+            (self.ref,), max_pages=KNP, device_pages=KPD, host_pages=KHOST)
+        self.body_slots = np.zeros((B, KVH), int)  # what each row's body length must be
+        self.next_pos = [0] * B
+        self.rng = np.random.default_rng(0)
+
+    def clear_flags(self):
+        self.pool = self.pool.replace(error=ZERO4, overflow=jnp.zeros((), bool))
+
+    def busy(self, b):
+        exact = np.asarray(self.ref.recent.pos)[b] != EMPTY
+        return bool(self.body_slots[b].any() or exact.any())
+
+    @rule(t=st.sampled_from([1, 2, 3]), padding=st.lists(st.booleans(), min_size=9, max_size=9),
+          jit=st.booleans())
+    def reserve_then_write(self, t, padding, jit):
+        Counter.operations += 2
+        moved = np.asarray(paged_kivi.flush_tokens((self.layer,)))
+        self.pool, (body,) = (reserve_jit if jit else reserve)(self.pool, (self.layer.body,),
+                                                               jnp.asarray(moved))
+        if bool(self.pool.overflow):  # no room: nothing was allocated, nothing is written
+            self.clear_flags()
+            return
+        self.layer = self.layer.replace(body=body)
+        real = ~np.asarray(padding[:B * t], bool).reshape(B, t)
+        pos = np.full((B, t), EMPTY, np.int32)
+        for b in range(B):
+            for i in np.nonzero(real[b])[0]:
+                pos[b, i], self.next_pos[b] = self.next_pos[b], self.next_pos[b] + 1
+        k, v = self.rng.integers(-8, 9, (2, B, KVH, t, KD)).astype(np.float32)
+        k, v, pos = jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos)
+        self.layer, self.ref = kivi_write(self.layer, k, v, pos), kivi_write(self.ref, k, v, pos)
+        self.body_slots += moved[:, None]
+        np.testing.assert_array_equal(np.asarray(self.layer.body.error), ZERO4)
+
+    @rule(dst=st.integers(0, B - 1), source=st.integers(0, B - 1), first=st.booleans(),
+          jit=st.booleans())
+    def fork_sequence(self, dst, source, first, jit):
+        Counter.operations += 1
+        if first:
+            self.release_rows(np.arange(B) == dst)
+        src = np.full(B, -1, np.int32)
+        src[dst] = source
+        refused = self.busy(dst)
+        self.pool, (self.layer,) = (kivi_fork_jit if jit else paged_kivi.fork)(
+            self.pool, (self.layer,), jnp.asarray(src))
+        assert bool(self.pool.overflow) == refused
+        if refused:
+            assert int(self.pool.error[0]) == 4 and int(self.pool.error[1]) == dst
+            self.clear_flags()
+            return
+        np.testing.assert_array_equal(np.asarray(self.pool.error), ZERO4)
+        take = np.where(src >= 0, src, np.arange(B))
+        self.ref = reference_rows(self.ref, jnp.asarray(take), jnp.zeros(B, bool))
+        self.body_slots[dst] = self.body_slots[source]
+        self.next_pos[dst] = self.next_pos[source]
+
+    def release_rows(self, rows):
+        self.pool, (self.layer,) = kivi_release_jit(self.pool, (self.layer,), jnp.asarray(rows))
+        self.ref = reference_rows(self.ref, jnp.arange(B), jnp.asarray(rows))
+        for b in np.nonzero(rows)[0]:
+            self.body_slots[b], self.next_pos[b] = 0, 0
+
+    @rule(rows=st.lists(st.booleans(), min_size=B, max_size=B))
+    def release_sequences(self, rows):
+        Counter.operations += 1
+        self.release_rows(np.asarray(rows, bool))
+
+    @rule(bits=st.integers(0, 2 ** (B * KVH * KNP) - 1))
+    def evict(self, bits):
+        """Drop whole groups (pages): the reference forgets their tokens."""
+        Counter.operations += 1
+        drop = np.array([(bits >> i) & 1 for i in range(B * KVH * KNP)], bool).reshape(
+            B, KVH, KNP)
+        used = self.body_slots // KG
+        drop &= np.arange(KNP) < used[..., None] - 1  # in use, not the last written page
+        pages = paged_kivi.unpaged_groups(self.layer)["pos"]  # [R, KNP*KG] table order
+        forget = np.where(np.repeat(drop, KG, -1).reshape(B * KVH, -1), np.asarray(pages), EMPTY)
+        self.pool, (body,) = evict_jit(self.pool, (self.layer.body,), jnp.asarray(drop))
+        self.layer = self.layer.replace(body=body)
+        self.ref = reference_forget(self.ref, jnp.asarray(forget.reshape(B, KVH, -1)))
+        self.body_slots -= KG * drop.sum(-1)
+
+    @rule(n=st.integers(1, KHOST), by_recency=st.booleans())
+    def spill_cold_pages(self, n, by_recency):
+        Counter.operations += 1
+        body = self.layer.body
+        scores = tiers.recency_scores(body) if by_recency else -tiers.recency_scores(body)
+        self.pool, (body,) = spill_jit(self.pool, (body,), tiers.coldest_pages(body, scores, n))
+        self.layer = self.layer.replace(body=body)
+
+    @rule(bits=st.integers(0, 2 ** KHOST - 1))
+    def restore_pages(self, bits):
+        Counter.operations += 1
+        pages = np.array([KPD + i if (bits >> i) & 1 else tiers.NO_PAGE for i in range(KHOST)])
+        self.pool, (body,) = restore_jit(self.pool, (self.layer.body,),
+                                         jnp.asarray(pages, jnp.int32))
+        self.layer = self.layer.replace(body=body)
+
+    @rule(drop=st.integers(0, KHOST))
+    def prefetch_pages(self, drop):
+        Counter.operations += 1
+        pages = tiers.host_pages_in_use(self.layer.body)
+        pages = jnp.where(jnp.arange(pages.shape[0]) < drop, tiers.NO_PAGE, pages)
+        (body,) = tiers.prefetch((self.layer.body,), pages)
+        self.layer = self.layer.replace(body=body)
+
+    @rule(value=st.sampled_from([np.nan, np.inf, -np.inf, 1e30]), shift=st.integers(-3, 40))
+    def plant_garbage(self, value, shift):
+        Counter.operations += 1
+        pages = unread_pages(self.layer.body)
+        self.layer = plant_kivi(self.layer, jnp.asarray(pages), jnp.float32(value),
+                                jnp.arange(KG, dtype=jnp.int32) + shift)
+
+    @rule(b=st.integers(0, B - 1), bad=st.sampled_from([-2, B, B + 7]))
+    def fork_bad_source(self, b, bad):
+        Counter.operations += 1
+        src = np.full(B, -1, np.int32)
+        src[b] = bad
+        with pytest.raises(ValueError, match=rf"source\[{b}\] = {bad}"):
+            paged_kivi.fork(self.pool, (self.layer,), src)
+
+    @invariant()
+    def rows_read_the_reference(self):
+        if not hasattr(self, "pool"):
+            return
+        check_pool(self.pool, (self.layer.body,))
+        got = jax.device_get(kivi_views(self.layer, self.ref))
+        np.testing.assert_array_equal(got["lengths"], self.body_slots)
+        assert np.isfinite(got["k"]).all() and np.isfinite(got["v"]).all()
+        for b in range(B):
+            for h in range(KVH):
+                r = b * KVH + h
+                mine, want = got["pos"][b, h] != EMPTY, got["want_pos"][b, h] != EMPTY
+                np.testing.assert_array_equal(got["pos"][b, h][mine], got["want_pos"][b, h][want])
+                np.testing.assert_array_equal(got["k"][r][mine], got["want_k"][r][want])
+                np.testing.assert_array_equal(got["v"][r][mine], got["want_v"][r][want])
+
+
+def test_paged_kivi_pool_against_the_unpaged_cache():
+    """KIVI pages through write/flush, fork, release, page eviction, spill, restore, prefetch
+    and garbage in unread pages: every row reads what the unpaged KIVI cache holds."""
+    Counter.operations = 0
+    run_state_machine_as_test(PagedKiviMachine, settings=settings(
+        max_examples=25, stateful_step_count=40, derandomize=True, database=None,
+        deadline=None, suppress_health_check=list(HealthCheck)))
+    print(f"{Counter.operations} paged KIVI operations against the unpaged cache")
+    assert Counter.operations >= 800, Counter.operations

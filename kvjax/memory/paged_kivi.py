@@ -8,9 +8,11 @@ one KIVI group of `G` tokens (page size = group), so
 - values per token in groups of channels (`PackedTokens` over pages, as a 4-bit `PagedLayer`),
 
 and the body is a `PagedLayer` or a `kvjax.memory.tiers.TieredLayer`: `reserve`, `spill`,
-`restore`, `prefetch`, `release`, `fork` and `check_pool` take the *bodies*
-(`bodies(layers)`) and move KIVI pages exactly as dense pages. The exact part (`recent`, a
-dense `TokenCache`) stays on the device: it takes every write.
+`restore`, `prefetch`, `evict_pages` and `check_pool` take the *bodies* (`bodies(layers)`)
+and move KIVI pages exactly as dense pages. The exact part (`recent`, a dense `TokenCache`)
+stays on the device: it takes every write, so a sequence's `release` and `fork` are this
+module's (they empty or copy its exact part too; `paging.release` on the bodies alone would
+leave the released sequence's newest tokens readable).
 
 A write flushes like the unpaged layer (`kvjax.core.cache.flush_residual`): the oldest whole groups of
 `recent` beyond `residual` are quantized (the same `kvjax.core.quant.quantize` call on the same
@@ -51,6 +53,7 @@ import numpy as np
 
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, check_sizes, write as cache_write
 from kvjax.core.layer import has_exact_part, register_layer
+from kvjax.memory import paging
 from kvjax.memory.paging import NULL_PAGE, PagedLayer, _error_at, _first_error
 from kvjax.memory.paging import init_paged_cache
 from kvjax.core.quant import pack, quantize, unpack
@@ -200,6 +203,62 @@ def with_bodies(layers: Sequence[PagedKivi], new: Sequence[PagedLayer]) -> tuple
     return tuple(l.replace(body=b) for l, b in zip(layers, new))
 
 
+def release(pool: Any, layers: Sequence[PagedKivi], rows: Any):
+    """`kvjax.memory.paging.release` for a paged KIVI cache: the sequences where `rows` [B]
+    is True free their pages and their exact part is emptied (its slots stay behind the
+    shared cursor as padding). -> (pool, layers)."""
+    layers = tuple(layers)
+    pool, new = paging.release(pool, bodies(layers), rows)
+    return pool, _clear_rows(with_bodies(layers, new), jnp.asarray(rows))
+
+
+@jax.jit
+def _clear_rows(layers: tuple[PagedKivi, ...], rows: jax.Array) -> tuple[PagedKivi, ...]:
+    def clear(recent: TokenCache) -> TokenCache:
+        b, h = recent.batch, recent.kv_heads
+        slots = jnp.repeat(rows, h)[:, None, None]  # [B*KVH, 1, 1]
+        return recent.replace(k=jnp.where(slots, 0, recent.k), v=jnp.where(slots, 0, recent.v),
+                              pos=jnp.where(rows[:, None, None], EMPTY, recent.pos))
+    return tuple(l.replace(recent=clear(l.recent)) for l in layers)
+
+
+def fork(pool: Any, layers: Sequence[PagedKivi], source: Any):
+    """`kvjax.memory.paging.fork` for a paged KIVI cache: sequence b shares sequence
+    `source[b]`'s pages and gets a copy of its exact part (-1 leaves b alone).
+
+    A target must be empty (released): no pages and no exact token; otherwise nothing
+    happens and the pool's `error` (code 4) and `overflow` are set, as `paging.fork`. A bad
+    `source` raises when concrete, and under jit sets `error` (code 3). -> (pool, layers)."""
+    layers = tuple(layers)
+    return _fork(pool, layers, paging.checked_source(source, layers[0].batch))
+
+
+@jax.jit
+def _fork(pool: Any, layers: tuple[PagedKivi, ...], source: jax.Array):
+    layer = layers[0]
+    batch, heads = layer.batch, layer.kv_heads
+    bad = jnp.any((source < -1) | (source >= batch))
+    exact = jnp.sum(layer.recent.pos != EMPTY, axis=(1, 2), dtype=jnp.int32)  # [B]
+    written = layer.body.lengths.max(axis=1) + exact
+    held = layer.body.num_pages_held.max(axis=1)
+    busy = (source >= 0) & ((written > 0) | (held > 0))
+    refused = ~bad & jnp.any(busy)
+    first = jnp.argmax(busy)
+    # the whole fork is refused here, so the pages' fork never sees a busy target
+    pool, new = paging._fork(pool, bodies(layers), jnp.where(refused, -1, source))
+    record = jnp.where(refused, jnp.stack([jnp.int32(4), first.astype(jnp.int32),
+                                           written[first], held[first]]), 0)
+    pool = pool.replace(error=_first_error(pool.error, record),
+                        overflow=pool.overflow | refused)
+    share = (source >= 0) & ~bad & ~refused  # [B]
+    src = jnp.where(share, source, jnp.arange(batch))
+
+    def copy(recent: TokenCache) -> TokenCache:
+        rows = (src[:, None] * heads + jnp.arange(heads)).reshape(-1)  # [B*KVH]
+        return recent.replace(k=recent.k[rows], v=recent.v[rows], pos=recent.pos[src])
+    return pool, tuple(l.replace(recent=copy(l.recent)) for l in with_bodies(layers, new))
+
+
 def _span(layer: PagedKivi) -> int:
     return max(0, layer.recent.capacity - layer.residual) // layer.block * layer.block
 
@@ -340,7 +399,7 @@ def from_residual(cache: Sequence[ResidualCache], *, max_pages: int, device_page
               "stage_v": value}
     if host_pages:
         from kvjax.memory.tiers import _to_host
-        on_host = lambda s: s.map_slots(lambda x: _to_host(x + 0))
+        on_host = lambda s: s.map_slots(lambda x: _to_host(jnp.copy(x)))
     body_layers = []
     for layer in plain:
         fields = {}

@@ -91,6 +91,12 @@ _ERRORS = {
        "belong to this pool",
     8: "write: sequence {0}, KV head {1}: slot {2} falls in a page spilled to host memory, so "
        "the token was dropped; restore the page first (kvjax.memory.tiers.restore)",
+    9: "spill: pages[{0}] = {1} is out of range, so nothing moved for it: the device pages "
+       "are [1, {2}) (NO_PAGE = -1 entries are skipped)",
+    10: "restore: pages[{0}] = {1} is out of range, so nothing moved for it: the host pages "
+        "end at {2} and start at the layers' device_pages (NO_PAGE = -1 entries are skipped)",
+    11: "prefetch: pages[{0}] = {1} is out of range, so its stage slot stays empty: the pool's "
+        "pages are [0, {2}) (NO_PAGE = -1 entries are skipped)",
 }
 NO_ERROR = (0, 0, 0, 0)
 
@@ -579,13 +585,19 @@ def fork(pool: PagePool, layers: Sequence[PagedLayer], source: Any):
     (released); otherwise nothing happens and `overflow` and `error` are set.
     """
     layers = tuple(layers)
-    _check_vector("fork", "source", source, layers[0].batch, "int")
+    return _fork(pool, layers, checked_source(source, layers[0].batch))
+
+
+def checked_source(source: Any, batch: int) -> jax.Array:
+    """`fork`'s `source` as int32 [B]; ValueError for a wrong shape or dtype, and (when
+    concrete) for a value outside [-1, B)."""
+    _check_vector("fork", "source", source, batch, "int")
     src = _concrete(source)
     if src is not None:
         for b, value in enumerate(src.tolist()):
             if not -1 <= value < len(src):
                 raise ValueError(_ERRORS[3].format(b, value, len(src)))
-    return _fork(pool, layers, jnp.asarray(source, jnp.int32))
+    return jnp.asarray(source, jnp.int32)
 
 
 @jax.jit

@@ -67,8 +67,8 @@ from jax.experimental.compute_on import compute_on
 
 from kvjax.core.cache import EMPTY, TokenCache
 from kvjax.core.layer import register_layer
-from kvjax.memory.paging import (NULL_PAGE, PagedLayer, PagePool, _concrete, _finish, _held,
-                                 _in_use, _last_page, init_paged_cache)
+from kvjax.memory.paging import (NULL_PAGE, PagedLayer, PagePool, _concrete, _finish,
+                                 _first_error, _held, _in_use, _last_page, init_paged_cache)
 from kvjax.core.stores import is_dense, map_slot_leaves, read
 
 NO_PAGE = -1
@@ -225,8 +225,8 @@ def init_tiered_cache(device_pages: int, host_pages: int, page_size: int, batch:
         fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(PagedLayer)}
         fields.update(
             k=take(layer.k, device_pages), v=take(layer.v, device_pages),
-            host_k=map_slot_leaves(take(small[0].k, host_pages), lambda x: _to_host(x + 0)),
-            host_v=map_slot_leaves(take(small[0].v, host_pages), lambda x: _to_host(x + 0)),
+            host_k=map_slot_leaves(take(small[0].k, host_pages), lambda x: _to_host(jnp.copy(x))),
+            host_v=map_slot_leaves(take(small[0].v, host_pages), lambda x: _to_host(jnp.copy(x))),
             stage_ids=jnp.full((stage_pages,), NO_PAGE, jnp.int32),
             stage_k=take(small[0].k, stage_pages), stage_v=take(small[0].v, stage_pages),
             misses=jnp.zeros((batch, kv_heads), jnp.int32))
@@ -338,6 +338,8 @@ def _move(pool: PagePool, layers: tuple[TieredLayer, ...], pages: jax.Array, to_
     else:
         movable = (pool.refcount > 0) & (ids >= pd)
         free = (pool.refcount == 0) & (ids < pd) & (ids != NULL_PAGE)
+    low, high = (1, pd) if to_host else (pd, n)
+    error = _first_error(pool.error, _id_error(pages, low, high, 9 if to_host else 10))
     src = jnp.where((pages >= 0) & (pages < n), pages, 0)
     ok = (pages >= 0) & (pages < n) & movable[src]
     ok = ok & (jnp.cumsum(ok) <= free.sum())  # as many as there are free pages
@@ -369,7 +371,16 @@ def _move(pool: PagePool, layers: tuple[TieredLayer, ...], pages: jax.Array, to_
         pos = pos.at[s_].set(EMPTY, mode="drop")
         return l.replace(k=k, v=v, host_k=host_k, host_v=host_v, pos=pos)
 
-    return _finish(pool, layers, refcount, tables, layer.lengths, pool.error, fn=copy)
+    return _finish(pool, layers, refcount, tables, layer.lengths, error, fn=copy)
+
+
+def _id_error(pages: jax.Array, low: int, high: int, code: int) -> jax.Array:
+    """[4] int32 (code, index, id, high) of the first id in pages [K] outside [low, high)
+    other than NO_PAGE, else zeros: the under-jit form of `_checked_pages`' ValueError."""
+    bad = (pages != NO_PAGE) & ((pages < low) | (pages >= high))
+    i = jnp.argmax(bad)
+    return jnp.where(jnp.any(bad), jnp.stack([jnp.int32(code), i.astype(jnp.int32),
+                                              pages[i], jnp.int32(high)]), 0)
 
 
 def _tree_map2(fn, a: Any, b: Any) -> Any:
@@ -417,8 +428,9 @@ def _prefetch(layers: tuple[TieredLayer, ...], pages: jax.Array) -> tuple[Tiered
         hid = jnp.where(ok, pages - pd, 0)
         stage_k = _host_take(l.host_k, hid)
         stage_v = _host_take(l.host_v, hid)
+        error = _first_error(l.error, _id_error(pages, 0, l.pos.shape[0], 11))
         out.append(l.replace(stage_ids=jnp.where(ok, pages, NO_PAGE), stage_k=stage_k,
-                             stage_v=stage_v))
+                             stage_v=stage_v, error=error))
     return tuple(out)
 
 
