@@ -182,3 +182,24 @@ def test_kvjax_methods_lists_kvzip():
     assert {"ratio", "n_sink", "layerwise", "chunk_size", "prompt"} <= \
         {a["name"] for a in m["arguments"]}
     assert kvjax.parse_method(m["spec"].format(r=0.5)).stats.reconstruction.chunk_size == 2048
+
+
+def test_eval_runs_kvzip_in_its_own_cell():
+    """`kvjax eval` never shares a kvzip/kvgrad cell's prefill (its pass needs the prompts):
+    such a cell runs alone, through the sampler that runs the pass."""
+    from experiments.eval.cells import shares_prefill
+    from experiments.eval.grid import Cell
+    assert shares_prefill(Cell("passkey", 256, "snapkv:ratio=0.5", 2))
+    for method in ("kvzip:ratio=0.5", "kvgrad:ratio=0.5", "kvzip:ratio=0.5+kivi:bits=4"):
+        assert not shares_prefill(Cell("passkey", 256, method, 2)), method
+
+
+@pytest.mark.slow
+def test_eval_cell_binds_the_tokenizer(smollm2):
+    """A `kvjax eval` cell's method gets the tokenizer's reconstruction prompt (`_setup`; an
+    unbound one would raise) and answers a passkey trial on a cache compressed by kvzip."""
+    from experiments.eval.cells import run_kvjax_cell
+    from experiments.eval.grid import Cell
+    cell = Cell("passkey", 256, "kvzip:ratio=0.5", 1, batch=1, max_new_tokens=8)
+    row = run_kvjax_cell(cell)
+    assert row["method"] == "kvzip:ratio=0.5" and row["cache_bytes_per_seq"] > 0, row

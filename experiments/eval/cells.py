@@ -99,7 +99,9 @@ def _setup(cell: Cell) -> Setup:
 
     enable_compilation_cache()  # cells of one sweep share shapes: compile each once
     model, tokenizer = load_model(cell.model)
+    from models.reconstruction import with_tokenizer  # kvzip's prompt: this tokenizer's ids
     method = Method.parse(cell.method)
+    method = method.with_transform(with_tokenizer(method.transform, tokenizer))
     if not cell.mesh:
         return Setup(model, tokenizer, method, None)
     from models.sharding import cache_placer, make_mesh, on_mesh, shard_model
@@ -148,6 +150,7 @@ def run_retrieval_cell(cell: Cell) -> dict:
 
 
 PREFILL_COMPRESSING = ("chunk",)  # method parts that compress during prefill (own prefill)
+RECONSTRUCTING = ("kvzip", "kvgrad")  # method parts that run a pass after prefill (own prefill)
 
 
 def compresses_during_prefill(method: str) -> bool:
@@ -164,10 +167,13 @@ def compresses_during_prefill(method: str) -> bool:
 
 def shares_prefill(cell: Cell) -> bool:
     """True for a cell whose context prefill another method's cell can share: a kvjax
-    retrieval cell, query-agnostic, untimed, on one device, compressed after its prefill."""
+    retrieval cell, query-agnostic, untimed, on one device, compressed after its prefill with
+    no model pass of its own (kvzip's and kvgrad's reconstruction runs in their own cell)."""
     return (cell.engine == "kvjax" and cell.task not in ("ppl", "speed", "memory")
             and not cell.query_aware and not cell.timed and not cell.mesh
-            and not compresses_during_prefill(cell.method))
+            and not compresses_during_prefill(cell.method)
+            and not any(part.split(":")[0].strip() in RECONSTRUCTING
+                        for part in cell.method.split("+")))
 
 
 def prefill_groups(transforms: list) -> list[list[int]]:
@@ -348,6 +354,11 @@ def run_memory_cell(cell: Cell) -> dict:
     start = time.perf_counter()
     pre = prefill_batch(model, [ids], stats=method.transform.stats, cache_dtype=jnp.bfloat16,
                         place_cache=place_cache)
+    rec = method.transform.stats.reconstruction
+    if rec is not None:  # kvzip, kvgrad: their pass over the prefilled cache, as the sampler's
+        from models.reconstruction import reconstruct
+        pre = pre._replace(stats=reconstruct(model, pre.cache, pre.stats, pre.next_pos, [ids],
+                                             rec))
     small = pre if cell.method == "full" else compress(pre, method.transform, room=0)
     measured = kvjax.nbytes(small.cache) / cell.length
     cfg = model.config

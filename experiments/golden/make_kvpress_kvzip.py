@@ -46,7 +46,7 @@ Per case, key prefix ``ctx{c}_{press}_r{r:.2f}``, r in 0.5 and 0.75:
 
 Metadata as in ``kvpress_zoo.npz`` (versions, GGUF hash, shape, ``band_rtol``).
 
-How to run (the ``compare`` extra; about a minute on 2 busy CPU cores)::
+How to run (the ``compare`` extra; about 4 minutes on 2 busy CPU cores)::
 
     python experiments/golden/make_kvpress_kvzip.py [--gguf PATH] [--out PATH]
 """
