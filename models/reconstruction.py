@@ -7,7 +7,7 @@ reconstruction prompt, on top of a copy of the prefilled cache (each chunk
 starts from the prefilled cache again), and each layer's slots are scored by
 `eviction_kvzip.chunk_scores` from the pass's queries (KVgrad: also from the
 gradient of the pass's objective, `jax.grad` of `probe_forward`). The scores reach the
-transform's update as `LayerStats.slot_scores`. `models.sampler.prefill_and_compress`
+transform's update as `LayerStats.position_scores`. `models.sampler.prefill_and_compress`
 calls `reconstruct` for such a transform; nothing else changes.
 
 The prompt is token ids: `chat_prompt(tokenizer)` makes kvpress's ("Repeat the
@@ -22,7 +22,7 @@ Example:
     >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
     >>> t = kvjax.parse_method("kvzip:ratio=0.5,prompt=bare")   # no tokenizer: chunks alone
     >>> out = prefill_and_compress(model, [list(range(3, 35))], transform=t, room=4)
-    >>> sum(int(kvjax.num_valid(layer).sum()) for layer in out.cache)  # half of 32 x 2 KV heads x 2 layers
+    >>> sum(int(kvjax.num_valid(layer).sum()) for layer in out.cache)  # 32 x 2 KV heads x 2 / 2
     64
 """
 
@@ -144,7 +144,7 @@ def _gradient_pass_scores(model, tokens, positions, cache, start, end, sinks, co
 
 def reconstruct(model: Llama, cache, stats, next_pos: np.ndarray,
                 contexts: Sequence[Sequence[int]], rec: Reconstruction, impl="xla"):
-    """`stats` (one `LayerStats` per layer, or None) with `slot_scores` [B, KVH, C] from
+    """`stats` (one `LayerStats` per layer, or None) with `position_scores` [B, KVH, C] from
     KVzip's reconstruction of `contexts` (the prefilled prompts, at positions 0..n-1 of
     `cache`, whose next positions are `next_pos` [B]).
 
@@ -182,4 +182,15 @@ def reconstruct(model: Llama, cache, stats, next_pos: np.ndarray,
     if stats is None:
         cfg = model.config
         stats = init_stats(StatsSpec(), cache, cfg.num_heads, fixed_rope_frequencies(cfg))
-    return tuple(s._replace(slot_scores=x) for s, x in zip(stats, total))
+    return tuple(s._replace(position_scores=by_position(x, layer.pos))
+                 for s, x, layer in zip(stats, total, cache))
+
+
+@jax.jit
+def by_position(scores: jax.Array, pos: jax.Array) -> jax.Array:
+    """[B, KVH, C] slot scores -> [B, KVH, C] scores by token position (position p at index p;
+    empty slots and positions past C, which a window layer may hold, dropped)."""
+    b, kvh, c = pos.shape
+    rows = jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None]
+    return jnp.zeros((b, kvh, c), jnp.float32).at[(*rows, jnp.where(pos >= 0, pos, c))].set(
+        scores, mode="drop")

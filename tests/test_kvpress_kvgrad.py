@@ -73,14 +73,11 @@ def test_kept_positions_match_kvpress(prefilled, golden, case):
 @pytest.mark.slow
 def test_scores_match_kvpress(prefilled, golden):
     """Layers 0 and 29's scores equal kvpress's `score_val` to float32 rounding (the sinks
-    aside), matched by position (the prompt is left-padded in kvjax's cache)."""
+    aside), both by token position (`LayerStats.position_scores`)."""
     cache, stats, n = prefilled["ctx2"]
     for key in (k for k in golden.files if k.startswith("ctx2_kvgrad_r0.50_scores_l")):
         layer = int(key.rsplit("_l", 1)[1])
-        pos = np.asarray(cache[layer].pos)[0]
-        got = np.zeros((pos.shape[0], n), np.float32)
-        for h in range(pos.shape[0]):
-            got[h, pos[h][pos[h] >= 0]] = np.asarray(stats[layer].slot_scores)[0, h, pos[h] >= 0]
+        got = np.asarray(stats[layer].position_scores)[0, :, :n]  # by position
         np.testing.assert_allclose(got[:, 4:], golden[key][:, 4:], rtol=1e-3,
                                    atol=1e-6 * np.abs(golden[key][:, 4:]).max(), err_msg=key)
 

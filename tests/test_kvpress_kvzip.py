@@ -112,11 +112,7 @@ def test_scores_match_kvpress(prefilled, golden):
     for key in (k for k in golden.files if k.startswith("ctx2_kvzip_r0.50_scores_l")):
         layer = int(key.rsplit("_l", 1)[1])
         want = golden[key][:, 4:]  # [KVH, n - 4] by position
-        pos = np.asarray(cache[layer].pos)[0]  # [KVH, C]: the prompt is left-padded
-        got = np.zeros((pos.shape[0], n), np.float32)
-        for h in range(pos.shape[0]):
-            got[h, pos[h][pos[h] >= 0]] = np.asarray(stats[layer].slot_scores)[0, h, pos[h] >= 0]
-        got = got[:, 4:]
+        got = np.asarray(stats[layer].position_scores)[0, :, 4:n]  # by position
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6, err_msg=key)
 
 
@@ -172,6 +168,29 @@ def test_kvzip_rule_on_a_tiny_model_batch_rows_alone():
     full = prefill_and_compress(model, [a], room=2)
     assert kvjax.nbytes(prefill_and_compress(model, [a], transform=t, room=2).cache) < \
         0.5 * kvjax.nbytes(full.cache)
+
+
+def test_kvzip_after_an_eviction_in_a_chain_ranks_what_is_left():
+    """Scores travel by token position: after knorm's eviction (slots compacted), kvzip
+    evicts the lowest of its own scores among the tokens knorm kept, none of the others."""
+    from flax import nnx
+    from models.llama import Llama, LlamaConfig
+    from models.sampler import prefill_and_compress
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    ids = list(range(3, 45))
+    n = len(ids)
+    both = prefill_and_compress(model, [ids], transform=kvjax.parse_method(
+        "knorm:ratio=0.5+kvzip:ratio=0.5,prompt=bare"), room=2)
+    first = prefill_and_compress(model, [ids], transform=kvjax.parse_method("knorm:ratio=0.5"),
+                                 room=2)
+    kept, cand = keep_by_position(both.cache, n), keep_by_position(first.cache, n)
+    scores = np.stack([np.asarray(s.position_scores)[0, :, :n] for s in both.stats])
+    scores[:, :, :4] = np.inf  # the sinks
+    flat = np.where(cand, scores, np.inf).ravel()
+    pruned = np.zeros(flat.size, bool)
+    n_pruned = int(cand.shape[0] * cand.shape[1] * (n // 2) * 0.5)  # of the tokens knorm kept
+    pruned[np.argsort(flat, kind="stable")[:n_pruned]] = True
+    np.testing.assert_array_equal(kept, cand & ~pruned.reshape(cand.shape))
 
 
 def test_kvjax_methods_lists_kvzip():

@@ -19,7 +19,7 @@ decode step), so no statistic ever needs a `T x T` matrix:
   a value by what it adds to the layer's output (CriticalKV's `||V W_o||_1`).
 * `reconstruction`: a pass the model runs once after prefill, feeding the
   context again behind a "repeat" prompt (KVzip); each slot's score from it
-  arrives as `LayerStats.slot_scores` (`models.reconstruction` runs it,
+  arrives as `LayerStats.position_scores` (`models.reconstruction` runs it,
   `kvjax.policies.eviction_kvzip` says what it is).
 
 Example:
@@ -101,7 +101,8 @@ class LayerStats(NamedTuple):
     q_count: jax.Array  # [B] float32 tokens in the sums
     inv_freq: jax.Array  # [D/2] float32 the model's RoPE inverse frequencies
     out_proj: jax.Array  # [H*D, hidden] the layer's attention output projection W_o (or [0, 0])
-    slot_scores: Any = None  # [B, KVH, C] float32 a reconstruction pass's score per slot, or None
+    position_scores: Any = None  # [B, KVH, P] float32 a reconstruction pass's score of the token
+    #                              at each position p (< P, the prefilled capacity), or None
 
 
 def rope_inv_freq(stats: LayerStats, who: str) -> jax.Array:

@@ -26,7 +26,8 @@ Steps 1-2 need the model: this module only declares the pass
 (`StatsSpec(reconstruction=Reconstruction(...))`) and scores it
 (`chunk_scores`); `models.reconstruction` runs it after prefill (the sampler
 does so for any transform that asks) and hands each layer's scores to the
-update as `LayerStats.slot_scores`. Step 3 is this transform's update.
+update as `LayerStats.position_scores` (by token position, so an eviction before `kvzip`
+in a chain moves nothing out of place). Step 3 is this transform's update.
 
 KVgrad (`kvgrad`, kvpress KVgradPress, chunks of 512) scores the same pass
 differently: each attention weight times `||v W_o||_2` (the value through the
@@ -72,7 +73,7 @@ PROMPTS = ("chat", "bare")
 class ReconstructionPrompt:
     """The token ids around each reconstructed chunk (kvpress's `prepare`)."""
 
-    first: tuple[int, ...] = ()  # before the first chunk: "\n\nRepeat the previous context exactly."
+    first: tuple[int, ...] = ()  # before the first chunk: "Repeat the previous context exactly."
     next: tuple[int, ...] = ()  # before a later chunk: "...exactly, starting with" (+ 8 ids)
     suffix: tuple[int, ...] = ()  # after the instruction: the chat template's closing
     prefix: int = 0  # leading context tokens not reconstructed: the template's opening
@@ -96,7 +97,8 @@ def reconstruction_inputs(context: Sequence[int], rec: Reconstruction
 
     Example:
         >>> p = ReconstructionPrompt(first=(7,), next=(8,), suffix=(9,), prefix=1)
-        >>> reconstruction_inputs([1, 2, 3, 4, 5], Reconstruction(chunk_size=3, overlap=1, prompt=p))
+        >>> rec = Reconstruction(chunk_size=3, overlap=1, prompt=p)
+        >>> reconstruction_inputs([1, 2, 3, 4, 5], rec)
         [(1, 4, [7, 9, 2, 3, 4]), (4, 5, [8, 4, 9, 5])]
     """
     p = rec.prompt
@@ -204,6 +206,20 @@ def kvzip_keep(scores: jax.Array, pos: jax.Array, ratio: jax.Array, n_sink: int,
     return valid & ~lowest.reshape(scores.shape)
 
 
+def slot_scores(position_scores: jax.Array, pos: jax.Array) -> jax.Array:
+    """[B, KVH, C] each slot's score from the scores by position [B, KVH, P] (0 for an empty
+    slot or a position past P, which a prefilled cache never holds).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> slot_scores(jnp.array([[[0.1, 0.2, 0.3]]]), jnp.array([[[2, -1, 0, 5]]])).tolist()
+        [[[0.30000001192092896, 0.0, 0.10000000149011612, 0.0]]]
+    """
+    size = position_scores.shape[-1]
+    got = jnp.take_along_axis(position_scores, jnp.clip(pos, 0, size - 1), axis=-1)
+    return jnp.where((pos >= 0) & (pos < size), got, 0.0)
+
+
 def pooled_mask(keep: jax.Array) -> jax.Array:
     """[B, KVH, C] per-head mask -> [B, KVH, KVH*C], the pooled layout's (`pool_heads`:
     head h owns slots [h*C, (h+1)*C))."""
@@ -224,19 +240,20 @@ class KVzipUpdate:
     layerwise: bool = False
 
     def __call__(self, cache: Cache, state, stats=None):
-        if stats is None or any(s is None or s.slot_scores is None for s in stats):
+        if stats is None or any(s is None or s.position_scores is None for s in stats):
             raise ValueError("kvzip scores slots by a reconstruction pass the model runs after "
                              "prefill (models.reconstruction; the sampler runs it): it has no "
                              "scores here. It compresses the prompt only, not during decoding "
                              "(compress_every)")
         for i, (layer, s) in enumerate(zip(cache, stats)):
             if not isinstance(layer, TokenCache) or layer.pooled or \
-                    s.slot_scores.shape != layer.pos.shape:
-                raise ValueError(f"kvzip: layer {i} is not the plain cache its reconstruction "
-                                 f"scores {s.slot_scores.shape} were made for; kvzip compresses "
-                                 f"the prefilled cache, first in a chain and only after prefill")
-        scores = jnp.stack([s.slot_scores for s in stats])  # [L, B, KVH, C]
-        pos = jnp.stack([layer.pos for layer in cache])
+                    s.position_scores.shape[:2] != layer.pos.shape[:2]:
+                raise ValueError(f"kvzip: layer {i} is not a plain per-head token cache (a "
+                                 f"codec's or a head-wise policy's before it in the chain); "
+                                 f"kvzip ranks the tokens of a plain cache after prefill")
+        pos = jnp.stack([layer.pos for layer in cache])  # [L, B, KVH, C]
+        scores = jnp.stack([slot_scores(s.position_scores, layer.pos)
+                            for s, layer in zip(stats, cache)])
         keep = kvzip_keep(scores, pos, state.ratio, self.n_sink, self.layerwise)
         return map_layers(_evict, tuple(cache), tuple(keep)), state
 
