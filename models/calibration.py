@@ -42,3 +42,50 @@ def calibrate_low_rank(model: Llama, ids: Sequence[int], window: int = 1024, bat
         pre = prefill_batch(model, windows[start:start + batch])
         moments = accumulate_moments(moments, pre.cache)
     return basis_from_moments(moments)
+
+
+def calibrate_duo_attention(model: Llama, texts: Sequence[Sequence[int]], q_len: int = 500,
+                            batch: int = 10, progress: bool = True):
+    """[L, KVH] float32 DuoAttention head scores of `texts` (token-id lists), kvpress's
+    on-the-fly rule (`kvjax.policies.eviction_duo.duo_head_scores`): per text, each head's mean
+    pre-RoPE query (the prefill's query moments) and key (the cached keys, RoPE undone), then
+    the score of those means, averaged over the texts (prefilled `batch` at a time). Save as
+    `np.savez(path, head_scores=...)` for `duo_attention:scores=PATH`.
+
+    Example:
+        >>> from flax import nnx
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> calibrate_duo_attention(model, [list(range(3, 40)), list(range(5, 30))],
+        ...                         progress=False).shape     # [L, KVH]
+        (2, 2)
+    """
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax.core.cache import EMPTY
+    from kvjax.core.stats import StatsSpec
+    from kvjax.policies.eviction_duo import duo_head_scores
+    from kvjax.policies.eviction_sequence import unrope
+    from models.llama import rope_frequencies
+    from models.sampler import prefill_batch
+
+    if not texts:
+        raise ValueError("calibrate_duo_attention needs at least one text")
+    inv = jnp.asarray(rope_frequencies(model.config))
+    total = None
+    for start in tqdm(range(0, len(texts), batch), desc="DuoAttention head scores",
+                      unit="batch", disable=not progress):
+        group = [list(ids) for ids in texts[start:start + batch]]
+        pre = prefill_batch(model, group, stats=StatsSpec(query_moments=True))
+        q_mean = jnp.stack([s.q_sum / s.q_count[:, None, None] for s in pre.stats], 1)
+        k_mean = []
+        for layer in pre.cache:  # [B, KVH, C, D] keys at `pos`, left padding EMPTY
+            valid = (layer.pos != EMPTY)[..., None]
+            k = unrope(layer.logical_k.astype(jnp.float32), layer.pos, inv)
+            k_mean.append(jnp.sum(k * valid, axis=2) / jnp.sum(valid, axis=2))  # [B, KVH, D]
+        k_mean = jnp.stack(k_mean, 1)  # [B, L, KVH, D]
+        for row in range(len(group)):  # q_mean [B, L, H, D]
+            score = np.asarray(duo_head_scores(q_mean[row], k_mean[row], inv, q_len))
+            total = score / len(texts) if total is None else total + score / len(texts)
+    return total.astype(np.float32)

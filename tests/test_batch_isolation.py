@@ -37,6 +37,7 @@ SPECIAL = {
     "finch": "finch:ratio=0.5,window=4",  # window: the question's tokens (no default)
     "kvzip": "kvzip:ratio=0.5,prompt=bare",  # a tiny model has no tokenizer for kvpress's prompt
     "kvgrad": "kvgrad:ratio=0.5,prompt=bare",
+    "duo_attention": "duo_attention:head_ratio=0.5,scores={basis},sink=4,recent=8",  # scores: a file
     "auto": "auto:budget=0.25",
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""

@@ -6,6 +6,7 @@
     kvjax ppl --text experiments/data/kjv_genesis.txt --context 1024 --prefix 768 \
         --method snapkv:ratio=0.5+kivi:bits=2
     kvjax calibrate --out basis.npz        # then --method low_rank:rank=32,basis=basis.npz
+    kvjax calibrate --duo --out duo.npz    # then --method duo_attention:head_ratio=0.5,scores=duo.npz
     kvjax train-state --out maps           # then --method snapkv:budget=192+fold:map=maps
     kvjax eval --config experiments/configs/smoke.toml --out results/smoke
     kvjax eval --config experiments/configs/results.toml --out docs/results/eval \
@@ -198,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--tokens", type=int, default=16384,
                    help="calibrate on the last N tokens of the text")
     c.add_argument("--window", type=int, default=1024, help="tokens per prefill window")
+    c.add_argument("--duo", action="store_true",
+                   help="DuoAttention head scores instead (for duo_attention:scores=OUT): "
+                        "kvpress's on-the-fly rule over 50 passages of the text")
     c.add_argument("--out", type=Path, required=True, help="where to write the .npz basis")
     return parser
 
@@ -226,9 +230,30 @@ MODULE_COMMANDS: dict[str, tuple[str, str]] = {
 CALIBRATION_TEXT = Path(__file__).parents[1] / "data" / "devils_dictionary.txt"
 
 
+DUO_PASSAGES, DUO_CHARS = 50, 600  # kvpress's num_samples; passage length (~150 tokens)
+
+
+def cmd_calibrate_duo(args, model, tokenizer) -> dict:
+    """`kvjax calibrate --duo`: head scores of DUO_PASSAGES evenly spaced passages."""
+    import numpy as np
+
+    from models.calibration import calibrate_duo_attention
+
+    text = read_text(args.text)
+    step = max(1, (len(text) - DUO_CHARS) // DUO_PASSAGES)
+    texts = [tokenizer.encode(text[i * step: i * step + DUO_CHARS]) for i in range(DUO_PASSAGES)]
+    start = time.perf_counter()
+    scores = calibrate_duo_attention(model, [t for t in texts if t])
+    np.savez(args.out, head_scores=scores)
+    return {"out": str(args.out), "texts": len(texts), "head_scores_shape": list(scores.shape),
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
 def cmd_calibrate(args, model, tokenizer) -> dict:
     from models.calibration import calibrate_low_rank
 
+    if args.duo:
+        return cmd_calibrate_duo(args, model, tokenizer)
     ids = tokenizer.encode(read_text(args.text))[-args.tokens:]
     start = time.perf_counter()
     basis = calibrate_low_rank(model, ids, window=args.window)
@@ -526,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         print(text)
     elif args.command == "generate":
         print(result["text"])
+    elif args.command == "calibrate" and "head_scores_shape" in result:
+        print(f"wrote {result['out']}: DuoAttention head scores {result['head_scores_shape']} "
+              f"from {result['texts']} passages")
     elif args.command == "calibrate":
         print(f"wrote {result['out']} from {result['tokens']} tokens; energy kept by rank "
               + ", ".join(f"{r}: keys {e['keys']:.3f} values {e['values']:.3f}"

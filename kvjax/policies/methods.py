@@ -27,6 +27,7 @@ from kvjax.policies.low_rank import LowRankBasis, low_rank
 from kvjax.policies import eviction_cap, eviction_critical, eviction_simlayer, eviction_think
 from kvjax.policies import eviction_entropy_chunk
 from kvjax.policies import eviction_cam
+from kvjax.policies import eviction_duo
 from kvjax.policies import eviction_finch
 from kvjax.policies import eviction_kvzip
 from kvjax.policies import eviction_merging
@@ -96,6 +97,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "kvgrad": eviction_kvzip.kvgrad,
     "merging": _inner_by_name(eviction_merging.merging),
     "cam": _inner_by_name(eviction_cam.cam),
+    "duo_attention": eviction_duo.duo_attention,
     "decoding_ratio": _inner_by_name(decoding.decoding_ratio),
     "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
@@ -127,6 +129,7 @@ _ZOO_THIRD = "tests/test_kvpress_zoo_third.py"
 _MERGING = "tests/test_kvpress_merging.py"
 _FINCH = "tests/test_kvpress_finch.py"
 _CAM = "tests/test_kvpress_cam.py"
+_DUO = "tests/test_kvpress_duo.py"
 _KVZIP = "tests/test_kvpress_kvzip.py"
 METHOD_INFO: dict[str, MethodInfo] = {
     "streaming_llm": MethodInfo("Xiao et al. 2023, https://arxiv.org/abs/2309.17453",
@@ -188,6 +191,11 @@ METHOD_INFO: dict[str, MethodInfo] = {
     # with --compress-every N = its compression_interval (512 by default); K = target_size
     "cam": MethodInfo("Zhang et al. 2024, https://openreview.net/forum?id=LCTmppB165",
                       "CAMPress", "cam:inner=knorm,budget=K", _CAM),
+    # {r} here is kvpress's head_compression_ratio (its compression_ratio is an output);
+    # PATH: head scores from models.calibration.calibrate_duo_attention (on_the_fly_scoring)
+    "duo_attention": MethodInfo("Xiao et al. 2024, https://arxiv.org/abs/2410.10819",
+                                "DuoAttentionPress",
+                                "duo_attention:head_ratio={r},scores=PATH", _DUO),
     # with --compress-every N = its compression_interval (512 by default)
     "decoding_ratio": MethodInfo("kvpress (decoding-time compression)",
                                  "CompressionRatioDecodingPress",
