@@ -148,7 +148,8 @@ def test_unbound_prompt_and_decode_time_compression_raise():
 
 def test_kvzip_rule_on_a_tiny_model_batch_rows_alone():
     """Two prompts of different lengths in one batch keep what each keeps alone, the cache
-    shrinks by the ratio (pooled per-head budgets)."""
+    shrinks by the ratio (pooled per-head budgets), and a run of the same shapes compiles no
+    new reconstruction pass."""
     from flax import nnx
     from models.llama import Llama, LlamaConfig
     from models.sampler import prefill_and_compress
@@ -166,8 +167,11 @@ def test_kvzip_rule_on_a_tiny_model_batch_rows_alone():
         np.testing.assert_array_equal(kept(both, row, n), kept(alone, 0, n))
         assert (~kept(alone, 0, n)).sum() == int(2 * 2 * n * 0.75)
     full = prefill_and_compress(model, [a], room=2)
+    from models.reconstruction import _pass_scores
+    compiled = _pass_scores._cache_size()
     assert kvjax.nbytes(prefill_and_compress(model, [a], transform=t, room=2).cache) < \
         0.5 * kvjax.nbytes(full.cache)
+    assert _pass_scores._cache_size() == compiled  # the same shapes: no new reconstruction program
 
 
 def test_kvzip_after_an_eviction_in_a_chain_ranks_what_is_left():
@@ -191,6 +195,29 @@ def test_kvzip_after_an_eviction_in_a_chain_ranks_what_is_left():
     n_pruned = int(cand.shape[0] * cand.shape[1] * (n // 2) * 0.5)  # of the tokens knorm kept
     pruned[np.argsort(flat, kind="stable")[:n_pruned]] = True
     np.testing.assert_array_equal(kept, cand & ~pruned.reshape(cand.shape))
+
+
+@pytest.mark.slow
+def test_cli_ppl_binds_the_tokenizer(smollm2, capsys):
+    """`kvjax ppl --method kvzip:ratio=0.5` runs kvpress's prompt (bound from the model's
+    tokenizer by the CLI): the same perplexity as the API with `with_tokenizer`."""
+    import json
+    from pathlib import Path
+    from experiments.cli.main import main
+    from experiments.eval.ppl import perplexity
+    from models.reconstruction import with_tokenizer
+    from tests.conftest import smollm2_path
+    text = Path(__file__).parents[1] / "experiments" / "data" / "kjv_genesis.txt"
+    assert main(["ppl", "--model", str(smollm2_path()), "--text", str(text), "--context", "256",
+                 "--prefix", "192", "--max-tokens", "256", "--method", "kvzip:ratio=0.5",
+                 "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    model, tok = smollm2
+    ids = tok.encode(text.read_text(encoding="utf-8"))[:256]
+    api = perplexity(model, ids, 256, prefix=192, transform=with_tokenizer(
+        kvjax.parse_method("kvzip:ratio=0.5"), tok))
+    assert cli["tokens_scored"] == api.tokens_scored == 64
+    np.testing.assert_allclose(cli["ppl"], api.ppl, rtol=1e-6)
 
 
 def test_kvjax_methods_lists_kvzip():
