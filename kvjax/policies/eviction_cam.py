@@ -37,15 +37,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kvjax.core.cache import EMPTY, Layer
-from kvjax.core.layer import is_plain
+from kvjax.core.cache import EMPTY
 from kvjax.core.layout import compact
 from kvjax.core.selection import init_budget, layer_budgets, select
 from kvjax.core.stats import StatsSpec
-from kvjax.core.stores import is_encoded
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import ScoredUpdate, check_int, evict_layers, knorm, scored_policy
-from kvjax.policies.eviction_merging import _HIGHEST
+from kvjax.policies.eviction_merging import _HIGHEST, _check_mergeable
 from kvjax.policies.eviction_wrappers import _inner
 
 TARGET_SIZE = 2048  # kvpress CAMPress's target_size default
@@ -171,14 +169,6 @@ def merge_uniforms(key: jax.Array, latest: jax.Array, pos: jax.Array) -> jax.Arr
     return jax.vmap(row)(latest, ids)
 
 
-def _check_plain(layer: Layer) -> None:
-    if not is_plain(layer) or layer.pooled or is_encoded(layer.k) or is_encoded(layer.v):
-        raise ValueError("cam: needs plain float token caches to merge values into (put it "
-                         "before any codec, without headwise budgets); got "
-                         f"{type(layer).__name__}" + (" (pooled)" if is_plain(layer)
-                                                      and layer.pooled else ""))
-
-
 @dataclasses.dataclass(frozen=True)
 class CamUpdate:
     """`cam`'s update: the prompt's update resets the attention mass; later ones plan, draw,
@@ -196,7 +186,7 @@ class CamUpdate:
         new_tokens = latest - state.mark  # [B]
 
         def evict(layer, layer_stats, budget, index, debug=False):
-            _check_plain(layer)
+            _check_mergeable(layer, "cam")
             scores, protect = s.scorer(layer, layer_stats, budget,
                                        jax.random.fold_in(state.key, index))
             valid = layer.pos != EMPTY

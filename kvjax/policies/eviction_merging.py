@@ -107,9 +107,10 @@ def merge_values(k: jax.Array, v: jax.Array, keep: jax.Array, valid: jax.Array,
     return merged.reshape(b, kvh, c, d).astype(v.dtype)
 
 
-def _check_mergeable(layer: Layer) -> None:
+def _check_mergeable(layer: Layer, name: str = "merging") -> None:
+    """ValueError unless `layer` is a plain float per-head token cache (values to merge into)."""
     if not is_plain(layer) or layer.pooled or is_encoded(layer.k) or is_encoded(layer.v):
-        raise ValueError("merging: needs plain float token caches to blend values into (put it "
+        raise ValueError(f"{name}: needs plain float token caches to blend values into (put it "
                          "before any codec, without headwise budgets); got "
                          f"{type(layer).__name__}" + (" (pooled)" if is_plain(layer)
                                                       and layer.pooled else ""))
