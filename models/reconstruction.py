@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kvjax
 from kvjax.core import cpu_kernel
 from kvjax.core.cache import EMPTY
 from kvjax.core.layout import resize
