@@ -117,10 +117,17 @@ def test_passkey_trials_take_depths_round_robin(smollm2):
 
 def test_kvpress_specs_map_to_presses_or_fail_clearly():
     assert parse_press_spec("full") is None
-    assert parse_press_spec("snapkv:ratio=0.25") == ("snapkv", 0.25, False)
-    assert parse_press_spec("snapkv:ratio=0.5,headwise=true") == ("snapkv", 0.5, True)
+    assert parse_press_spec("snapkv:ratio=0.25") == ("SnapKVPress", {"compression_ratio": 0.25})
+    assert parse_press_spec("snapkv:ratio=0.5,headwise=true") == (
+        "AdaKVPress", {"press": ("SnapKVPress", {"compression_ratio": 0.5})})
+    assert parse_press_spec("critical:inner=snapkv,ratio=0.75") == (
+        "CriticalKVPress", {"press": ("SnapKVPress", {"compression_ratio": 0.75})})
+    assert parse_press_spec("think:ratio=0.5") == (
+        "ThinKPress", {"key_channel_compression_ratio": 0.5})
     for bad in ("snapkv:ratio=0.5+kivi:bits=4", "kivi:bits=4", "h2o:ratio=0.5",
-                "snapkv:ratio=0.5,window=32", "tova:ratio=0.5,headwise=true"):
+                "snapkv:ratio=0.5,window=32", "tova:ratio=0.5,headwise=true",
+                "chunkkv:inner=knorm,ratio=0.5", "finch:ratio=0.5,window=8",
+                "decoding_ratio:inner=knorm,ratio=0.5", "random:ratio=0.5", "keydiff"):
         with pytest.raises(ValueError, match="no kvpress press"):
             parse_press_spec(bad)
     kvpress = pytest.importorskip(

@@ -61,8 +61,8 @@ def test_config_expands_the_grid_and_rejects_mistakes(tmp_path):
                          (CONFIG.replace('lengths = [512]', ''), "lacks"),
                          (CONFIG + 'engines = ["vllm"]', "unknown engine"),
                          (CONFIG + 'lenghts = [1]', "unknown"),
-                         (CONFIG.replace('"niah_multikey"', '"ppl"') + 'engines = ["kvpress"]',
-                          "retrieval tasks")]:
+                         (CONFIG.replace('"niah_multikey"', '"speed"') +
+                          'engines = ["kvpress"]', "runs ppl and retrieval tasks")]:
         path.write_text(bad)
         with pytest.raises(ValueError, match=message):
             harness.load_config(path)

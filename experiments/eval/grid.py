@@ -254,8 +254,9 @@ def _block_cells(path, block: dict, shared: dict) -> list[Cell]:
             raise ValueError(f"{path}: unknown task {task!r}; tasks: {TASKS}")
         if engine not in ENGINES:
             raise ValueError(f"{path}: unknown engine {engine!r}; engines: {ENGINES}")
-        if engine == "kvpress" and task not in RETRIEVAL_TASKS:
-            raise ValueError(f"{path}: the kvpress engine runs retrieval tasks, not {task!r}")
+        if engine == "kvpress" and task not in RETRIEVAL_TASKS + ("ppl",):
+            raise ValueError(f"{path}: the kvpress engine runs ppl and retrieval tasks, not "
+                             f"{task!r}")
         if engine == "kvpress" and query_aware:
             raise ValueError(f"{path}: query_aware cells run on the kvjax engine only")
         if query_aware and task not in RETRIEVAL_TASKS:

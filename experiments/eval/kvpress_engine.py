@@ -8,16 +8,27 @@ under the press (compressed query-agnostically), the question is fed at position
 the *uncompressed* context, and the answer is decoded greedily, batch 1 (the only batch
 kvpress supports). The token ids are kvjax's, so both engines see identical prompts.
 
-Method specs map to presses with kvpress's defaults, which kvjax's policies share:
+A `ppl` cell scores the same windows as kvjax's (`experiments.eval.cells.run_ppl_cell`): each
+window's first `PPL_PREFIX` share is prefilled under the press, its first continuation token
+is scored by the prefill's last (uncompressed) logit, and the rest are fed on the compressed
+cache at their own positions (after the *uncompressed* prefix, as kvpress's pipeline feeds a
+question) and scored teacher-forced (`continuation_nll`).
 
-    full                          -> no press
-    streaming_llm:ratio=R         -> StreamingLLMPress(R)        (4 sinks)
-    snapkv:ratio=R                -> SnapKVPress(R)              (window 64, kernel 5)
-    snapkv:ratio=R,headwise=true  -> AdaKVPress(SnapKVPress(R))
-    pyramidkv / tova / knorm / expected_attention / random:ratio=R -> the same-named press
+Method specs map to presses with kvpress's defaults, which kvjax's policies share: the
+press `kvjax methods` names for the method, built from the spec it publishes there
+(`kvjax.policies.methods.METHOD_INFO`):
 
-Anything else (chains, codecs, other arguments) has no kvpress equivalent and raises.
-Needs the `compare` extra (`pip install -e '.[compare]'`).
+    full                               -> no press
+    NAME:ratio=R                       -> that press(compression_ratio=R), e.g.
+                                          snapkv:ratio=R -> SnapKVPress(R) (window 64, kernel 5)
+    NAME:inner=INNER,ratio=R           -> that press(press=INNER's press(R)), e.g.
+                                          chunkkv:inner=snapkv,ratio=R ->
+                                          ChunkKVPress(SnapKVPress(R))
+    NAME:ratio=R,headwise=true         -> AdaKVPress(NAME's press(R))
+
+Anything else (chains, codecs, other arguments, methods whose published spec takes other
+arguments) has no kvpress equivalent here and raises. Needs the `compare` extra
+(`pip install -e '.[compare]'`).
 
 Example:
     >>> press_for("snapkv:ratio=0.5")
@@ -26,41 +37,159 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import time
+from dataclasses import asdict
 
 from experiments.eval.grid import RETRIEVAL_TASKS, Cell
 
-PRESSES = {"streaming_llm": "StreamingLLMPress", "snapkv": "SnapKVPress",
-           "pyramidkv": "PyramidKVPress", "tova": "TOVAPress", "knorm": "KnormPress",
-           "expected_attention": "ExpectedAttentionPress", "random": "RandomPress"}
+# kvpress presses that read the compressed cache's length as the next position (their kept
+# keys are re-rotated to contiguous positions), as kvpress's pipeline does for them
+REROTATING = ("KeyRerotationPress", "FinchPress")
 
 
-def parse_press_spec(method: str) -> tuple[str, float, bool] | None:
-    """(name, ratio, headwise) of a method kvpress can run; None for `full`; else raises."""
-    from kvjax.policies.methods import split_part
+# the argument a press takes its ratio as (kvjax's `ratio` in the published spec)
+RATIO_ARGUMENT = {"ThinKPress": "key_channel_compression_ratio"}
+# presses that compress while decoding, not the prefill a ppl window or a question follows
+DECODING = ("decoding_ratio",)
+
+
+def _published(name: str) -> dict | None:
+    """The arguments of the spec `kvjax methods` publishes for a method kvpress runs here:
+    `ratio` and maybe `inner`; None for a method without one (or with other arguments)."""
+    from kvjax.policies.methods import METHOD_INFO, split_part
+
+    info = METHOD_INFO.get(name)
+    if info is None or not info.spec or "+" in info.spec or name in DECODING:
+        return None
+    kwargs = split_part(info.spec.replace("{r}", "0.5"))[1]
+    return kwargs if "ratio" in kwargs and set(kwargs) <= {"ratio", "inner"} else None
+
+
+def parse_press_spec(method: str) -> tuple[str, dict] | None:
+    """(kvpress press name, its arguments) of a method kvpress can run; None for `full`.
+    The arguments are the ratio (`compression_ratio`, or the press's own name for it) or
+    `press`, the inner press's (name, arguments); `snapkv:...,headwise=true` is AdaKVPress.
+
+    Example:
+        >>> parse_press_spec("chunkkv:inner=snapkv,ratio=0.5")
+        ('ChunkKVPress', {'press': ('SnapKVPress', {'compression_ratio': 0.5})})
+    """
+    from kvjax.policies.methods import METHOD_INFO, split_part
 
     if method.strip() == "full":
         return None
     name, kwargs = split_part(method)
     headwise = bool(kwargs.pop("headwise", False))
-    if "+" in method or name not in PRESSES or set(kwargs) != {"ratio"} or \
-            (headwise and name != "snapkv"):
-        raise ValueError(f"no kvpress press for method {method!r}: compare runs `full` and "
-                         f"`NAME:ratio=R` for NAME in {sorted(PRESSES)} (and snapkv with "
-                         f"headwise=true)")
-    return name, float(kwargs["ratio"]), headwise
+    published = _published(name)
+    if "+" in method or published is None or set(kwargs) != set(published) or \
+            kwargs.get("inner") != published.get("inner") or (headwise and name != "snapkv"):
+        known = sorted(m for m in METHOD_INFO if _published(m) is not None)
+        raise ValueError(f"no kvpress press for method {method!r}: compare runs `full` and, "
+                         f"for a method in {known}, the spec `kvjax methods` publishes for it "
+                         f"with any ratio (and snapkv with headwise=true)")
+    ratio = float(kwargs["ratio"])
+    press = METHOD_INFO[name].kvpress
+    if "inner" in kwargs:
+        return press, {"press": parse_press_spec(f"{kwargs['inner']}:ratio={ratio}")}
+    spec = (press, {RATIO_ARGUMENT.get(press, "compression_ratio"): ratio})
+    return ("AdaKVPress", {"press": spec}) if headwise else spec
 
 
 def press_for(method: str):
     """The kvpress press equivalent to a kvjax method spec (None for `full`)."""
+    spec = parse_press_spec(method)
+    return None if spec is None else _build(spec)
+
+
+def _build(spec: tuple[str, dict]):
     import kvpress
 
-    spec = parse_press_spec(method)
-    if spec is None:
-        return None
-    name, ratio, headwise = spec
-    press = getattr(kvpress, PRESSES[name])(compression_ratio=ratio)
-    return kvpress.AdaKVPress(press) if headwise else press
+    name, kwargs = spec
+    kwargs = {k: _build(v) if k == "press" else v for k, v in kwargs.items()}
+    return getattr(kvpress, name)(**kwargs)
+
+
+@contextlib.contextmanager
+def given_tokenizer(tokenizer):
+    """KVzipPress (and KVgradPress) build their prompt's tokenizer with
+    `AutoTokenizer.from_pretrained(model.config.name_or_path)`, which cannot read a GGUF's;
+    inside this block they get `tokenizer` (the one transformers loaded from the GGUF)."""
+    from kvpress.presses import kvzip_press
+
+    class Given:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            return tokenizer
+
+    saved, kvzip_press.AutoTokenizer = kvzip_press.AutoTokenizer, Given
+    try:
+        yield
+    finally:
+        kvzip_press.AutoTokenizer = saved
+
+
+def continuation_nll(model, tokenizer, press, window: list[int],
+                     prefix: int) -> tuple[float, int]:
+    """(summed NLL in nats, tokens scored) of `window[prefix:]` after `window[:prefix]` was
+    prefilled under `press` (None: no compression), batch 1, float64 log-softmax.
+    `tokenizer`: transformers' tokenizer of the model (KVzip's prompt).
+
+    The continuation is fed in one forward, or a token at a time when the press left layers
+    of different lengths (PyramidKV): transformers builds one attention mask from layer 0's
+    length, which the other layers' keys do not fit (a single query needs no mask)."""
+    import torch
+    from transformers import DynamicCache
+
+    ids = torch.tensor([window])
+    cont = ids[:, prefix:]
+    cache = DynamicCache()
+    with torch.inference_mode(), given_tokenizer(tokenizer):
+        with press(model) if press is not None else contextlib.nullcontext():
+            first = model(input_ids=ids[:, :prefix], past_key_values=cache, logits_to_keep=1)
+        start = cache.get_seq_length() if type(press).__name__ in REROTATING else prefix
+        positions = torch.arange(start, start + cont.shape[1])[None]
+        uneven = len({cache.get_seq_length(i) for i in range(len(cache))}) > 1
+        step = 1 if uneven else cont.shape[1]
+        rest = torch.cat([model(input_ids=cont[:, i:i + step], past_key_values=cache,
+                                position_ids=positions[:, i:i + step]).logits[0]
+                          for i in range(0, cont.shape[1], step)])
+        logits = torch.cat([first.logits[0, -1:], rest[:-1]]).double()
+        lp = torch.log_softmax(logits, -1).gather(1, cont[0][:, None])
+    return -float(lp.sum()), int(cont.shape[1])
+
+
+def run_kvpress_ppl_cell(cell: Cell) -> dict:
+    """The cell's ppl windows through kvpress, batch 1: the row `run_ppl_cell` writes, less
+    the cache bytes (kvpress keeps a torch cache kvjax does not measure)."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from experiments.eval.cells import PPL_PREFIX, text_of
+    from experiments.eval.hf_reference import load_hf_reference
+    from experiments.eval.ppl import window_ids
+    from models.loading import resolve_model_path
+    from models.tokenizer import load_tokenizer
+
+    press = press_for(cell.method)
+    path = resolve_model_path(cell.model)
+    model, hf_tokenizer, _ = load_hf_reference(path, dtype=torch.float32,
+                                               attn_implementation="sdpa")
+    prefix = int(cell.length * PPL_PREFIX)
+    text = text_of(cell)
+    windows = window_ids(load_tokenizer(path), text, cell.length, cell.trials)
+    start = time.perf_counter()
+    nll, scored = 0.0, 0
+    for window in windows:
+        n, k = continuation_nll(model, hf_tokenizer, press, window, prefix)
+        nll, scored = nll + n, scored + k
+    if not np.isfinite(nll):
+        raise FloatingPointError(f"the summed NLL of {scored} tokens is {nll}")
+    return dict(asdict(cell), status="ok", score=math.exp(nll / scored), nll=nll,
+                tokens_scored=scored, prefix=prefix, text=text.name,
+                seconds=round(time.perf_counter() - start, 2))
 
 
 def run_kvpress_cell(cell: Cell) -> dict:
@@ -73,8 +202,10 @@ def run_kvpress_cell(cell: Cell) -> dict:
     from models.loading import resolve_model_path
     from models.tokenizer import load_tokenizer
 
+    if cell.task == "ppl":
+        return run_kvpress_ppl_cell(cell)
     if cell.task not in RETRIEVAL_TASKS:
-        raise ValueError(f"the kvpress engine runs retrieval tasks, not {cell.task!r}")
+        raise ValueError(f"the kvpress engine runs ppl and retrieval tasks, not {cell.task!r}")
     press = press_for(cell.method)
     path = resolve_model_path(cell.model)
     model, hf_tokenizer, _ = load_hf_reference(path, dtype=torch.float32,

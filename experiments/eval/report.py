@@ -416,18 +416,39 @@ def _normalized(text: str) -> str:
     return " ".join(re.sub(r"<\|[^|]*\|>", " ", text).split())
 
 
+def _pairs(rows: list[dict], ppl: bool) -> list[tuple[dict, dict]]:
+    """(kvjax row, kvpress row) of the same cell (the same prompts or windows)."""
+    ok = _ok(rows)
+    mine = {cell_of(r).key: r for r in ok if r.get("engine", "kvjax") == "kvjax"}
+    pairs = [(mine.get(dataclasses.replace(cell_of(t), engine="kvjax").key), t) for t in ok
+             if t.get("engine") == "kvpress" and (t["task"] == "ppl") == ppl]
+    return [(m, t) for m, t in pairs if m is not None]
+
+
+def compare_ppl_section(rows: list[dict]) -> list[str]:
+    """kvjax's continuation perplexity beside kvpress's on the same windows, with kvjax's
+    cache bytes (kvpress keeps or masks tokens in a torch cache, not measured)."""
+    pairs = sorted(_pairs(rows, ppl=True), key=lambda p: (p[0]["length"], p[0]["method"]))
+    if not pairs:
+        return []
+    body = []
+    for m, t in pairs:
+        key = BF16_BYTES if BF16_BYTES in m else RUN_BYTES
+        body.append([m["text"], m["length"], f"`{m['method']}`", f"{m['score']:.4f}",
+                     f"{t['score']:.4f}", f"{m['score'] / t['score'] - 1:+.1e}",
+                     f"{m[key]:.0f}" if key in m else ""])
+    m0 = pairs[0][0]
+    return ([f"#### Continuation perplexity beside kvpress ({m0['trials']} windows per cell, "
+             f"the first {m0['prefix']} tokens of each compressed, the rest scored; kvpress "
+             f"through its press on transformers, float32, batch 1)", ""]
+            + _table(["text", "length", "method", "kvjax ppl", "kvpress ppl",
+                      "kvjax / kvpress - 1", "kvjax bytes/token (bf16)"], body))
+
+
 def compare_section(rows: list[dict]) -> list[str]:
     """kvjax beside kvpress on the same cells: scores, same answers, seconds per trial."""
-    ok = _ok(rows)
-    theirs = [r for r in ok if r.get("engine") == "kvpress"]
-    if not theirs:
-        return []
-    mine = {cell_of(r).key: r for r in ok if r.get("engine", "kvjax") == "kvjax"}
     body = []
-    for t in theirs:
-        m = mine.get(dataclasses.replace(cell_of(t), engine="kvjax").key)  # the same prompts
-        if m is None:
-            continue
+    for m, t in _pairs(rows, ppl=False):
         same = sum(_normalized(a) == _normalized(b) for a, b in zip(m["outputs"], t["outputs"]))
         body.append([t["task"], t["length"], f"`{t['method']}`", f"{m['score']:.2f}",
                      f"{t['score']:.2f}", f"{same}/{t['trials']}",
@@ -449,7 +470,8 @@ def report(out: Path, images: str = "") -> str:
     """Every section's Markdown (image links prefixed by `images`); writes `<out>/tables.md`."""
     rows = latest_rows(out)
     failed = [r for r in rows if r.get("status") != "ok"]
-    lines = (compare_section(rows) + memory_section(rows, out, images)
+    lines = (compare_section(rows) + compare_ppl_section(rows)
+             + memory_section(rows, out, images)
              + ppl_section(rows, out, images) + ratio_section(rows, out, images)
              + depth_section(rows, out, images) + retrieval_section(rows, out, images)
              + speed_section(rows, out, images))

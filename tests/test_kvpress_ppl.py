@@ -1,0 +1,60 @@
+"""Continuation perplexity beside kvpress 0.5.5 on SmolLM2 (issue 50).
+
+The golden (`experiments/golden/make_kvpress_ppl.py`, made by running kvpress, never kvjax)
+holds, for one 1024-token window of each of two texts, the summed NLL kvpress gives the last
+256 tokens after the first 768 were prefilled under a press, for `full` and every press kvjax
+maps a method to (`experiments.eval.kvpress_engine.parse_press_spec`). kvjax scores the same
+ids with `experiments.eval.ppl.perplexity(..., context=1024, prefix=768)`, the function behind
+`kvjax ppl --context 1024 --prefix 768`, and must give the same perplexity to 0.1%
+(relative). Measured: within 1e-6 for the cases below (float32 in both; the cache keeps the
+same positions, which the position goldens check one by one).
+
+The suite runs one method of each kind of update, not all 46 rows (each costs a compile and
+a 1024-token forward): a scorer (SnapKV), a key-only scorer at the other ratio (KeyDiff), a
+wrapper that keeps chunks (ChunkKV), a two-stage wrapper (CriticalKV), one that changes the
+kept values (Merging), a randomized scorer given kvjax's sketch (LeverageScore), and the
+reconstruction pass with the tokenizer's prompt (KVzip). `python -m
+experiments.eval.kvpress_ppl_parity` compares every row: 43 of 46 within 0.1%; the other
+three are named in docs/DECISIONS.md (ThinK at both ratios: kvjax also prunes the channels of
+keys written after the prefix, kvpress does not; LagKV at r = 0.75 on a 768-token prefix:
+256 tokens tie at kvpress's top score for 192 places, and torch's `topk` drops the sinks
+where kvjax keeps the earliest).
+"""
+
+import math
+
+import pytest
+
+from experiments.eval.kvpress_ppl_parity import golden_rows, kvjax_ppl
+
+RTOL = 1e-3  # the issue's 0.1%
+CASES = [("kjv_genesis", "full"), ("devils_dictionary", "full"),
+         ("kjv_genesis", "snapkv:ratio=0.5"), ("devils_dictionary", "keydiff:ratio=0.75"),
+         ("kjv_genesis", "chunkkv:inner=snapkv,ratio=0.5"),
+         ("devils_dictionary", "critical:inner=snapkv,ratio=0.75"),
+         ("kjv_genesis", "merging:inner=snapkv,ratio=0.5"),
+         ("kjv_genesis", "leverage:ratio=0.5"), ("devils_dictionary", "kvzip:ratio=0.75")]
+
+
+def test_the_golden_covers_every_method_kvpress_runs():
+    from experiments.golden.make_kvpress_ppl import TEXTS, methods
+    golden, rows = golden_rows()
+    want = {(text, spec) for text, ratio in TEXTS.items() for spec in methods(ratio)}
+    assert set(rows) == want
+    assert set(CASES) <= want
+    for row in rows.values():
+        assert row["tokens_scored"] == golden["window"] - golden["prefix"]
+        assert math.isclose(row["ppl"], math.exp(row["nll"] / row["tokens_scored"]),
+                            rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("text,spec", CASES, ids=[f"{t}-{s}" for t, s in CASES])
+def test_continuation_perplexity_equals_kvpress(smollm2, text, spec):
+    golden, rows = golden_rows()
+    want = rows[text, spec]
+    ppl, scored = kvjax_ppl(*smollm2, golden, text, spec)
+    assert scored == want["tokens_scored"]
+    assert ppl == pytest.approx(want["ppl"], rel=RTOL), (ppl, want["ppl"])
+    if spec != "full":  # the press moved the perplexity by more than the tolerance, so a
+        full = rows[text, "full"]["ppl"]  # kvjax method that compressed nothing would fail
+        assert abs(want["ppl"] - full) > 2 * RTOL * full
