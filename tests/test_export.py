@@ -216,6 +216,17 @@ def test_bucket_layout_keeps_every_slot_and_depends_on_capacity_only(model):
     assert shapes[0] == shapes[1]  # 70 and 41 tokens: one layout, one compiled decode step
 
 
+def test_bucket_layout_gives_a_never_flushing_exact_part_the_bucket(model):
+    """ThinK's exact part (later keys whole, never flushed: `KEEP_EXACT`) takes the bucket's
+    capacity, as its body does."""
+    pre = prefill_and_compress(model, [list(range(3, 60))] * 2, chunk=16, room=8,
+                               transform=kvjax.parse_method("think:ratio=0.5"))
+    cut = exported.bucket_layout(pre.cache, 64)
+    for before, after in zip(pre.cache, cut):
+        assert after.body.capacity == after.recent.capacity == 64
+        assert_same_slots(kvjax.view(before), kvjax.view(after))
+
+
 def test_bucket_layout_refuses_to_drop_written_slots(model):
     pre = prefill_and_compress(model, [list(range(3, 60))], chunk=16, capacity=96)
     with pytest.raises(ValueError, match="would drop written slots"):

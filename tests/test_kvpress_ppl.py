@@ -12,13 +12,13 @@ same positions, which the position goldens check one by one).
 The suite runs one method of each kind of update, not all 46 rows (each costs a compile and
 a 1024-token forward): a scorer (SnapKV), a key-only scorer at the other ratio (KeyDiff), a
 wrapper that keeps chunks (ChunkKV), a two-stage wrapper (CriticalKV), one that changes the
-kept values (Merging), a randomized scorer given kvjax's sketch (LeverageScore), and the
-reconstruction pass with the tokenizer's prompt (KVzip). `python -m
-experiments.eval.kvpress_ppl_parity` compares every row: 43 of 46 within 0.1%; the other
-three are named in docs/DECISIONS.md (ThinK at both ratios: kvjax also prunes the channels of
-keys written after the prefix, kvpress does not; LagKV at r = 0.75 on a 768-token prefix:
-256 tokens tie at kvpress's top score for 192 places, and torch's `topk` drops the sinks
-where kvjax keeps the earliest).
+kept values (Merging), a randomized scorer given kvjax's sketch (LeverageScore), the
+reconstruction pass with the tokenizer's prompt (KVzip), and key-channel pruning (ThinK: the
+prefix's keys on the kept channels, the 256 later keys whole in the exact part, as kvpress
+prunes the prefill only; 5e-7). `python -m experiments.eval.kvpress_ppl_parity` compares
+every row: 45 of 46 within 0.1%; the other is named in docs/DECISIONS.md (LagKV at r = 0.75
+on a 768-token prefix: 256 tokens tie at kvpress's top score for 192 places, and torch's
+`topk` drops the sinks where kvjax keeps the earliest).
 """
 
 import math
@@ -33,7 +33,8 @@ CASES = [("kjv_genesis", "full"), ("devils_dictionary", "full"),
          ("kjv_genesis", "chunkkv:inner=snapkv,ratio=0.5"),
          ("devils_dictionary", "critical:inner=snapkv,ratio=0.75"),
          ("kjv_genesis", "merging:inner=snapkv,ratio=0.5"),
-         ("kjv_genesis", "leverage:ratio=0.5"), ("devils_dictionary", "kvzip:ratio=0.75")]
+         ("kjv_genesis", "leverage:ratio=0.5"), ("devils_dictionary", "kvzip:ratio=0.75"),
+         ("kjv_genesis", "think:ratio=0.5")]
 
 
 def test_the_golden_covers_every_method_kvpress_runs():

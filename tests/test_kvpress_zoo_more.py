@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax import EMPTY
 from tests.test_kvpress_parity import compress_context, prefill_contexts
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
 
@@ -104,9 +105,10 @@ def _think_cases() -> list[str]:
 @pytest.mark.parametrize("case", _think_cases())
 def test_think_keeps_kvpress_channels_and_stores_fewer(prefilled, golden, case):
     """`think:ratio=r` = ThinKPress(key_channel_compression_ratio=r): the same kept key
-    channels in every layer and KV head; `view` gives exactly the keys kvpress leaves (the
-    pruned channels zero, the rest unchanged); the keys' bytes shrink to the kept fraction
-    (plus one [D, r] 0/1 basis per storage row)."""
+    channels in every layer and KV head; `view` of the pruned body gives exactly the keys
+    kvpress leaves (the pruned channels zero, the rest unchanged); those keys' bytes shrink to
+    the kept fraction (plus one [D, r] 0/1 basis per storage row); the exact part for later
+    keys starts empty."""
     ctx, rest = case.split("_", 1)
     ratio = float(rest.rsplit("_r", 1)[1])
     cache, stats, n = prefilled[ctx]
@@ -114,7 +116,9 @@ def test_think_keeps_kvpress_channels_and_stores_fewer(prefilled, golden, case):
     L, kvh, d = (int(golden[k]) for k in ("num_layers", "kv_heads", "head_dim"))
     theirs = np.unpackbits(golden[f"{case}_channels"], count=L * kvh * d).reshape(L, kvh, d)
     kept = d - int(d * ratio)
-    for i, (before, after) in enumerate(zip(cache, out)):
+    for i, (before, layer) in enumerate(zip(cache, out)):
+        assert int(layer.recent.length) == 0 and (np.asarray(layer.recent.pos) == EMPTY).all()
+        after = layer.body  # the prompt's keys on the kept channels
         basis = np.asarray(after.k.basis)  # [B*KVH, D, r]: a 0/1 column per kept channel
         ours = basis.sum(-1)[:kvh] > 0
         np.testing.assert_array_equal(ours, theirs[i].astype(bool), err_msg=f"layer {i}")

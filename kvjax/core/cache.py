@@ -168,6 +168,10 @@ class ResidualCache:
     always exact, and `recent` never holds more than
     `residual + block - 1 + T` slots for a write of T tokens.
     Attention reads both parts (`view`); eviction scores and compacts both.
+
+    With `residual=KEEP_EXACT` nothing ever flushes: the body keeps what it
+    was given and every later token stays exact (ThinK: the prompt's keys on
+    the kept channels, later keys whole, as kvpress prunes the prefill only).
     """
 
     body: TokenCache  # encoded older tokens
@@ -289,6 +293,11 @@ Layer = TokenCache | ResidualCache
 """A token layer: what `attend_blockwise`, `compact` and the codecs read slot by slot."""
 Cache = tuple[CacheLayer, ...]
 """A model's cache: one layer per decoder layer, of any registered kind (`kvjax.core.layer`)."""
+
+
+KEEP_EXACT = 2 ** 30
+"""The `residual` of a `ResidualCache` whose exact part never flushes into its body (larger
+than any capacity, so `flush_span` is 0): the body is written once, later tokens stay exact."""
 
 
 def flush_span(layer: ResidualCache) -> int:

@@ -6,15 +6,16 @@ last `window` (post-RoPE) queries, averaged over the query heads of the KV
 head, times its mean square over the cached (post-RoPE) keys. The
 `floor(head_dim * ratio)` lowest-scoring channels are dropped.
 
-kvpress (ThinKPress) zeroes those channels and keeps the full tensor. kvjax
-stores the keys on the kept channels only: a `Latent` key store whose basis
+kvpress (ThinKPress) zeroes those channels of the prefill's keys, once, and
+keeps every later key whole. kvjax's first update (prompt compression) turns
+each layer into a `ResidualCache` with `residual=KEEP_EXACT`: its body holds
+the prompt's keys on the kept channels only, a `Latent` key store whose basis
 is, per storage row, the 0/1 columns of its kept channels (`[B*KVH, D, r]`,
 `r = D - pruned`), so `q . k` is computed exactly on the kept channels (what
-kvpress's zeroed keys give), `view` gives kvpress's zeroed keys, and the keys
-take `r / D` of their bytes. Values are untouched. The channels are chosen at
-the first update (prompt compression); later tokens are stored on the same
-channels, as kvpress leaves the pruned channels of later keys to nothing
-(it compresses once, at prefill).
+kvpress's zeroed keys give), `view` gives kvpress's zeroed keys, and those
+keys take `r / D` of their bytes. Every later token goes to the dense exact
+part, keys whole, and never flushes into the body (kvpress never prunes later
+keys). Values are untouched. Later updates leave the layer as it is.
 
 Example:
     >>> import jax, jax.numpy as jnp, kvjax
@@ -32,7 +33,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from kvjax.core.cache import EMPTY, view
+from kvjax.core.cache import EMPTY, KEEP_EXACT, ResidualCache, view
 from kvjax.core.layer import is_plain
 from kvjax.core.layout import map_layers
 from kvjax.core.selection import rank
@@ -80,17 +81,25 @@ def selection_basis(keep: jax.Array, kept: int) -> jax.Array:
     return onehot[..., :kept]  # a pruned channel's "column" `kept` falls off
 
 
+def is_thinned(layer) -> bool:
+    """True for a layer `think_layer` made: a never-flushing residual layer over a `Latent`
+    key store."""
+    return (isinstance(layer, ResidualCache) and layer.residual == KEEP_EXACT
+            and isinstance(layer.body.k, Latent))
+
+
 def think_layer(layer, stats: LayerStats | None, pruned: int, window: int):
-    """One layer with its keys stored on the kept channels (an encoded layer: unchanged)."""
+    """One layer as a `ResidualCache`: its keys so far stored on the kept channels (the body,
+    written once), later tokens exact (a layer think already made: unchanged)."""
+    if is_thinned(layer):
+        return layer  # channels chosen by the first update; later keys stay whole
     if not is_plain(layer) or layer.pooled:
         raise ValueError("think: needs a plain per-head token cache (put it before codecs and "
                          f"head-wise eviction); got {type(layer).__name__}"
                          f"{' (pooled)' if is_plain(layer) and layer.pooled else ''}")
     if is_encoded(layer.k):
-        if not isinstance(layer.k, Latent):
-            raise ValueError("think: the keys are already encoded by another codec; put "
-                             "think before it")
-        return layer  # channels chosen by the first update; new keys are stored on them
+        raise ValueError("think: the keys are already encoded by another codec; put "
+                         "think before it")
     if stats is None or stats.queries.shape[1] < window:
         raise ValueError(f"think needs the last {window} queries: run the model with "
                          f"StatsSpec(window={window}) (the sampler does this)")
@@ -101,13 +110,19 @@ def think_layer(layer, stats: LayerStats | None, pruned: int, window: int):
     basis = selection_basis(channel_keep(scores, pruned), d - pruned)  # [B, KVH, D, r]
     basis = basis.reshape(-1, d, d - pruned).astype(layer.k.dtype)  # one per storage row
     rows, capacity, _ = layer.k.shape
-    return layer.replace(k=put(Latent.empty(rows, capacity, basis, layer.k.dtype), layer.k, 0))
+    body = layer.replace(k=put(Latent.empty(rows, capacity, basis, layer.k.dtype), layer.k, 0))
+    recent = layer.replace(k=jnp.zeros_like(layer.k), v=jnp.zeros_like(layer.v),
+                           pos=jnp.full(layer.pos.shape, EMPTY, jnp.int32),
+                           length=jnp.zeros((), jnp.int32),
+                           mass=None if layer.mass is None else jnp.zeros_like(layer.mass))
+    return ResidualCache(body=body, recent=recent, residual=KEEP_EXACT, block=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class ThinKUpdate:
-    """`think`'s update: every layer's keys moved to their kept channels, once; the pruned
-    count `floor(head_dim * ratio)` is static (head_dim is a shape)."""
+    """`think`'s update: every layer's keys so far moved to their kept channels, once (later
+    keys stay whole); the pruned count `floor(head_dim * ratio)` is static (head_dim is a
+    shape)."""
 
     ratio: float
     window: int = 32
@@ -123,11 +138,13 @@ class ThinKUpdate:
 
 def think(ratio: float = 0.0, window: int = 32) -> CacheTransform:
     """ThinK (Xu et al. 2024): drop the fraction `ratio` of key channels the last `window`
-    queries and the keys use least; the keys are stored on the rest (bytes shrink).
+    queries and the keys use least; the prompt's keys are stored on the rest (bytes shrink),
+    later keys whole.
 
     As kvpress ThinKPress(key_channel_compression_ratio=ratio, window_size=window): the
-    same channels (`floor(head_dim * ratio)` pruned per KV head), and `view` gives its
-    zeroed keys. kvpress's default ratio 0 prunes nothing.
+    same channels (`floor(head_dim * ratio)` pruned per KV head), `view` gives its zeroed
+    prompt keys, and keys written after the update keep every channel. kvpress's default
+    ratio 0 prunes nothing.
     """
     check_real("think", "ratio", ratio, 0.0, 1.0, high_open=True)
     check_int("think", "window", window)

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core.cache import EMPTY, CacheSpec, ResidualCache, TokenCache, init_model_cache
+from kvjax.core.cache import (EMPTY, KEEP_EXACT, CacheSpec, ResidualCache, TokenCache,
+                              init_model_cache)
 from kvjax.core.layer import has_exact_part, is_plain
 from kvjax.core.stats import LayerStats, StatsSpec, init_stats
 from kvjax.core.stores import PackedChannels, resize_rows, is_dense
@@ -76,9 +77,11 @@ def pick_bucket(buckets: Sequence[int], needed: int, what: str) -> int:
                      f"bucket is {max(buckets)} (export with a larger --max-len)")
 
 
-def recent_slots(layer: ResidualCache) -> int:
-    """Exact slots a residual layer needs to decode one token at a time: residual + block."""
-    return layer.residual + layer.block
+def recent_slots(layer: ResidualCache, capacity: int) -> int:
+    """Exact slots a residual layer needs to decode one token at a time in a bucket of
+    `capacity`: residual + block; `capacity` for one that never flushes (ThinK's exact part
+    holds every later token)."""
+    return capacity if layer.residual == KEEP_EXACT else layer.residual + layer.block
 
 
 def _used_groups(store: Any, valid: jax.Array) -> int:
@@ -157,7 +160,7 @@ def bucket_layout(cache: Sequence[Any], capacity: int, check: bool = True) -> tu
     for layer in cache:
         if has_exact_part(layer):
             layer = layer.replace(body=fixed_resize(layer.body, capacity, check),
-                                  recent=fixed_resize(layer.recent, recent_slots(layer), check))
+                                  recent=fixed_resize(layer.recent, recent_slots(layer, capacity), check))
         elif is_plain(layer):
             layer = fixed_resize(layer, capacity, check)
         else:
