@@ -216,7 +216,7 @@ def run_kvpress_cell(cell: Cell) -> dict:
     def answer(i: int) -> str:
         tensors = {"context_ids": torch.tensor([prompts.contexts[i]]),
                    "questions_ids": [torch.tensor([prompts.questions[i]])]}
-        with torch.inference_mode():
+        with torch.inference_mode(), given_tokenizer(hf_tokenizer):
             return pipe._forward(tensors, max_new_tokens=cell.max_new_tokens, press=press)[0]
 
     if cell.warmup:
