@@ -566,3 +566,10 @@ class Llama(nnx.Module):
 def new_cache(cfg: LlamaConfig, batch: int, capacity: int, dtype=jnp.float32) -> Cache:
     """An empty cache of `capacity` slots per layer for `cfg`."""
     return kvjax.init_model_cache(cfg.cache_spec, batch, capacity, dtype)
+
+
+def windowed_layers(model: Llama) -> tuple[int, ...]:
+    """The model's sliding-window layers: their cache holds the window by construction
+    (`CacheSpec.windows`), so it never runs out of room and no method compresses it."""
+    windows = getattr(model.config.cache_spec, "windows", None) or ()
+    return tuple(i for i, w in enumerate(windows) if w is not None)

@@ -43,7 +43,7 @@ from kvjax.core.stats import StatsSpec, init_stats
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction_kvzip import (Reconstruction, ReconstructionPrompt, chunk_scores,
                                            reconstruction_inputs, value_output_norms)
-from models.llama import Llama, fixed_rope_frequencies
+from models.llama import Llama, fixed_rope_frequencies, windowed_layers
 
 FIRST = "\n\nRepeat the previous context exactly."
 NEXT = "\n\nRepeat the part of the previous context exactly, starting with"
@@ -147,11 +147,16 @@ def reconstruct(model: Llama, cache, stats, next_pos: np.ndarray,
     KVzip's reconstruction of `contexts` (the prefilled prompts, at positions 0..n-1 of
     `cache`, whose next positions are `next_pos` [B]).
 
-    Every pass is padded to the longest one, so all compile to one program.
+    Every pass is padded to the longest one, so all compile to one program. The pass runs
+    kvjax's own decoder (`models.llama.Llama`: its forward, RoPE and projections); another
+    model is refused by name.
     """
+    if not isinstance(model, Llama):
+        raise ValueError(f"kvzip/kvgrad: the reconstruction pass runs kvjax's own decoder "
+                         f"(models.llama.Llama, every family it loads), not a "
+                         f"{type(model).__name__}; score such a model with another method")
     plans = [reconstruction_inputs(c, rec) for c in contexts]
     width = max(len(ids) for plan in plans for _, _, ids in plan)
-    from models.sampler import windowed_layers
 
     windowed = windowed_layers(model)  # their cache is the window: the model keeps it so
     capacities = tuple(layer.capacity for layer in cache)

@@ -38,7 +38,7 @@ from kvjax.core.cache import EMPTY, Cache
 from kvjax.core.stats import NO_STATS, StatsSpec
 from kvjax.core.transforms import CacheTransform, full
 
-from models.llama import Llama
+from models.llama import Llama, windowed_layers  # noqa: F401  (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,13 +172,6 @@ def pad_prompts(prompts: Sequence[Sequence[int]], multiple: int, pad_id: int = 0
         tokens[i, width - len(p):] = p
         positions[i, width - len(p):] = np.arange(len(p))
     return PaddedPrompts(tokens, positions, lengths)
-
-
-def windowed_layers(model: Llama) -> tuple[int, ...]:
-    """The model's sliding-window layers: their cache holds the window by construction
-    (`CacheSpec.windows`), so it never runs out of room and no method compresses it."""
-    windows = getattr(model.config.cache_spec, "windows", None) or ()
-    return tuple(i for i, w in enumerate(windows) if w is not None)
 
 
 def for_full_layers(model: Llama, transform: CacheTransform) -> CacheTransform:

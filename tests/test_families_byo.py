@@ -34,7 +34,7 @@ import kvjax
 from kvjax.core.stats import NO_STATS, accumulate_mass, observe
 from models.sampler import generate
 from tests.test_every_method_every_prompt import (  # noqa: F401 (_quick_compiles: autouse)
-    BASIS, SPECS, _quick_compiles, check_stores)
+    BASIS, PROMPT_ONLY, SPECS, _quick_compiles, check_stores, random_basis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,10 +130,20 @@ def test_own_decoder_with_a_full_cache_equals_its_plain_forward(model):
 
 
 @pytest.mark.parametrize("spec", [s for s in SPECS if "low_rank" not in s])
-def test_every_method_runs_on_an_own_decoder(model, spec):
-    """(low_rank needs a calibrated basis of the model's keys: the sweep's covers it.)"""
+def test_every_method_runs_on_an_own_decoder(model, spec, tmp_path):
+    """(low_rank needs a calibrated basis of the model's keys: the sweep's covers it;
+    duo_attention gets random head scores for this model's layers and heads.) kvzip and
+    kvgrad replay the context through kvjax's own decoder, so they refuse another one by
+    name."""
+    cfg = model.config
+    scores = random_basis(tmp_path / "scores.npz", cfg.num_layers, cfg.num_heads, cfg.head_dim)
     prompts = [np.random.default_rng(n).integers(3, 64, n).tolist() for n in (7, 129)]
-    out = generate(model, prompts, max_new_tokens=5, compress_every=2, eos_ids=(), chunk=64,
-                   transform=kvjax.parse_method(spec.replace(BASIS, "")))
+    run = lambda: generate(model, prompts, max_new_tokens=5, compress_every=2, eos_ids=(),
+                           chunk=64, transform=kvjax.parse_method(spec.replace(BASIS, scores)))
+    if spec in PROMPT_ONLY:
+        with pytest.raises(ValueError, match="reconstruction pass runs kvjax's own decoder"):
+            run()
+        return
+    out = run()
     assert out.tokens.shape == (2, 5)
     check_stores(out.cache)

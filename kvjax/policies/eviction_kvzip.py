@@ -60,6 +60,7 @@ import jax.numpy as jnp
 
 from kvjax.core.attention import attention_weights
 from kvjax.core.cache import EMPTY, Cache, TokenCache
+from kvjax.core.layer import is_plain
 from kvjax.core.layout import compact, map_layers, pool_heads
 from kvjax.core.selection import init_budget, rank
 from kvjax.core.stats import StatsSpec
@@ -246,7 +247,7 @@ class KVzipUpdate:
                              "scores here. It compresses the prompt only, not during decoding "
                              "(compress_every)")
         for i, (layer, s) in enumerate(zip(cache, stats)):
-            if not isinstance(layer, TokenCache) or layer.pooled or \
+            if not is_plain(layer) or layer.pooled or \
                     s.position_scores.shape[:2] != layer.pos.shape[:2]:
                 raise ValueError(f"kvzip: layer {i} is not a plain per-head token cache (a "
                                  f"codec's or a head-wise policy's before it in the chain); "

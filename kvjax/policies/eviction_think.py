@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.core.cache import EMPTY, KEEP_EXACT, ResidualCache, view
-from kvjax.core.layer import is_plain
+from kvjax.core.layer import has_exact_part, is_plain
 from kvjax.core.layout import map_layers
 from kvjax.core.selection import rank
 from kvjax.core.stats import LayerStats, StatsSpec
@@ -84,7 +84,7 @@ def selection_basis(keep: jax.Array, kept: int) -> jax.Array:
 def is_thinned(layer) -> bool:
     """True for a layer `think_layer` made: a never-flushing residual layer over a `Latent`
     key store."""
-    return (isinstance(layer, ResidualCache) and layer.residual == KEEP_EXACT
+    return (has_exact_part(layer) and layer.residual == KEEP_EXACT
             and isinstance(layer.body.k, Latent))
 
 
