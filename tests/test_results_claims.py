@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from experiments.eval.grid import cell_of, read_config
 from experiments.eval.report import policy_and_ratio
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +78,16 @@ def pct(value: float, ref: float) -> float:
 # ----------------------------------------------------------------------------- the rows
 
 
-EVAL = load("eval/cells.jsonl")
+def grid_keys(*configs: str) -> set:
+    """The cell keys of shipped grid configs (`experiments/configs/NAME.toml`)."""
+    return {c.key for name in configs
+            for c in read_config(ROOT / "experiments" / "configs" / f"{name}.toml").cells}
+
+
+# the results grid's rows: results.toml and compare.toml (zoo.toml writes into the same
+# folder; its rows have their own table and claims: tests/test_kvpress_ppl.py)
+EVAL = [r for r in load("eval/cells.jsonl")
+        if cell_of(r).key in grid_keys("results", "compare")]
 SMOKE = load("eval_smoke/cells.jsonl")
 EVICTION = load("eviction/cells.jsonl")  # kvjax eval --config experiments/configs/eviction.toml
 CODECS = load("codecs/cells.jsonl")  # kvjax eval --config experiments/configs/codecs.toml
