@@ -30,6 +30,7 @@ import contextlib
 import json
 import sys
 import time
+from pathlib import Path
 from importlib import metadata
 
 from experiments.eval.hf_reference import DEFAULT_GGUF, load_hf_reference
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
     model, tok, info = load_hf_reference(args.gguf, dtype=torch.float32, attn_implementation=ATTN,
                                          seed=SEED)
     only = set(args.only.split(",")) if args.only else None
-    old = json.loads(open(args.out).read()) if only and OUT.exists() else {"rows": []}
+    out_path = Path(args.out)
+    old = json.loads(out_path.read_text()) if only and out_path.exists() else {"rows": []}
     rows = [r for r in old["rows"] if only and r["spec"].split(":")[0] not in only]
     ids = {}
     for text, ratio in TEXTS.items():
@@ -120,8 +122,8 @@ def main(argv=None) -> int:
                kvpress_version=metadata.version("kvpress"),
                transformers_version=metadata.version("transformers"),
                torch_version=torch.__version__, gguf_sha256=info["gguf_sha256"])
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w") as f:
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_path, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {args.out} ({len(rows)} rows)")
     return 0
