@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -105,6 +106,19 @@ def unpack_rows(words: jax.Array, n: int, dtype: str) -> jax.Array:
     lo = half_to_f32(w & 0xFFFF, dtype)
     hi = half_to_f32((w >> 16) & 0xFFFF, dtype)
     return jnp.concatenate([lo, hi], axis=0)[:n]
+
+
+def pack_pairs(x: jax.Array) -> jax.Array:
+    """[n] int in [0, 2**16) -> [ceil(n/2)] int32: x[i] in bits 16 (i % 2) of word i // 2
+    (two page numbers per SMEM word)."""
+    x = jnp.pad(x.astype(jnp.int32), (0, x.shape[0] % 2)).reshape(-1, 2)
+    return x[:, 0] | (x[:, 1] << 16)
+
+
+def unpack_pairs(words: jax.Array, n: int) -> jax.Array:
+    """Inverse of `pack_pairs`: [ceil(n/2)] int32 -> [n] int32."""
+    both = jnp.stack([words & 0xFFFF, jax.lax.shift_right_logical(words, 16) & 0xFFFF], axis=1)
+    return both.reshape(-1)[:n]
 
 
 def expand_groups(params: jax.Array, group: int) -> jax.Array:
@@ -705,9 +719,160 @@ class PackedChannels:
         return head_dim * self.bits / 8 + 2 + params / group
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedChannelRows:
+    """Per-channel codes (KIVI keys) read where a `kvjax.core.stores.PackedChannels` keeps them.
+
+    Arrays (row pools, the TPU kernel's `row_pages`; R rows of C slots):
+    words `[R, W, C]` uint32 (the store's `[R, C, W]` words seen slot-last, a
+    free view on TPU), ids `[R, 1, C]` uint32 (each slot's table row minus its
+    page's window start) and the table `[R, 1, NT * L]` uint32, lane-flat,
+    one row of `L = K * D` lanes per group (`K = group_words()`: a 16-bit
+    scale and offset share a word; float32 asymmetric takes two). A page of
+    S slots reads `window` table rows from the row's table, starting at its
+    page's `start` (a multiple of `row_align(L)` rows, so the copy starts on a
+    multiple of 128 lanes), given to the kernel as the page's first table row
+    (`table_windows`, two 16-bit rows per word: `pack_pairs`). Only the
+    parameters (a quarter of the codes' bytes for 4-bit codes in groups of 32
+    tokens) and the ids are built per call; the codes are read in place.
+    The page view (`rows_as_pages`, the reference) is words `[P, W, S]`,
+    ids `[P, 1, S]` and each page's window `[P, 1, window * L]`.
+    """
+
+    bits: int
+    window: int
+    symmetric: bool = False
+    param_dtype: str = "float16"
+
+    slots_last = True
+    row_axes = (2, 2, 0)  # words, ids along the slots; the table by its window start (0)
+
+    def __post_init__(self):
+        _check_param_dtype(self.param_dtype)
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1 table rows, got {self.window}")
+
+    @staticmethod
+    def row_align(lanes: int) -> int:
+        """Table rows of `lanes` lanes a window start is a multiple of: its first lane is then
+        a multiple of 128 (1 for 128-lane rows, 2 for 64)."""
+        return 128 // math.gcd(lanes, 128)
+
+    @classmethod
+    def window_rows(cls, page_size: int, group: int, lanes: int) -> int:
+        """Rows a page reads: the groups its slots overlap, plus the rows below the first that
+        an aligned start may add, rounded up to the alignment."""
+        a = cls.row_align(lanes)
+        groups = (page_size - 1) // group + 2
+        return -(-(groups + a - 1) // a) * a
+
+    def arity(self) -> int:
+        return 3
+
+    def group_words(self) -> int:
+        return 2 if self.param_dtype == "float32" and not self.symmetric else 1
+
+    def check(self, arrays, head_dim: int) -> None:
+        if len(arrays) != 3:
+            raise ValueError(f"{self} takes words, ids and a table, got {len(arrays)} arrays")
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"packed pages hold 2, 4 or 8-bit codes, got bits={self.bits}")
+        words, ids, table = arrays
+        w = head_dim * self.bits // 32
+        if words.ndim != 3 or words.shape[1] != w or words.dtype != jnp.uint32:
+            raise ValueError(f"per-channel word pages must be uint32 [P, {w}, S], got "
+                             f"{words.dtype} {words.shape}")
+        want = (words.shape[0], 1, words.shape[2])
+        if ids.shape != want or ids.dtype != jnp.uint32:
+            raise ValueError(f"per-channel id pages must be uint32 {want}, got {ids.dtype} "
+                             f"{ids.shape}")
+        want = (words.shape[0], 1, self.window * self.group_words() * head_dim)
+        if table.shape != want or table.dtype != jnp.uint32:
+            raise ValueError(f"per-channel table windows must be lane-flat uint32 {want}, got "
+                             f"{table.dtype} {table.shape}")
+
+    def page_size(self, arrays, head_dim: int) -> int:
+        return arrays[0].shape[2]
+
+    def window_lanes(self, words: jax.Array) -> int:
+        """Lanes of one page's table window, from the words array [., W, .] (W = D*bits/32)."""
+        return self.window * self.group_words() * words.shape[1] * 32 // self.bits
+
+    def from_store(self, words, group_id, valid, scale, offset, page_size: int):
+        """A store's rows -> (arrays, table_windows, fits [] bool).
+
+        table_windows: each page's first table row, `pack_pairs`ed ([ceil(R * C/S / 2)] int32;
+        rows < 2**15, as the store's int16 group ids are).
+
+        words [R, C, W] uint32, group_id [R, C] int, valid [R, C] bool, scale/offset
+        [R, NG, D]. `fits` is False when some page's valid slots span more table rows than
+        its window holds (eviction can spread a page's groups); the arrays are then wrong
+        for that page and the caller must not use them.
+        """
+        r, c = group_id.shape
+        ng, d = scale.shape[1:]
+        lanes = self.group_words() * d
+        a = self.row_align(lanes)
+        n_table = -(-max(ng, self.window) // a) * a  # padded only when ng is not aligned
+        ids = group_id.astype(jnp.int32).reshape(r, c // page_size, page_size)
+        ok = valid.reshape(ids.shape)
+        first = jnp.min(jnp.where(ok, ids, jnp.iinfo(jnp.int32).max), axis=2)  # [R, n]
+        start = jnp.clip(first // a * a, 0, n_table - self.window)
+        local = jnp.where(ok, ids - start[..., None], 0)
+        fits = jnp.all(~ok | ((local >= 0) & (local < self.window)))
+        table = self.pack_table(scale, offset)
+        if n_table > ng:
+            table = jnp.pad(table, ((0, 0), (0, n_table - ng), (0, 0)))
+        arrays = (_slots_last(words), local.reshape(r, 1, c).astype(jnp.uint32),
+                  table.reshape(r, 1, n_table * lanes))
+        return arrays, pack_pairs(start.reshape(-1)), fits
+
+    def pack_table(self, scale, offset):
+        """[R, NG, D] scale (and offset) -> [R, NG, K * D] uint32 words, one row per group."""
+        if self.param_dtype == "float32":
+            params = scale if self.symmetric else jnp.concatenate([scale, offset], axis=-1)
+            return jax.lax.bitcast_convert_type(params.astype(jnp.float32), jnp.uint32)
+        bits16 = lambda x: jax.lax.bitcast_convert_type(
+            x.astype(self.param_dtype), jnp.uint16).astype(jnp.uint32)
+        return bits16(scale) if self.symmetric else bits16(scale) | (bits16(offset) << 16)
+
+    def _table(self, ops: Ops, block, head_dim: int):
+        """The window's (scale, offset) rows, [window, D] f32 each (offset None if symmetric)."""
+        k = self.group_words()
+        if k == 2:  # float32 asymmetric: group i's scale is row 2i, its offset row 2i + 1
+            rows = lambda j: jnp.concatenate([ops.rows(block, 2 * i + j, 1, head_dim)
+                                              for i in range(self.window)], axis=0)
+            as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)
+            return as_f32(rows(0)), as_f32(rows(1))
+        words = ops.rows(block, 0, self.window, head_dim)  # [window, D]
+        if self.param_dtype == "float32":
+            return jax.lax.bitcast_convert_type(words, jnp.float32), None
+        w = jax.lax.bitcast_convert_type(words, jnp.int32)
+        scale = half_to_f32(w & 0xFFFF, self.param_dtype)
+        return scale, (None if self.symmetric else half_to_f32((w >> 16) & 0xFFFF,
+                                                               self.param_dtype))
+
+    def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
+        """blocks: (words [W, S], ids [1, S], table [1, window * L]) -> [D, S] in `dtype`."""
+        if ops.take is not None:
+            raise ValueError(f"{self} is read by the TPU kernel and the reference only")
+        codes = unpack_planes(ops.load(blocks[0], True), self.bits)  # [D, S]
+        ids = jax.lax.bitcast_convert_type(ops.load(blocks[1], True), jnp.int32)  # [1, S]
+        table_scale, table_offset = self._table(ops, blocks[2], head_dim)
+        scale = _onehot_expand(table_scale, ids)
+        offset = (-(2.0 ** (self.bits - 1)) * scale if table_offset is None
+                  else _onehot_expand(table_offset, ids))
+        return (codes * scale + offset).astype(dtype)
+
+    def decode_flops(self, head_dim: int, page_size: int) -> int:
+        """One-hot expansion of the window's scale (and offset) rows, then codes * scale + offset."""
+        expand = 2 * self.window * head_dim * page_size * (1 if self.symmetric else 2)
+        return expand + 2 * head_dim * page_size
+
+
 DENSE = Dense()
 DENSE_T = Dense(slots_last=True)
-Format = Dense | PackedTokens | PackedTokenRows | PackedChannels
+Format = Dense | PackedTokens | PackedTokenRows | PackedChannels | PackedChannelRows
 
 
 def block_spec(x: jax.Array, page_index) -> pl.BlockSpec:

@@ -81,7 +81,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Dense, Format,
-                                         PackedChannels, PackedTokenRows, PageRef)
+                                         PackedChannelRows, PackedChannels, PackedTokenRows,
+                                         PageRef, unpack_pairs)
 
 EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
 NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
@@ -220,16 +221,20 @@ def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops
                          k_offset=k_offset, **math)
 
 
-def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_format, v_format,
-                kv_heads, table_len, head_stride, pages_per_block, blocks_per_split, math,
-                row_pages=None, slot_axes=None, page_size=None):
+def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref, *refs, k_format,
+                v_format, kv_heads, table_len, head_stride, pages_per_block, blocks_per_split,
+                math, row_pages=None, slot_axes=None, page_size=None):
     # tables_ref [B*KVH*NP], or shared [B*NP] when head_stride is set, int32 (SMEM);
     # counts_ref / starts_ref [B*KVH] int32 (SMEM): the
-    # row's pages [start, count) of its table are read, from start on in blocks
+    # row's pages [start, count) of its table are read, from start on in blocks;
+    # windows_ref [ceil(R * row_pages / 2)] int32 (SMEM): row pool page p's first table row
+    # (`PackedChannelRows`' windows, slot axis 0) in bits 16 (p % 2) of word p // 2 (`pack_pairs`:
+    # half the SMEM), [1] unused otherwise;
     # qpos_ref [GT, 1], q_ref [GT, D] (VMEM blocks of this (b, h));
     # refs: the pools in HBM (pos [P, 1, S], then each format array [P, ...]; or, with
     # `row_pages`, row pools [R, X, C] / [R, C, X] whose page p is row p // row_pages's slots
-    # (p % row_pages) * S + [0, S) along `slot_axes`), the outputs,
+    # (p % row_pages) * S + [0, S) along `slot_axes`; axis 0: a table [R, 1, N] whose page p
+    # reads its window from its first table row, `windows_ref`), the outputs,
     # a VMEM double buffer [2, NPB, ...] per pool, DMA semaphores [2], softmax state.
     nk, nv = k_format.arity(), v_format.arity()
     n = 1 + nk + nv
@@ -241,6 +246,16 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_fo
     count = counts_ref[row]
     start = starts_ref[row]
     first = lambda blk: start + (split * blocks_per_split + blk) * pages_per_block
+
+    formats = (None, *[k_format] * nk, *[v_format] * nv)
+
+    def window_lanes(page, fmt, buf):
+        """Page `page`'s table window (`PackedChannelRows`): the buffer's width of lanes from
+        its first table row's, a multiple of 128 (`PackedChannelRows.row_align`)."""
+        word = windows_ref[jax.lax.div(page, 2)]
+        first_row = jax.lax.shift_right_logical(word, jax.lax.rem(page, 2) * 16) & 0xFFFF
+        lanes = first_row * (buf.shape[-1] // fmt.window)
+        return pl.ds(pl.multiple_of(lanes, 128), buf.shape[-1])
 
     def copies(blk, slot):
         """The DMAs of block `blk`'s pages in use into buffer `slot`, as (when, copy) pairs."""
@@ -256,8 +271,9 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_fo
             else:  # a page is a slice of its row: the cache's own layout, no conversion
                 r, c = jax.lax.div(page, row_pages), jax.lax.rem(page, row_pages)
                 cols = pl.ds(pl.multiple_of(c * page_size, page_size), page_size)
-                srcs = [pool.at[r, :, cols] if axis == 2 else pool.at[r, cols, :]
-                        for pool, axis in zip(pools, slot_axes)]
+                srcs = [pool.at[r, :, cols] if axis == 2 else pool.at[r, cols, :] if axis == 1
+                        else pool.at[r, :, window_lanes(page, fmt, buf)]
+                        for pool, axis, fmt, buf in zip(pools, slot_axes, formats, bufs)]
             out.append((idx < count, [pltpu.make_async_copy(src, buf.at[slot, i], sem.at[slot])
                                       for src, buf in zip(srcs, bufs)]))
         return out
@@ -305,7 +321,7 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, *refs, k_fo
 
 def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
               v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages,
-              head_stride, rows_=None):
+              head_stride, rows_=None, table_windows=None):
     b, kvh, rows, d = qg.shape
     pools = (pos_pages, *k_arrays, *v_arrays)
     # rows_: (row pools, row_pages, slot axes): DMA pages straight out of the cache's rows
@@ -318,7 +334,7 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, split, j, *_: (split, bi, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
+        num_scalar_prefetch=4,
         grid=(b, kvh, splits, blocks_per_split),
         in_specs=[pl.BlockSpec((None, rows, 1), lambda bi, h, *_: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, *_: (bi, h, 0, 0)),
@@ -344,7 +360,8 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="kvjax_paged_attention_tpu",
-    )(tables.reshape(-1), counts.reshape(-1), starts.reshape(-1), qpos, qg, *pools)
+    )(tables.reshape(-1), counts.reshape(-1), starts.reshape(-1),
+      jnp.zeros((1,), jnp.int32) if table_windows is None else table_windows, qpos, qg, *pools)
     return acc, m[..., 0], l[..., 0]
 
 
@@ -500,6 +517,9 @@ def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_for
                          f"{pos_pages.dtype} {pos_pages.shape}")
     n_pages, _, page_size = pos_pages.shape
     for name, fmt, arrays in (("keys", k_format, k_arrays), ("values", v_format, v_arrays)):
+        if backend == "gpu" and isinstance(fmt, PackedChannelRows):
+            raise ValueError(f"paged_attention: {name} in {fmt} are read by the TPU kernel "
+                             f"only; the GPU kernel takes PackedChannels pages")
         if len(arrays) != fmt.arity():
             raise ValueError(f"paged_attention: {name} in format {fmt} take "
                              f"{fmt.arity()} arrays, got {len(arrays)}")
@@ -630,14 +650,18 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                             compute_dtype=None, pages_per_block: int | None = None,
                             head_stride: int | None = None,
                             row_pages: int | None = None,
+                            table_windows: jax.Array | None = None,
                             launch: tuple[int, int] | None = None) -> Partial:
     """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     rows_ = None
     if row_pages is not None:  # row pools: the page views below only give shapes to the TPU path
-        rows_ = _row_pools(pos_pages, k_arrays, v_arrays, k_format, v_format, row_pages)
+        rows_ = _row_pools(pos_pages, k_arrays, v_arrays, k_format, v_format, row_pages,
+                           table_windows)
         pos_pages, k_arrays, v_arrays = rows_as_pages(pos_pages, k_arrays, v_arrays, k_format,
-                                                      v_format, row_pages)
+                                                      v_format, row_pages, table_windows)
+    elif table_windows is not None:
+        raise ValueError("paged_attention: table_windows goes with row_pages (row pools) only")
     _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, k_format,
                   v_format, pages_per_split, backend, head_stride)
     kvh = num_pages.shape[1]
@@ -663,7 +687,8 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                                not all(isinstance(n, int) and n >= 1 for n in launch)):
         raise ValueError(f"paged_attention: launch must be (num_warps, num_stages), positive "
                          f"ints, with backend='gpu'; got {launch!r} with backend={backend!r}")
-    call = (functools.partial(_tpu_call, rows_=rows_) if backend == "tpu" else
+    call = (functools.partial(_tpu_call, rows_=rows_, table_windows=table_windows)
+            if backend == "tpu" else
             functools.partial(_gpu_call, launch=launch))
     starts = window_start_pages(q_pos, pos_pages, per_head_tables(block_tables, kvh, head_stride),
                                 num_pages, window)
@@ -679,50 +704,73 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
 
 
 def _slot_axes(k_format, k_arrays, v_format, v_arrays) -> tuple[int, ...]:
-    """The slot axis of each row pool (pos first): 2 for slot-last arrays, 1 for [R, C, D]."""
-    axis = lambda fmt: 2 if fmt.slots_last else 1
-    return (2, *[axis(k_format)] * len(k_arrays), *[axis(v_format)] * len(v_arrays))
+    """The slot axis of each row pool (pos first): 2 for slot-last arrays, 1 for [R, C, D],
+    0 for a table read in per-page windows (`PackedChannelRows`)."""
+    axes = lambda fmt, n: getattr(fmt, "row_axes", None) or (2 if fmt.slots_last else 1,) * n
+    return (2, *axes(k_format, len(k_arrays)), *axes(v_format, len(v_arrays)))
 
 
-def _row_pools(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int):
+ROW_FORMATS = (Dense, PackedTokenRows, PackedChannelRows)
+
+
+def _row_pools(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int,
+               table_windows=None):
     """Check row pools -> (pools, row_pages, slot axes) for the TPU kernel."""
     if row_pages < 1:
         raise ValueError(f"paged_attention: row_pages must be >= 1, got {row_pages}")
     for name, fmt in (("keys", k_format), ("values", v_format)):
-        if not isinstance(fmt, (Dense, PackedTokenRows)):
-            raise ValueError(f"paged_attention: row_pages reads Dense and PackedTokenRows row "
-                             f"pools only; {name} are in format {fmt}")
+        if not isinstance(fmt, ROW_FORMATS):
+            raise ValueError(f"paged_attention: row_pages reads Dense, PackedTokenRows and "
+                             f"PackedChannelRows row pools only; {name} are in format {fmt}")
     pools = (pos_rows, *k_arrays, *v_arrays)
     axes = _slot_axes(k_format, k_arrays, v_format, v_arrays)
     if pos_rows.ndim != 3 or pos_rows.shape[1] != 1:
         raise ValueError(f"paged_attention: with row_pages, pos_pages must be [R, 1, C], got "
                          f"{pos_rows.shape}")
-    c = pos_rows.shape[2]
+    r, c = pos_rows.shape[0], pos_rows.shape[2]
     for x, axis in zip(pools, axes):
-        if x.ndim != 3 or x.shape[0] != pos_rows.shape[0] or x.shape[axis] != c:
-            raise ValueError(f"paged_attention: row pools must all be [R={pos_rows.shape[0]}, "
-                             f"..., C={c}] along the slot axis {axis}; got {x.shape}")
+        if x.ndim != 3 or x.shape[0] != r or (axis and x.shape[axis] != c):
+            raise ValueError(f"paged_attention: row pools must all be [R={r}, ..., C={c}] along "
+                             f"the slot axis {axis}; got {x.shape}")
     if c % row_pages:
         raise ValueError(f"paged_attention: row_pages {row_pages} must divide the rows' "
                          f"{c} slots")
+    windows = 0 in axes
+    want = (-(-r * row_pages // 2),)
+    if windows and (table_windows is None or table_windows.shape != want
+                    or table_windows.dtype != jnp.int32):
+        got = None if table_windows is None else f"{table_windows.dtype} {table_windows.shape}"
+        raise ValueError(f"paged_attention: PackedChannelRows needs table_windows, int32 {list(want)} "
+                         f"(each page's first table row, two per word: pack_pairs), got {got}")
+    if not windows and table_windows is not None:
+        raise ValueError("paged_attention: table_windows is for PackedChannelRows tables only")
     return pools, row_pages, axes
 
 
-def rows_as_pages(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int):
+def rows_as_pages(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int,
+                  table_windows=None):
     """Row pools [R, X, C] ([R, C, D] for row-major dense) -> page pools of C / row_pages slots.
 
-    Page r * row_pages + i is slots [i*S, (i+1)*S) of row r. A copy in XLA (the
-    reference and GPU paths read these); the TPU kernel reads the rows in place.
+    Page r * row_pages + i is slots [i*S, (i+1)*S) of row r; a table read in windows
+    ([R, 1, N], slot axis 0) gives page p its window from its first table row
+    (`table_windows`, `pack_pairs`). A copy
+    in XLA (the reference and GPU paths read these); the TPU kernel reads the rows in place.
     """
-    def pages(x, axis):
+    def pages(x, axis, fmt):
         r, s = x.shape[0], x.shape[axis] // row_pages
+        if axis == 0:  # [R, 1, N] -> [R*n, 1, width]: each page's window
+            width = fmt.window_lanes(k_arrays[0] if fmt is k_format else v_arrays[0])
+            row = jnp.arange(r * row_pages) // row_pages
+            first = unpack_pairs(table_windows, r * row_pages) * (width // fmt.window)
+            return x[row[:, None], 0, first[:, None] + jnp.arange(width)][:, None]
         if axis == 1:  # [R, C, X] -> [R*n, S, X]: a reshape
             return x.reshape(r * row_pages, s, x.shape[2])
         y = x.reshape(r, x.shape[1], row_pages, s)  # [R, X, n, S]
         return jnp.swapaxes(y, 1, 2).reshape(r * row_pages, x.shape[1], s)
 
     axes = _slot_axes(k_format, k_arrays, v_format, v_arrays)
-    out = [pages(x, a) for x, a in zip((pos_rows, *k_arrays, *v_arrays), axes)]
+    formats = (None, *[k_format] * len(k_arrays), *[v_format] * len(v_arrays))
+    out = [pages(x, a, f) for x, a, f in zip((pos_rows, *k_arrays, *v_arrays), axes, formats)]
     nk = len(k_arrays)
     return out[0], tuple(out[1:1 + nk]), tuple(out[1 + nk:])
 
@@ -752,9 +800,13 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       row_pages: (static) the pools are *row pools*, a cache's own rows: pos
         [R, 1, C], dense keys/values [R, C, D] (or [R, D, C] slot-last), page
         r * row_pages + i being slots [i*S, (i+1)*S) of row r (S = C /
-        row_pages; `PackedTokenRows` arrays [R, X, C]). The TPU kernel DMAs
+        row_pages; `PackedTokenRows` arrays [R, X, C]; `PackedChannelRows`
+        words and ids [R, X, C] and a table [R, 1, N]). The TPU kernel DMAs
         pages straight out of the rows (no copy of the cache into a page
         pool); other paths use `rows_as_pages`.
+      table_windows: with `PackedChannelRows` row pools, [ceil(R * row_pages / 2)]
+        int32: page p's table window starts at table row (table_windows[p // 2] >>
+        16 (p % 2)) & 0xFFFF of its row's table (`page_formats.pack_pairs`).
       window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.
         With a window, pages wholly before it are skipped
         (`window_start_pages`).
@@ -789,12 +841,13 @@ def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_table
                               k_format: Format = DENSE, v_format: Format = DENSE,
                               window: int | None = None, softcap: float | None = None,
                               scale: float | None = None, head_stride: int | None = None,
-                              row_pages: int | None = None, **_) -> jax.Array:
+                              row_pages: int | None = None, table_windows=None,
+                              **_) -> jax.Array:
     """Plain-jnp paged attention: gather and decode every page, one masked softmax, float32."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     if row_pages is not None:
         pos_pages, k_arrays, v_arrays = rows_as_pages(pos_pages, k_arrays, v_arrays, k_format,
-                                                      v_format, row_pages)
+                                                      v_format, row_pages, table_windows)
     block_tables = per_head_tables(block_tables, num_pages.shape[1], head_stride)
     b, t, h, d = q.shape
     kvh, n_table = block_tables.shape[1:]

@@ -103,3 +103,25 @@ def test_cache_is_a_pytree_that_vmaps_and_round_trips():
     counts = jax.vmap(lambda cache: jnp.sum(cache.pos != EMPTY),
                       in_axes=(kvjax.TokenCache(0, 0, 0, None),))(c)
     assert counts.shape == (2,)
+
+
+def test_counted_writes_drop_what_a_scatter_drops():
+    """`stores._put_rows` with a count writes new slot i at `at + i` for i < count and inside
+    the capacity, and leaves every other slot alone: the scatter's result (`mode="drop"`), for
+    every capacity, span, cursor (past the end too) and count on small shapes, now as one
+    read-modify-write of a span inside the store (docs/DECISIONS.md, "Store layouts in the
+    decode loop")."""
+    from kvjax.core.stores import _put_rows
+
+    put = jax.jit(_put_rows, static_argnames="codes")
+    rng = np.random.default_rng(0)
+    for c, t in ((5, 1), (5, 3), (5, 5), (8, 3), (3, 5)):  # (3, 5): a span past the store
+        x = rng.normal(size=(2, c, 3)).astype(np.float32)
+        new = rng.normal(size=(2, t, 3)).astype(np.float32)
+        for at in range(c + 3):
+            for count in range(t + 1):
+                idx = np.where(np.arange(t) < count, at + np.arange(t), c)
+                want = np.asarray(jnp.asarray(x).at[:, idx].set(new, mode="drop"))
+                got = np.asarray(put(jnp.asarray(x), jnp.asarray(new), at, count))
+                np.testing.assert_array_equal(got, want, err_msg=f"C={c} T={t} at={at} "
+                                                                 f"count={count}")

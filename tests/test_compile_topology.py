@@ -131,3 +131,22 @@ def test_the_compilers_out_of_memory_message_becomes_a_verdict():
     assert (verdict["needs"], verdict["has"]) == (int(25.03 * 2**30), int(15.75 * 2**30))
     assert does_not_fit(RuntimeError("INVALID_ARGUMENT: bad shape")) is None
     assert does_not_fit(RuntimeError("RESOURCE_EXHAUSTED: something else"))["needs"] is None
+
+
+@pytest.mark.parametrize("method", ["kivi:bits=4", "snapkv:ratio=0.5+kivi:bits=4"])
+def test_kivi_decode_step_at_64_x_32k_needs_under_1_2x_the_cache_in_temporaries(method):
+    """Issue 54: one Llama-3-8B-shaped layer's decode step over a KIVI cache (and the SnapKV +
+    KIVI chain) at batch 64 x 32,768 slots compiles for one v5e chip through the kernel (two
+    Mosaic calls per layer: body and exact part) with temporaries <= 1.2x the cache's bytes.
+    Before: 2.8x (a per-call conversion of the keys to pages, and the stores carried through
+    the decode loop row-minor, copied whole in and out of the loop and before every kernel
+    call); now the keys' codes are read in place (`PackedChannelRows`) and the written stores
+    keep the layout their arguments have (`stores.slot_minor_on_tpu`)."""
+    proc = _compile("--topology", "v5e:1x1", "--mesh", "data=1", "--model", "llama3-8b",
+                    "--layers", "1", "--method", method, "--context", "32256",
+                    "--new-tokens", "512", "--batch", "64", "--impl", "pallas",
+                    "--steps", "decode", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    decode = json.loads(proc.stdout.strip().splitlines()[-1])["decode"]
+    assert decode["fits"] and decode["kernel_calls"] == 2
+    assert decode["temp"] <= 1.2 * decode["cache_bytes"], decode

@@ -310,3 +310,32 @@ def test_long_query_blocks_are_split_into_calls_within_the_row_limit(backend, mo
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
     with pytest.raises(ValueError, match="backend must be one of"):
         ka.query_tokens_per_call(3, "cuda")
+
+
+@pytest.mark.parametrize("method", ["kivi:bits=4,group=32,residual=32",
+                                    "kivi:bits=2,group=16,residual=16,param_dtype=bfloat16",
+                                    "kivi:bits=4,group=32,residual=32,param_dtype=float32"])
+def test_kivi_keys_are_read_in_place(method):
+    """A KIVI body with pages of 128 slots goes to the TPU kernel as its own rows: the key codes
+    are the store's words (`PackedChannelRows`, no page pool; only the ids and the parameter
+    table are built per call) and the attention equals the reference's, with and without a
+    window. A body whose groups eviction spread past a page's window takes XLA's loop (still
+    the reference's numbers)."""
+    layer, q, q_pos = filled(9, 600, capacity=640, kvh=2, d=64)
+    layer = encode(layer, method)
+    body = layer.body
+    inputs = ka.kernel_inputs(body, backend="tpu")
+    assert isinstance(inputs["k_format"], pf.PackedChannelRows)
+    assert inputs["k_pages"][0].shape == (4, 64 * body.k.bits // 32, body.capacity)
+    assert inputs["table_windows"].shape == (2 * inputs["row_pages"],)  # two per word
+    assert bool(ka._windows_fit(body, ka.page_size_for(body.capacity), "tpu"))
+    if compiled() and device_backend() != "tpu":
+        pytest.skip("[optional] compiled mode: the TPU kernel needs a TPU")
+    backend, interpret = mode("tpu")
+    spread = layer.replace(body=body.replace(k=body.k.replace(group_id=body.k.group_id[:, ::-1])))
+    assert not bool(ka._windows_fit(spread.body, ka.page_size_for(body.capacity), "tpu"))
+    for case, window in ((layer, None), (layer, 300), (spread, None)):
+        got = ka.attend_pallas(q, q_pos, case, window=window, backend=backend,
+                               interpret=interpret, pages_per_split=2)
+        want = kvjax.attend(q, q_pos, case, impl="reference", window=window)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)

@@ -206,3 +206,77 @@ def test_row_pools_of_a_cache_decode_to_what_the_store_reads(method):
                           np.float32).reshape(-1, store.shape[-1])
         got = np.asarray(decode_pages(fmt, arrays, store.shape[-1])).reshape(want.shape)
         f32_close(got[valid], want[valid])
+
+
+@pytest.mark.parametrize("bits,symmetric,param_dtype,d", [
+    (4, False, "float16", 64), (2, True, "bfloat16", 64), (4, False, "float32", 128),
+    (8, True, "float32", 64), (2, False, "bfloat16", 128)])
+def test_per_channel_row_pools_decode_like_numpy(bits, symmetric, param_dtype, d):
+    """`PackedChannelRows` (KIVI keys read where the store keeps them: its words, each slot's
+    row in its page's table window, the table repacked as one uint32 row per group) decodes
+    every valid slot like the numpy dequantization of the store; the window starts are
+    multiples of `row_align` rows (128-lane aligned copies); a page whose groups spread wider
+    than its window is reported (`fits` False)."""
+    from kernels_pallas.paged_attention import rows_as_pages
+    rng = np.random.default_rng(bits * 11 + d)
+    r, c, page, group = 3, 256, 64, 8
+    ng = c // group
+    ids = np.repeat(np.arange(ng), group)[None].repeat(r, 0)  # [R, C] in write order
+    ids[1, :100] = ids[1, 28:128]  # row 1: an evicted prefix compacted (ids still ascending)
+    valid = np.ones((r, c), bool)
+    valid[2, 200:] = False  # row 2 shorter
+    codes = rng.integers(0, 2 ** bits, size=(r, c, d))
+    scale = params_as(rng.random((r, ng, d)) * 0.2 + 1e-3, param_dtype)
+    offset = params_as(rng.normal(size=(r, ng, d)), param_dtype)
+    take = lambda t: np.take_along_axis(t, ids[..., None], axis=1)
+    want = codes * take(scale) + (-(2.0 ** (bits - 1)) * take(scale) if symmetric
+                                  else take(offset))
+    words = np.swapaxes(numpy_words(codes, bits), 1, 2)  # a store's [R, C, W]
+    lanes = (2 if param_dtype == "float32" and not symmetric else 1) * d
+    fmt = pf.PackedChannelRows(bits, pf.PackedChannelRows.window_rows(page, group, lanes),
+                               symmetric, param_dtype)
+    dt = NP_DTYPES[param_dtype]
+    arrays, starts, fits = fmt.from_store(
+        jnp.asarray(words), jnp.asarray(ids, jnp.int16), jnp.asarray(valid),
+        jnp.asarray(scale.astype(dt)), None if symmetric else jnp.asarray(offset.astype(dt)),
+        page)
+    assert bool(fits)
+    first = np.asarray(pf.unpack_pairs(starts, r * c // page))  # each page's first table row
+    assert starts.shape == (r * c // page // 2,) and np.all(first * lanes % 128 == 0)
+    window = lambda p, i: ids[p // (c // page), (p % (c // page)) * page + i]
+    assert all(0 <= window(p, 0) - first[p] < fmt.window for p in range(r * c // page))
+    pos = jnp.where(jnp.asarray(valid), jnp.arange(c), -1)[:, None].astype(jnp.int32)
+    _, k, _ = rows_as_pages(pos, arrays, (pos,), fmt, pf.DENSE_T, c // page, starts)
+    fmt.check(k, d)
+    got = np.asarray(decode_pages(fmt, k, d)).reshape(r, c, d)
+    f32_close(got[valid], want[valid])
+    spread = ids.copy()
+    spread[0, 1] = ng - 1  # one slot of page 0 in the last group
+    assert not bool(fmt.from_store(jnp.asarray(words), jnp.asarray(spread, jnp.int16),
+                                   jnp.asarray(valid), jnp.asarray(scale.astype(dt)),
+                                   None if symmetric else jnp.asarray(offset.astype(dt)),
+                                   page)[2])
+
+
+@pytest.mark.parametrize("method", ["kivi:bits=4,group=32,residual=32",
+                                    "kivi:bits=2,group=16,residual=16,param_dtype=bfloat16",
+                                    "kivi:bits=4,group=32,residual=32,param_dtype=float32"])
+def test_kivi_row_pools_of_a_cache_decode_to_what_the_store_reads(method):
+    """A KIVI body with lane-aligned pages goes to the TPU kernel as row pools: keys in
+    `PackedChannelRows` (the store's own words; `table_windows` names each page's window) and
+    values in `PackedTokenRows`; their pages decode to `store.read()` slot by slot."""
+    from kernels_pallas.paged_attention import rows_as_pages
+    layer = cache_layer(method, capacity=256, n=250).body
+    assert layer.capacity % 128 == 0
+    inputs = ka.kernel_inputs(layer, backend="tpu")
+    k_fmt, v_fmt = inputs["k_format"], inputs["v_format"]
+    assert isinstance(k_fmt, pf.PackedChannelRows) and isinstance(v_fmt, pf.PackedTokenRows)
+    assert inputs["k_pages"][0].shape == (4, 64 * layer.k.bits // 32, layer.capacity)
+    pos, k, v = rows_as_pages(inputs["pos_pages"], inputs["k_pages"], inputs["v_pages"], k_fmt,
+                              v_fmt, inputs["row_pages"], inputs["table_windows"])
+    valid = np.asarray(layer.pos != kvjax.EMPTY).reshape(-1)
+    assert valid.sum() > 0
+    for store, fmt, arrays in ((layer.k, k_fmt, k), (layer.v, v_fmt, v)):
+        want = np.asarray(store.read(), np.float32).reshape(-1, 64)
+        got = np.asarray(decode_pages(fmt, arrays, 64)).reshape(want.shape)
+        f32_close(got[valid], want[valid])

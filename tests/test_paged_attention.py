@@ -544,6 +544,6 @@ def test_row_pools_equal_the_page_pools_they_stand_for():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="row_pages 3 must divide"):
         paged_attention(q, q_pos, x[0], x[1], pos, tables, counts, head_stride=n, row_pages=3)
-    with pytest.raises(ValueError, match="row_pages reads Dense and PackedTokenRows"):
+    with pytest.raises(ValueError, match="row_pages reads Dense, PackedTokenRows and PackedChannelRows"):
         paged_attention(q, q_pos, x[0], x[1], pos, tables, counts, head_stride=n, row_pages=n,
                         k_format=pf.PackedTokens(4, 32))

@@ -12,8 +12,11 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
   the kernel as *row pools* (`row_pages`): the kernel DMAs each page out of
   the cache's own `[R, D, C]` / `[R, C, D]` rows (packed: the code words
   `[R, W, C]`; only the float16 parameters are repacked, as Mosaic takes no
-  float16 arguments), so no page pool is built per call. Other layouts are
-  converted to a page pool each call (a copy of the cache).
+  float16 arguments), so no page pool is built per call. KIVI keys
+  (`PackedChannels`) go the same way (`channel_rows`: their code words in
+  place, plus each slot's row in its page's table window and the table as
+  uint32 rows, `pf.PackedChannelRows`). Other layouts are converted to a page
+  pool each call (a copy of the cache).
 - `ResidualCache` (KIVI): the encoded body and the exact recent part are two
   kernel calls whose softmax states are merged.
 
@@ -139,10 +142,42 @@ def _windows_fit(layer: Any, page: int, backend: str) -> jax.Array | None:
     """For a KIVI key store: do all pages' groups fit the narrow window? None otherwise."""
     if kernel_layout(layer) != "rows" or not isinstance(layer.k, PackedChannels):
         return None
+    if _reads_rows(layer, page, backend):
+        return channel_rows(layer, page)[2]
     store = layer.k
     fmt = channel_format(store, page, backend=backend)
     valid = (layer.pos != EMPTY).reshape(-1, page)
     return fmt.window_start(store.group_id.reshape(-1, page), valid, store.table_rows)[1]
+
+
+def _reads_rows(layer: Any, page: int, backend: str) -> bool:
+    """True when the TPU kernel DMAs a `TokenCache`'s pages out of its own rows (`row_pages`):
+    lane-aligned pages of stores it reads in place."""
+    k, v = layer.k, layer.v
+    return (backend == "tpu" and page % 128 == 0 and not layer.pooled
+            and (is_dense(k) or isinstance(k, (PackedTokens, PackedChannels)))
+            and (is_dense(v) or isinstance(v, PackedTokens)))
+
+
+def channel_rows(layer: TokenCache, page: int):
+    """A KIVI key store read in place by the TPU kernel: (format, arrays, fits, table_windows).
+
+    The codes are the store's own words; per call only each slot's row in its page's window
+    (4 bytes a slot) and the parameter table repacked as uint32 words are built
+    (`pf.PackedChannelRows`). `fits` is False when eviction spread some page's groups wider
+    than its window.
+    """
+    store = layer.k
+    r = layer.pos.shape[0] * layer.pos.shape[1]
+    symmetric, dtype = store.offset is None, _param_dtype(store)
+    lanes = (2 if dtype == "float32" and not symmetric else 1) * store.dim
+    fmt = pf.PackedChannelRows(store.bits, pf.PackedChannelRows.window_rows(page, store.group,
+                                                                            lanes),
+                               symmetric=symmetric, param_dtype=dtype)
+    arrays, windows, fits = fmt.from_store(store.words, store.group_id,
+                                           (layer.pos != EMPTY).reshape(r, -1), store.scale,
+                                           store.offset, page)
+    return fmt, arrays, fits, windows
 
 
 def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict | None:
@@ -170,12 +205,18 @@ def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict 
               + jnp.arange(per_row, dtype=jnp.int32))
     used = jnp.full((b, kvh), (layer.length + page - 1) // page, jnp.int32)
     shared = dict(block_tables=tables, num_pages=used, head_stride=per_row)
-    k_rows, v_rows = row_pool(layer.k), row_pool(layer.v)
-    if backend == "tpu" and page % 128 == 0 and k_rows and v_rows:
+    if _reads_rows(layer, page, backend):
         # the kernel DMAs pages out of the cache's own rows (row_pages): no page pool is built
+        windows = {}
+        if isinstance(layer.k, PackedChannels):
+            k_fmt, k_arrays, _, starts = channel_rows(layer, page)
+            k_rows, windows = (k_fmt, k_arrays), dict(table_windows=starts)
+        else:
+            k_rows = row_pool(layer.k)
+        v_rows = row_pool(layer.v)
         return dict(k_pages=k_rows[1], v_pages=v_rows[1], k_format=k_rows[0],
                     v_format=v_rows[0], pos_pages=layer.pos.reshape(b * kvh, 1, c),
-                    row_pages=per_row, **shared)
+                    row_pages=per_row, **shared, **windows)
     valid = (layer.pos != EMPTY).reshape(-1, page)
     k, v = (_store_pages(layer.k, page, valid, wide, backend),
             _store_pages(layer.v, page, valid, wide, backend))
@@ -192,8 +233,8 @@ def row_pool(store: Any):
     array slot-minor, so the view is free), row-major [R, C, D] otherwise.
     `PackedTokens`: words as [R, W, C] (free, as for dense) and the 16-bit
     parameters repacked into uint32 rows (a copy of the parameters only:
-    Mosaic takes no float16 arguments). KIVI keys: None (their per-row tables
-    become per-page windows, a conversion).
+    Mosaic takes no float16 arguments). KIVI keys: None here (`channel_rows`
+    reads them, with the page size their table windows need).
     """
     if is_dense(store):
         if store.shape[-1] % 128:

@@ -39,6 +39,8 @@ import jax.numpy as jnp
 from kvjax.core import cpu_kernel
 from kvjax.core.quant import BITS, FP8, Quantized, dequantize, pack, quantize, to_fp8, unpack
 
+from jax.experimental.layout import Layout, with_layout_constraint
+
 _static = dict(static=True)
 
 
@@ -46,19 +48,53 @@ def _slot_slice(x: jax.Array, start, size: int) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
 
 
-def _put_rows(x: jax.Array, new: jax.Array, at, count) -> jax.Array:
+def _put_rows(x: jax.Array, new: jax.Array, at, count, codes: bool = False) -> jax.Array:
     """Write `new` [R, T, ...] into slots [at, at+T) of `x`; with `count`, only the first `count`.
 
     Without `count` this is one `dynamic_update_slice` (in place under jit).
-    With it, a scatter that drops the rest, so a partial block never spills
-    past the capacity.
+    With it, slots past `count` or past the capacity are dropped, by one
+    read-modify-write of a T-slot span that lies inside the store (also a
+    `dynamic_update_slice`): a scatter here made XLA:TPU re-lay the whole
+    store out and back, two copies of it per step (docs/DECISIONS.md,
+    "Store layouts in the decode loop"). `codes`: `x` is an encoded store's per-slot array,
+    kept slot-minor on TPU (`slot_minor_on_tpu`).
     """
     new = new.astype(x.dtype)
+    keep = slot_minor_on_tpu if codes else (lambda y: y)
     if count is None:
-        return jax.lax.dynamic_update_slice_in_dim(x, new, at, axis=1)
-    t = new.shape[1]
-    idx = jnp.where(jnp.arange(t) < count, at + jnp.arange(t), x.shape[1])  # C = dropped
-    return x.at[:, idx].set(new, mode="drop")
+        return keep(jax.lax.dynamic_update_slice_in_dim(x, new, at, axis=1))
+    t, c = new.shape[1], x.shape[1]
+    if t > c:  # a span longer than the store: only a scatter can drop the tail
+        idx = jnp.where(jnp.arange(t) < count, at + jnp.arange(t), c)  # C = dropped
+        return x.at[:, idx].set(new, mode="drop")
+    start = jnp.clip(at, 0, c - t)  # the span moved inside the store; new slot i lands at at + i
+    shift = at - start
+    old = jax.lax.dynamic_slice_in_dim(x, start, t, axis=1)
+    shifted = jax.lax.dynamic_slice_in_dim(jnp.concatenate([jnp.zeros_like(new), new], axis=1),
+                                           t - jnp.minimum(shift, t), t, axis=1)
+    i = jnp.arange(t) - shift  # the new slot each span slot would take
+    write = ((i >= 0) & (i < count)).reshape((1, t) + (1,) * (x.ndim - 2))
+    return keep(jax.lax.dynamic_update_slice_in_dim(x, jnp.where(write, shifted, old), start,
+                                                    axis=1))
+
+
+def slot_minor_on_tpu(x: jax.Array) -> jax.Array:
+    """An encoded store's written per-slot array [R, C, X] (X < 128: code words, per-token
+    parameters) held slot-minor when compiled for TPU: the layout XLA:TPU gives such a cache
+    argument (measured: u32[512, 32640, 16] and f16[192, 4224, 2] arguments are {1,2,0}), which
+    makes the Pallas kernel's slot-last view [R, X, C] free.
+
+    Inside a decode loop XLA:TPU chose row-minor for the carried stores instead (the layout a
+    few new slots are written in best) and copied each whole store into and out of the loop,
+    and before every kernel call: 1.3x the cache in temporaries and extra passes over it per
+    step (docs/DECISIONS.md, "Store layouts in the decode loop"). Other platforms, and other
+    arrays (tables, dense stores, whose argument layouts XLA:TPU picks per shape), are left as
+    they are.
+    """
+    if x.ndim != 3 or x.shape[-1] >= 128:
+        return x
+    keep = lambda y: with_layout_constraint(y, Layout(major_to_minor=(0, 2, 1)))
+    return jax.lax.platform_dependent(x, tpu=keep, default=lambda y: y)
 
 
 def _take_rows(x: jax.Array, order: jax.Array, kept: jax.Array) -> jax.Array:
@@ -270,7 +306,7 @@ class PackedChannels(Store):
         ids = (self.groups + jnp.arange(t) // self.group).astype(jnp.int16)
         n_groups = None if count is None else count // self.group
         return self.replace(
-            words=_put_rows(self.words, words, at, count),
+            words=_put_rows(self.words, words, at, count, codes=True),
             group_id=_put_rows(self.group_id, jnp.broadcast_to(ids, (r, t)), at, count),
             scale=_put_rows(self.scale, scale, self.groups, n_groups),
             offset=None if symmetric else _put_rows(self.offset, offset, self.groups, n_groups),
@@ -405,7 +441,8 @@ def put(store: Any, x: jax.Array, at, count=None, valid: jax.Array | None = None
         valid = jnp.ones(x.shape[:2], bool) if valid is None else valid
         return store.put_groups(x, valid, at, count)
     piece = store.encode(x)
-    return store.replace(**{f: _put_rows(getattr(store, f), getattr(piece, f), at, count)
+    return store.replace(**{f: _put_rows(getattr(store, f), getattr(piece, f), at, count,
+                                         codes=True)
                             for f in store.slot_fields if getattr(store, f) is not None})
 
 
