@@ -870,9 +870,76 @@ class PackedChannelRows:
         return expand + 2 * head_dim * page_size
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedChannelPages:
+    """Per-channel codes, one group per page: a paged KIVI layer's keys
+    (`kvjax.memory.paged_kivi.ChannelPages`), read as the store keeps them.
+
+    Arrays: words `[P, W, S]` uint32 (the store's `[P, S, W]` seen slot-last, a free view on
+    TPU) and params `[P, 1, K * D]` uint32: the page's scale and offset (a 16-bit pair per
+    word, K = 1; float32: scale then offset, K = 2), repacked per call (Mosaic takes no
+    float16 arguments; one row per page). Every slot of a page shares its parameters, so
+    decoding is the one-row case of `PackedChannels` (a window of one table row).
+    """
+
+    bits: int
+    param_dtype: str = "float16"
+
+    slots_last = True
+
+    def __post_init__(self):
+        _check_param_dtype(self.param_dtype)
+
+    def arity(self) -> int:
+        return 2
+
+    def group_words(self) -> int:
+        return 2 if self.param_dtype == "float32" else 1
+
+    def check(self, arrays, head_dim: int) -> None:
+        if len(arrays) != 2:
+            raise ValueError(f"{self} takes words and params, got {len(arrays)} arrays")
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"packed pages hold 2, 4 or 8-bit codes, got bits={self.bits}")
+        words, params = arrays
+        w = head_dim * self.bits // 32
+        if words.ndim != 3 or words.shape[1] != w or words.dtype != jnp.uint32:
+            raise ValueError(f"per-channel word pages must be uint32 [P, {w}, S], got "
+                             f"{words.dtype} {words.shape}")
+        want = (words.shape[0], 1, self.group_words() * head_dim)
+        if params.shape != want or params.dtype != jnp.uint32:
+            raise ValueError(f"per-page parameters must be uint32 {want}, got {params.dtype} "
+                             f"{params.shape}")
+
+    def page_size(self, arrays, head_dim: int) -> int:
+        return arrays[0].shape[2]
+
+    def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array):
+        """words [P, S, W] uint32, scale/offset [P, 1, D] -> (words [P, W, S], params
+        [P, 1, K * D] uint32)."""
+        table = PackedChannelRows(self.bits, 1, False, self.param_dtype).pack_table(scale, offset)
+        return _slots_last(words), table
+
+    def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
+        """blocks: (words [W, S], params [1, K * D]) -> [D, S] in `dtype`."""
+        if ops.take is not None:
+            raise ValueError(f"{self} is read by the TPU kernel and the reference only")
+        codes = unpack_planes(ops.load(blocks[0], True), self.bits)  # [D, S]
+        rows = PackedChannelRows(self.bits, 1, False, self.param_dtype)
+        scale, offset = rows._table(ops, blocks[1], head_dim)  # [1, D] each
+        one_row = jnp.zeros((1, codes.shape[1]), jnp.int32)  # every slot: the page's row
+        return (codes * _onehot_expand(scale, one_row)
+                + _onehot_expand(offset, one_row)).astype(dtype)
+
+    def decode_flops(self, head_dim: int, page_size: int) -> int:
+        """Both parameter rows expanded over the page, then codes * scale + offset."""
+        return 4 * head_dim * page_size + 2 * head_dim * page_size
+
+
 DENSE = Dense()
 DENSE_T = Dense(slots_last=True)
-Format = Dense | PackedTokens | PackedTokenRows | PackedChannels | PackedChannelRows
+Format = (Dense | PackedTokens | PackedTokenRows | PackedChannels | PackedChannelRows
+          | PackedChannelPages)
 
 
 def block_spec(x: jax.Array, page_index) -> pl.BlockSpec:

@@ -81,8 +81,9 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from kernels_pallas.page_formats import (DENSE, GPU_OPS, REFERENCE_OPS, TPU_OPS, Dense, Format,
-                                         PackedChannelRows, PackedChannels, PackedTokenRows,
-                                         PageRef, unpack_pairs)
+                                         PackedChannelPages, PackedChannelRows,
+                                         PackedChannels, PackedTokenRows, PageRef,
+                                         unpack_pairs)
 
 EMPTY = -1  # pos of a slot that holds no token (equals kvjax.EMPTY)
 NEG_INF = -1e30  # finite: a query that sees no key stays NaN-free
@@ -517,7 +518,7 @@ def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_for
                          f"{pos_pages.dtype} {pos_pages.shape}")
     n_pages, _, page_size = pos_pages.shape
     for name, fmt, arrays in (("keys", k_format, k_arrays), ("values", v_format, v_arrays)):
-        if backend == "gpu" and isinstance(fmt, PackedChannelRows):
+        if backend == "gpu" and isinstance(fmt, (PackedChannelRows, PackedChannelPages)):
             raise ValueError(f"paged_attention: {name} in {fmt} are read by the TPU kernel "
                              f"only; the GPU kernel takes PackedChannels pages")
         if len(arrays) != fmt.arity():

@@ -165,3 +165,39 @@ def test_pages_released_by_one_sequence_are_never_read_by_the_other():
     seen = np.asarray(groups_of(layers[0])["pos"])[KVH:2 * KVH]  # sequence 1's rows
     mine = set(range(PROMPT - 3 + 8)) | set(range(100, 112))
     assert set(seen[seen != EMPTY].tolist()) <= mine
+
+
+@pytest.mark.parametrize("param_dtype", ["float16", "float32"])
+def test_paged_kivi_attends_through_the_tpu_kernel(param_dtype):
+    """A paged KIVI layer goes to the TPU kernel part by part (its body's pages, keys read as
+    the pool keeps them in `PackedChannelPages`, then the exact part; TPU interpret mode here)
+    and gives the reference's attention, with and without a window, before and after a write
+    that flushes groups into new pages. The GPU kernel does not take the format (the layer
+    attends through XLA there), nor does either kernel read a tiered body (host pages)."""
+    from kernels_pallas import page_formats as pf
+    from kvjax.backends import pallas as ka
+    t = kvjax.kivi(bits=4, group=G, residual=RES, param_dtype=param_dtype)
+    cache = prompt_cache(3)
+    unpaged, _ = t.update(cache, t.init(cache), None)
+    pool, layers = from_residual(unpaged, max_pages=8, device_pages=40)
+    assert ka.kernel_layout(layers[0]) == "parts" and ka.supports_pallas(layers[0], "tpu")
+    assert not ka.supports_pallas(layers[0], "gpu")
+    assert isinstance(ka.kernel_inputs(layers[0].body, backend="tpu")["k_format"],
+                      pf.PackedChannelPages)
+    q = jax.random.normal(jax.random.key(5), (B, 1, 3 * KVH, D))
+    k, v = jax.random.normal(jax.random.key(6), (2, B, KVH, 12, D))
+    for step in range(2):
+        layer = layers[0]
+        q_pos = jnp.full((B, 1), int(jnp.max(layer.view().pos)) + 1, jnp.int32)
+        for window in (None, 9):
+            got = ka.attend_pallas(q, q_pos, layer, window=window, backend="tpu",
+                                   interpret=True, pages_per_split=2)
+            want = kvjax.attend(q, q_pos, layer, impl="reference", window=window)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=3e-5, atol=3e-5)
+        pool, new = reserve(pool, bodies(layers), flush_tokens(layers))
+        layers = with_bodies(layers, new)
+        pos = q_pos + jnp.arange(12)
+        layers = (layers[0].write(k, v, pos),)
+    assert int(jnp.max(layers[0].body.lengths)) > int(jnp.max(layer.body.lengths))
+    _, tiered = from_residual(unpaged, max_pages=8, device_pages=40, host_pages=8)
+    assert not ka.supports_pallas(tiered[0], "tpu")

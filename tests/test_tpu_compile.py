@@ -468,3 +468,31 @@ def test_kivi_token_cache_keys_compile_read_in_place(chip, bits, param_dtype, d,
     with capsys.disabled():
         print(f"\n{chip} KIVI-{bits} {param_dtype} keys D{d} b{b} x {c}, {t} query tokens: "
               f"compiled in {time.time() - start:.0f} s, codes read in place")
+
+
+@pytest.mark.parametrize("chip", tc.CHIPS)
+def test_paged_kivi_layer_compiles_through_the_kernel(chip, capsys):
+    """attend(impl="pallas") over a paged KIVI layer (keys one group per page,
+    `PackedChannelPages`; int4 values; the exact part dense) compiles with Mosaic for the chip:
+    two kernel calls, its body's pages and its exact part."""
+    import kvjax
+    from kvjax.backends import pallas as ka
+    from kvjax.memory.paged_kivi import from_residual
+
+    b, kvh, heads, d, n = 8, 8, 32, 128, 2000
+    k = jnp.ones((b, kvh, n, d), jnp.float32)
+    cache = (kvjax.write(kvjax.init_cache(b, kvh, 2048, d), k, k,
+                         jnp.broadcast_to(jnp.arange(n), (b, n))),)
+    t = kvjax.kivi(bits=4, group=32, residual=32)
+    unpaged, _ = t.update(cache, t.init(cache), None)
+    _, (layer,) = from_residual(unpaged, max_pages=64, device_pages=b * kvh * 64)
+    device = tc.tpu_device(chip)
+    q, q_pos = tc.abstract((b, 1, heads, d), BF16, device), tc.abstract((b, 1), jnp.int32, device)
+    step = functools.partial(ka.attend_pallas, backend="tpu")
+    hlo = tc.compile_for(device, step, q, q_pos, tc.abstract_like(layer, device)).as_text()
+    calls = sum("custom-call(" in line and "kvjax_paged_attention" in line.split("=")[0]
+                for line in hlo.splitlines())
+    with capsys.disabled():
+        print(f"\n{chip} paged KIVI-4 layer b{b} x {n} tokens, 8 KV heads, D{d}: {calls} Mosaic "
+              f"calls")
+    assert calls == 2

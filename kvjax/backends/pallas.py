@@ -18,7 +18,9 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
   uint32 rows, `pf.PackedChannelRows`). Other layouts are converted to a page
   pool each call (a copy of the cache).
 - `ResidualCache` (KIVI): the encoded body and the exact recent part are two
-  kernel calls whose softmax states are merged.
+  kernel calls whose softmax states are merged. A paged KIVI layer
+  (`PagedKivi`) the same way, its body's pages read as the pool keeps them
+  (keys `pf.PackedChannelPages`: one group per page; TPU only).
 
 Dense (float32/bf16/fp8), `PackedTokens` and `PackedChannels` stores are
 decoded inside the kernel. Pooled (head-wise budget) and low-rank layers are
@@ -47,12 +49,15 @@ from kernels_pallas.paged_attention import (NEG_INF, Partial, finish, merge,
                                             paged_attention_partial)
 from kvjax.core.attention import blockwise_state
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
+from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
 from kvjax.memory.paging import PagedLayer
 from kvjax.core.stores import PackedChannels, PackedTokens, is_dense
 
-KERNEL_LAYOUTS = {TokenCache: "rows", ResidualCache: "parts", PagedLayer: "pages"}
+KERNEL_LAYOUTS = {TokenCache: "rows", ResidualCache: "parts", PagedKivi: "parts",
+                  PagedLayer: "pages"}
 """The layer kinds the kernel reads, by exact type (a subclass, e.g. a tiered layer, attends
-itself): a per-head `TokenCache`'s rows cut in pages, a residual layer part by part, pages."""
+itself): a per-head `TokenCache`'s rows cut in pages, a residual layer (or a paged KIVI
+layer: its body's pages, then its exact part) part by part, pages."""
 
 
 def kernel_layout(layer: Any) -> str | None:
@@ -116,6 +121,9 @@ def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False,
                               param_dtype=_param_dtype(store))
         offset = None if store.offset is None else as_pages(store.offset)
         return fmt, fmt.from_store(as_pages(store.words), as_pages(store.scale), offset)
+    if isinstance(store, ChannelPages) and backend == "tpu":  # paged KIVI keys, as they are
+        fmt = pf.PackedChannelPages(store.bits, param_dtype=_param_dtype(store))
+        return fmt, fmt.from_store(store.words, store.scale, store.offset)
     if isinstance(store, PackedChannels):
         fmt = channel_format(store, page, wide, backend)
         words, ids = as_pages(store.words), as_pages(store.group_id)
@@ -258,6 +266,8 @@ def supports_pallas(layer: Any, backend: str | None = None) -> bool:
         return ((layer.body.capacity == 0 or supports_pallas(layer.body, backend))
                 and supports_pallas(layer.recent, backend))
     if kernel_layout(layer) == "pages":
+        if backend == "gpu" and isinstance(layer.k, ChannelPages):
+            return False  # paged KIVI keys: the TPU kernel's format only
         page = layer.page_size
     elif kernel_inputs(layer) is not None:
         page = page_size_for(layer.capacity)
