@@ -24,18 +24,29 @@ IMPLS = ("pallas", "xla")
 TOPOLOGIES = ("v5e:1x1", "v6e:1x1")
 
 
+def run_compile(*args: str) -> tuple[dict | None, str]:
+    """`kvjax compile *args --json` in a subprocess -> (its JSON, or None on an error; the
+    command line). A plan that does not fit is JSON too (exit 1)."""
+    cmd = [sys.executable, "-c", "from experiments.cli.main import main; main()", "compile",
+           *args, "--json"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    line = " ".join(["kvjax", *cmd[3:]])
+    if not run.stdout.strip():
+        return dict(error=run.stderr.strip().splitlines()[-1:]), line
+    return json.loads(run.stdout), line
+
+
 def compile_row(topology: str, model: str, method: str, impl: str, batch: int = 64) -> dict:
     """One `kvjax compile --json` decode step -> its memory numbers (or the compiler's verdict)."""
-    cmd = [sys.executable, "-c", "from experiments.cli.main import main; main()", "compile", "--topology", topology,
-           "--mesh", "data=1", "--model", model, "--layers", "1", "--method", method,
-           "--context", str(SHAPES[model]), "--new-tokens", "512", "--batch", str(batch),
-           "--impl", impl, "--steps", "decode", "--json"]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    out, line = run_compile("--topology", topology, "--mesh", "data=1", "--model", model,
+                            "--layers", "1", "--method", method, "--context",
+                            str(SHAPES[model]), "--new-tokens", "512", "--batch", str(batch),
+                            "--impl", impl, "--steps", "decode")
     row = dict(topology=topology, model=model, method=method, impl=impl, batch=batch,
-               context=SHAPES[model], new_tokens=512, command=" ".join(["kvjax", *cmd[3:]]))
-    if not run.stdout.strip():
-        return dict(row, error=run.stderr.strip().splitlines()[-1:])
-    step = json.loads(run.stdout)["decode"]
+               context=SHAPES[model], new_tokens=512, command=line)
+    if "error" in out:
+        return dict(row, error=out["error"])
+    step = out["decode"]
     return dict(row, temp=step.get("temp"), peak=step.get("peak"), fits=step.get("fits"),
                 cache_bytes=step["cache_bytes"], kernel_calls=step.get("kernel_calls"),
                 temp_over_cache=None if step.get("temp") is None

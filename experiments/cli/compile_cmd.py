@@ -230,7 +230,7 @@ def _compiled(step: str, lower, result: dict):
 
 def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
                   impl: str = "xla", new_tokens: int = 16, chunk: int = 512,
-                  steps=("prefill", "compress", "decode")) -> dict:
+                  steps=("prefill", "compress", "decode"), step_bytes: bool = False) -> dict:
     """Compile `steps` of generation for `mesh`'s devices; {step: memory(...)} plus seconds.
     `method`: a spec or a parsed `kvjax.Method`."""
     import jax
@@ -292,11 +292,29 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
         result["decode"]["cache_bytes"] = kvjax.nbytes(small)
         if compiled is not None:
             result["decode"]["kernel_calls"] = kernel_calls(compiled.as_text())
+        if compiled is not None and step_bytes:
+            result["decode"].update(one_step_bytes(model, small_cache, next_pos, decode_impl))
     result["weight_bytes"] = kvjax.nbytes(state)
     result["weight_bytes_per_chip"] = shard_bytes(state)
     if "decode" in result:
         result["decode"]["cache_bytes_per_chip"] = shard_bytes(small_cache)
     return result
+
+
+def one_step_bytes(model, cache, positions, impl) -> dict:
+    """One decode step (the model over one token per sequence, cache write and logits) compiled
+    alone: the compiler's bytes accessed per chip (`cost_analysis`; the Pallas kernel's own
+    `CostEstimate` counts for its custom calls), and its kernel calls. The decode loop's
+    program is a `while` whose trip count the cost analysis does not know."""
+    import jax
+
+    def step(model, cache, positions):
+        h, cache, _ = model.forward(positions[:, None], positions[:, None], cache, impl=impl)
+        return model.logits(h[:, 0]), cache
+
+    compiled = jax.jit(step, donate_argnums=1).lower(model, cache, positions).compile()
+    return dict(step_bytes_accessed=int(compiled.cost_analysis()["bytes accessed"]),
+                step_kernel_calls=kernel_calls(compiled.as_text()))
 
 
 def kernel_calls(hlo_text: str) -> int:
@@ -332,6 +350,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
                    help="which jitted steps to compile (default: all three)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    p.add_argument("--step-bytes", action="store_true",
+                   help="also compile one decode step alone and report its bytes accessed "
+                        "per chip (the decode loop's cost analysis counts one trip)")
 
 
 def _gib(n: int) -> str:
@@ -365,7 +386,8 @@ def run(args) -> int:
         mesh = make_mesh(args.mesh, topology_devices(args.topology))
         result = compile_steps(cfg, mesh, method, args.context, args.batch,
                                dtype=getattr(jnp, args.dtype), impl=args.impl,
-                               new_tokens=args.new_tokens, steps=tuple(args.steps))
+                               new_tokens=args.new_tokens, steps=tuple(args.steps),
+                               step_bytes=args.step_bytes)
     except (ValueError, FileNotFoundError) as e:
         print(f"kvjax: error: {e}", file=sys.stderr)
         return 2
@@ -387,6 +409,11 @@ def run(args) -> int:
         print(f"  {step:8s} peak {_gib(m['peak'])} (arguments {_gib(m['argument'])}, "
               f"temporaries {_gib(m['temp'])}, outputs {_gib(m['output'])}, "
               f"aliased {_gib(m['alias'])}; compiled in {m['seconds']} s)")
+        if step == "decode" and args.impl == "pallas":  # a layer the kernel cannot read: XLA
+            print(f"  {'':8s} {m['kernel_calls']} Pallas kernel calls (a layer part the kernel "
+                  f"does not read attends through XLA)")
+        if "step_bytes_accessed" in m:
+            print(f"  {'':8s} one step alone: {_gib(m['step_bytes_accessed'])} accessed per chip")
     for step in steps:
         if not result[step]["fits"]:
             print(f"kvjax: does not fit {args.topology}: the {step} step "
