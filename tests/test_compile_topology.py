@@ -150,3 +150,15 @@ def test_kivi_decode_step_at_64_x_32k_needs_under_1_2x_the_cache_in_temporaries(
     decode = json.loads(proc.stdout.strip().splitlines()[-1])["decode"]
     assert decode["fits"] and decode["kernel_calls"] == 2
     assert decode["temp"] <= 1.2 * decode["cache_bytes"], decode
+
+
+def test_prefill_chunks_compile_through_the_kernel():
+    """`kvjax compile --impl pallas` compiles the prefill through the TPU kernel too: each
+    512-token chunk of SmolLM2 (3 query heads per KV head) is attended in query blocks of at most
+    256 rows (85 tokens), ceil(512 / 85) = 7 Mosaic calls per layer, one split each."""
+    proc = _compile("--topology", "v5e:1x1", "--mesh", "data=1", "--model", "smollm2",
+                    "--layers", "2", "--method", "full", "--context", "2048", "--batch", "4",
+                    "--impl", "pallas", "--steps", "prefill", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    prefill = json.loads(proc.stdout.strip().splitlines()[-1])["prefill"]
+    assert prefill["fits"] and prefill["kernel_calls"] == 2 * 7, prefill

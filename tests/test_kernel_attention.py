@@ -56,26 +56,36 @@ def test_window_and_softcap_pass_through():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
-def test_unsupported_layouts_fall_back_and_cpu_uses_xla():
-    layer, q, q_pos = filled(2, 10, capacity=30)  # 30 slots: no page size >= 8 divides it
-    assert not ka.supports_pallas(layer)
-    with pytest.raises(ValueError, match="does not read"):
-        ka.attend_pallas(q, q_pos, layer, backend="tpu", interpret=True)
-    assert not ka.supports_pallas(kvjax.pool_heads(filled(2, 10, capacity=32)[0]))
-    assert ka.pallas_backend() == device_backend()  # None on a CPU host
-    got = kvjax.attend(q, q_pos, layer, impl="pallas")
-    want = kvjax.attend(q, q_pos, layer, impl="xla")
-    if device_backend() is None:  # CPU: impl="pallas" is the XLA path
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    else:  # a TPU/GPU: the kernel
+def test_odd_capacities_are_padded_and_pooled_layouts_fall_back():
+    """A capacity no page size >= 8 divides (30 slots) is padded to the tile per call (128 slots
+    on TPU, 64 on GPU; the new slots EMPTY) and read by the kernel like the reference; a pooled
+    (head-wise budget) layer is not read: `kernel_refusal` names why, `attend_pallas` raises
+    with it, and `attend(impl="pallas")` takes the XLA path for it (and on a CPU host)."""
+    layer, q, q_pos = filled(2, 10, capacity=30)
+    assert ka.page_size_for(30) is None and ka.supports_pallas(layer, "tpu")
+    assert ka.tiled_capacity(layer, "tpu") == 128 and ka.tiled_capacity(layer, "gpu") == 64
+    for backend in ("tpu", "gpu"):
+        if compiled() and device_backend() != backend:
+            continue
+        backend, interpret = mode(backend)
+        got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret)
+        want = kvjax.attend(q, q_pos, layer, impl="reference")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+    pooled = kvjax.pool_heads(filled(2, 10, capacity=32)[0])
+    assert ka.kernel_refusal(pooled, "tpu") == "a pooled (head-wise budget) TokenCache"
+    with pytest.raises(ValueError, match="does not read this layer .a pooled"):
+        ka.attend_pallas(q, q_pos, pooled, backend="tpu", interpret=True)
+    assert ka.pallas_backend() == device_backend()  # None on a CPU host
+    got = kvjax.attend(q, q_pos, pooled, impl="pallas")
+    want = kvjax.attend(q, q_pos, pooled, impl="xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("n, supported", [(12, False), (16, True)])
+@pytest.mark.parametrize("n, supported", [(12, True), (16, True)])
 def test_kivi_layer_with_an_empty_body_reads_its_window_alone(n, supported):
     """A short prompt's KIVI layer keeps every token in its exact window: shrunk, the quantized
-    body has 0 slots. The kernel reads the window alone (16 slots: pages of 16), or the layer
-    takes the XLA path (12 slots: no page size), never a division by zero."""
+    body has 0 slots. The kernel reads the window alone (16 slots; 12 slots padded to the
+    tile), never a division by zero."""
     layer, q, q_pos = filled(3, n, capacity=n)
     layer = kvjax.shrink((encode(layer, "kivi:bits=4,group=16,residual=16"),), 0)[0]
     assert layer.body.capacity == 0 and ka.page_size_for(0) is None

@@ -1,16 +1,15 @@
 """Whole-step verdicts on a TPU slice: the Llama-3-8B shape's decode step per method, compiled
 for v5e:2x4 and v6e:2x4 (issue 54).
 
-    python -m experiments.bench.tpu_verdicts --out docs/bench/tpu_verdicts.json   # ~1 h
+    python -m experiments.bench.tpu_verdicts --out docs/bench/tpu_verdicts.json   # ~30-60 min
 
-Each row is one deviceless `kvjax compile --steps decode --step-bytes` of all 32 layers on a
-data=2 x model=4 mesh with `--impl pallas`, bf16: whether the decode program fits a chip's HBM
-(the compiler's peak per chip), the cache and weight bytes per chip from the shardings, the
-Pallas kernel calls, and one decode step compiled alone: its bytes accessed per chip (XLA's
-cost analysis; the kernel's own `CostEstimate` for its calls, which counts every page of
-the block tables; XLA's own loops are counted once, so the xla-path layers are undercounted)
-and a roofline *estimate* of its time, bytes / the chip's HBM bandwidth. Rows are rewritten
-to `--out` after every compile.
+Each row is one deviceless `kvjax compile --steps decode` of all 32 layers on a data=2 x
+model=4 mesh with `--impl pallas`, bf16: whether the decode program fits a chip's HBM (the
+compiler's peak per chip, or what it needs), the cache and weight bytes per chip from the
+shardings, the Pallas kernel calls and the layers that attend through XLA instead, and a
+roofline *estimate* of one decode step: the cache and weight bytes per chip over the chip's
+HBM bandwidth (`floor_ms_per_step`: what a step must read at least; not a measurement).
+Rows are rewritten to `--out` after every compile.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def verdict_row(topology: str, method: str, batch: int, context: int) -> dict:
     out, line = run_compile("--topology", topology, "--mesh", "data=2,model=4", "--model",
                             "llama3-8b", "--method", method, "--context", str(context),
                             "--new-tokens", "512", "--batch", str(batch), "--impl", "pallas",
-                            "--steps", "decode", "--step-bytes")
+                            "--steps", "decode")
     row = dict(topology=topology, method=method, batch=batch, context=context, new_tokens=512,
                command=line)
     if "error" in out:
@@ -43,13 +42,10 @@ def verdict_row(topology: str, method: str, batch: int, context: int) -> dict:
                cache_bytes_per_chip=step["cache_bytes_per_chip"],
                weight_bytes_per_chip=out["weight_bytes_per_chip"],
                kernel_calls=step.get("kernel_calls"),
-               step_bytes_accessed=step.get("step_bytes_accessed"))
-    if row["step_bytes_accessed"]:
-        floor = row["cache_bytes_per_chip"] + row["weight_bytes_per_chip"]
-        row["step_over_cache_and_weights"] = round(row["step_bytes_accessed"] / floor, 3)
-        gbps = HBM_GBPS[topology.split(":")[0]]
-        row["estimate_ms_per_step"] = round(row["step_bytes_accessed"] / gbps / 1e6, 3)
-        row["floor_ms_per_step"] = round(floor / gbps / 1e6, 3)
+               kernel_refusals=step.get("kernel_refusals"))
+    floor = row["cache_bytes_per_chip"] + row["weight_bytes_per_chip"]
+    gbps = HBM_GBPS[topology.split(":")[0]]
+    row["floor_ms_per_step"] = round(floor / gbps / 1e6, 3)
     return row
 
 

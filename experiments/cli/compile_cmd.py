@@ -244,12 +244,12 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
     from models.sharding import abstract_model, cache_shardings, on_mesh
 
     dtype = jnp.bfloat16 if dtype is None else dtype
-    decode_impl = impl
-    if impl == "pallas":  # the TPU kernel per shard (the host's default backend is the CPU)
+    if impl == "pallas":  # the TPU kernel per shard (the host's default backend is the CPU);
+        # a prefill chunk goes to it in query blocks of at most MAX_QUERY_ROWS rows
+        # (kvjax.backends.pallas.attend_pallas: one 508-token block overflowed v5e's VMEM)
         from models.sharding import pallas_impl
-        # decode only: measured, a 508-token prefill chunk (1524 query rows per KV head)
-        # does not fit the kernel's VMEM on v5e; prefill compiles the XLA path
-        decode_impl, impl = pallas_impl(mesh, backend="tpu"), "xla"
+        impl = pallas_impl(mesh, backend="tpu")
+    decode_impl = impl
     method = kvjax.Method.parse(method)
     spec, transform = method.spec, method.transform
     placed = on_mesh(transform, mesh)
@@ -269,9 +269,11 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
             transform.stats, c, cfg.num_heads, fixed_rope_frequencies(cfg)), dense), batch, mesh)
     ids = _by_batch(jax.ShapeDtypeStruct((batch, context), jnp.int32), batch, mesh)
     if "prefill" in steps:
-        _compiled("prefill", lambda: sampler._prefill.lower(
+        compiled = _compiled("prefill", lambda: sampler._prefill.lower(
             model, ids, ids, cache, stats, sampler.PrefillConfig(chunk, transform.stats, impl)),
             result)
+        if compiled is not None:
+            result["prefill"]["kernel_calls"] = kernel_calls(compiled.as_text())
     if "compress" in steps and transform is not kvjax.full():
         tstate = _replicated(jax.eval_shape(transform.init, dense), mesh)
         _compiled("compress", lambda: sampler._compress_stacked.lower(
@@ -292,6 +294,8 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
         result["decode"]["cache_bytes"] = kvjax.nbytes(small)
         if compiled is not None:
             result["decode"]["kernel_calls"] = kernel_calls(compiled.as_text())
+            if decode_impl != "xla":
+                result["decode"]["kernel_refusals"] = kernel_refusals(small)
         if compiled is not None and step_bytes:
             result["decode"].update(one_step_bytes(model, small_cache, next_pos, decode_impl))
     result["weight_bytes"] = kvjax.nbytes(state)
@@ -315,6 +319,25 @@ def one_step_bytes(model, cache, positions, impl) -> dict:
     compiled = jax.jit(step, donate_argnums=1).lower(model, cache, positions).compile()
     return dict(step_bytes_accessed=int(compiled.cost_analysis()["bytes accessed"]),
                 step_kernel_calls=kernel_calls(compiled.as_text()))
+
+
+def kernel_refusals(cache) -> dict[str, int]:
+    """{why the TPU kernel does not read a layer: how many layers} of an abstract cache
+    (`kvjax.backends.pallas.kernel_refusal`); empty when the kernel reads every layer."""
+    import jax
+    from kvjax.backends.pallas import kernel_refusal
+
+    found: dict[str, int] = {}
+
+    def look(cache):
+        for layer in cache:
+            reason = kernel_refusal(layer, "tpu")
+            if reason is not None:
+                found[reason] = found.get(reason, 0) + 1
+        return 0
+
+    jax.eval_shape(look, cache)
+    return found
 
 
 def kernel_calls(hlo_text: str) -> int:
@@ -410,8 +433,9 @@ def run(args) -> int:
               f"temporaries {_gib(m['temp'])}, outputs {_gib(m['output'])}, "
               f"aliased {_gib(m['alias'])}; compiled in {m['seconds']} s)")
         if step == "decode" and args.impl == "pallas":  # a layer the kernel cannot read: XLA
-            print(f"  {'':8s} {m['kernel_calls']} Pallas kernel calls (a layer part the kernel "
-                  f"does not read attends through XLA)")
+            print(f"  {'':8s} {m['kernel_calls']} Pallas kernel calls")
+            for reason, n in m.get("kernel_refusals", {}).items():
+                print(f"  {'':8s} {n} layers attend through XLA: {reason}")
         if "step_bytes_accessed" in m:
             print(f"  {'':8s} one step alone: {_gib(m['step_bytes_accessed'])} accessed per chip")
     for step in steps:

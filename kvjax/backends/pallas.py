@@ -7,7 +7,9 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
   `S` slots; its KV heads share one block table per sequence (`[B, C/S]`,
   head h at page offset `h * C/S`: KVH times less SMEM than per-head
   tables); only the pages below the write cursor are read.
-  `S` is the largest power of two <= 256 that divides `C` (at least 8).
+  `S` is the largest power of two <= 256 that divides `C` (at least 8); a
+  capacity whose pages would be smaller than `TILE_SLOTS` is padded per call to
+  a multiple of it (`padded_to_tile`: a copy, new slots EMPTY).
   On TPU with `S` a multiple of 128, dense and `PackedTokens` stores go to
   the kernel as *row pools* (`row_pages`): the kernel DMAs each page out of
   the cache's own `[R, D, C]` / `[R, C, D]` rows (packed: the code words
@@ -24,7 +26,7 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
 
 Dense (float32/bf16/fp8), `PackedTokens` and `PackedChannels` stores are
 decoded inside the kernel. Pooled (head-wise budget) and low-rank layers are
-not: `supports_pallas` says no and `attend` uses the XLA path for them.
+not: `kernel_refusal` says why and `attend` uses the XLA path for them.
 
 Example:
     >>> import kvjax
@@ -51,7 +53,7 @@ from kvjax.core.attention import blockwise_state
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
 from kvjax.memory.paging import PagedLayer
-from kvjax.core.stores import PackedChannels, PackedTokens, is_dense
+from kvjax.core.stores import PackedChannels, PackedTokens, is_dense, map_slot_leaves
 
 KERNEL_LAYOUTS = {TokenCache: "rows", ResidualCache: "parts", PagedKivi: "parts",
                   PagedLayer: "pages"}
@@ -72,6 +74,8 @@ MIN_PAGE = 8
 # for a v5e, out of VMEM (deviceless). Longer query blocks are split along T into calls of at
 # most this many rows.
 MAX_QUERY_ROWS = {"gpu": 64, "tpu": 256}
+ONE_SPLIT = 1 << 30  # pages_per_split that keeps a whole block table in one split
+TILE_SLOTS = {"tpu": 128, "gpu": 64}  # smaller pages are padded to this (`padded_to_tile`)
 
 
 def pallas_backend() -> str | None:
@@ -161,10 +165,43 @@ def _windows_fit(layer: Any, page: int, backend: str) -> jax.Array | None:
 def _reads_rows(layer: Any, page: int, backend: str) -> bool:
     """True when the TPU kernel DMAs a `TokenCache`'s pages out of its own rows (`row_pages`):
     lane-aligned pages of stores it reads in place."""
+    return backend == "tpu" and page % 128 == 0 and not layer.pooled and _row_stores(layer)
+
+
+def _row_stores(layer: Any) -> bool:
+    """True when the TPU kernel can read the layer's stores as row pools."""
     k, v = layer.k, layer.v
-    return (backend == "tpu" and page % 128 == 0 and not layer.pooled
-            and (is_dense(k) or isinstance(k, (PackedTokens, PackedChannels)))
+    return ((is_dense(k) or isinstance(k, (PackedTokens, PackedChannels)))
             and (is_dense(v) or isinstance(v, PackedTokens)))
+
+
+def tiled_capacity(layer: Any, backend: str) -> int:
+    """The capacity the kernel reads a `TokenCache` at: its own, or, where its pages would be
+    smaller than `TILE_SLOTS[backend]` (TPU: no row pools below 128 slots; GPU: no power-of-two
+    page at all), the next multiple of the tile (`padded_to_tile`)."""
+    c, tile = layer.capacity, TILE_SLOTS.get(backend, 0)
+    page = page_size_for(c) or 0
+    if kernel_layout(layer) != "rows" or layer.pooled or c == 0 or not tile:
+        return c
+    if backend == "tpu" and (page >= tile or not _row_stores(layer)):
+        return c
+    if backend == "gpu" and page:
+        return c
+    return -(-c // tile) * tile
+
+
+def padded_to_tile(layer: Any, backend: str) -> Any:
+    """`layer` with its slots padded to `tiled_capacity` (a copy of it, as a page pool of a
+    small page was; the new slots are empty: EMPTY positions, masked), or `layer` itself."""
+    new = tiled_capacity(layer, backend)
+    if new == layer.capacity:
+        return layer
+    grow = new - layer.capacity
+    slots = lambda x: jnp.pad(x, [(0, 0), (0, grow)] + [(0, 0)] * (x.ndim - 2))
+    tail = lambda x, value: jnp.pad(x, [(0, 0), (0, 0), (0, grow)], constant_values=value)
+    return layer.replace(k=map_slot_leaves(layer.k, slots), v=map_slot_leaves(layer.v, slots),
+                         pos=tail(layer.pos, EMPTY),
+                         mass=None if layer.mass is None else tail(layer.mass, 0))
 
 
 def channel_rows(layer: TokenCache, page: int):
@@ -259,24 +296,50 @@ def supports_pallas(layer: Any, backend: str | None = None) -> bool:
     """True if `attend_pallas` reads this layer in the kernel of `backend` (default: the device's).
 
     The GPU (Triton) kernel also needs a power-of-two head dim >= 16 and page size; other
-    layers take the XLA path there.
+    layers take the XLA path there. `kernel_refusal` says why not.
+    """
+    return kernel_refusal(layer, backend) is None
+
+
+def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
+    """Why the `backend` kernel (default: the device's) does not read `layer`, or None if it
+    does: what `attend(impl="pallas")` falls back to XLA for.
+
+    Example:
+        >>> import kvjax
+        >>> kernel_refusal(kvjax.init_cache(1, 2, 64, 64), "tpu") is None
+        True
+        >>> kernel_refusal(kvjax.init_cache(1, 2, 64, 48), "gpu")
+        'the GPU kernel needs a head dim >= 16 that is a power of two, got 48'
     """
     backend = backend or pallas_backend()
+    name = type(layer).__name__
     if kernel_layout(layer) == "parts":  # a body of 0 slots (all tokens in the window) is skipped
-        return ((layer.body.capacity == 0 or supports_pallas(layer.body, backend))
-                and supports_pallas(layer.recent, backend))
+        body = None if layer.body.capacity == 0 else kernel_refusal(layer.body, backend)
+        part = body or kernel_refusal(layer.recent, backend)
+        return None if part is None else f"a {name}'s part: {part}"
+    if kernel_layout(layer) is None:
+        return f"no kernel layout for a {name} (it attends itself)"
     if kernel_layout(layer) == "pages":
         if backend == "gpu" and isinstance(layer.k, ChannelPages):
-            return False  # paged KIVI keys: the TPU kernel's format only
+            return "paged KIVI keys are read by the TPU kernel only"
         page = layer.page_size
-    elif kernel_inputs(layer) is not None:
-        page = page_size_for(layer.capacity)
-    else:
-        return False
+    elif layer.pooled:
+        return "a pooled (head-wise budget) TokenCache"
+    elif (page := page_size_for(tiled_capacity(layer, backend))) is None:
+        return f"capacity {layer.capacity} has no power-of-two page of >= {MIN_PAGE} slots"
+    elif not all(is_dense(x) or isinstance(x, (PackedTokens, PackedChannels))
+                 for x in (layer.k, layer.v)):
+        return f"the kernel has no format for {type(layer.k).__name__} / " \
+               f"{type(layer.v).__name__} stores"
     if backend == "gpu":
         pow2 = lambda n: n >= 1 and n & (n - 1) == 0
-        return pow2(page) and pow2(layer.head_dim) and layer.head_dim >= 16
-    return True
+        if not (pow2(layer.head_dim) and layer.head_dim >= 16):
+            return f"the GPU kernel needs a head dim >= 16 that is a power of two, got " \
+                   f"{layer.head_dim}"
+        if not pow2(page):
+            return f"the GPU kernel needs a page size that is a power of two, got {page}"
+    return None
 
 
 def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
@@ -287,11 +350,11 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
         return merge(attend_partial(q, q_pos, layer.body, **kwargs),
                      attend_partial(q, q_pos, layer.recent, **kwargs))
     backend = kwargs.get("backend", "tpu")
-    if not supports_pallas(layer, backend):
-        raise ValueError(f"attend_pallas: the {backend} kernel does not read a "
-                         f"{type(layer).__name__} of this layout (pooled, low-rank, capacity "
-                         f"without a page size >= {MIN_PAGE}, or on GPU a head dim or page size "
-                         f"that is not a power of two); use impl='xla'")
+    layer = padded_to_tile(layer, backend)
+    refusal = kernel_refusal(layer, backend)
+    if refusal is not None:
+        raise ValueError(f"attend_pallas: the {backend} kernel does not read this layer "
+                         f"({refusal}); use impl='xla'")
     kernel = lambda: paged_attention_partial(q, q_pos, **kernel_inputs(layer, False, backend),
                                              **kwargs)
     fits = _windows_fit(layer, page_size_for(layer.capacity) or 0, backend) \
@@ -328,17 +391,22 @@ def query_tokens_per_call(group: int, backend: str) -> int:
 
 def attend_pallas(q: jax.Array, q_pos: jax.Array, layer: Any, *, window: int | None = None,
                   softcap: float | None = None, backend: str | None = None, interpret=False,
-                  pages_per_split: int = 8) -> jax.Array:
+                  pages_per_split: int | None = None) -> jax.Array:
     """Attention over a layer with the Pallas kernel; the result `attend` gives, [B, T, H, D] f32.
 
     `backend` defaults to the device's (`pallas_backend`); on CPU pass
     `backend="tpu"` or `"gpu"` with `interpret=True` (tests do). A block of
     more query rows than `MAX_QUERY_ROWS` (a prefill chunk) is attended in
     calls over consecutive query tokens, one kernel launch each.
+    `pages_per_split` (flash-decoding splits) defaults to 8, and on TPU to one split for a
+    prefill block (T > 1: its query rows fill the grid; each split would add a float32
+    partial output as large as the block's, 1.2 GB per layer at 8 x 32k for Llama-3-8B).
     """
     backend = backend or pallas_backend()
     if backend is None:
         raise ValueError("attend_pallas: no TPU or GPU; pass backend= with interpret=True")
+    if pages_per_split is None:
+        pages_per_split = ONE_SPLIT if backend == "tpu" and q.shape[1] > 1 else 8
     tokens = query_tokens_per_call(q.shape[2] // layer.kv_heads, backend)
     if q.shape[1] > tokens:  # a prefill chunk: calls over query blocks (queries are independent)
         return jnp.concatenate([
