@@ -138,6 +138,8 @@ HEAVY: dict[str, str] = {
     "tests/test_monitor.py::test_monitor_of_a_tiered_paged_cache": _COMPILES,
     "tests/test_attention.py::test_property_random_holes": "a hypothesis property run",
     "tests/test_paged_attention.py::test_mixed_prefill_and_decode_rows_in_one_call": _COMPILES,
+    "tests/test_kernel_attention.py::test_kivi_keys_are_read_in_place": _COMPILES,
+    "tests/test_paged_kivi.py::test_paged_kivi_attends_through_the_tpu_kernel": _COMPILES,
 }
 """Files (`tests/x.py`) or tests (`tests/x.py::name`, any parametrization) left out of the
 fast tier though they load no real model, with the reason."""
