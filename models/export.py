@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 import kvjax
-from kvjax.core import cpu_kernel
+from kvjax.core import cpu_kernel, stores
 from kvjax.tools import exported
 from models.llama import FEW_ROWS, Llama, fixed_rope_frequencies
 
@@ -106,7 +106,8 @@ def export_decode_step(model: Llama, batch: int | None = None, capacity: int | N
     kvjax.check_cache(layout, model.config.cache_spec, layout[0].batch)
     tokens = jax.ShapeDtypeStruct((layout[0].batch, 1), jnp.int32)
     params = jax.eval_shape(lambda: params_dict(model))
-    with cpu_kernel.disabled():  # an artifact holds no custom call of this process
+    # an artifact holds no custom call of this process, nor XLA layout constraints
+    with cpu_kernel.disabled(), stores.without_layout_hints():
         return jax.export.export(jax.jit(step, donate_argnums=3), platforms=platforms)(
             params, tokens, tokens, layout)
 
@@ -262,7 +263,8 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *,
         functions[str(capacity)], shapes[str(capacity)] = {}, {}
 
         def write(name, fn, args, donate):
-            with cpu_kernel.disabled():  # an artifact holds no custom call of this process
+            # an artifact holds no custom call of this process, nor XLA layout constraints
+            with cpu_kernel.disabled(), stores.without_layout_hints():
                 exp = jax.export.export(jax.jit(fn, donate_argnums=donate),
                                         platforms=platforms)(*args)
             (folder / f"{name}.jaxexport").write_bytes(exp.serialize())

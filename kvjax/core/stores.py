@@ -29,8 +29,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import threading
 from typing import Any
 
 import jax
@@ -78,6 +80,22 @@ def _put_rows(x: jax.Array, new: jax.Array, at, count, codes: bool = False) -> j
                                                     axis=1))
 
 
+_hints = threading.local()
+
+
+@contextlib.contextmanager
+def without_layout_hints():
+    """Trace without `slot_minor_on_tpu`'s layout constraints inside this block: a `jax.export`
+    artifact may hold no `LayoutConstraint` custom call (it has no serialization compatibility
+    guarantee), so an exported decoder's TPU program keeps XLA's own layouts."""
+    before = getattr(_hints, "off", False)
+    _hints.off = True
+    try:
+        yield
+    finally:
+        _hints.off = before
+
+
 def slot_minor_on_tpu(x: jax.Array) -> jax.Array:
     """An encoded store's written per-slot array [R, C, X] (X < 128: code words, per-token
     parameters) held slot-minor when compiled for TPU: the layout XLA:TPU gives such a cache
@@ -91,7 +109,7 @@ def slot_minor_on_tpu(x: jax.Array) -> jax.Array:
     arrays (tables, dense stores, whose argument layouts XLA:TPU picks per shape), are left as
     they are.
     """
-    if x.ndim != 3 or x.shape[-1] >= 128:
+    if x.ndim != 3 or x.shape[-1] >= 128 or getattr(_hints, "off", False):
         return x
     keep = lambda y: with_layout_constraint(y, Layout(major_to_minor=(0, 2, 1)))
     return jax.lax.platform_dependent(x, tpu=keep, default=lambda y: y)
