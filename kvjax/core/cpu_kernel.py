@@ -83,14 +83,19 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def disabled():
-    """Trace with the XLA loop inside this block (exports, tests that compare the two)."""
-    before = getattr(_state, "off", False)
-    _state.off = True
+def switched_off(state: threading.local):
+    """Set `state.off` inside the block: a thread-local switch that traced code reads."""
+    before = getattr(state, "off", False)
+    state.off = True
     try:
         yield
     finally:
-        _state.off = before
+        state.off = before
+
+
+def disabled():
+    """Trace with the XLA loop inside this block (exports, tests that compare the two)."""
+    return switched_off(_state)
 
 
 def _cpu_id() -> str:

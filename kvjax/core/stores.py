@@ -29,7 +29,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import threading
@@ -83,17 +82,11 @@ def _put_rows(x: jax.Array, new: jax.Array, at, count, codes: bool = False) -> j
 _hints = threading.local()
 
 
-@contextlib.contextmanager
 def without_layout_hints():
     """Trace without `slot_minor_on_tpu`'s layout constraints inside this block: a `jax.export`
     artifact may hold no `LayoutConstraint` custom call (it has no serialization compatibility
     guarantee), so an exported decoder's TPU program keeps XLA's own layouts."""
-    before = getattr(_hints, "off", False)
-    _hints.off = True
-    try:
-        yield
-    finally:
-        _hints.off = before
+    return cpu_kernel.switched_off(_hints)
 
 
 def slot_minor_on_tpu(x: jax.Array) -> jax.Array:
