@@ -214,11 +214,10 @@ def channel_rows(layer: TokenCache, page: int):
     """
     store = layer.k
     r = layer.pos.shape[0] * layer.pos.shape[1]
-    symmetric, dtype = store.offset is None, _param_dtype(store)
-    lanes = (2 if dtype == "float32" and not symmetric else 1) * store.dim
+    params = dict(symmetric=store.offset is None, param_dtype=_param_dtype(store))
+    lanes = pf.PackedChannelRows(store.bits, 1, **params).group_words() * store.dim
     fmt = pf.PackedChannelRows(store.bits, pf.PackedChannelRows.window_rows(page, store.group,
-                                                                            lanes),
-                               symmetric=symmetric, param_dtype=dtype)
+                                                                            lanes), **params)
     arrays, windows, fits = fmt.from_store(store.words, store.group_id,
                                            (layer.pos != EMPTY).reshape(r, -1), store.scale,
                                            store.offset, page)

@@ -37,10 +37,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax.experimental.layout import Layout, with_layout_constraint
+
 from kvjax.core import cpu_kernel
 from kvjax.core.quant import BITS, FP8, Quantized, dequantize, pack, quantize, to_fp8, unpack
-
-from jax.experimental.layout import Layout, with_layout_constraint
 
 _static = dict(static=True)
 
@@ -54,11 +54,10 @@ def _put_rows(x: jax.Array, new: jax.Array, at, count, codes: bool = False) -> j
 
     Without `count` this is one `dynamic_update_slice` (in place under jit).
     With it, slots past `count` or past the capacity are dropped, by one
-    read-modify-write of a T-slot span that lies inside the store (also a
-    `dynamic_update_slice`): a scatter here made XLA:TPU re-lay the whole
-    store out and back, two copies of it per step (docs/DECISIONS.md,
-    "Store layouts in the decode loop"). `codes`: `x` is an encoded store's per-slot array,
-    kept slot-minor on TPU (`slot_minor_on_tpu`).
+    read-modify-write of a T-slot span that lies inside the store: also an
+    in-place `dynamic_update_slice`, where a scatter was (docs/DECISIONS.md,
+    "Store layouts in the decode loop"). `codes`: `x` is an encoded store's
+    per-slot array, kept slot-minor on TPU (`slot_minor_on_tpu`).
     """
     new = new.astype(x.dtype)
     keep = slot_minor_on_tpu if codes else (lambda y: y)
