@@ -741,8 +741,9 @@ def _row_pools(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int,
     if windows and (table_windows is None or table_windows.shape != want
                     or table_windows.dtype != jnp.int32):
         got = None if table_windows is None else f"{table_windows.dtype} {table_windows.shape}"
-        raise ValueError(f"paged_attention: PackedChannelRows needs table_windows, int32 {list(want)} "
-                         f"(each page's first table row, two per word: pack_pairs), got {got}")
+        raise ValueError(f"paged_attention: PackedChannelRows needs table_windows, int32 "
+                         f"{list(want)} (each page's first table row, two per word: "
+                         f"pack_pairs), got {got}")
     if not windows and table_windows is not None:
         raise ValueError("paged_attention: table_windows is for PackedChannelRows tables only")
     return pools, row_pages, axes

@@ -24,9 +24,10 @@ IMPLS = ("pallas", "xla")
 TOPOLOGIES = ("v5e:1x1", "v6e:1x1")
 
 
-def run_compile(*args: str) -> tuple[dict | None, str]:
-    """`kvjax compile *args --json` in a subprocess -> (its JSON, or None on an error; the
-    command line). A plan that does not fit is JSON too (exit 1)."""
+def run_compile(*args: str) -> tuple[dict, str]:
+    """`kvjax compile *args --json` in a subprocess -> (its JSON, or {"error": [the last line
+    of stderr]} when it printed none; the command line). A plan that does not fit is JSON too
+    (exit 1)."""
     cmd = [sys.executable, "-c", "from experiments.cli.main import main; main()", "compile",
            *args, "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True)

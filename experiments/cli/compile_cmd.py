@@ -249,7 +249,6 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
         # (kvjax.backends.pallas.attend_pallas: one 508-token block overflowed v5e's VMEM)
         from models.sharding import pallas_impl
         impl = pallas_impl(mesh, backend="tpu")
-    decode_impl = impl
     method = kvjax.Method.parse(method)
     spec, transform = method.spec, method.transform
     placed = on_mesh(transform, mesh)
@@ -288,16 +287,16 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
         key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                    sharding=NamedSharding(mesh, P()))
         start = sampler.DecodeStart(logits, tstate, None, next_pos, key)
-        config = sampler.DecodeConfig(new_tokens, eos_ids=tuple(cfg.eos_ids), impl=decode_impl)
+        config = sampler.DecodeConfig(new_tokens, eos_ids=tuple(cfg.eos_ids), impl=impl)
         compiled = _compiled("decode", lambda: sampler._decode.lower(
             model, small_cache, start, config), result)
         result["decode"]["cache_bytes"] = kvjax.nbytes(small)
         if compiled is not None:
             result["decode"]["kernel_calls"] = kernel_calls(compiled.as_text())
-            if decode_impl != "xla":
+            if impl != "xla":
                 result["decode"]["kernel_refusals"] = kernel_refusals(small)
         if compiled is not None and step_bytes:
-            result["decode"].update(one_step_bytes(model, small_cache, next_pos, decode_impl))
+            result["decode"].update(one_step_bytes(model, small_cache, next_pos, impl))
     result["weight_bytes"] = kvjax.nbytes(state)
     result["weight_bytes_per_chip"] = shard_bytes(state)
     if "decode" in result:

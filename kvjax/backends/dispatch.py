@@ -27,8 +27,8 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xl
     `attend_reference`, the plain definition tests compare against;
     `"pallas"` runs the paged attention kernel on TPU or GPU
     (`kvjax.backends.pallas`) and falls back to `"xla"` on CPU and for
-    layouts the kernel does not read (pooled, low-rank, tiered; `supports_pallas`
-    says which; `kvjax compile` reports the kernel calls). Every other path is the
+    layouts the kernel does not read (pooled, low-rank, tiered; `kernel_refusal`
+    says why; `kvjax compile` reports the kernel calls). Every other path is the
     layer's own `attend` (`kvjax.core.layer.CacheLayer`: a `PagedLayer` gathers a dense
     view, a recurrent layer reads its state).
     `PallasOnMesh(mesh)` (kvjax.backends.sharded) runs that kernel under

@@ -168,11 +168,16 @@ def _reads_rows(layer: Any, page: int, backend: str) -> bool:
     return backend == "tpu" and page % 128 == 0 and not layer.pooled and _row_stores(layer)
 
 
+def _decoded_in_kernel(store: Any) -> bool:
+    """A store the kernel decodes: dense, per-token or per-channel (KIVI key) codes."""
+    return is_dense(store) or isinstance(store, (PackedTokens, PackedChannels))
+
+
 def _row_stores(layer: Any) -> bool:
-    """True when the TPU kernel can read the layer's stores as row pools."""
-    k, v = layer.k, layer.v
-    return ((is_dense(k) or isinstance(k, (PackedTokens, PackedChannels)))
-            and (is_dense(v) or isinstance(v, PackedTokens)))
+    """True when the TPU kernel can read the layer's stores as row pools (per-channel codes
+    for keys only)."""
+    v = layer.v
+    return _decoded_in_kernel(layer.k) and (is_dense(v) or isinstance(v, PackedTokens))
 
 
 def tiled_capacity(layer: Any, backend: str) -> int:
@@ -327,8 +332,7 @@ def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
         return "a pooled (head-wise budget) TokenCache"
     elif (page := page_size_for(tiled_capacity(layer, backend))) is None:
         return f"capacity {layer.capacity} has no power-of-two page of >= {MIN_PAGE} slots"
-    elif not all(is_dense(x) or isinstance(x, (PackedTokens, PackedChannels))
-                 for x in (layer.k, layer.v)):
+    elif not (_decoded_in_kernel(layer.k) and _decoded_in_kernel(layer.v)):
         return f"the kernel has no format for {type(layer.k).__name__} / " \
                f"{type(layer.v).__name__} stores"
     if backend == "gpu":
