@@ -2,7 +2,7 @@
 
 from kvjax.core.attention import (attend_blockwise, attend_reference, attention_mask,
                                   attention_mass, attention_weights)
-from kvjax.backends.dispatch import attend
+from kvjax.backends.dispatch import attend, tile_slots
 from kvjax.core.layer import CacheLayer, layer_kinds, register_layer
 from kvjax.core.cache import (EMPTY, Cache, CacheSpec, ResidualCache, TokenCache, check_cache,
                               free_tokens, init_cache, init_model_cache, nbytes, num_valid,
@@ -38,7 +38,7 @@ __all__ = [
     "Scorer", "check_method", "debug_checks", "EmptyState", "Method",
     "NULL_PAGE", "PagePool", "PagedLayer", "PoolError", "attend_pallas", "check_pool",
     "drop_lowest_pages", "evict_pages", "fork", "init_paged_cache", "page_scores", "release", "reserve",
-    "supports_pallas",
+    "supports_pallas", "tile_slots",
     "FeatureMap", "FoldedLayer", "LinearLayer", "RecurrentState", "elu_map", "fold_evicted",
     "hedgehog", "init_linear_layer", "linear_state", "load_maps", "random_features", "save_maps",
 ]

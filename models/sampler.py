@@ -87,6 +87,7 @@ class RunOptions:
     PREFILL: ClassVar[tuple[str, ...]] = ("capacity", "chunk", "cache_dtype", "place_cache",
                                           "impl")
     COMPRESS: ClassVar[tuple[str, ...]] = PREFILL + ("shrink",)
+    SHRINK: ClassVar[tuple[str, ...]] = ("shrink", "impl")  # `compress`'s
     DECODE: ClassVar[tuple[str, ...]] = ("sampling", "compress_every", "seed", "eos_ids",
                                          "pad_id", "impl")
 
@@ -425,25 +426,28 @@ def prefill_inputs(model: Llama, prompts: Sequence[Sequence[int]], *,
             padded.lengths)
 
 
-def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0, shrink: bool = True,
-             keep_input: bool = False, max_write: int | None = None) -> Prefilled:
+def compress(pre: Prefilled, transform: CacheTransform, *, room: int = 0,
+             keep_input: bool = False, max_write: int | None = None, **options) -> Prefilled:
     """Apply `transform`'s first update to a prefilled batch (prompt compression).
 
-    With `shrink` (and a transform other than `full`), every layer is then cut
-    to its kept slots plus room for `room` more tokens, so the cache really
-    holds only the budget (`max_write`: the most tokens one later call adds,
-    see `kvjax.shrink`). A compression makes new arrays and leaves `pre.cache`
-    as it was; `full` hands on `pre.cache` itself, which decoding then donates:
-    `keep_input` gives it a copy instead, so `pre` can serve another policy.
+    With the `shrink` option (default; and a transform other than `full`), every layer is
+    then cut to its kept slots plus room for `room` more tokens, so the cache really holds
+    only the budget (`max_write`: the most tokens one later call adds, see `kvjax.shrink`),
+    its capacities a multiple of the kernel's tile when the `impl` option is a compiled
+    Pallas kernel (`kvjax.tile_slots`: read in place, not padded per call). A compression
+    makes new arrays and leaves `pre.cache` as it was; `full` hands on `pre.cache` itself,
+    which decoding then donates: `keep_input` gives it a copy instead, so `pre` can serve
+    another policy. `options`: shrink, impl (`RunOptions`).
     """
+    run = RunOptions.taking(options, RunOptions.SHRINK, "compress")
     cache = pre.cache
     tstate = transform.init(cache)
     if transform is full():
         cache = jax.tree_util.tree_map(jnp.copy, cache) if keep_input else cache
     else:
         stacked, tstate = _compress_stacked(transform.update, cache, tstate, pre.stats)
-        cache = kvjax.shrink(stacked, room, max_write) if shrink else \
-            kvjax.core.layout.unstack_layers(stacked)
+        cache = kvjax.shrink(stacked, room, max_write, kvjax.tile_slots(run.impl)) \
+            if run.shrink else kvjax.core.layout.unstack_layers(stacked)
     return pre._replace(cache=cache, transform_state=tstate)
 
 
@@ -472,7 +476,8 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
         from models.reconstruction import reconstruct
         pre = pre._replace(stats=reconstruct(model, pre.cache, pre.stats, pre.next_pos, prompts,
                                              transform.stats.reconstruction, run.impl))
-    out = compress(pre, transform, room=room, shrink=run.shrink, max_write=max_write)
+    out = compress(pre, transform, room=room, max_write=max_write,
+                   **run.only(RunOptions.SHRINK))
     windowed = windowed_layers(model)
     if windowed and out.cache is not pre.cache:  # `shrink` cut every layer: windows stay
         out = out._replace(cache=tuple(pre.cache[i] if i in windowed else layer

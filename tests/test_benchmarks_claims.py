@@ -52,3 +52,30 @@ def test_compiler_read_kernel_table_is_its_json_rows():
         assert (int(m[10]), int(m[11])) == (old["programs_per_sm"], new["programs_per_sm"]), line
         checked += 1
     assert checked == 10, f"{checked} rows of the table matched its pattern"
+
+
+def test_step_bytes_table_is_its_json_rows():
+    """"Bytes one decode step moves, per cache kind": every row is its method's row of
+    docs/bench/tpu_step_bytes.json (GB to two places, ratio and excess to three)."""
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    section = text[text.index("### Bytes one decode step moves, per cache kind"):]
+    rows = {r["method"]: r for r in
+            json.loads((ROOT / "docs" / "bench" / "tpu_step_bytes.json").read_text())["rows"]}
+    row = re.compile(r"^\| `([^`]+)` \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
+                     r"(-?[\d.]+) \| (\d+) \|$")
+    seen = []
+    for line in section.splitlines()[1:]:
+        if line.startswith("### "):
+            break
+        m = row.match(line)
+        if not m:
+            continue
+        r = rows[m[1]]
+        gb = lambda key: f"{r[key] / 1e9:.2f}"
+        assert (m[2], m[3], m[4]) == (gb("cache_bytes"), gb("step_bytes"),
+                                      gb("step_bytes_every_rare_branch")), line
+        assert (float(m[5]), float(m[6]), int(m[7])) == (r["ratio"], r["excess_of_cache"],
+                                                         r["kernel_calls"]), line
+        assert r["ratio"] == round(r["step_bytes"] / (r["cache_bytes"] + r["weight_bytes"]), 3)
+        seen.append(m[1])
+    assert sorted(seen) == sorted(rows), seen

@@ -125,3 +125,71 @@ def test_counted_writes_drop_what_a_scatter_drops():
                 got = np.asarray(put(jnp.asarray(x), jnp.asarray(new), at, count))
                 np.testing.assert_array_equal(got, want, err_msg=f"C={c} T={t} at={at} "
                                                                  f"count={count}")
+
+
+def test_a_step_traced_with_usual_branches_only_drops_the_flush_conditional():
+    """kvjax.core.branches: a KIVI layer's write holds its residual flush as a conditional;
+    traced inside `usual_branches_only()` (what `kvjax compile --step-bytes` counts) the
+    conditional is gone, the step equals the real one while no flush is due, differs when
+    one is, and the compiler counts fewer bytes for it."""
+    from kvjax.core.branches import usual_branches_only
+    from kvjax.policies.codecs import kivi
+
+    k, v = jax.random.normal(jax.random.key(0), (2, 1, 1, 64, 32))
+    cache = (kvjax.write(kvjax.init_model_cache(kvjax.CacheSpec(1, 1, 32), 1, 128)[0], k, v,
+                         jnp.arange(64)[None]),)
+    t = kivi(bits=4, group=16, residual=16)
+    (layer,), _ = t.update(cache, t.init(cache), None)
+    step = lambda layer, x, p: kvjax.write(layer, x, x, p)
+    x = jnp.ones((1, 1, 1, 32))
+    every = jax.jit(lambda *a: step(*a)).lower(layer, x, jnp.array([[64]])).compile()
+    with usual_branches_only():
+        usual = jax.jit(lambda *a: step(*a)).lower(layer, x, jnp.array([[64]])).compile()
+    assert " conditional(" in every.as_text()
+    assert " conditional(" not in usual.as_text()
+    assert usual.cost_analysis()["bytes accessed"] < every.cost_analysis()["bytes accessed"]
+    for steps, flushes in ((1, False), (24, True)):  # a flush is due past 16 + 16 recent
+        a = b = layer
+        for i in range(steps):
+            p = jnp.array([[64 + i]])
+            a, b = every(a, x, p), usual(b, x, p)
+        same = all(bool(jnp.array_equal(u, w)) for u, w in
+                   zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+        assert same != flushes, (steps, int(a.recent.length), int(b.recent.length))
+
+
+@pytest.mark.parametrize("method", ["full", "quantize:bits=4,group=8", "kivi:bits=4,group=8,residual=8",
+                                    "knorm:ratio=0.5+kivi:bits=2,group=8,residual=8"])
+def test_shrink_aligned_to_a_tile_attends_as_unaligned(method):
+    """`shrink(align=)`: every slot capacity (a residual layer's body and exact part each)
+    becomes a multiple of `align`, the new slots are empty, and attention over the aligned
+    cache equals attention over the unaligned one, before and after decode writes."""
+    k, v = jax.random.normal(jax.random.key(0), (2, 2, 2, 45, 16))
+    cache = (kvjax.write(kvjax.init_model_cache(kvjax.CacheSpec(1, 2, 16), 2, 64)[0], k, v,
+                         jnp.broadcast_to(jnp.arange(45), (2, 45))),)
+    t = kvjax.Method.parse(method).transform
+    small, _ = t.update(cache, t.init(cache), None)
+    plain, aligned = kvjax.shrink(small, room=4), kvjax.shrink(small, room=4, align=16)
+    parts = lambda layer: layer.parts() or (layer,)
+    assert any(layer.capacity % 16 for layer in parts(plain[0]))  # alignment has work to do
+    for layer in parts(aligned[0]):
+        assert layer.capacity % 16 == 0, (method, layer.capacity)
+    q = jax.random.normal(jax.random.key(1), (2, 1, 4, 16))
+    for step in range(3):
+        pos = jnp.full((2, 1), 45 + step)
+        np.testing.assert_allclose(kvjax.attend(q, pos, aligned[0]), kvjax.attend(q, pos, plain[0]),
+                                   rtol=1e-6, atol=1e-6)
+        x = jax.random.normal(jax.random.key(2 + step), (2, 2, 1, 16))
+        plain = (kvjax.write(plain[0], x, x, pos),)
+        aligned = (kvjax.write(aligned[0], x, x, pos),)
+    with pytest.raises(ValueError, match="align must be a positive int"):
+        kvjax.shrink(small, room=4, align=0)
+
+
+def test_tile_slots_is_the_kernels_tile_where_a_kernel_runs():
+    from jax.sharding import Mesh
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    assert kvjax.tile_slots("xla") == kvjax.tile_slots("reference") == 1
+    assert kvjax.tile_slots("pallas") == 1  # CPU: no compiled kernel, nothing to align for
+    assert kvjax.tile_slots(kvjax.PallasOnMesh(mesh, backend="tpu")) == 128
+    assert kvjax.tile_slots(kvjax.PallasOnMesh(mesh, backend="gpu")) == 64

@@ -97,7 +97,7 @@ class RingLayer:
     def shrink_usage(self) -> None:
         return None
 
-    def shrink_plan(self, usage, room, max_write):
+    def shrink_plan(self, usage, room, max_write, align=1):
         return None  # a ring is as small as its window
 
     def resized(self, plan) -> "RingLayer":

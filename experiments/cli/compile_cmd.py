@@ -116,12 +116,14 @@ def uniform_method(spec: str) -> bool:
     return not any(word in spec for word in ("layers=", "pyramidkv", "schedule"))
 
 
-def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int, dtype):
+def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int, dtype,
+                  impl="xla"):
     """Shapes (ShapeDtypeStructs, no shardings) of the cache `generate` decodes from.
 
     The method runs for real on one sequence of `context` random tokens (one layer when
     `uniform_method`, else every layer), is shrunk with room for `room` more tokens as
-    `generate` shrinks it, and its per-sequence rows are repeated for `batch` sequences.
+    `generate` shrinks it for `impl` (capacities a multiple of `kvjax.tile_slots(impl)`),
+    and its per-sequence rows are repeated for `batch` sequences.
     """
     import jax
     import jax.numpy as jnp
@@ -133,7 +135,8 @@ def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int
         return jax.eval_shape(lambda: kvjax.init_model_cache(
             cfg.cache_spec, batch, context + room, dtype))
     heads = kvh if "headwise" in spec else 1  # per-head budgets are equal: plan one head
-    cache = _one_sequence(cfg, transform, layers, heads, context, room, dtype)
+    cache = _one_sequence(cfg, transform, layers, heads, context, room, dtype,
+                          kvjax.tile_slots(impl))
     one = cache if layers == cfg.num_layers else cache * cfg.num_layers
 
     def widen(layer):
@@ -152,9 +155,11 @@ def planned_cache(cfg, transform, spec: str, batch: int, context: int, room: int
 
 
 @functools.lru_cache(maxsize=8)
-def _one_sequence(cfg, transform, layers: int, kvh: int, context: int, room: int, dtype):
+def _one_sequence(cfg, transform, layers: int, kvh: int, context: int, room: int, dtype,
+                  align: int):
     """The method run for real on one sequence of `context` random keys over `kvh` KV heads
-    (with their share of query heads), then shrunk; abstract shapes."""
+    (with their share of query heads), then shrunk (capacities a multiple of `align`);
+    abstract shapes."""
     import jax
     import jax.numpy as jnp
     import kvjax
@@ -170,7 +175,7 @@ def _one_sequence(cfg, transform, layers: int, kvh: int, context: int, room: int
     if transform.stats.window or transform.stats.query_moments:
         stats = init_stats(transform.stats, cache, query_heads, fixed_rope_frequencies(cfg))
     cache, _ = jax.jit(transform.update)(cache, transform.init(cache), stats)
-    cache = kvjax.shrink(cache, room, 1)
+    cache = kvjax.shrink(cache, room, 1, align)
     return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), cache)
 
 
@@ -278,7 +283,7 @@ def compile_steps(cfg, mesh, method, context: int, batch: int, *, dtype=None,
         _compiled("compress", lambda: sampler._compress_stacked.lower(
             placed.update, cache, tstate, stats), result)
     if "decode" in steps:
-        small = planned_cache(cfg, transform, spec, batch, context, new_tokens, dtype)
+        small = planned_cache(cfg, transform, spec, batch, context, new_tokens, dtype, impl)
         small_cache = _abstract(small, cache_shardings(small, mesh))
         tstate = _replicated(jax.eval_shape(transform.init, small), mesh)
         logits = _by_batch(jax.ShapeDtypeStruct((batch, cfg.vocab_size), jnp.float32), batch,
@@ -308,16 +313,30 @@ def one_step_bytes(model, cache, positions, impl) -> dict:
     """One decode step (the model over one token per sequence, cache write and logits) compiled
     alone: the compiler's bytes accessed per chip (`cost_analysis`; the Pallas kernel's own
     `CostEstimate` counts for its custom calls), and its kernel calls. The decode loop's
-    program is a `while` whose trip count the cost analysis does not know."""
+    program is a `while` whose trip count the cost analysis does not know.
+
+    `step_bytes_accessed` counts the usual step: every `kvjax.core.branches.rare_cond` (a
+    residual flush, a host fetch, a page scrub, the KIVI kernel's XLA fallback) traced as
+    its usual branch; `step_bytes_every_rare_branch` the program as it runs, which XLA
+    charges the larger branch of each conditional (an upper bound)."""
     import jax
+    from kvjax.core.branches import usual_branches_only
 
     def step(model, cache, positions):
         h, cache, _ = model.forward(positions[:, None], positions[:, None], cache, impl=impl)
         return model.logits(h[:, 0]), cache
 
-    compiled = jax.jit(step, donate_argnums=1).lower(model, cache, positions).compile()
-    return dict(step_bytes_accessed=int(compiled.cost_analysis()["bytes accessed"]),
-                step_kernel_calls=kernel_calls(compiled.as_text()))
+    def compiled():  # a new function each time: no trace is shared between the two
+        jax.clear_caches()  # nor with jitted functions traced before (their caches ignore the pin)
+        return jax.jit(lambda *a: step(*a), donate_argnums=1).lower(model, cache,
+                                                                    positions).compile()
+
+    with usual_branches_only():
+        usual = compiled()
+    every = compiled()
+    return dict(step_bytes_accessed=int(usual.cost_analysis()["bytes accessed"]),
+                step_bytes_every_rare_branch=int(every.cost_analysis()["bytes accessed"]),
+                step_kernel_calls=kernel_calls(usual.as_text()))
 
 
 def kernel_refusals(cache) -> dict[str, int]:
@@ -374,7 +393,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     p.add_argument("--step-bytes", action="store_true",
                    help="also compile one decode step alone and report its bytes accessed "
-                        "per chip (the decode loop's cost analysis counts one trip)")
+                        "per chip: the usual step (no residual flush, host fetch or kernel "
+                        "fallback) and, as an upper bound, every rare branch taken")
 
 
 def _gib(n: int) -> str:
@@ -436,7 +456,9 @@ def run(args) -> int:
             for reason, n in m.get("kernel_refusals", {}).items():
                 print(f"  {'':8s} {n} layers attend through XLA: {reason}")
         if "step_bytes_accessed" in m:
-            print(f"  {'':8s} one step alone: {_gib(m['step_bytes_accessed'])} accessed per chip")
+            print(f"  {'':8s} one step alone: {_gib(m['step_bytes_accessed'])} accessed per chip "
+                  f"({_gib(m['step_bytes_every_rare_branch'])} counting every rare branch: "
+                  f"a flush, a fetch, a fallback)")
     for step in steps:
         if not result[step]["fits"]:
             print(f"kvjax: does not fit {args.topology}: the {step} step "

@@ -13,10 +13,29 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.core.layer import CacheLayer
-from kvjax.backends.pallas import attend_pallas, pallas_backend, supports_pallas
+from kvjax.backends.pallas import TILE_SLOTS, attend_pallas, pallas_backend, supports_pallas
 from kvjax.backends.sharded import PallasOnMesh, attend_on_mesh
 
 IMPLS = ("xla", "reference", "pallas")
+
+
+def tile_slots(impl) -> int:
+    """The slot multiple a cache decoded with `impl` is shrunk to (`kvjax.shrink(align=)`):
+    the Pallas kernel's tile where a compiled kernel runs (`TILE_SLOTS`: 128 on TPU, 64 on
+    GPU), so it reads the cache in place rather than padding a copy of it per call; 1 for
+    `"xla"`, `"reference"` and where no compiled kernel runs (CPU).
+
+    Example:
+        >>> tile_slots("xla"), tile_slots("pallas")   # on this CPU: no compiled kernel
+        (1, 1)
+    """
+    if isinstance(impl, PallasOnMesh):
+        backend = impl.backend or pallas_backend()
+    elif isinstance(impl, str) and impl == "pallas":
+        backend = pallas_backend()
+    else:
+        return 1
+    return TILE_SLOTS.get(backend, 1) if backend else 1
 
 
 def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xla",

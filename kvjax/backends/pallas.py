@@ -9,7 +9,8 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
   tables); only the pages below the write cursor are read.
   `S` is the largest power of two <= 256 that divides `C` (at least 8); a
   capacity whose pages would be smaller than `TILE_SLOTS` is padded per call to
-  a multiple of it (`padded_to_tile`: a copy, new slots EMPTY).
+  a multiple of it (`padded_to_tile`: a copy, new slots EMPTY); caches shrunk
+  for the kernel are aligned already (`kvjax.shrink(align=kvjax.tile_slots(impl))`).
   On TPU with `S` a multiple of 128, dense and `PackedTokens` stores go to
   the kernel as *row pools* (`row_pages`): the kernel DMAs each page out of
   the cache's own `[R, D, C]` / `[R, C, D]` rows (packed: the code words
@@ -49,6 +50,7 @@ import jax.numpy as jnp
 from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import (NEG_INF, Partial, finish, merge,
                                             paged_attention_partial)
+from kvjax.core.branches import rare_cond
 from kvjax.core.attention import blockwise_state
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
@@ -369,7 +371,7 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
     # page would cost ~200 GB of temporaries at 64 x 32k: docs/BENCHMARKS.md)
     xla = lambda: _blockwise_partial(q, q_pos, layer, jax.eval_shape(kernel),
                                      window=kwargs.get("window"), softcap=kwargs.get("softcap"))
-    return jax.lax.cond(fits, kernel, xla)
+    return rare_cond(~fits, xla, kernel)
 
 
 def _blockwise_partial(q, q_pos, layer: TokenCache, like: Partial, *, window, softcap) -> Partial:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core import attention
+from kvjax.core.branches import rare_cond
 from kvjax.core.layer import EMPTY, CacheLayer, is_layer, layer_kinds, register_layer
 from kvjax.core.stores import (Latent, count_true, is_encoded, put, read, register_export,
                                resize_store, table_rows, table_usage)
@@ -140,8 +141,9 @@ class TokenCache:
         return (self.length, table_usage(self.k, valid), table_usage(self.v, valid),
                 jnp.max(count_true(valid, 1)))
 
-    def shrink_plan(self, usage: tuple, room: int, max_write: int) -> tuple:
-        return resize_plan(self, usage, int(usage[0]) + room * self.slots_per_token)
+    def shrink_plan(self, usage: tuple, room: int, max_write: int, align: int = 1) -> tuple:
+        return resize_plan(self, usage, round_up(int(usage[0]) + room * self.slots_per_token,
+                                                 align))
 
     def resized(self, plan: tuple) -> "TokenCache":
         return _resize_tokens(self, plan)
@@ -254,9 +256,10 @@ class ResidualCache:
     def shrink_usage(self) -> tuple:
         return self.body.shrink_usage(), self.recent.shrink_usage()
 
-    def shrink_plan(self, usage: tuple, room: int, max_write: int) -> tuple:
+    def shrink_plan(self, usage: tuple, room: int, max_write: int, align: int = 1) -> tuple:
         """Keep `residual + block - 1 + max_write` exact slots and give the body room for
-        every token that can flush into it; with `room=0` both parts hold what they hold."""
+        every token that can flush into it; with `room=0` both parts hold what they hold.
+        Each part's capacity is rounded up to a multiple of `align`."""
         spt = self.slots_per_token
         body_usage, recent_usage = usage
         recent = int(recent_usage[0])
@@ -265,8 +268,8 @@ class ResidualCache:
             flush = 0  # the exact part holds every token (a short prompt, a short generation)
         keep = max(recent, self.residual + self.block - 1 + max_write * spt) if flush else \
             recent + room * spt
-        return (resize_plan(self.body, body_usage, int(body_usage[0]) + flush),
-                resize_plan(self.recent, recent_usage, keep))
+        return (resize_plan(self.body, body_usage, round_up(int(body_usage[0]) + flush, align)),
+                resize_plan(self.recent, recent_usage, round_up(keep, align)))
 
     def resized(self, plan: tuple) -> "ResidualCache":
         return self.replace(body=self.body.resized(plan[0]), recent=self.recent.resized(plan[1]))
@@ -332,7 +335,7 @@ def flush_residual(layer: ResidualCache) -> ResidualCache:
             length=recent.length - moved)
         return layer.replace(body=new_body, recent=new_recent)
 
-    return jax.lax.cond(moved > 0, move, lambda layer: layer, layer)
+    return rare_cond(moved > 0, move, lambda layer: layer, layer)
 
 
 def view(layer: Layer, keep_latent: bool = False) -> TokenCache:
@@ -670,6 +673,11 @@ def valid_rows(cache: TokenCache) -> jax.Array:
     valid = cache.pos != EMPTY
     b, kvh, c = valid.shape
     return valid.any(axis=1) if cache.pooled else valid.reshape(b * kvh, c)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The least multiple of `multiple` >= n (n itself for `multiple` 1)."""
+    return -(-n // multiple) * multiple
 
 
 def resize_plan(cache: TokenCache, usage: tuple, capacity: int) -> tuple:

@@ -123,8 +123,9 @@ class CacheLayer(Protocol):
     def shrink_usage(self) -> Any:
         """Jit-able: what `shrink_plan` reads on the host (None: nothing)."""
 
-    def shrink_plan(self, usage: Any, room: int, max_write: int) -> Hashable:
-        """Host side: the static cut leaving room for `room` tokens, `max_write` per write."""
+    def shrink_plan(self, usage: Any, room: int, max_write: int, align: int = 1) -> Hashable:
+        """Host side: the static cut leaving room for `room` tokens, `max_write` per write;
+        slot capacities rounded up to a multiple of `align` (a kernel's tile: `kvjax.shrink`)."""
 
     def resized(self, plan: Hashable) -> "CacheLayer":
         """Jit-able: the layer cut (or grown) by `plan`."""

@@ -282,7 +282,8 @@ def _take_resized(group, n, plan):
     return layer if plan is None else layer.resized(plan)
 
 
-def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = None) -> Cache:
+def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = None,
+           align: int = 1) -> Cache:
     """Cut every layer to its written slots plus room for `room` more tokens (host side).
 
     After a policy compacted the cache, `nbytes(shrink(cache))` is the kept
@@ -291,7 +292,10 @@ def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = 
     A `ResidualCache` keeps `residual + block - 1 + max_write` exact slots
     (default `max_write = room`: one write of all the room) and gives the
     body room for every token that can flush into it; with `room=0` both
-    parts are cut to the tokens they hold.
+    parts are cut to the tokens they hold. `align` rounds every slot capacity up
+    to a multiple of it: the attention kernel's tile (`kvjax.tile_slots`),
+    so the TPU/GPU kernel reads the cache in place instead of padding a copy of it
+    on every call; the samplers pass it for `impl="pallas"`.
 
     `cache` may also be the `StackedLayers` a compiled compression returns
     (`stack_layers`): its layers come back apart, each taken and cut by one
@@ -304,7 +308,11 @@ def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = 
         >>> cache = shrink(cache, room=8)   # nothing written yet: room for 8 tokens
         >>> cache[0].k.shape, cache[0].pos.shape
         ((1, 8, 4), (1, 1, 8))
+        >>> shrink(cache, room=8, align=128)[0].capacity   # the TPU kernel's tile
+        128
     """
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"shrink: align must be a positive int (slots), got {align!r}")
     max_write = room if max_write is None else max_write
     if not isinstance(cache, StackedLayers):
         cache = StackedLayers(tuple(cache), tuple((i,) for i in range(len(cache))))
@@ -316,7 +324,7 @@ def shrink(cache: Cache | StackedLayers, room: int = 0, max_write: int | None = 
         shapes = _one_layer(group) if stacked else group  # what a plan reads of a layer
         for n, i in enumerate(members):
             own = jax.tree.map(lambda x: x[n], usage) if stacked else usage
-            plan = shapes.shrink_plan(own, room, max_write)
+            plan = shapes.shrink_plan(own, room, max_write, align)
             out[i] = _take_resized(group, n if stacked else None, plan)
     return tuple(out)
 

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.core.branches import rare_cond
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, check_sizes, write as cache_write
 from kvjax.core.layer import has_exact_part, register_layer
 from kvjax.memory import paging
@@ -153,7 +154,7 @@ class PagedKivi:
     def shrink_usage(self) -> None:
         return None
 
-    def shrink_plan(self, usage: None, room: int, max_write: int) -> None:
+    def shrink_plan(self, usage: None, room: int, max_write: int, align: int = 1) -> None:
         """Nothing to cut: pages are the pool's, and the exact part keeps its room to flush."""
         return None
 
@@ -345,7 +346,7 @@ def flush_residual(layer: PagedKivi) -> PagedKivi:
                                     length=recent.length - moved)
         return layer.replace(body=body, recent=new_recent)
 
-    return jax.lax.cond(moved > 0, move, lambda layer: layer, layer)
+    return rare_cond(moved > 0, move, lambda layer: layer, layer)
 
 
 def _check_unpaged(cache: Sequence[Any]) -> None:

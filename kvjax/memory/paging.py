@@ -65,6 +65,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax.core.branches import rare_cond
 from kvjax.core.cache import EMPTY, TokenCache, check_sizes
 from kvjax.core.layer import register_layer
 from kvjax.core.stores import PackedTokens, encode_dense, is_dense, map_slot_leaves, read
@@ -252,7 +253,7 @@ class PagedLayer:
     def shrink_usage(self) -> None:
         return None
 
-    def shrink_plan(self, usage: None, room: int, max_write: int) -> None:
+    def shrink_plan(self, usage: None, room: int, max_write: int, align: int = 1) -> None:
         """Nothing to cut: pages are freed whole by the pool (`release`, `evict_pages`)."""
         return None
 
@@ -324,8 +325,8 @@ class PagedLayer:
             return (map_slot_leaves(k, zero), map_slot_leaves(v, zero),
                     pos.at[page].set(EMPTY, mode="drop"))
 
-        k, v, pos = jax.lax.cond(jnp.any(start), scrub, lambda kvp: kvp,
-                                 (self.k, self.v, self.pos))
+        k, v, pos = rare_cond(jnp.any(start), scrub, lambda kvp: kvp,
+                              (self.k, self.v, self.pos))
         return self.replace(k=k, v=v, pos=pos)
 
 

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.compute_on import compute_on
 
+from kvjax.core.branches import rare_cond
 from kvjax.core.cache import EMPTY, TokenCache
 from kvjax.core.layer import register_layer
 from kvjax.memory.paging import (NULL_PAGE, PagedLayer, PagePool, _concrete, _finish,
@@ -186,9 +187,9 @@ def tiered_view(layer: TieredLayer) -> TokenCache:
         x = read(dev)[jnp.where(on_host, NULL_PAGE, ids)]  # [R, NP, S, D]
         x = jnp.where((on_host & hit)[..., None, None], read(stage)[slot], x)
         wanted = jnp.where(miss, ids - pd, 0).reshape(-1)
-        fetched = jax.lax.cond(jnp.any(miss),
-                               lambda: read(_host_take(host, wanted)).reshape(x.shape),
-                               lambda: jnp.zeros_like(x))
+        fetched = rare_cond(jnp.any(miss),
+                            lambda: read(_host_take(host, wanted)).reshape(x.shape),
+                            lambda: jnp.zeros_like(x))
         x = jnp.where(miss[..., None, None], fetched, x)
         return x.reshape(x.shape[0], -1, x.shape[-1])  # [R, NP*S, D]
 

@@ -281,7 +281,7 @@ class LinearLayer:
     def shrink_usage(self) -> None:
         return None
 
-    def shrink_plan(self, usage: None, room: int, max_write: int) -> int:
+    def shrink_plan(self, usage: None, room: int, max_write: int, align: int = 1) -> int:
         """`kvjax.shrink`: fold the staged tokens; stage up to `max_write` next."""
         return max(1, max_write)
 
@@ -391,8 +391,8 @@ class FoldedLayer:
     def shrink_usage(self) -> Any:
         return self.tokens.shrink_usage()
 
-    def shrink_plan(self, usage: Any, room: int, max_write: int) -> Any:
-        return self.tokens.shrink_plan(usage, room, max_write)
+    def shrink_plan(self, usage: Any, room: int, max_write: int, align: int = 1) -> Any:
+        return self.tokens.shrink_plan(usage, room, max_write, align)
 
     def resized(self, plan: Any) -> "FoldedLayer":
         return self.replace(tokens=self.tokens.resized(plan))
