@@ -40,6 +40,12 @@ _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
+def longrope_attention_factor(factor: float, original: int) -> float:
+    """LongRoPE's default attention factor: sqrt(1 + ln(factor) / ln(original)), 1 when
+    factor <= 1 (transformers' and llama.cpp's)."""
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 def _longrope(params: dict[str, Any], raw: dict[str, Any]) -> RopeScaling:
     """LongRoPE as transformers reads it: `original_max_position_embeddings` from the rope dict
     or the config, `factor` default max / original positions, `attention_factor` default
@@ -51,8 +57,7 @@ def _longrope(params: dict[str, Any], raw: dict[str, Any]) -> RopeScaling:
     factor = params.get("factor") or raw.get("max_position_embeddings", original) / original
     attention = params.get("attention_factor")
     if attention is None:
-        attention = (1.0 if factor <= 1.0
-                     else math.sqrt(1 + math.log(factor) / math.log(original)))
+        attention = longrope_attention_factor(factor, original)
     return RopeScaling(factor=float(factor), original_max_position=int(original),
                        rope_type="longrope", short_factor=params["short_factor"],
                        long_factor=params["long_factor"], attention_factor=float(attention))

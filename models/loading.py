@@ -35,7 +35,7 @@ from models.llama import Llama, LlamaConfig
 Params = dict[tuple[Any, ...], np.ndarray]
 """Flat weights keyed by the model's state path, e.g. ('layers', 0, 'mlp', 'up_proj', 'kernel')."""
 
-GGUF_ARCHS = ("llama", "qwen2")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 HF_ARCHS = families.FAMILIES
 
 
@@ -88,11 +88,26 @@ def _layer_params(i: int, get, transpose,
 
 # ----------------------------------------------------------------------------- GGUF
 
-_GGUF_LAYER_NAMES = {
-    "attn.q_proj": "attn_q", "attn.k_proj": "attn_k", "attn.v_proj": "attn_v",
-    "attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_norm": "attn_norm", "post_attn_norm": "ffn_norm",
+# llama.cpp's tensor names (the gguf package's `TENSOR_NAMES`) -> transformers' in a layer;
+# Gemma 3 names its four norms apart, and Phi-3's `ffn_up` is the fused gate_up_proj
+_GGUF_TO_HF = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+_GGUF_TO_HF_ARCH = {
+    "gemma3": {**_GGUF_TO_HF, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {**_GGUF_TO_HF, "ffn_up": "mlp.gate_up_proj"},
+}
+_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GGUF_NOT_WEIGHTS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+GEMMA3_GGUF_LOCAL_ROPE = 10_000.0  # llama.cpp's Gemma 3 sliding layers (not in the file)
+GEMMA3_GGUF_PATTERN = 6  # llama.cpp's Gemma 3: every sixth layer global (unless the file says)
 
 
 def _gguf_value(reader, key: str, default: Any = None) -> Any:
@@ -105,6 +120,8 @@ def gguf_config(reader) -> LlamaConfig:
     arch = _gguf_value(reader, "general.architecture")
     if arch not in GGUF_ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; kvjax loads {GGUF_ARCHS}")
+    if arch in ("qwen3", "phi3", "gemma3"):
+        return families.hf_config(gguf_hf_config(reader, arch))
     get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)
 
     def need(key: str) -> Any:
@@ -148,6 +165,88 @@ def gguf_config(reader) -> LlamaConfig:
     )
 
 
+def _decimal(x) -> float:
+    """A float32 GGUF value as the shortest decimal that rounds to it (1e-06, not
+    9.99999997e-07): the number the converter read from config.json."""
+    return float(str(np.float32(x)))
+
+
+def gguf_hf_config(reader, arch: str) -> dict:
+    """A transformers config.json dict for a Qwen3, Phi-3 or Gemma 3 GGUF file, from the keys
+    llama.cpp's converter writes (`families.hf_config` then reads it as it reads a directory).
+
+    Where the file is silent, llama.cpp's fixed choices for Gemma 3 hold: sliding layers
+    use RoPE base 10,000 (`rope.freq_base_swa` when written), every sixth layer is global
+    (`attention.sliding_window_pattern`: a period, or one flag per layer, True = sliding),
+    and the attention scale is head_dim ** -0.5, (hidden / heads) ** -0.5 for the 27B shape
+    (62 layers)."""
+    get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)
+
+    def need(key: str) -> Any:
+        value = get(key)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError("GGUF file lacks tensor 'token_embd.weight'")
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    layers = int(need("block_count"))
+    eos = [x for x in dict.fromkeys((_gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+                                     _gguf_value(reader, "tokenizer.ggml.eot_token_id")))
+           if x is not None]
+    raw = dict(model_type="gemma3_text" if arch == "gemma3" else arch, hidden_size=hidden,
+               intermediate_size=int(need("feed_forward_length")), num_hidden_layers=layers,
+               num_attention_heads=heads,
+               num_key_value_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
+               rms_norm_eps=_decimal(get("attention.layer_norm_rms_epsilon", 1e-6)),
+               max_position_embeddings=int(get("context_length", 2048)),
+               rope_theta=_decimal(get("rope.freq_base", 10_000.0)),
+               vocab_size=int(tensors["token_embd.weight"].shape[-1]),
+               tie_word_embeddings="output.weight" not in tensors,
+               bos_token_id=_gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+               eos_token_id=[int(x) for x in eos])
+    dims = int(get("rope.dimension_count", head_dim))
+    if dims != head_dim:
+        raw["partial_rotary_factor"] = dims / head_dim  # refused by name (hf_config)
+    scaling = get("rope.scaling.type")
+    if arch == "gemma3":
+        pattern = get("attention.sliding_window_pattern", GEMMA3_GGUF_PATTERN)
+        if isinstance(pattern, (list, tuple)):  # one flag per layer
+            raw["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+        else:
+            raw["sliding_window_pattern"] = int(pattern)
+        raw.update(sliding_window=int(need("attention.sliding_window")),
+                   rope_local_base_freq=_decimal(get("rope.freq_base_swa",
+                                                     GEMMA3_GGUF_LOCAL_ROPE)),
+                   query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+                   final_logit_softcapping=None if get("final_logit_softcapping") is None
+                   else _decimal(get("final_logit_softcapping")))
+        if scaling == "linear":
+            raw["rope_scaling"] = {"rope_type": "linear",
+                                   "factor": _decimal(need("rope.scaling.factor"))}
+    elif arch == "phi3":
+        raw["sliding_window"] = int(get("attention.sliding_window", 0)) or None
+        original = get("rope.scaling.original_context_length")
+        if original is not None:
+            raw["original_max_position_embeddings"] = int(original)
+        if "rope_factors_long.weight" in tensors:
+            factors = lambda name: [_decimal(x) for x in np.asarray(tensors[name].data)]
+            raw["rope_scaling"] = {
+                "rope_type": "longrope", "long_factor": factors("rope_factors_long.weight"),
+                "short_factor": factors("rope_factors_short.weight")}
+            stored = np.float32(get("rope.scaling.attn_factor", 1.0))
+            if stored != np.float32(families.longrope_attention_factor(
+                    int(get("context_length", 2048)) / int(original or 1), int(original or 1))):
+                raw["rope_scaling"]["attention_factor"] = _decimal(stored)  # else transformers'
+                # default, computed as a directory's config gets it (not its float32 rounding)
+    if scaling not in (None, "none") and "rope_scaling" not in raw:
+        raise ValueError(f"unsupported GGUF rope scaling {scaling!r} for {arch}")
+    return raw
+
+
 def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K permutation ([out, ...] rows, interleaved -> halves)."""
     half = w.shape[0] // n_heads // 2
@@ -188,7 +287,9 @@ def progress_enabled(progress: bool | None = None) -> bool:
 
 def load_gguf(path_or_reader, progress: bool = False) -> tuple[LlamaConfig, Params]:
     """Read and dequantize a GGUF file: (config, float32 weights by state path); with
-    `progress`, a bar over the layers on stderr."""
+    `progress`, a bar over the tensors on stderr. The tensors are renamed to transformers'
+    names (llama.cpp's Llama Q/K row permutation and Gemma's stored 1 + w norms undone) and
+    read as a Hugging Face directory's are (`params_from_hf_tensors`)."""
     import gguf
     from tqdm import tqdm
 
@@ -197,33 +298,40 @@ def load_gguf(path_or_reader, progress: bool = False) -> tuple[LlamaConfig, Para
     arch = _gguf_value(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}
 
-    def tensor(name: str) -> np.ndarray | None:
-        t = tensors.get(name)
-        if t is None:
-            return None
+    def tensor(name: str) -> np.ndarray:
+        t = tensors[name]
         return np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
 
-    def required(name: str) -> np.ndarray:
+    names = _GGUF_TO_HF_ARCH.get(arch, _GGUF_TO_HF)
+    raw: dict[str, np.ndarray] = {}
+    for name in tqdm(tensors, desc="dequantizing GGUF tensors", unit="tensor",
+                     disable=not progress, file=sys.stderr):
+        if name in _GGUF_NOT_WEIGHTS:
+            continue
+        parts = name.split(".")  # blk.<i>.<gguf name>.<weight|bias>
+        if name in _GGUF_GLOBAL:
+            hf = _GGUF_GLOBAL[name]
+        elif parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+            hf = f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+        else:
+            raise ValueError(f"GGUF tensor {name!r} is not one kvjax reads for {arch}")
         x = tensor(name)
-        if x is None:
-            raise ValueError(f"GGUF file lacks tensor {name!r}")
-        return x
+        if arch == "llama" and parts[2:3] in (["attn_q"], ["attn_k"]):
+            x = unpermute_rope_rows(x, cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads)
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            x = x - 1.0  # llama.cpp stores Gemma's (1 + w) norms as 1 + w
+        raw[hf] = x
+    hf_to_gguf = {hf: gguf_name for gguf_name, hf in names.items()}
+    global_names = {hf: gguf_name for gguf_name, hf in _GGUF_GLOBAL.items()}
 
-    params: Params = {("embed",): required("token_embd.weight"),
-                      ("norm", "weight"): required("output_norm.weight")}
-    if not cfg.tie_embeddings:
-        params[("lm_head", "kernel")] = required("output.weight").T
-    for i in tqdm(range(cfg.num_layers), desc="dequantizing GGUF layers", unit="layer",
-                  disable=not progress, file=sys.stderr):
-        def get(ours: str, i=i) -> np.ndarray | None:
-            base, _, kind = ours.rpartition(".")
-            name = f"blk.{i}.{_GGUF_LAYER_NAMES[base]}.{kind}"
-            x = tensor(name) if kind == "bias" else required(name)
-            if arch == "llama" and base in ("attn.q_proj", "attn.k_proj") and x is not None:
-                x = unpermute_rope_rows(x, cfg.num_heads if base == "attn.q_proj" else cfg.num_kv_heads)
-            return x
-        params.update(_layer_params(i, get, transpose=lambda w: w.T))
-    return cfg, params
+    def source_name(hf: str) -> str:  # for errors: the name the GGUF file would use
+        if hf in global_names:
+            return global_names[hf]
+        _, _, i, *base, kind = hf.split(".")  # model.layers.<i>.<module path>.<kind>
+        return f"blk.{i}.{hf_to_gguf.get('.'.join(base), '.'.join(base))}.{kind}"
+
+    return cfg, params_from_hf_tensors(raw, cfg, f"GGUF file {getattr(reader, 'path', '')}",
+                                       source_name)
 
 
 # ----------------------------------------------------------------------------- HF directory
@@ -301,9 +409,17 @@ def load_hf_dir(path: str | os.PathLike,
             raise ValueError(f"{f}: not a readable safetensors file ({type(e).__name__}: "
                              f"{str(e)[:200]})") from None
 
+    return cfg, params_from_hf_tensors(raw, cfg, str(path))
+
+
+def params_from_hf_tensors(raw: dict[str, np.ndarray], cfg: LlamaConfig, where: str,
+                          source_name=lambda name: name) -> Params:
+    """Weights by state path from tensors by transformers' names (consumed from `raw`); a
+    ValueError naming `where` and the tensor (`source_name` of its transformers name) for a
+    missing tensor or one no weight of `cfg` takes."""
     def required(name: str) -> np.ndarray:
         if name not in raw:
-            raise ValueError(f"{path}: tensor {name!r} is missing")
+            raise ValueError(f"{where}: tensor {source_name(name)!r} is missing")
         return raw.pop(name)
 
     families.split_fused(raw, cfg)  # Phi-3's qkv_proj and gate_up_proj
@@ -318,10 +434,10 @@ def load_hf_dir(path: str | os.PathLike,
             name = f"model.layers.{i}.{_HF_LAYER_NAMES[base]}.{kind}"
             return raw.pop(name, None) if kind == "bias" else required(name)
         params.update(_layer_params(i, get, transpose=lambda w: w.T, cfg=cfg))
-    leftover = [k for k in raw if "rotary_emb" not in k]
+    leftover = [source_name(k) for k in raw if "rotary_emb" not in k]
     if leftover:
-        raise ValueError(f"{path}: unexpected tensors {leftover[:5]}")
-    return cfg, params
+        raise ValueError(f"{where}: unexpected tensors {leftover[:5]}")
+    return params
 
 
 # ----------------------------------------------------------------------------- entry point

@@ -396,3 +396,99 @@ def test_families_generate_the_same_tokens_sharded_over_4_devices():
     for name, (single, sharded, capacities) in out.items():
         assert single == sharded, name
     assert out["gemma3"][2][0] == out["gemma3"][2][2] == 40
+
+
+def write_family_gguf(name: str, path: Path) -> Path:
+    """A float32 GGUF of a family's golden checkpoint as llama.cpp's convert_hf_to_gguf.py
+    writes one: the metadata keys its converter sets for the architecture, tensor names from
+    the gguf package's own HF -> GGUF map, Gemma's norms stored as 1 + w, Phi-3's fused
+    tensors as they are and its LongRoPE factors as `rope_factors_*` tensors."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    raw = json.loads((GOLDEN / name / "config.json").read_text())
+    hf = load_file(str(GOLDEN / name / "model.safetensors"))
+    arch = {"qwen3": "qwen3", "phi3": "phi3", "gemma3_text": "gemma3"}[raw["model_type"]]
+    enum = {"qwen3": gguf.MODEL_ARCH.QWEN3, "phi3": gguf.MODEL_ARCH.PHI3,
+            "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch]
+    names = gguf.get_tensor_name_map(enum, raw["num_hidden_layers"])
+    rope = raw["rope_parameters"]
+    full_rope = rope.get("full_attention", rope)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(raw["hidden_size"])
+    w.add_block_count(raw["num_hidden_layers"])
+    w.add_feed_forward_length(raw["intermediate_size"])
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_head_count_kv(raw["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    w.add_rope_freq_base(full_rope["rope_theta"])
+    w.add_bos_token_id(raw["bos_token_id"])
+    w.add_eos_token_id(raw["eos_token_id"])
+    if raw.get("head_dim"):
+        w.add_key_length(raw["head_dim"])
+        w.add_value_length(raw["head_dim"])
+    if arch == "gemma3":
+        w.add_sliding_window(raw["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in raw["layer_types"]])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full_rope["factor"])
+        w.add_final_logit_softcapping(raw["final_logit_softcapping"])
+    if arch == "phi3":
+        head_dim = raw["hidden_size"] // raw["num_attention_heads"]
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_scaling_orig_ctx_len(raw["original_max_position_embeddings"])
+        w.add_sliding_window(raw.get("sliding_window") or 0)
+        if rope.get("rope_type") == "longrope":
+            scale = raw["max_position_embeddings"] / raw["original_max_position_embeddings"]
+            w.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(raw["original_max_position_embeddings"])))
+            w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+            w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    for hf_name, x in hf.items():
+        if hf_name == "lm_head.weight" and raw.get("tie_word_embeddings"):
+            continue
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            x = x + 1.0
+        w.add_tensor(names.get_name(hf_name, try_suffixes=(".weight", ".bias")),
+                     np.asarray(x, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen3", "phi3", "phi3_longrope", "gemma3"])
+def test_gguf_of_each_family_loads_as_its_directory(name, tmp_path):
+    """Issue 51's GGUF for the families llama.cpp writes: a Qwen3, Phi-3 (with and without
+    LongRoPE) or Gemma 3 GGUF loads to the directory's config and weights, exactly, and to
+    transformers' logits. One exception, llama.cpp's: a Gemma 3 file holds no
+    query_pre_attn_scalar, so its attention scale is head_dim ** -0.5 (the released models'
+    value); the golden's 24 is compared against the directory loaded with that scale."""
+    from models.loading import load_gguf
+
+    cfg, params = load_gguf(write_family_gguf(name, tmp_path / f"{name}.gguf"))
+    want_cfg, want = load_hf_dir(GOLDEN / name)
+    if name == "gemma3":
+        assert want_cfg.query_scale != want_cfg.head_dim ** -0.5  # the exception is real
+        want_cfg = dataclasses.replace(want_cfg, query_scale=want_cfg.head_dim ** -0.5)
+    assert cfg == want_cfg
+    assert params.keys() == want.keys()
+    for key in want:
+        if name == "gemma3" and key[-1] == "weight" and "norm" in str(key):
+            # stored as 1 + w in float32, read back as (1 + w) - 1: within half an ulp of 1 + w
+            half_ulp = np.spacing(np.float32(1) + np.abs(want[key])) / 2
+            assert np.all(np.abs(params[key] - want[key]) <= half_ulp), key
+        else:
+            np.testing.assert_array_equal(params[key], want[key], err_msg=str(key))
+    golden = np.load(GOLDEN / name / "golden.npz")
+    ids = jnp.asarray(golden["input_ids"], jnp.int32)
+    t = ids.shape[1]
+    forward = lambda model: model(ids, jnp.broadcast_to(jnp.arange(t), ids.shape),
+                                  kvjax.init_model_cache(model.config.cache_spec, ids.shape[0], t))[0]
+    ours = forward(build_model(cfg, params))
+    if name != "gemma3":
+        assert relative_error(ours, golden["logits"]) <= F32_REL
+    assert relative_error(ours, forward(build_model(want_cfg, want))) <= F32_REL
