@@ -278,7 +278,8 @@ def export_artifact(model: Llama, tokenizer: Any, out: str | Path, *,
         write("prefill", prefill, (params, tokens, tokens, cache, stats), (3,))
         if method.spec != "full":  # the compressed layout, batch still symbolic
             cache = write("compress", compress, (cache, stats), (0,))
-        layout = jax.eval_shape(lambda c: exported.bucket_layout(c, capacity, check=False),
+        layout = jax.eval_shape(lambda c: exported.bucket_layout(c, capacity, check=False,
+                                                                 spec=cfg.cache_spec),
                                 cache)
         write("decode", decode, (params, step, step, layout), (3,))
     from safetensors.numpy import save_file

@@ -283,10 +283,9 @@ def test_bfloat16_checkpoint_loads_as_bfloat16_without_a_float32_copy(tmp_path):
 
 
 def test_exported_gemma3_with_a_compression_chain_generates_the_live_tokens(tmp_path):
-    """`export_artifact` on Gemma 3: the chain compresses the global layer only and the
-    artifact's tokens are the live sampler's. (The artifact sizes every layer to its decode
-    bucket, local ones included: correct, as a local layer keeps its newest slots and masks
-    by the window, but not yet window-sized there.)"""
+    """`export_artifact` on Gemma 3: the chain compresses the global layer only, the
+    artifact's tokens are the live sampler's, and its local layers decode at their window
+    (40 slots), not at the decode bucket."""
     from kvjax.tools import exported
     from models.export import export_artifact
 
@@ -300,6 +299,8 @@ def test_exported_gemma3_with_a_compression_chain_generates_the_live_tokens(tmp_
     np.testing.assert_array_equal(got.tokens, live.tokens)
     assert isinstance(got.cache[1], kvjax.ResidualCache)  # the global layer: KIVI's layout
     assert all(isinstance(got.cache[i], kvjax.TokenCache) for i in (0, 2))  # local: plain
+    assert [got.cache[i].capacity for i in (0, 2)] == [40, 40]  # the window, not the bucket
+    assert got.cache[1].body.capacity in (64, 128)  # the decode bucket
 
 
 def test_context_then_prompt_equals_one_prompt_on_window_layers(family):

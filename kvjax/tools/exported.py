@@ -38,9 +38,10 @@ from kvjax.core.layer import has_exact_part, is_plain
 from kvjax.core.stats import LayerStats, StatsSpec, init_stats
 from kvjax.core.stores import PackedChannels, resize_rows, is_dense
 
-FORMAT = 2
+FORMAT = 3
 """Version of the artifact layout (`manifest.json["format"]`); another one is refused.
-2: the manifest lists every file's size and SHA-256 (`files`), checked at load."""
+2: the manifest lists every file's size and SHA-256 (`files`), checked at load.
+3: a sliding-window layer decodes at its window (`bucket_layout` with the `cache_spec`)."""
 
 KIND = "kvjax-exported-decoder"
 MANIFEST = "manifest.json"
@@ -148,21 +149,25 @@ def fixed_resize(layer: TokenCache, capacity: int, check: bool = True) -> TokenC
                          mass=None if layer.mass is None else cut(layer.mass, 0))
 
 
-def bucket_layout(cache: Sequence[Any], capacity: int, check: bool = True) -> tuple[Any, ...]:
-    """Every layer cut (or padded) to `capacity` slots; a residual layer's body to `capacity`
-    and its exact part to `recent_slots`. Host side: raises if a written slot would be lost.
+def bucket_layout(cache: Sequence[Any], capacity: int, check: bool = True,
+                  spec: CacheSpec | None = None) -> tuple[Any, ...]:
+    """Every layer cut (or padded) to `capacity` slots -- a sliding-window layer of `spec` to
+    its window when smaller (`CacheSpec.layer_capacity`) --; a residual layer's body to
+    `capacity` and its exact part to `recent_slots`. Host side: raises if a written slot
+    would be lost.
 
     The decode step of a bucket is exported for this layout, so whatever a method kept is
     decoded by one compiled program per bucket, whatever its exact count. `check=False`
     skips the host-side checks (for tracing, see `fixed_resize`).
     """
     out = []
-    for layer in cache:
+    for i, layer in enumerate(cache):
         if has_exact_part(layer):
             layer = layer.replace(body=fixed_resize(layer.body, capacity, check),
                                   recent=fixed_resize(layer.recent, recent_slots(layer, capacity), check))
         elif is_plain(layer):
-            layer = fixed_resize(layer, capacity, check)
+            layer = fixed_resize(layer, capacity if spec is None
+                                 else spec.layer_capacity(i, capacity), check)
         else:
             raise ValueError(f"bucket_layout: layer type {type(layer).__name__} is not "
                              f"exported (TokenCache or ResidualCache)")
@@ -522,7 +527,7 @@ class ExportedDecoder:
         logits, cache, next_pos, prefill_bucket = self.prefill(ids, max_new_tokens)
         bucket = pick_bucket(self.buckets, slots_needed(cache, max_new_tokens - 1),
                              "the compressed cache plus the new tokens")
-        cache = bucket_layout(cache, bucket)
+        cache = bucket_layout(cache, bucket, spec=self.cache_spec)
         decode = self._fn("decode", bucket)
         eos = np.asarray(self.eos_ids if self.eos_ids else (-1,), np.int32)
         b = len(ids)
@@ -590,7 +595,7 @@ def compile_for_tpu(directory: str | Path, chip: str = "v5e", batch: int = 1,
             compress = load(bucket, "compress")
             calls["compress"] = (compress, (cache, layer_stats))
             cache = jax.eval_shape(compress.call, cache, layer_stats)
-        layout = jax.eval_shape(lambda c: bucket_layout(c, bucket, check=False), cache)
+        layout = jax.eval_shape(lambda c: bucket_layout(c, bucket, check=False, spec=spec), cache)
         calls["decode"] = (load(bucket, "decode"), (params, step, step, layout))
         report[str(bucket)] = {}
         for name, (exp, args) in calls.items():
