@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizer for Llama-family models, built on `tokenizers`.
+"""Llama-family tokenizers (byte-level BPE and SentencePiece), built on `tokenizers`.
 
 Two sources are supported, both producing the same `Tokenizer` wrapper:
 
@@ -15,8 +15,9 @@ Example::
     tok.decode(ids)                          # 'Hello world'
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
 
-Only byte-level BPE (GGUF ``tokenizer.ggml.model == "gpt2"``) is supported;
-SentencePiece vocabularies (``"llama"``) raise a ``ValueError``.
+A GGUF vocabulary is byte-level BPE (``tokenizer.ggml.model == "gpt2"``: SmolLM2,
+Llama 3, Qwen) or SentencePiece BPE (``"llama"``: Gemma 3, Phi-3, Llama 2; pieces with
+scores, byte fallback; `_build_sentencepiece`); another model raises a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -133,20 +134,24 @@ class Tokenizer:
         meta = _read_tokenizer_metadata(reader)
 
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ValueError(
-                f"{path}: tokenizer.ggml.model={kind!r} is unsupported; only "
-                "byte-level BPE ('gpt2') is implemented ('llama' means a "
-                "SentencePiece vocabulary)."
+                f"{path}: tokenizer.ggml.model={kind!r} is unsupported; kvjax reads "
+                "byte-level BPE ('gpt2') and SentencePiece BPE ('llama')."
             )
         if "tokenizer.ggml.tokens" not in meta:
             raise ValueError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        merges: list[str] = meta.get("tokenizer.ggml.merges", [])
         types = meta.get("tokenizer.ggml.token_type")  # int32[vocab] or None
-        pre = meta.get("tokenizer.ggml.pre", "default")
-
-        backend = _build_bpe(tokens, merges, pre)
+        if kind == "llama":
+            if "tokenizer.ggml.scores" not in meta:
+                raise ValueError(f"{path}: a SentencePiece vocabulary needs "
+                                 f"tokenizer.ggml.scores")
+            backend = _build_sentencepiece(tokens, meta["tokenizer.ggml.scores"], types,
+                                           bool(meta.get("tokenizer.ggml.add_space_prefix", True)))
+        else:
+            backend = _build_bpe(tokens, meta.get("tokenizer.ggml.merges", []),
+                                 meta.get("tokenizer.ggml.pre", "default"))
         _register_added_tokens(backend, tokens, types)
         return cls(
             backend,
@@ -398,6 +403,49 @@ def _build_bpe(tokens: list[str], merges: list[str], pre: str) -> _HFTokenizer:
         backend.normalizer = normalizers.NFC()  # as in Qwen2's tokenizer.json
     backend.pre_tokenizer = pre_tokenizer
     backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+SPACE = "\u2581"  # SentencePiece's visible space, "▁"
+TOKEN_TYPE_BYTE = 6  # <0xNN>: a byte with no piece of its own (byte fallback)
+
+
+def _build_sentencepiece(tokens: list[str], scores, types, add_space_prefix: bool
+                         ) -> _HFTokenizer:
+    """A SentencePiece BPE vocabulary (pieces, scores) as a `tokenizers` BPE model.
+
+    SentencePiece merges, again and again, the adjacent pair whose concatenation is a piece
+    with the highest score; a character with no piece becomes its UTF-8 bytes (`<0xNN>`).
+    The same as ranked merges: every split (left, right) of a piece into two pieces is a
+    merge, ranked by the piece's score (highest first), with byte fallback. Spaces are
+    SentencePiece's "▁", with one in front of the text when `add_space_prefix` (Llama 2,
+    Phi-3; not Gemma 3), dropped again on decode; text on each side of an added token is
+    prefixed on its own, as llama.cpp does.
+    """
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    scores = np.asarray(scores, np.float64)
+    types = np.ones(len(tokens), np.int32) if types is None else np.asarray(types)
+    mergeable = [i for i in range(len(tokens))
+                 if types[i] == TOKEN_TYPE_NORMAL and len(tokens[i]) > 1]
+    merges = []
+    for i in sorted(mergeable, key=lambda i: (-scores[i], i)):
+        piece = tokens[i]
+        merges += [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                   if piece[:k] in vocab and piece[k:] in vocab]
+    unknown = [tokens[i] for i in np.flatnonzero(types == 2)]
+    backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
+                                      fuse_unk=True, unk_token=unknown[0] if unknown else None))
+    # spaces become "▁", and each stretch of text between added tokens gets the prefix, as
+    # llama.cpp and transformers' fast Llama tokenizer give it (sentencepiece itself only
+    # prefixes the whole text)
+    backend.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend(SPACE)] if add_space_prefix else [])
+        + [normalizers.Replace(" ", SPACE)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
     return backend
 
 

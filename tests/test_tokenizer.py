@@ -153,10 +153,87 @@ def test_unknown_pre_is_rejected(tmp_path):
         Tokenizer.from_gguf(path)
 
 
-def test_sentencepiece_is_rejected(tmp_path):
-    path = write_gguf(tmp_path / "t.gguf", model="llama")
-    with pytest.raises(ValueError, match="'llama' is unsupported"):
+def test_unknown_tokenizer_model_is_rejected(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", model="rwkv")
+    with pytest.raises(ValueError, match="'rwkv' is unsupported"):
         load_tokenizer(path)
+
+
+def test_sentencepiece_without_scores_is_rejected(tmp_path):
+    path = write_gguf(tmp_path / "t.gguf", model="llama")
+    with pytest.raises(ValueError, match="needs tokenizer.ggml.scores"):
+        load_tokenizer(path)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["space_prefix", "no_prefix"])
+def sentencepiece_pair(request, tmp_path_factory):
+    """(sentencepiece processor, kvjax Tokenizer of the GGUF llama.cpp would write for it):
+    a 600-piece SentencePiece BPE model trained here on the KJV Genesis text with byte
+    fallback and no normalization (Llama 2's settings); with and without the space prefix
+    (Phi-3 / Llama 2 have it, Gemma 3 not)."""
+    import sentencepiece as spm  # the test extra's reference
+
+    folder = tmp_path_factory.mktemp("spm")
+    text = (Path(__file__).parents[1] / "experiments" / "data" / "kjv_genesis.txt").read_text()
+    (folder / "train.txt").write_text(text[:200_000], encoding="utf-8")
+    prefix = request.param
+    spm.SentencePieceTrainer.train(
+        input=str(folder / "train.txt"), model_prefix=str(folder / "m"), vocab_size=600,
+        model_type="bpe", byte_fallback=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=prefix, character_coverage=1.0,
+        user_defined_symbols=["<tool>"], minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "m.model"))
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i)
+             else 5 if sp.is_unused(i) else 4 if sp.id_to_piece(i) == "<tool>" else 1
+             for i in range(sp.get_piece_size())]  # llama.cpp's _create_vocab_sentencepiece
+    writer = gguf.GGUFWriter(folder / "m.gguf", "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list([sp.id_to_piece(i) for i in range(sp.get_piece_size())])
+    writer.add_token_scores([sp.get_score(i) for i in range(sp.get_piece_size())])
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(prefix)
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return sp, Tokenizer.from_gguf(folder / "m.gguf")
+
+
+SENTENCEPIECE_TEXTS = [
+    "In the beginning God created the heaven and the earth.",
+    "  two leading spaces,   three inside, a trailing one ",
+    "lines\nand\n\nparagraphs\twith a tab",
+    PROSE,  # accents, emoji, CJK, Greek: no pieces for them, so bytes
+    "begat begat begat Methuselah and Lamech",
+]
+
+
+@pytest.mark.parametrize("text", SENTENCEPIECE_TEXTS)
+def test_sentencepiece_gguf_encodes_as_sentencepiece(sentencepiece_pair, text):
+    """A SentencePiece GGUF vocabulary (`tokenizer.ggml.model == "llama"`, pieces, scores and
+    types) encodes every text to the ids the sentencepiece library gives, and decodes back to
+    the text."""
+    sp, tok = sentencepiece_pair
+    assert tok.encode(text) == sp.encode(text)
+    assert tok.decode(tok.encode(text)) == text == sp.decode(sp.encode(text))
+
+
+def test_sentencepiece_gguf_encodes_each_side_of_an_added_token_as_llama_cpp(sentencepiece_pair):
+    """A user-defined piece in the text is matched whole, and the text on each side of it is
+    encoded as a text of its own, space prefix included: llama.cpp's rule (and transformers'
+    fast Llama tokenizer's); sentencepiece itself prefixes the whole text once."""
+    sp, tok = sentencepiece_pair
+    tool = sp.piece_to_id("<tool>")
+    assert tok.encode("a <tool> call") == sp.encode("a ") + [tool] + sp.encode(" call")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=40))
+def test_sentencepiece_gguf_equals_sentencepiece_on_random_text(sentencepiece_pair, text):
+    sp, tok = sentencepiece_pair
+    assert tok.encode(text) == sp.encode(text), text
 
 
 def test_chat_template_rendering(tmp_path):
