@@ -122,8 +122,10 @@ def test_finch_rule_matches_kvpress_on_random_attention():
     """The scorer alone (no model): FinchPress.score on random keys and queries through
     kvpress's own window attention, against kvjax's `finch` kept positions, with and without
     normalisation, GQA groups of 3."""
-    torch = pytest.importorskip("torch")
-    kvpress = pytest.importorskip("kvpress")
+    torch = pytest.importorskip("torch", reason="[optional] torch is in the `compare` extra, "
+                                                "not installed")
+    kvpress = pytest.importorskip("kvpress", reason="[optional] kvpress is in the `compare` "
+                                                    "extra, not installed")
     import jax.numpy as jnp
     from kvjax.core.stats import LayerStats
     from kvjax.policies.eviction_finch import FinchScorer

@@ -68,8 +68,10 @@ def test_entropy_chunk_rule_matches_kvpress_on_random_scores():
     """The rule alone (no model): kvpress's EntropyGatedChunkKVPress.compress around a press
     whose score is given, against `entropy_chunk_keep` jitted, on 60 random cases: partial
     last chunks, rows shorter than a chunk, signed and spiky scores, budgets below a chunk."""
-    torch = pytest.importorskip("torch")
-    kvpress = pytest.importorskip("kvpress")
+    torch = pytest.importorskip("torch", reason="[optional] torch is in the `compare` extra, "
+                                                "not installed")
+    kvpress = pytest.importorskip("kvpress", reason="[optional] kvpress is in the `compare` "
+                                                    "extra, not installed")
     import jax
     import jax.numpy as jnp
     from kvjax.policies.eviction_entropy_chunk import entropy_chunk_keep
