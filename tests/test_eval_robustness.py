@@ -212,12 +212,22 @@ sys.exit(main(["eval", "--config", sys.argv[1], "--out", sys.argv[2], "--no-shar
 """
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """A child's SIGINT as a shell gives it: default action, not blocked. A child inherits its
+    parent's signal mask and ignored signals, and something earlier in a pytest worker (seen in
+    CI runs of the whole suite, never alone) left SIGINT blocked: the sweep then never saw the
+    Ctrl-C (reproduced by running this test with SIGINT blocked)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_on_a_real_sweep_exits_130_without_a_traceback(tmp_path):
     out = tmp_path / "out"
     text = CONFIG.replace("trials = 2", "trials = 2\nworkers = 2")
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(config(tmp_path, text)), str(out)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, like a terminal's
+                            start_new_session=True,  # its own process group, like a terminal's
+                            preexec_fn=_ctrl_c_as_in_a_terminal)
     rows = out / "cells.jsonl"
     deadline = time.time() + 300  # a cold, loaded 2-core machine: spawned workers import slowly
     while time.time() < deadline and not (rows.exists() and rows.read_text().count("\n") >= 2):
