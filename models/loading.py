@@ -115,13 +115,9 @@ def _gguf_value(reader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def gguf_config(reader) -> LlamaConfig:
-    """The architecture a GGUF file describes; ValueError for an unsupported one."""
-    arch = _gguf_value(reader, "general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; kvjax loads {GGUF_ARCHS}")
-    if arch in ("qwen3", "phi3", "gemma3"):
-        return families.hf_config(gguf_hf_config(reader, arch))
+def _arch_keys(reader, arch: str):
+    """(get, need) for a GGUF file's `<arch>.<key>` metadata; `need` raises naming a key the
+    file lacks."""
     get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)
 
     def need(key: str) -> Any:
@@ -129,6 +125,18 @@ def gguf_config(reader) -> LlamaConfig:
         if value is None:
             raise ValueError(f"GGUF metadata lacks {arch}.{key}")
         return value
+
+    return get, need
+
+
+def gguf_config(reader) -> LlamaConfig:
+    """The architecture a GGUF file describes; ValueError for an unsupported one."""
+    arch = _gguf_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; kvjax loads {GGUF_ARCHS}")
+    if arch in ("qwen3", "phi3", "gemma3"):
+        return families.hf_config(gguf_hf_config(reader, arch))
+    get, need = _arch_keys(reader, arch)
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
@@ -180,13 +188,7 @@ def gguf_hf_config(reader, arch: str) -> dict:
     (`attention.sliding_window_pattern`: a period, or one flag per layer, True = sliding),
     and the attention scale is head_dim ** -0.5, (hidden / heads) ** -0.5 for the 27B shape
     (62 layers)."""
-    get = lambda key, default=None: _gguf_value(reader, f"{arch}.{key}", default)
-
-    def need(key: str) -> Any:
-        value = get(key)
-        if value is None:
-            raise ValueError(f"GGUF metadata lacks {arch}.{key}")
-        return value
+    get, need = _arch_keys(reader, arch)
 
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
