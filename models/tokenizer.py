@@ -36,6 +36,7 @@ __all__ = ["Tokenizer", "load_tokenizer"]
 
 # GGUF token types (llama.cpp `llama_token_type`).
 TOKEN_TYPE_NORMAL = 1
+TOKEN_TYPE_UNKNOWN = 2  # SentencePiece's <unk>
 TOKEN_TYPE_CONTROL = 3  # special tokens: <|im_start|>, <|endoftext|>, ...
 TOKEN_TYPE_USER_DEFINED = 4  # added tokens matched whole, but not "special"
 
@@ -407,7 +408,6 @@ def _build_bpe(tokens: list[str], merges: list[str], pre: str) -> _HFTokenizer:
 
 
 SPACE = "\u2581"  # SentencePiece's visible space, "▁"
-TOKEN_TYPE_BYTE = 6  # <0xNN>: a byte with no piece of its own (byte fallback)
 
 
 def _build_sentencepiece(tokens: list[str], scores, types, add_space_prefix: bool
@@ -434,7 +434,7 @@ def _build_sentencepiece(tokens: list[str], scores, types, add_space_prefix: boo
         piece = tokens[i]
         merges += [(piece[:k], piece[k:]) for k in range(1, len(piece))
                    if piece[:k] in vocab and piece[k:] in vocab]
-    unknown = [tokens[i] for i in np.flatnonzero(types == 2)]
+    unknown = [tokens[i] for i in np.flatnonzero(types == TOKEN_TYPE_UNKNOWN)]
     backend = _HFTokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True,
                                       fuse_unk=True, unk_token=unknown[0] if unknown else None))
     # spaces become "▁", and each stretch of text between added tokens gets the prefix, as

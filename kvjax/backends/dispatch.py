@@ -31,7 +31,7 @@ def tile_slots(impl) -> int:
     """
     if isinstance(impl, PallasOnMesh):
         backend = impl.backend or pallas_backend()
-    elif isinstance(impl, str) and impl == "pallas":
+    elif impl == "pallas":
         backend = pallas_backend()
     else:
         return 1
