@@ -1,5 +1,5 @@
 """The documentation site (mkdocs.yml) builds with warnings as errors: the guides, README as
-the home page, the three notebooks and the API reference generated from every docstring of
+the home page, the four notebooks and the API reference generated from every docstring of
 `kvjax`, `models` and `kernels_pallas`."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_the_site_builds_strict_with_every_page(tmp_path):
     site = tmp_path / "site"
     home = (site / "index.html").read_text()
     assert "pip install -e" in home and 'href="guide/command-line/"' in home
-    for notebook in ("quickstart", "your_own_policy", "kernels"):
+    for notebook in ("quickstart", "your_own_policy", "your_own_model", "kernels"):
         assert (site / "notebooks" / notebook / "index.html").exists(), notebook
     api = (site / "api" / "core" / "index.html").read_text()
     assert "kvjax.core.cache.TokenCache" in api or "TokenCache" in api

@@ -15,7 +15,7 @@ NOTEBOOKS = sorted((ROOT / "experiments" / "notebooks").glob("*.ipynb"))
 
 
 def test_there_are_notebooks():
-    assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "your_own_policy", "kernels"}
+    assert {p.stem for p in NOTEBOOKS} >= {"quickstart", "your_own_policy", "your_own_model", "kernels"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
