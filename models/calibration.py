@@ -89,3 +89,53 @@ def calibrate_duo_attention(model: Llama, texts: Sequence[Sequence[int]], q_len:
             score = np.asarray(duo_head_scores(q_mean[row], k_mean[row], inv, q_len))
             total = score / len(texts) if total is None else total + score / len(texts)
     return total.astype(np.float32)
+
+
+def calibrate_qfilters(model: Llama, windows: Sequence[Sequence[int]], samples: int = 3000,
+                       seed: int = 0, batch: int = 2, progress: bool = True):
+    """[L, KVH, D] float32 Q-Filters (Godey et al. 2025) of `windows` (token-id lists of equal
+    length), the paper's rule: per layer, the post-RoPE queries of `samples` tokens drawn at
+    random (the same tokens for every head; all of them when there are fewer); per query head,
+    the first right singular vector `v` of those queries, signed so that most queries project
+    positively on it; the filter is `-v` (kvpress scores `-(filter . k)`), averaged over the
+    query heads of each KV head. Save as `np.savez(path, q_filters=...)` for
+    `qfilter:filters=PATH`.
+
+    Example:
+        >>> from flax import nnx
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> calibrate_qfilters(model, [list(range(3, 40)), list(range(5, 42))],
+        ...                    progress=False).shape     # [L, KVH, D]
+        (2, 2, 16)
+    """
+    import numpy as np
+
+    from kvjax.core.stats import StatsSpec
+    from models.sampler import prefill_batch
+
+    if not windows or len({len(w) for w in windows}) != 1 or not len(windows[0]):
+        raise ValueError("calibrate_qfilters needs one or more token windows of one length, got "
+                         f"lengths {sorted({len(w) for w in windows})}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"calibrate_qfilters: samples must be an int >= 1, got {samples!r}")
+    cfg, width = model.config, len(windows[0])
+    total = len(windows) * width
+    drawn = np.sort(np.random.default_rng(seed).permutation(total)[:samples])  # flat token ids
+    queries = [[] for _ in range(cfg.num_layers)]  # per layer: [n, H, D] chunks
+    for start in tqdm(range(0, len(windows), batch), desc="Q-Filters queries", unit="batch",
+                      disable=not progress):
+        group = [list(w) for w in windows[start:start + batch]]
+        here = drawn[(drawn >= start * width) & (drawn < (start + len(group)) * width)]
+        row, token = np.divmod(here - start * width, width)
+        pre = prefill_batch(model, group, stats=StatsSpec(window=width))
+        for layer, stats in enumerate(pre.stats):  # queries [B, width, H, D] post-RoPE
+            queries[layer].append(np.asarray(stats.queries)[row, token])
+    filters = []
+    for chunks in queries:
+        q = np.concatenate(chunks).transpose(1, 0, 2).astype(np.float64)  # [H, n, D]
+        u, _, vh = np.linalg.svd(q, full_matrices=False)
+        sign = np.where((u[..., 0] > 0).mean(-1) > 0.5, 1.0, -1.0)  # [H]
+        per_head = -sign[:, None] * vh[:, 0]  # [H, D]
+        filters.append(per_head.reshape(cfg.num_kv_heads, -1, per_head.shape[-1]).mean(1))
+    return np.stack(filters).astype(np.float32)

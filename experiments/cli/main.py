@@ -7,6 +7,7 @@
         --method snapkv:ratio=0.5+kivi:bits=2
     kvjax calibrate --out basis.npz        # then --method low_rank:rank=32,basis=basis.npz
     kvjax calibrate --duo --out duo.npz    # then --method duo_attention:head_ratio=0.5,scores=duo.npz
+    kvjax calibrate --qfilters --out qf.npz   # then --method qfilter:ratio=0.5,filters=qf.npz
     kvjax train-state --out maps           # then --method snapkv:budget=192+fold:map=maps
     kvjax eval --config experiments/configs/smoke.toml --out results/smoke
     kvjax eval --config experiments/configs/results.toml --out docs/results/eval \
@@ -57,7 +58,7 @@ BOUNDS = {
     "max_new_tokens": (1, None), "top_k": (0, None), "seed": (0, None),
     "compress_every": (0, None), "context": (2, None), "stride": (1, None),
     "max_tokens": (2, None), "batch_size": (1, None), "prefix": (0, None),
-    "tokens": (2, None), "window": (1, None),
+    "tokens": (2, None), "window": (1, None), "samples": (1, None),
 }
 
 
@@ -202,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--duo", action="store_true",
                    help="DuoAttention head scores instead (for duo_attention:scores=OUT): "
                         "kvpress's on-the-fly rule over 50 passages of the text")
+    c.add_argument("--qfilters", action="store_true",
+                   help="Q-Filters instead (for qfilter:filters=OUT): the paper's rule over "
+                        "the post-RoPE queries of the windows (--samples of them)")
+    c.add_argument("--samples", type=int, default=3000,
+                   help="--qfilters: queries drawn at random for each layer's SVD")
     c.add_argument("--out", type=Path, required=True, help="where to write the .npz basis")
     return parser
 
@@ -249,12 +255,33 @@ def cmd_calibrate_duo(args, model, tokenizer) -> dict:
             "seconds": round(time.perf_counter() - start, 3)}
 
 
+def cmd_calibrate_qfilters(args, model, ids) -> dict:
+    """`kvjax calibrate --qfilters`: Q-Filters of the windows of `ids`."""
+    import numpy as np
+
+    from models.calibration import calibrate_qfilters
+
+    windows = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
+    if not windows:
+        raise _bad("tokens", len(ids), f"must give at least one window of {args.window} tokens")
+    start = time.perf_counter()
+    filters = calibrate_qfilters(model, windows, samples=args.samples)
+    np.savez(args.out, q_filters=filters)
+    return {"out": str(args.out), "windows": len(windows), "tokens": len(windows) * args.window,
+            "samples": min(args.samples, len(windows) * args.window),
+            "q_filters_shape": list(filters.shape), "seconds": round(time.perf_counter() - start, 3)}
+
+
 def cmd_calibrate(args, model, tokenizer) -> dict:
     from models.calibration import calibrate_low_rank
 
+    if args.duo and args.qfilters:
+        raise _bad("qfilters", True, "and --duo each write a different file: give one")
     if args.duo:
         return cmd_calibrate_duo(args, model, tokenizer)
     ids = tokenizer.encode(read_text(args.text))[-args.tokens:]
+    if args.qfilters:
+        return cmd_calibrate_qfilters(args, model, ids)
     start = time.perf_counter()
     basis = calibrate_low_rank(model, ids, window=args.window)
     basis.save(args.out)

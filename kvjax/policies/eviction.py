@@ -95,6 +95,11 @@ class Scorer(Protocol):
 
     Must be hashable and compare by value (a module-level function, or a
     frozen dataclass with `__call__`): compiled updates are keyed on it.
+
+    A scorer whose rule holds constants per layer (QFilter's filters) also has
+    `for_layer(index, num_layers) -> Scorer`: the scorer of layer `index` (a traced int32
+    under jit, as layers of equal shapes share one compiled body) of a `num_layers`-layer
+    cache (static: check it there).
     """
 
     def __call__(self, layer: TokenCache, stats: LayerStats | None, budget: jax.Array,
@@ -255,7 +260,9 @@ class ScoredUpdate:
             seen = view(layer)  # dense slots of an encoded or residual layer
             # derived where it is used: a scorer that ignores its key compiles no PRNG code
             key = jax.random.fold_in(state.key, index)
-            scores, protect = self.scorer(seen, layer_stats, budget, key)
+            scorer = (self.scorer.for_layer(index, len(cache))
+                      if hasattr(self.scorer, "for_layer") else self.scorer)
+            scores, protect = scorer(seen, layer_stats, budget, key)
             if debug:  # the per-layer loop, so a failure names its layer
                 _check_scores(index, scores, seen.pos != EMPTY)
             keep = select(scores, seen.pos != EMPTY, protect, budget, self.headwise, self.alpha)

@@ -1,4 +1,4 @@
-"""Query-free scorers on the cached keys and values: KeyDiff, LagKV, CUR (kvpress 0.5.5).
+"""Query-free scorers on the cached keys and values: KeyDiff, LagKV, CUR, QFilter (kvpress 0.5.5).
 
 Each is a `Scorer` (see `kvjax.policies.eviction`) behind `scored_policy`, so budgets,
 per-layer schedules, Ada-KV head-wise budgets, compaction and `shrink` are
@@ -24,11 +24,15 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
+import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from kvjax.policies.eviction import check_int, scored_policy
+from kvjax.policies.eviction import check_int, no_protect, scored_policy
 from kvjax.policies.eviction_sequence import in_sequence, keys_values, to_slots
 from kvjax.core.transforms import CacheTransform
 
@@ -196,3 +200,86 @@ def cur(ratio: float | None = None, budget: int | None = None, sinks: int = 4,
     scorer = CURScorer(sinks, leverage_type, local_approximation, local_window)
     return scored_policy("cur", scorer, ratio=ratio, budget=budget, **options)
 
+
+
+# ----------------------------------------------------------------------------- QFilter
+
+
+def load_qfilters(path: str) -> np.ndarray:
+    """[L, KVH, D] float32 `q_filters` of a `.npz` (what `calibrate_qfilters` saves)."""
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise ValueError(f"qfilter: filters={path!r} is not a file; give the .npz that "
+                         "`kvjax calibrate --qfilters --out PATH` writes (q_filters [L, KVH, D])")
+    try:
+        with np.load(path) as f:
+            filters = f["q_filters"] if "q_filters" in f.files else None
+            filters = None if filters is None or filters.ndim != 3 else filters.astype(np.float32)
+    except (OSError, ValueError, AttributeError):  # not an .npz (AttributeError: a bare .npy)
+        filters = None
+    if filters is None:
+        raise ValueError(f"qfilter: {path} holds no q_filters [L, KVH, D] array (write it with "
+                         "`kvjax calibrate --qfilters --out PATH`)")
+    if not np.isfinite(filters).all():
+        raise ValueError(f"qfilter: {path}'s q_filters are not all finite")
+    return filters
+
+
+def qfilter_scores(filters, layer, stats, budget, key):
+    """Q-Filters: score = -(filter . k) per KV head, as kvpress QFilterPress.
+
+    `filters` [KVH, D] is this layer's; keys are the cached (post-RoPE) ones. A pooled row
+    serves every head, so each head scores the row's key with its own filter.
+    """
+    k = layer.k.astype(jnp.float32).reshape(layer.batch, -1, layer.capacity, layer.head_dim)
+    scores = -(k * filters[None, :, None, :]).sum(-1)  # [B, 1|KVH, C, D] -> [B, KVH, C]
+    return scores, no_protect(layer)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class QFilterScorer:
+    """QFilter's scorer: one filter [KVH, D] per layer, compared by content (a digest)."""
+
+    filters: np.ndarray  # [L, KVH, D] float32
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(str(self.filters.shape).encode() + self.filters.tobytes()).hexdigest()
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, QFilterScorer) and self.digest == other.digest
+
+    def for_layer(self, index, num_layers: int):
+        if num_layers != self.filters.shape[0]:
+            raise ValueError(f"qfilter: filters for {self.filters.shape[0]} layers, the cache has "
+                             f"{num_layers}: calibrate them on this model")
+        return functools.partial(self._checked, jnp.asarray(self.filters)[index])
+
+    @staticmethod
+    def _checked(filters, layer, stats, budget, key):
+        if filters.shape != (layer.kv_heads, layer.head_dim):
+            raise ValueError(f"qfilter: filters of {filters.shape[0]} KV heads x {filters.shape[1]} "
+                             f"dims, the cache has {layer.kv_heads} x {layer.head_dim}: calibrate "
+                             "them on this model")
+        return qfilter_scores(filters, layer, stats, budget, key)
+
+    def __call__(self, layer, stats, budget, key):
+        raise TypeError("QFilterScorer scores one layer at a time: call for_layer(index, L) first")
+
+
+def qfilter(ratio: float | None = None, budget: int | None = None, filters: str | None = None,
+            **options) -> CacheTransform:
+    """Q-Filters (Godey et al. 2025): keep the keys that project most on the queries' main
+    direction.
+
+    As kvpress QFilterPress given the same filters: score = -(q_filter . k). kvpress downloads
+    filters from the hub; `kvjax calibrate --qfilters --out PATH` computes them with the
+    paper's rule (`models.calibration.calibrate_qfilters`) and `filters=PATH` reads them.
+    """
+    if filters is None:
+        raise ValueError("qfilter: needs filters=PATH, the .npz of per-(layer, KV head) filters "
+                         "that `kvjax calibrate --qfilters --out PATH` writes")
+    scorer = QFilterScorer(load_qfilters(filters))
+    return scored_policy("qfilter", scorer, ratio=ratio, budget=budget, **options)

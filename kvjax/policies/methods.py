@@ -98,6 +98,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "merging": _inner_by_name(eviction_merging.merging),
     "cam": _inner_by_name(eviction_cam.cam),
     "duo_attention": eviction_duo.duo_attention,
+    "qfilter": eviction_geometry.qfilter,
     "decoding_ratio": _inner_by_name(decoding.decoding_ratio),
     "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
@@ -202,6 +203,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
                                  "decoding_ratio:inner=knorm,ratio={r}",
                                  "tests/test_kvpress_decoding.py"),
     "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
+    # PATH: filters from `kvjax calibrate --qfilters` (kvpress downloads them from the hub);
+    # the proof compares with a numpy model of the paper's rule, kvpress cannot run offline
+    "qfilter": MethodInfo("Godey et al. 2025, https://arxiv.org/abs/2503.02812", "QFilterPress",
+                          "qfilter:ratio={r},filters=PATH", "tests/test_qfilter.py"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""
 
