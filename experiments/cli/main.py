@@ -86,6 +86,8 @@ def check_args(args) -> None:
             raise _bad("stride", args.stride, f"must be in [1, --context {args.context}]")
         if args.prefix >= args.context:
             raise _bad("prefix", args.prefix, f"must be in [0, --context {args.context})")
+    if args.command == "calibrate" and args.duo and args.qfilters:
+        raise UsageError("--duo and --qfilters: give one (each writes a different file)")
     if args.command == "generate" and not args.prompt.strip() and not args.chat:
         raise _bad("prompt", repr(args.prompt), "must not be empty (or use --chat)")
     for option in ("text", "context_file", "config"):
@@ -275,8 +277,6 @@ def cmd_calibrate_qfilters(args, model, ids) -> dict:
 def cmd_calibrate(args, model, tokenizer) -> dict:
     from models.calibration import calibrate_low_rank
 
-    if args.duo and args.qfilters:
-        raise _bad("qfilters", True, "and --duo each write a different file: give one")
     if args.duo:
         return cmd_calibrate_duo(args, model, tokenizer)
     ids = tokenizer.encode(read_text(args.text))[-args.tokens:]
