@@ -6,7 +6,8 @@ prefill: every sequence's context is fed again, chunk by chunk, behind the
 reconstruction prompt, on top of a copy of the prefilled cache (each chunk
 starts from the prefilled cache again), and each layer's slots are scored by
 `eviction_kvzip.chunk_scores` from the pass's queries (KVgrad: also from the
-gradient of the pass's objective, `jax.grad` of `probe_forward`). The scores reach the
+gradient of the pass's objective, `jax.grad` of `probe_forward`; KVzip+: also from each
+query's attention input norm and each value's `||v W_o||`). The scores reach the
 transform's update as `LayerStats.position_scores`. `models.sampler.prefill_and_compress`
 calls `reconstruct` for such a transform; nothing else changes.
 
@@ -91,18 +92,22 @@ def _pass_scores(model, tokens, positions, cache, start, end, sinks, context,
 
 def probe_forward(model: Llama, tokens, positions, cache, offsets, spec: StatsSpec, impl="xla"):
     """`model.forward` with `offsets[l]` [B*T, hidden] added to layer l's attention output
-    (what KVgrad differentiates by): (the last layer's output [B, T, hidden] before the final
-    norm, cache, stats). With zero offsets, `model.norm` of it is `model.forward`'s output
+    (what KVgrad differentiates by; None: no offsets): (the last layer's output [B, T, hidden]
+    before the final norm, cache, stats, per layer the norm [B, T] of each token's attention
+    input, KVzip+'s `||h||`). With zero offsets, `model.norm` of it is `model.forward`'s output
     (tested): the same layers, the same order, the same embedding."""
     b, t = tokens.shape
     x = jnp.take(model.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
     if model.config.scale_embeddings:  # Gemma, as Llama.forward
         x = x * jnp.asarray(model.config.hidden_size ** 0.5, model.embed.dtype).astype(jnp.float32)
     stats = model.init_stats(spec, cache)
-    new_cache, new_stats = [], []
+    offsets = (0.0,) * len(model.layers) if offsets is None else offsets
+    new_cache, new_stats, input_norms = [], [], []
     for layer, layer_cache, layer_stats, offset in zip(model.layers, cache, stats, offsets):
-        a, layer_cache, layer_stats = layer.attn(layer.input_norm(x), positions, layer_cache,
-                                                 impl, layer_stats, spec)
+        h = layer.input_norm(x)  # [B*T, hidden]
+        input_norms.append(jnp.linalg.norm(h.astype(jnp.float32), axis=-1).reshape(b, t))
+        a, layer_cache, layer_stats = layer.attn(h, positions, layer_cache, impl, layer_stats,
+                                                 spec)
         a = a + offset  # as Block.__call__, the attention output shifted
         if layer.pre_mlp_norm is None:
             x = x + a
@@ -112,7 +117,7 @@ def probe_forward(model: Llama, tokens, positions, cache, offsets, spec: StatsSp
             x = x + layer.post_mlp_norm(layer.mlp(layer.pre_mlp_norm(x)))
         new_cache.append(layer_cache)
         new_stats.append(layer_stats)
-    return x.reshape(b, t, -1), tuple(new_cache), tuple(new_stats)
+    return x.reshape(b, t, -1), tuple(new_cache), tuple(new_stats), tuple(input_norms)
 
 
 @functools.partial(jax.jit, static_argnames=("capacities", "impl"))
@@ -125,8 +130,8 @@ def _gradient_pass_scores(model, tokens, positions, cache, start, end, sinks, co
     real = (positions != EMPTY).astype(jnp.float32)[..., None]  # [B, T, 1]
 
     def objective(offsets):  # attention by its plain definition: the blockwise loop has no VJP
-        h, new_cache, stats = probe_forward(model, tokens, positions, cache, offsets, spec,
-                                            "reference")
+        h, new_cache, stats, _ = probe_forward(model, tokens, positions, cache, offsets, spec,
+                                               "reference")
         return jnp.sum(jnp.square(h) * real), (new_cache, stats)
 
     zeros = tuple(jnp.zeros((b * t, model.config.hidden_size), jnp.float32)
@@ -138,6 +143,24 @@ def _gradient_pass_scores(model, tokens, positions, cache, start, end, sinks, co
         weight = jnp.linalg.norm(g.reshape(b, t, -1), axis=-1)  # [B, T]
         out.append(chunk_scores(layer, s.queries, s.query_pos, start, end, sinks, context,
                                 norms, weight)[..., :c])
+    return tuple(out)
+
+
+@functools.partial(jax.jit, static_argnames=("capacities", "impl"))
+def _plus_pass_scores(model, tokens, positions, cache, start, end, sinks, context,
+                      capacities: tuple[int, ...], impl):
+    """KVzip+'s scores of one pass: each attention weight divided by its query's attention
+    input norm `||h||` and times the key's `||v W_o||_2`, per layer [B, KVH, C_l]."""
+    spec = StatsSpec(window=tokens.shape[1])
+    _, new_cache, stats, input_norms = probe_forward(model, tokens, positions, cache, None,
+                                                     spec, impl)
+    out = []
+    for layer, s, h_norm, c, block in zip(new_cache, stats, input_norms, capacities,
+                                          model.layers):
+        norms = value_output_norms(layer.logical_v, block.attn.o_proj.kernel[...])
+        inverse = jnp.where(h_norm > 0, 1.0 / jnp.where(h_norm > 0, h_norm, 1.0), 0.0)
+        out.append(chunk_scores(layer, s.queries, s.query_pos, start, end, sinks, context,
+                                norms, inverse)[..., :c])
     return tuple(out)
 
 
@@ -180,6 +203,8 @@ def reconstruct(model: Llama, cache, stats, next_pos: np.ndarray,
         if rec.gradient:  # the CPU kernels (FFI calls) have no derivative: XLA's ops here
             with cpu_kernel.disabled():
                 scores = _gradient_pass_scores(*args)
+        elif rec.plus:
+            scores = _plus_pass_scores(*args)
         else:
             scores = _pass_scores(*args)
         total = scores if total is None else tuple(a + s for a, s in zip(total, scores))

@@ -79,7 +79,8 @@ DEFAULT_SPECS = {
 """A spec with sensible parameters (the factory's defaults where it has them) for every
 method in `kvjax.METHODS`."""
 
-MORE = ["quantize:bits=4,axis=channel", "quantize:bits=2,residual=48"]
+KVZIP_PLUS = "kvzip:ratio=0.5,prompt=bare,plus=true"  # KVzip+ normalization
+MORE = ["quantize:bits=4,axis=channel", "quantize:bits=2,residual=48", KVZIP_PLUS]
 CHAINS = ["snapkv:ratio=0.5+think:ratio=0.5",
           "snapkv:ratio=0.5+kivi:bits=4", "kivi:bits=2+snapkv:ratio=0.5",
           "h2o:ratio=0.5+quantize:bits=4,axis=channel"]
@@ -92,7 +93,7 @@ def registered_specs() -> list[str]:
 
 
 SPECS = registered_specs() + MORE + CHAINS
-PROMPT_ONLY = {DEFAULT_SPECS["kvzip"], DEFAULT_SPECS["kvgrad"]}
+PROMPT_ONLY = {DEFAULT_SPECS["kvzip"], DEFAULT_SPECS["kvgrad"], KVZIP_PLUS}
 """Methods that compress the prompt only (kvzip, kvgrad: their scores come from a pass after
 prefill): with `compress_every` they must refuse by name."""
 

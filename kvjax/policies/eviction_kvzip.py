@@ -89,6 +89,7 @@ class Reconstruction:
     overlap: int = 8  # ids of the previous chunk repeated before a later chunk (kvpress's 8)
     prompt: ReconstructionPrompt | None = None  # None: bind a tokenizer's first
     gradient: bool = False  # KVgrad: weigh by ||v W_o|| and the objective's gradient
+    plus: bool = False  # KVzip+: weigh by ||v W_o|| / ||h|| (h: the query's attention input)
 
 
 def reconstruction_inputs(context: Sequence[int], rec: Reconstruction
@@ -260,31 +261,37 @@ class KVzipUpdate:
 
 
 def reconstruction_policy(name: str, ratio: float | None, n_sink: int, layerwise: bool,
-                          chunk_size: int, prompt: str, gradient: bool) -> CacheTransform:
-    """`kvzip` (gradient False) or `kvgrad` (True), its arguments checked under `name`."""
+                          chunk_size: int, prompt: str, gradient: bool,
+                          plus: bool = False) -> CacheTransform:
+    """`kvzip` (gradient False; `plus`: KVzip+) or `kvgrad` (True), its arguments checked
+    under `name`."""
     check_real(name, "ratio", ratio, 0.0, 1.0, high_open=True)
     check_int(name, "n_sink", n_sink, 0)
     check_int(name, "chunk_size", chunk_size)
     _check_bool(name, "layerwise", layerwise)
+    _check_bool(name, "plus", plus)
     if prompt not in PROMPTS:
         raise ValueError(f"{name}: prompt must be one of {', '.join(PROMPTS)}, got {prompt!r}")
     rec = Reconstruction(chunk_size, n_sink,
                          prompt=ReconstructionPrompt() if prompt == "bare" else None,
-                         gradient=gradient)
+                         gradient=gradient, plus=plus)
     return CacheTransform(functools.partial(init_budget, ratio, None, 0),
                           KVzipUpdate(n_sink, layerwise), StatsSpec(reconstruction=rec))
 
 
 def kvzip(ratio: float | None = None, n_sink: int = 4, layerwise: bool = False,
-          chunk_size: int = 2048, prompt: str = "chat") -> CacheTransform:
+          chunk_size: int = 2048, prompt: str = "chat", plus: bool = False) -> CacheTransform:
     """KVzip (Kim et al. 2025): evict what context reconstruction attends to least.
 
     As kvpress KVzipPress(compression_ratio=ratio, layerwise=layerwise, n_sink=n_sink,
-    chunk_size=chunk_size) (kvzip_plus_normalization=False): see the module docstring.
+    chunk_size=chunk_size, kvzip_plus_normalization=plus): see the module docstring.
     `prompt`: "chat" (kvpress's instruction and chat template, bound from the tokenizer by
-    `models.reconstruction.with_tokenizer`) or "bare" (the chunks alone).
+    `models.reconstruction.with_tokenizer`) or "bare" (the chunks alone). `plus` (KVzip+):
+    each attention weight divided by the norm of its query's attention input and times the
+    key's `||v W_o||_2`, so a token counts by what it adds to the layer's output.
     """
-    return reconstruction_policy("kvzip", ratio, n_sink, layerwise, chunk_size, prompt, False)
+    return reconstruction_policy("kvzip", ratio, n_sink, layerwise, chunk_size, prompt, False,
+                                 plus)
 
 
 def kvgrad(ratio: float | None = None, n_sink: int = 4, layerwise: bool = False,
