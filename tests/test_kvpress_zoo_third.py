@@ -5,7 +5,8 @@ kvpress, never kvjax) holds, per inner press (SnapKV, Knorm: non-negative and
 negative scores), text (640 and 300 tokens of The Devil's Dictionary) and
 ratio (0.5, 0.75), the positions kvpress kept in every layer and KV head. kvjax
 prefills the same ids once and applies the method from its spec string to a
-copy of that cache. RestoreKVPress has no golden: it needs hub adapters kvpress
+copy of that cache. QFilterPress runs with the golden's own filters in place of the hub's
+(`qfilter` with the same filters). RestoreKVPress has no golden: it needs hub adapters kvpress
 cannot load here (docs/DECISIONS.md).
 """
 
@@ -62,6 +63,22 @@ def test_kept_positions_match_kvpress(prefilled, golden, case):
     per_chunk = np.pad(theirs, ((0, 0), (0, 0), (0, width - n))).reshape(
         theirs.shape[:2] + (-1, CHUNK)).sum(-1)
     assert ((per_chunk > 0) & (per_chunk < CHUNK)).any(), case
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", ["0.50", "0.75"])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+def test_qfilter_keeps_kvpress_positions_given_the_same_filters(prefilled, golden, ctx, ratio,
+                                                                tmp_path):
+    """QFilterPress with the golden's filters (kvpress's hub filters are out of reach) and
+    `qfilter:filters=PATH` with the same filters keep the same positions in every layer and
+    KV head (no ties to name)."""
+    path = str(tmp_path / "filters.npz")
+    np.savez(path, q_filters=golden["qfilter_filters"])
+    out, n = compress_context(prefilled, ctx, f"qfilter:ratio={float(ratio)},filters={path}")
+    ours, theirs = keep_by_position(out, n), unpack(golden, f"{ctx}_qfilter_r{ratio}_keep", n)
+    assert (ours.sum(-1) == int(n * (1 - float(ratio)))).all()
+    np.testing.assert_array_equal(ours, theirs)
 
 
 def test_entropy_chunk_rule_matches_kvpress_on_random_scores():

@@ -14,6 +14,11 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   ``..._keep``: packbits of the bool [L, KVH, T] keep mask, read off the cache
   kvpress returned (every kept key row matched bit for bit to its input row).
 
+* ``qfilter``: ``QFilterPress(compression_ratio=r)``, r in 0.5, 0.75, given the filters
+  ``qfilter_filters`` float32 [L, KVH, D] (standard normal, seeded) in place of the hub's
+  (``nthngdy/<model>_qfilt``, out of reach): kvpress's scoring and selection on the real
+  model; the filters' rule is checked apart (``tests/test_qfilter.py``).
+
 RestoreKVPress is not here: it loads LoRA adapters and restore embeddings
 from the hub (``higokri/RestoreKV-<model>``, published for Llama-3.1-8B and
 Qwen3-8B only), so kvpress cannot run it on SmolLM2 offline (docs/DECISIONS.md).
@@ -38,14 +43,29 @@ from experiments.golden.make_kvpress import (ATTN, CONTEXTS, PASSAGE_CHARS, REPO
 from experiments.golden.make_kvpress_zoo import kept_from_cache, provenance
 
 THIRD_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_zoo_third.npz"
-RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 0.75)}
+RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 0.75),
+          "qfilter": (0.5, 0.75)}
 THIRD_PRESSES = list(RATIOS)
 
 
-def make_third_press(name: str, ratio: float):
+def qfilter_filters(n_layers: int, kvh: int, head_dim: int) -> np.ndarray:
+    """The golden's stand-in for the hub's Q-Filters: [L, KVH, D] float32 standard normal."""
+    return np.random.default_rng(SEED).standard_normal((n_layers, kvh, head_dim)).astype(
+        np.float32)
+
+
+def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None):
     """The kvpress press of `name` at `ratio`, every other argument at kvpress's default."""
     import kvpress
 
+    if name == "qfilter":
+        import torch
+
+        class GivenFilters(kvpress.QFilterPress):  # the hub download replaced by `filters`
+            def post_init_from_model(self, model):
+                self.q_filters = torch.from_numpy(filters).to(model.dtype)
+
+        return GivenFilters(compression_ratio=ratio)
     inner = {"snapkv": kvpress.SnapKVPress, "knorm": kvpress.KnormPress}
     if name.startswith("entropy_chunkkv_"):
         press = inner[name[len("entropy_chunkkv_"):]](compression_ratio=ratio)
@@ -58,7 +78,8 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
     """One prefill with the press active -> the arrays this case stores (unpacked)."""
     from transformers import DynamicCache
 
-    press = make_third_press(name, ratio)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    press = make_third_press(name, ratio, qfilter_filters(n_layers, kvh, head_dim))
     keep = np.zeros((n_layers, kvh, len(ids)), bool)
     orig_compress = press.compress
 
@@ -123,6 +144,9 @@ def main(argv=None) -> int:
                 print(f"{prefix}: kept/row {kept.min()}-{kept.max()} of {len(ids)} "
                       f"({time.perf_counter() - t1:.1f}s)", flush=True)
     timings["presses"] = time.perf_counter() - t0
+    if "qfilter" in names:
+        out["qfilter_filters"] = qfilter_filters(n_layers, kvh,
+                                                 cfg.hidden_size // cfg.num_attention_heads)
     out.update(provenance(info, n_layers, kvh))
     old = [str(p) for p in out.get("presses", [])]
     out["presses"] = np.asarray(list(dict.fromkeys(old + names)))

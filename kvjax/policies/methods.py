@@ -204,9 +204,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
                                  "tests/test_kvpress_decoding.py"),
     "kivi": MethodInfo("Liu et al. 2024, https://arxiv.org/abs/2402.02750"),
     # PATH: filters from `kvjax calibrate --qfilters` (kvpress downloads them from the hub);
-    # the proof compares with a numpy model of the paper's rule, kvpress cannot run offline
+    # equal given the same filters (kvpress run with the golden's); the filters' rule is
+    # checked against numpy in tests/test_qfilter.py
     "qfilter": MethodInfo("Godey et al. 2025, https://arxiv.org/abs/2503.02812", "QFilterPress",
-                          "qfilter:ratio={r},filters=PATH", "tests/test_qfilter.py"),
+                          "qfilter:ratio={r},filters=PATH", "tests/test_kvpress_zoo_third.py"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""
 
