@@ -14,8 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
 from tqdm import tqdm
 
 from kvjax.policies.low_rank import LowRankBasis, accumulate_moments, basis_from_moments
@@ -139,3 +142,86 @@ def calibrate_qfilters(model: Llama, windows: Sequence[Sequence[int]], samples: 
         per_head = -sign[:, None] * vh[:, 0]  # [H, D]
         filters.append(per_head.reshape(cfg.num_kv_heads, -1, per_head.shape[-1]).mean(1))
     return np.stack(filters).astype(np.float32)
+
+
+def calibrate_lukv(model: Llama, windows: Sequence[Sequence[int]], inner=None,
+                   prefix: float = 0.75, sink: int = 4, window: int = 1, batch: int = 2,
+                   progress: bool = True):
+    """[99, L, KVH] float32 LU-KV budget curve of `windows` (token-id lists of equal length;
+    `lukv:curve=PATH` reads it saved as `np.savez(path, budget_curve=...)`).
+
+    Per window, the first `prefix` of its tokens are prefilled and scored by the inner policy
+    (`inner`: a scored-policy factory; None: ExpectedAttention with epsilon 0.02, LUKVPress's
+    default), the first `sink` and last `window` tokens first; the whole window is prefilled
+    and the attention its remaining tokens' queries pay each prefix token, summed over a KV
+    head's query heads, is that token's future utility. A head's utility curve is the share of
+    it its top-k tokens hold (`eviction_lukv.utility_curves`), averaged over the windows; the
+    curve's rows allocate `1 - r` of all tokens over every layer and head by the hulls of those
+    curves (`eviction_lukv.budget_curve`).
+
+    Example:
+        >>> from flax import nnx
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> curve = calibrate_lukv(model, [list(range(3, 43)), list(range(5, 45))],
+        ...                        progress=False)
+        >>> curve.shape, bool(((curve >= 0) & (curve <= 1)).all())     # [99, L, KVH]
+        ((99, 2, 2), True)
+    """
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kvjax.core.stats import StatsSpec
+    from kvjax.policies.eviction import expected_attention
+    from kvjax.policies.eviction_lukv import budget_curve, utility_curves
+    from kvjax.policies.eviction_wrappers import _inner
+    from models.sampler import prefill_batch
+
+    if not windows or len({len(w) for w in windows}) != 1:
+        raise ValueError("calibrate_lukv needs one or more token windows of one length, got "
+                         f"lengths {sorted({len(w) for w in windows})}")
+    if not 0 < prefix < 1:
+        raise ValueError(f"calibrate_lukv: prefix must be in (0, 1), got {prefix!r}")
+    width = len(windows[0])
+    p = int(width * prefix)
+    if p < 1 or p >= width:
+        raise ValueError(f"calibrate_lukv: windows of {width} tokens leave no prefix or no "
+                         f"future at prefix={prefix}")
+    factory = (lambda **kw: expected_attention(epsilon=0.02, **kw)) if inner is None else inner
+    scorer, spec = _inner(factory, "lukv", 0.5)
+    total = None
+    for start in tqdm(range(0, len(windows), batch), desc="LU-KV utility curves",
+                      unit="batch", disable=not progress):
+        group = [list(w) for w in windows[start:start + batch]]
+        pre = prefill_batch(model, [w[:p] for w in group], stats=spec)
+        full = prefill_batch(model, group, stats=StatsSpec(window=width - p))
+        stats = pre.stats if pre.stats is not None else (None,) * len(pre.cache)
+        scores, importance = [], []
+        for cp, sp, cf, sf in zip(pre.cache, stats, full.cache, full.stats):
+            s, a = _lukv_scores(scorer, sink, window, p, cp, sp, cf, sf)
+            scores.append(np.asarray(s))
+            importance.append(np.asarray(a))
+        curves = utility_curves(np.stack(scores, 1), np.stack(importance, 1))  # [B, L, KVH, P+1]
+        total = curves.sum(0) if total is None else total + curves.sum(0)
+    return budget_curve(total / len(windows))
+
+
+@functools.partial(jax.jit, static_argnames=("scorer", "sink", "window", "p"))
+def _lukv_scores(scorer, sink: int, window: int, p: int, prefix_cache, prefix_stats,
+                 full_cache, full_stats):
+    """([B, KVH, p] the inner scores of the prefix tokens by position, protected ones +inf;
+    [B, KVH, p] the attention the window's later queries pay each of them)."""
+    from kvjax.core.attention import attention_weights
+    from kvjax.core.cache import view
+    from kvjax.policies.eviction import earliest, latest
+    from models.reconstruction import by_position
+
+    seen = view(prefix_cache)
+    b = seen.batch
+    scores, protect = scorer(seen, prefix_stats, jnp.full((b,), p // 2, jnp.int32),
+                             jax.random.key(0))
+    protect = protect | earliest(seen.pos, sink) | latest(seen.pos, window)
+    scores = jnp.where(protect, jnp.inf, scores.astype(jnp.float32))
+    weights = attention_weights(full_stats.queries, full_stats.query_pos, full_cache)
+    return (by_position(scores, seen.pos)[..., :p],
+            by_position(weights.sum((2, 3)), full_cache.pos)[..., :p])

@@ -72,6 +72,7 @@ DEFAULT_SPECS = {
     "kvgrad": "kvgrad:ratio=0.5,prompt=bare",  # as kvzip, with the gradient (jax.grad)
     "duo_attention": f"duo_attention:head_ratio=0.5,scores={BASIS},sink=4,recent=8",
     "qfilter": f"qfilter:ratio=0.5,filters={BASIS}",
+    "lukv": f"lukv:ratio=0.5,curve={BASIS}",
     "cam": "cam:ratio=0.5,merge_budget=4",  # merges only with compress_every (a decoding press)
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
     "auto": "auto:budget=0.25",
@@ -113,9 +114,10 @@ def random_basis(path, layers: int, kv_heads: int, head_dim: int) -> str:
     energy = np.tile(np.arange(head_dim, 0, -1, dtype=np.float32), shape[:2] + (1,))
     LowRankBasis(keys, values, energy, energy, 1).save(path)
     with np.load(path) as f:  # the same file also holds random DuoAttention head scores
-        arrays = dict(f)  # and random Q-Filters
+        arrays = dict(f)  # and random Q-Filters and an LU-KV budget curve
     np.savez(path, **arrays, head_scores=rng.random(shape[:2]).astype(np.float32),
-             q_filters=rng.standard_normal(shape[:3]).astype(np.float32))
+             q_filters=rng.standard_normal(shape[:3]).astype(np.float32),
+             budget_curve=rng.uniform(0.05, 0.95, (99,) + shape[:2]).astype(np.float32))
     return str(path)
 
 

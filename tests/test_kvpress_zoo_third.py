@@ -6,7 +6,8 @@ negative scores), text (640 and 300 tokens of The Devil's Dictionary) and
 ratio (0.5, 0.75), the positions kvpress kept in every layer and KV head. kvjax
 prefills the same ids once and applies the method from its spec string to a
 copy of that cache. QFilterPress runs with the golden's own filters in place of the hub's
-(`qfilter` with the same filters). RestoreKVPress has no golden: it needs hub adapters kvpress
+(`qfilter` with the same filters), LUKVPress with the golden's budget curve (`lukv` with the
+same curve). RestoreKVPress has no golden: it needs hub adapters kvpress
 cannot load here (docs/DECISIONS.md).
 """
 
@@ -78,6 +79,35 @@ def test_qfilter_keeps_kvpress_positions_given_the_same_filters(prefilled, golde
     out, n = compress_context(prefilled, ctx, f"qfilter:ratio={float(ratio)},filters={path}")
     ours, theirs = keep_by_position(out, n), unpack(golden, f"{ctx}_qfilter_r{ratio}_keep", n)
     assert (ours.sum(-1) == int(n * (1 - float(ratio)))).all()
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def lukv_curve(golden, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("lukv") / "curve.npy")
+    np.save(path, golden["lukv_curve"])
+    return path
+
+
+@pytest.fixture(scope="module")
+def prefilled_lukv(smollm2, golden, lukv_curve):
+    """As `prefilled`, collecting what LU-KV's inner ExpectedAttention needs."""
+    return prefill_contexts(smollm2[0], golden,
+                            kvjax.parse_method(f"lukv:ratio=0.5,curve={lukv_curve}").stats)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", ["0.50", "0.75"])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+def test_lukv_keeps_kvpress_positions_given_the_same_curve(prefilled_lukv, golden, lukv_curve,
+                                                           ctx, ratio):
+    """LUKVPress (ExpectedAttention with epsilon 0.02, sink 4, window 1) with the golden's
+    random budget curve and `lukv:curve=PATH` with the same curve: the same per-head counts
+    (kvpress's rounding) and the same kept positions in every layer and KV head."""
+    out, n = compress_context(prefilled_lukv, ctx, f"lukv:ratio={float(ratio)},curve={lukv_curve}")
+    ours, theirs = keep_by_position(out, n), unpack(golden, f"{ctx}_lukv_r{ratio}_keep", n)
+    assert ours.sum(-1).tolist() == theirs.sum(-1).tolist()
+    assert len(set(theirs.sum(-1).ravel().tolist())) > 10  # the counts differ by head
     np.testing.assert_array_equal(ours, theirs)
 
 

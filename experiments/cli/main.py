@@ -8,6 +8,7 @@
     kvjax calibrate --out basis.npz        # then --method low_rank:rank=32,basis=basis.npz
     kvjax calibrate --duo --out duo.npz    # then --method duo_attention:head_ratio=0.5,scores=duo.npz
     kvjax calibrate --qfilters --out qf.npz   # then --method qfilter:ratio=0.5,filters=qf.npz
+    kvjax calibrate --lukv --out curve.npz    # then --method lukv:ratio=0.5,curve=curve.npz
     kvjax train-state --out maps           # then --method snapkv:budget=192+fold:map=maps
     kvjax eval --config experiments/configs/smoke.toml --out results/smoke
     kvjax eval --config experiments/configs/results.toml --out docs/results/eval \
@@ -86,8 +87,8 @@ def check_args(args) -> None:
             raise _bad("stride", args.stride, f"must be in [1, --context {args.context}]")
         if args.prefix >= args.context:
             raise _bad("prefix", args.prefix, f"must be in [0, --context {args.context})")
-    if args.command == "calibrate" and args.duo and args.qfilters:
-        raise UsageError("--duo and --qfilters: give one (each writes a different file)")
+    if args.command == "calibrate" and args.duo + args.qfilters + args.lukv > 1:
+        raise UsageError("--duo, --qfilters and --lukv: give one (each writes a different file)")
     if args.command == "generate" and not args.prompt.strip() and not args.chat:
         raise _bad("prompt", repr(args.prompt), "must not be empty (or use --chat)")
     for option in ("text", "context_file", "config"):
@@ -208,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--qfilters", action="store_true",
                    help="Q-Filters instead (for qfilter:filters=OUT): the paper's rule over "
                         "the post-RoPE queries of the windows (--samples of them)")
+    c.add_argument("--lukv", action="store_true",
+                   help="an LU-KV budget curve instead (for lukv:curve=OUT): per head, the "
+                        "future attention ExpectedAttention's top tokens hold, allocated over "
+                        "heads for ratios 0.01-0.99")
     c.add_argument("--samples", type=int, default=3000,
                    help="--qfilters: queries drawn at random for each layer's SVD")
     c.add_argument("--out", type=Path, required=True, help="where to write the .npz basis")
@@ -274,6 +279,26 @@ def cmd_calibrate_qfilters(args, model, ids) -> dict:
             "q_filters_shape": list(filters.shape), "seconds": round(time.perf_counter() - start, 3)}
 
 
+def cmd_calibrate_lukv(args, model, ids) -> dict:
+    """`kvjax calibrate --lukv`: an LU-KV budget curve from the windows of `ids`."""
+    import numpy as np
+
+    from models.calibration import calibrate_lukv
+
+    windows = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
+    if not windows:
+        raise _bad("tokens", len(ids), f"must give at least one window of {args.window} tokens")
+    start = time.perf_counter()
+    curve = calibrate_lukv(model, windows)
+    np.savez(args.out, budget_curve=curve)
+    half = curve[49]  # r = 0.5: each head's prune ratio
+    return {"out": str(args.out), "windows": len(windows), "tokens": len(windows) * args.window,
+            "budget_curve_shape": list(curve.shape),
+            "prune_at_half": {"min": round(float(half.min()), 4),
+                              "max": round(float(half.max()), 4)},
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
 def cmd_calibrate(args, model, tokenizer) -> dict:
     from models.calibration import calibrate_low_rank
 
@@ -282,6 +307,8 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
     ids = tokenizer.encode(read_text(args.text))[-args.tokens:]
     if args.qfilters:
         return cmd_calibrate_qfilters(args, model, ids)
+    if args.lukv:
+        return cmd_calibrate_lukv(args, model, ids)
     start = time.perf_counter()
     basis = calibrate_low_rank(model, ids, window=args.window)
     basis.save(args.out)

@@ -19,6 +19,12 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   (``nthngdy/<model>_qfilt``, out of reach): kvpress's scoring and selection on the real
   model; the filters' rule is checked apart (``tests/test_qfilter.py``).
 
+* ``lukv``: ``LUKVPress(compression_ratio=r)`` (its default ExpectedAttentionPress with
+  epsilon 2e-2, sink 4, window 1), r in 0.5, 0.75, given the budget curve ``lukv_curve``
+  float32 [99, L, KVH] (uniform in [0.05, 0.95], seeded) in place of a published one (kvpress
+  has one, for Llama-3.1-8B). LU-KV masks rather than evicts: ``..._keep`` is the complement of
+  each layer's ``masked_key_indices``.
+
 RestoreKVPress is not here: it loads LoRA adapters and restore embeddings
 from the hub (``higokri/RestoreKV-<model>``, published for Llama-3.1-8B and
 Qwen3-8B only), so kvpress cannot run it on SmolLM2 offline (docs/DECISIONS.md).
@@ -44,7 +50,7 @@ from experiments.golden.make_kvpress_zoo import kept_from_cache, provenance
 
 THIRD_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_zoo_third.npz"
 RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 0.75),
-          "qfilter": (0.5, 0.75)}
+          "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75)}
 THIRD_PRESSES = list(RATIOS)
 
 
@@ -54,9 +60,23 @@ def qfilter_filters(n_layers: int, kvh: int, head_dim: int) -> np.ndarray:
         np.float32)
 
 
-def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None):
+def lukv_curve(n_layers: int, kvh: int) -> np.ndarray:
+    """The golden's budget curve: [99, L, KVH] float32 prune ratios, uniform in [0.05, 0.95]."""
+    return np.random.default_rng(SEED + 1).uniform(0.05, 0.95, (99, n_layers, kvh)).astype(
+        np.float32)
+
+
+def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
+                     curve: np.ndarray | None = None):
     """The kvpress press of `name` at `ratio`, every other argument at kvpress's default."""
     import kvpress
+
+    if name == "lukv":
+        class GivenCurve(kvpress.LUKVPress):  # no published curve for SmolLM2: the golden's
+            def _load_budget_curves(self, model):
+                return curve
+
+        return GivenCurve(compression_ratio=ratio)
 
     if name == "qfilter":
         import torch
@@ -79,7 +99,19 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
     from transformers import DynamicCache
 
     head_dim = model.config.hidden_size // model.config.num_attention_heads
-    press = make_third_press(name, ratio, qfilter_filters(n_layers, kvh, head_dim))
+    press = make_third_press(name, ratio, qfilter_filters(n_layers, kvh, head_dim),
+                             lukv_curve(n_layers, kvh))
+    if name == "lukv":  # masks: the kept positions are the complement of the masked ones
+        inp = torch.from_numpy(ids.astype(np.int64))[None]
+        with torch.no_grad(), press(model):
+            model(input_ids=inp, past_key_values=DynamicCache(), use_cache=True)
+        keep = np.ones((n_layers, kvh, len(ids)), bool)
+        for i, layer in enumerate(model.model.layers):
+            b, h, s = (x.numpy() for x in layer.self_attn.masked_key_indices)
+            assert (b == 0).all()
+            keep[i, h, s] = False
+            layer.self_attn.masked_key_indices = None
+        return {"keep": keep}
     keep = np.zeros((n_layers, kvh, len(ids)), bool)
     orig_compress = press.compress
 
@@ -144,6 +176,8 @@ def main(argv=None) -> int:
                 print(f"{prefix}: kept/row {kept.min()}-{kept.max()} of {len(ids)} "
                       f"({time.perf_counter() - t1:.1f}s)", flush=True)
     timings["presses"] = time.perf_counter() - t0
+    if "lukv" in names:
+        out["lukv_curve"] = lukv_curve(n_layers, kvh)
     if "qfilter" in names:
         out["qfilter_filters"] = qfilter_filters(n_layers, kvh,
                                                  cfg.hidden_size // cfg.num_attention_heads)

@@ -30,6 +30,7 @@ from kvjax.policies import eviction_cam
 from kvjax.policies import eviction_duo
 from kvjax.policies import eviction_finch
 from kvjax.policies import eviction_kvzip
+from kvjax.policies import eviction_lukv
 from kvjax.policies import eviction_merging
 from kvjax.policies import decoding
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
@@ -99,6 +100,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "cam": _inner_by_name(eviction_cam.cam),
     "duo_attention": eviction_duo.duo_attention,
     "qfilter": eviction_geometry.qfilter,
+    "lukv": _inner_by_name(eviction_lukv.lukv),
     "decoding_ratio": _inner_by_name(decoding.decoding_ratio),
     "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
@@ -208,6 +210,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
     # checked against numpy in tests/test_qfilter.py
     "qfilter": MethodInfo("Godey et al. 2025, https://arxiv.org/abs/2503.02812", "QFilterPress",
                           "qfilter:ratio={r},filters=PATH", "tests/test_kvpress_zoo_third.py"),
+    # PATH: a [99, L, KVH] curve (`kvjax calibrate --lukv`); kvpress publishes one, for
+    # Llama-3.1-8B; equal given the same curve (kvpress run with the golden's)
+    "lukv": MethodInfo("Tang et al. 2026, https://arxiv.org/abs/2602.08585", "LUKVPress",
+                       "lukv:ratio={r},curve=PATH", "tests/test_kvpress_zoo_third.py"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""
 
