@@ -174,7 +174,7 @@ def calibrate_lukv(model: Llama, windows: Sequence[Sequence[int]], inner=None,
     from kvjax.core.stats import StatsSpec
     from kvjax.policies.eviction import expected_attention
     from kvjax.policies.eviction_lukv import budget_curve, utility_curves
-    from kvjax.policies.eviction_wrappers import _inner
+    from kvjax.policies.eviction_wrappers import inner_scorer
     from models.sampler import prefill_batch
 
     if not windows or len({len(w) for w in windows}) != 1:
@@ -188,7 +188,7 @@ def calibrate_lukv(model: Llama, windows: Sequence[Sequence[int]], inner=None,
         raise ValueError(f"calibrate_lukv: windows of {width} tokens leave no prefix or no "
                          f"future at prefix={prefix}")
     factory = (lambda **kw: expected_attention(epsilon=0.02, **kw)) if inner is None else inner
-    scorer, spec = _inner(factory, "lukv", 0.5)
+    scorer, spec = inner_scorer(factory, "lukv", 0.5)
     total = None
     for start in tqdm(range(0, len(windows), batch), desc="LU-KV utility curves",
                       unit="batch", disable=not progress):

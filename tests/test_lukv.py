@@ -116,12 +116,12 @@ def test_future_attention_of_layer0_is_numpy_attention(tiny_model):
     each KV head's query heads, from the weights in numpy."""
     import jax.numpy as jnp
     from kvjax.core.stats import StatsSpec
-    from kvjax.policies.eviction_wrappers import _inner
+    from kvjax.policies.eviction_wrappers import inner_scorer
     from models.calibration import _lukv_scores
 
     cfg = tiny_model.config
     ids = np.random.default_rng(3).integers(3, 256, 40).tolist()
-    scorer, spec = _inner(kvjax.policies.eviction.knorm, "lukv", 0.5)
+    scorer, spec = inner_scorer(kvjax.policies.eviction.knorm, "lukv", 0.5)
     pre = prefill_batch(tiny_model, [ids[:30]], stats=spec)
     full = prefill_batch(tiny_model, [ids], stats=StatsSpec(window=10))
     _, got = _lukv_scores(scorer, 4, 1, 30, pre.cache[0], None, full.cache[0], full.stats[0])

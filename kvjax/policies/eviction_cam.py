@@ -44,7 +44,7 @@ from kvjax.core.stats import StatsSpec
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import ScoredUpdate, check_int, evict_layers, knorm, scored_policy
 from kvjax.policies.eviction_merging import _HIGHEST, _check_mergeable
-from kvjax.policies.eviction_wrappers import _inner
+from kvjax.policies.eviction_wrappers import inner_scorer
 
 TARGET_SIZE = 2048  # kvpress CAMPress's target_size default
 MERGE_BUDGET = 32  # kvpress CAMPress's merge_budget default
@@ -230,7 +230,7 @@ def cam(inner=knorm, ratio: float | None = None, budget: int | None = None,
     if ratio is None and budget is None:
         budget = TARGET_SIZE
     check_int("cam", "merge_budget", merge_budget)
-    scorer, inner_stats = _inner(inner, "cam", ratio)
+    scorer, inner_stats = inner_scorer(inner, "cam", ratio)
     t = scored_policy("cam", scorer, ratio=ratio, budget=budget, seed=seed,
                       stats=inner_stats.merge(StatsSpec(attention_mass=True)))
     return CacheTransform(functools.partial(_init, ratio, budget, seed),

@@ -43,7 +43,7 @@ from kvjax.core.selection import rank
 from kvjax.core.stats import LayerStats, StatsSpec
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import Scorer, check_real, no_protect, scored_policy, snapkv
-from kvjax.policies.eviction_wrappers import _inner, _press_scores
+from kvjax.policies.eviction_wrappers import inner_scorer, _press_scores
 
 FLOAT_MAX = float(jnp.finfo(jnp.float32).max)  # kvpress's torch.finfo(float32).max
 
@@ -193,7 +193,7 @@ def critical(inner=snapkv, ratio: float | None = None, budget: int | None = None
     first_stage_ratio); the inner method runs at its defaults.
     """
     _check_critical("critical", epsilon, first_stage_ratio)
-    scorer, stats = _inner(inner, "critical", ratio)
+    scorer, stats = inner_scorer(inner, "critical", ratio)
     return scored_policy("critical", CriticalScorer(scorer, float(epsilon),
                                                     float(first_stage_ratio)),
                          ratio=ratio, budget=budget,
@@ -214,7 +214,7 @@ def critical_ada(inner=snapkv, ratio: float | None = None, budget: int | None = 
     if options.pop("headwise", True) is not True:
         raise ValueError("critical_ada: headwise budgets are what it is; use critical for "
                          "per-head budgets")
-    scorer, stats = _inner(inner, "critical_ada", ratio)
+    scorer, stats = inner_scorer(inner, "critical_ada", ratio)
     return scored_policy("critical_ada", CriticalAdaScorer(scorer, float(alpha), float(epsilon),
                                                            float(first_stage_ratio)),
                          ratio=ratio, budget=budget, headwise=True, alpha=float(alpha),

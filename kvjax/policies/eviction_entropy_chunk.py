@@ -41,7 +41,7 @@ from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import Scorer, _check_budget, check_int, snapkv
 from kvjax.policies.eviction_sequence import in_sequence, to_slots
-from kvjax.policies.eviction_wrappers import _inner, evict_chunks, press_in_order
+from kvjax.policies.eviction_wrappers import inner_scorer, evict_chunks, press_in_order
 
 EPSILON = 1e-8  # kvpress's, in the entropy's normalisation and logarithm
 
@@ -151,7 +151,7 @@ def entropy_chunkkv(inner=snapkv, ratio: float | None = None, budget: int | None
                          f"{low_entropy_chunk_length!r}")
     check_int("entropy_chunkkv", "seed", seed, 0)
     _check_budget("entropy_chunkkv", ratio, budget)
-    scorer, stats = _inner(inner, "entropy_chunkkv", ratio)
+    scorer, stats = inner_scorer(inner, "entropy_chunkkv", ratio)
     return CacheTransform(functools.partial(init_budget, ratio, budget, seed),
                           EntropyChunkUpdate(scorer, chunk_length, low_entropy_chunk_length),
                           stats)

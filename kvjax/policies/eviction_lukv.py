@@ -155,7 +155,7 @@ def lukv(inner=None, ratio: float | None = None, curve: str | None = None, sink:
     curve (`curve=PATH`: `kvjax calibrate --lukv --out PATH`, or a `[99, L, KVH]` .npy).
     """
     from kvjax.policies.eviction import expected_attention
-    from kvjax.policies.eviction_wrappers import _inner
+    from kvjax.policies.eviction_wrappers import inner_scorer
 
     check_real("lukv", "ratio", ratio, 0.0, 1.0, high_open=True)
     check_int("lukv", "sink", sink, 0)
@@ -165,7 +165,7 @@ def lukv(inner=None, ratio: float | None = None, curve: str | None = None, sink:
         raise ValueError("lukv: needs curve=PATH, a [99, L, KVH] budget curve: "
                          "`kvjax calibrate --lukv --out PATH` profiles one")
     factory = functools.partial(expected_attention, epsilon=0.02) if inner is None else inner
-    scorer, stats = _inner(factory, "lukv", ratio)
+    scorer, stats = inner_scorer(factory, "lukv", ratio)
     return CacheTransform(functools.partial(init_lukv, float(ratio), int(seed)),
                           LUKVUpdate(scorer, load_budget_curve(curve), int(sink), int(window)),
                           stats)

@@ -42,7 +42,7 @@ from kvjax.core.stores import is_encoded
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import (ScoredUpdate, _check_scores, check_real, evict_layers,
                                      scored_policy, snapkv)
-from kvjax.policies.eviction_wrappers import _inner
+from kvjax.policies.eviction_wrappers import inner_scorer
 
 EPS = 1e-6  # kvpress's _EPS: norm clamp and the weight's denominator
 _HIGHEST = jax.lax.Precision.HIGHEST
@@ -166,7 +166,7 @@ def merging(inner=snapkv, ratio: float | None = None, budget: int | None = None,
     if options.get("headwise", False) is not False:
         raise ValueError(f"merging: headwise={options['headwise']!r}: merging needs per-head "
                          f"budgets (headwise=false)")
-    scorer, stats = _inner(inner, "merging", ratio)
+    scorer, stats = inner_scorer(inner, "merging", ratio)
     t = scored_policy("merging", scorer, ratio=ratio, budget=budget, stats=stats, **options)
     return t._replace(update=MergingUpdate(t.update, float(similarity_threshold),
                                            float(merge_fraction)))

@@ -38,7 +38,7 @@ from kvjax.core.stats import StatsSpec, rope_inv_freq
 from kvjax.core.transforms import CacheTransform, EmptyState
 
 
-def _inner(factory, wrapper: str, ratio: float | None) -> tuple[Scorer, StatsSpec]:
+def inner_scorer(factory, wrapper: str, ratio: float | None) -> tuple[Scorer, StatsSpec]:
     """(scorer, stats) of the scored-policy `factory` at its defaults (and the wrapper's
     ratio, for scorers that depend on it: Compactor's blending)."""
     name = getattr(factory, "__name__", repr(factory))
@@ -99,7 +99,7 @@ def block(inner=keydiff, ratio: float | None = None, budget: int | None = None,
     window) differ there, order-free ones (KeyDiff, Knorm) do not.
     """
     check_int("block", "block_size", block_size, 1)
-    scorer, stats = _inner(inner, "block", ratio)
+    scorer, stats = inner_scorer(inner, "block", ratio)
     return scored_policy("block", BlockScorer(scorer, block_size), ratio=ratio, budget=budget,
                          stats=stats, **options)
 
@@ -207,7 +207,7 @@ def chunkkv(inner=snapkv, ratio: float | None = None, budget: int | None = None,
     check_int("chunkkv", "chunk_length", chunk_length, 1)
     check_int("chunkkv", "seed", seed, 0)
     _check_budget("chunkkv", ratio, budget)
-    scorer, stats = _inner(inner, "chunkkv", ratio)
+    scorer, stats = inner_scorer(inner, "chunkkv", ratio)
     return CacheTransform(functools.partial(init_budget, ratio, budget, seed),
                           ChunkKVUpdate(scorer, chunk_length), stats)
 
