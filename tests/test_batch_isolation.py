@@ -38,6 +38,8 @@ SPECIAL = {
     "kvzip": "kvzip:ratio=0.5,prompt=bare",  # a tiny model has no tokenizer for kvpress's prompt
     "kvgrad": "kvgrad:ratio=0.5,prompt=bare",
     "duo_attention": "duo_attention:head_ratio=0.5,scores={basis},sink=4,recent=8",  # scores: a file
+    "qfilter": "qfilter:ratio=0.5,filters={basis}",  # filters: a file
+    "lukv": "lukv:ratio=0.5,curve={basis}",  # a budget curve: a file
     "auto": "auto:budget=0.25",
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""
