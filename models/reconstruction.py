@@ -78,16 +78,17 @@ def with_tokenizer(transform: CacheTransform, tokenizer) -> CacheTransform:
     return transform._replace(stats=dataclasses.replace(transform.stats, reconstruction=bound))
 
 
-@functools.partial(jax.jit, static_argnames=("capacities", "impl"))
+@functools.partial(jax.jit, static_argnames=("capacities", "impl", "group_mean"))
 def _pass_scores(model, tokens, positions, cache, start, end, sinks, context,
-                 capacities: tuple[int, ...], impl):
+                 capacities: tuple[int, ...], impl, group_mean: bool = False):
     """Per layer [B, KVH, C_l]: one reconstruction pass's scores of the prefilled slots (a
     sliding-window layer's are computed alike, and unused: methods leave those layers be)."""
     spec = StatsSpec(window=tokens.shape[1])
     stats = model.init_stats(spec, cache)
     _, cache, stats = model.forward(tokens, positions, cache, stats, spec, impl=impl)
-    return tuple(chunk_scores(layer, s.queries, s.query_pos, start, end, sinks, context)
-                 [..., :c] for layer, s, c in zip(cache, stats, capacities))
+    return tuple(chunk_scores(layer, s.queries, s.query_pos, start, end, sinks, context,
+                              group_mean=group_mean)[..., :c]
+                 for layer, s, c in zip(cache, stats, capacities))
 
 
 def probe_forward(model: Llama, tokens, positions, cache, offsets, spec: StatsSpec, impl="xla"):
@@ -206,7 +207,7 @@ def reconstruct(model: Llama, cache, stats, next_pos: np.ndarray,
         elif rec.plus:
             scores = _plus_pass_scores(*args)
         else:
-            scores = _pass_scores(*args)
+            scores = _pass_scores(*args, group_mean=rec.group_mean)
         total = scores if total is None else tuple(a + s for a, s in zip(total, scores))
     if stats is None:
         cfg = model.config

@@ -73,6 +73,7 @@ DEFAULT_SPECS = {
     "duo_attention": f"duo_attention:head_ratio=0.5,scores={BASIS},sink=4,recent=8",
     "qfilter": f"qfilter:ratio=0.5,filters={BASIS}",
     "lukv": f"lukv:ratio=0.5,curve={BASIS}",
+    "kvcompose": "kvcompose:ratio=0.5",  # a pass over the context after prefill, as kvzip's
     "cam": "cam:ratio=0.5,merge_budget=4",  # merges only with compress_every (a decoding press)
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
     "auto": "auto:budget=0.25",
@@ -94,9 +95,10 @@ def registered_specs() -> list[str]:
 
 
 SPECS = registered_specs() + MORE + CHAINS
-PROMPT_ONLY = {DEFAULT_SPECS["kvzip"], DEFAULT_SPECS["kvgrad"], KVZIP_PLUS}
-"""Methods that compress the prompt only (kvzip, kvgrad: their scores come from a pass after
-prefill): with `compress_every` they must refuse by name."""
+PROMPT_ONLY = {DEFAULT_SPECS["kvzip"], DEFAULT_SPECS["kvgrad"], KVZIP_PLUS,
+               DEFAULT_SPECS["kvcompose"]}
+"""Methods that compress the prompt only (kvzip, kvgrad, kvcompose: their scores come from a pass
+after prefill): with `compress_every` they must refuse by name."""
 
 
 @pytest.fixture(scope="module")

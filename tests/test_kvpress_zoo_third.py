@@ -7,7 +7,7 @@ ratio (0.5, 0.75), the positions kvpress kept in every layer and KV head. kvjax
 prefills the same ids once and applies the method from its spec string to a
 copy of that cache. QFilterPress runs with the golden's own filters in place of the hub's
 (`qfilter` with the same filters), LUKVPress with the golden's budget curve (`lukv` with the
-same curve). RestoreKVPress has no golden: it needs hub adapters kvpress
+same curve), KVComposePress after its own second pass (`kvcompose`). RestoreKVPress has no golden: it needs hub adapters kvpress
 cannot load here (docs/DECISIONS.md).
 """
 
@@ -108,6 +108,35 @@ def test_lukv_keeps_kvpress_positions_given_the_same_curve(prefilled_lukv, golde
     ours, theirs = keep_by_position(out, n), unpack(golden, f"{ctx}_lukv_r{ratio}_keep", n)
     assert ours.sum(-1).tolist() == theirs.sum(-1).tolist()
     assert len(set(theirs.sum(-1).ravel().tolist())) > 10  # the counts differ by head
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def prefilled_kvcompose(smollm2, golden):
+    """ctx -> (full cache, statistics with KVCompose's pass scores, tokens)."""
+    from models.reconstruction import reconstruct
+    from models.sampler import prefill_batch
+    model = smollm2[0]
+    rec = kvjax.parse_method("kvcompose:ratio=0.5").stats.reconstruction
+    out = {}
+    for ctx in ("ctx1", "ctx2"):
+        ids = golden[f"{ctx}_ids"].tolist()
+        pre = prefill_batch(model, [ids])
+        out[ctx] = (pre.cache, reconstruct(model, pre.cache, pre.stats, pre.next_pos, [ids],
+                                           rec), len(ids))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", ["0.50", "0.75"])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+def test_kvcompose_keeps_kvpress_positions(prefilled_kvcompose, golden, ctx, ratio):
+    """KVComposePress (structured): the same per-layer counts (every head of a layer alike)
+    and the same kept positions in every layer and KV head."""
+    out, n = compress_context(prefilled_kvcompose, ctx, f"kvcompose:ratio={float(ratio)}")
+    ours, theirs = keep_by_position(out, n), unpack(golden, f"{ctx}_kvcompose_r{ratio}_keep", n)
+    assert ours.sum(-1).tolist() == theirs.sum(-1).tolist()
+    assert (theirs.sum(-1) == theirs.sum(-1)[:, :1]).all()  # structured: one count a layer
     np.testing.assert_array_equal(ours, theirs)
 
 

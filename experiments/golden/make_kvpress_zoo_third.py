@@ -25,6 +25,10 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   has one, for Llama-3.1-8B). LU-KV masks rather than evicts: ``..._keep`` is the complement of
   each layer's ``masked_key_indices``.
 
+* ``kvcompose``: ``KVComposePress(compression_ratio=r)`` at its defaults (structured), r in
+  0.5, 0.75: its second pass over the context and its per-layer budgets, read off the cache it
+  leaves (every kept key row matched to the uncompressed prefill's).
+
 RestoreKVPress is not here: it loads LoRA adapters and restore embeddings
 from the hub (``higokri/RestoreKV-<model>``, published for Llama-3.1-8B and
 Qwen3-8B only), so kvpress cannot run it on SmolLM2 offline (docs/DECISIONS.md).
@@ -50,7 +54,7 @@ from experiments.golden.make_kvpress_zoo import kept_from_cache, provenance
 
 THIRD_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_zoo_third.npz"
 RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 0.75),
-          "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75)}
+          "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75), "kvcompose": (0.5, 0.75)}
 THIRD_PRESSES = list(RATIOS)
 
 
@@ -71,6 +75,8 @@ def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
     """The kvpress press of `name` at `ratio`, every other argument at kvpress's default."""
     import kvpress
 
+    if name == "kvcompose":
+        return kvpress.KVComposePress(compression_ratio=ratio)
     if name == "lukv":
         class GivenCurve(kvpress.LUKVPress):  # no published curve for SmolLM2: the golden's
             def _load_budget_curves(self, model):
@@ -101,6 +107,21 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     press = make_third_press(name, ratio, qfilter_filters(n_layers, kvh, head_dim),
                              lukv_curve(n_layers, kvh))
+    if name == "kvcompose":  # compresses the cache when its block exits, not in `compress`
+        inp = torch.from_numpy(ids.astype(np.int64))[None]
+        with torch.no_grad():
+            saved, model.config._attn_implementation = model.config._attn_implementation, "eager"
+            try:  # KVCompose prefills with eager attention: the same keys, bit for bit
+                plain = model(input_ids=inp, past_key_values=DynamicCache(), use_cache=True)
+            finally:
+                model.config._attn_implementation = saved
+            with press(model):
+                out = model(input_ids=inp, past_key_values=DynamicCache(), use_cache=True)
+        keep = np.zeros((n_layers, kvh, len(ids)), bool)
+        for i in range(n_layers):
+            keep[i] = kept_from_cache(plain.past_key_values.layers[i].keys,
+                                      out.past_key_values.layers[i].keys)
+        return {"keep": keep}
     if name == "lukv":  # masks: the kept positions are the complement of the masked ones
         inp = torch.from_numpy(ids.astype(np.int64))[None]
         with torch.no_grad(), press(model):

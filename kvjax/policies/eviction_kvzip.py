@@ -90,6 +90,7 @@ class Reconstruction:
     prompt: ReconstructionPrompt | None = None  # None: bind a tokenizer's first
     gradient: bool = False  # KVgrad: weigh by ||v W_o|| and the objective's gradient
     plus: bool = False  # KVzip+: weigh by ||v W_o|| / ||h|| (h: the query's attention input)
+    group_mean: bool = False  # KVCompose: a query head's max over the pass, mean over its group
 
 
 def reconstruction_inputs(context: Sequence[int], rec: Reconstruction
@@ -122,9 +123,11 @@ def reconstruction_inputs(context: Sequence[int], rec: Reconstruction
 def chunk_scores(layer: TokenCache, queries: jax.Array, query_pos: jax.Array, start: jax.Array,
                  end: jax.Array, sinks: jax.Array, context: jax.Array,
                  value_norms: jax.Array | None = None,
-                 query_weights: jax.Array | None = None) -> jax.Array:
+                 query_weights: jax.Array | None = None,
+                 group_mean: bool = False) -> jax.Array:
     """[B, KVH, C] float32: per slot of the chunk `[start, end)`, the most attention a
-    reconstruction query pays it (0 outside the chunk).
+    reconstruction query pays it (0 outside the chunk); `group_mean`: each query head's most,
+    averaged over the KV head's query heads (KVCompose).
 
     The queries' softmax runs over the first `sinks` tokens, the chunk and the pass's own
     tokens (positions >= `context`, causally): kvpress's `_compute_cross_attention`.
@@ -156,7 +159,8 @@ def chunk_scores(layer: TokenCache, queries: jax.Array, query_pos: jax.Array, st
         weights = weights * value_norms[:, :, :, None, :]
     if query_weights is not None:
         weights = weights * query_weights[:, None, None, :, None]
-    return jnp.where(in_chunk, weights.max(axis=(2, 3)), 0.0)
+    best = weights.max(axis=3).mean(axis=2) if group_mean else weights.max(axis=(2, 3))
+    return jnp.where(in_chunk, best, 0.0)
 
 
 def value_output_norms(values: jax.Array, out_proj: jax.Array) -> jax.Array:

@@ -31,6 +31,7 @@ from kvjax.policies import eviction_duo
 from kvjax.policies import eviction_finch
 from kvjax.policies import eviction_kvzip
 from kvjax.policies import eviction_lukv
+from kvjax.policies import eviction_compose
 from kvjax.policies import eviction_merging
 from kvjax.policies import decoding
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
@@ -101,6 +102,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "duo_attention": eviction_duo.duo_attention,
     "qfilter": eviction_geometry.qfilter,
     "lukv": _inner_by_name(eviction_lukv.lukv),
+    "kvcompose": eviction_compose.kvcompose,
     "decoding_ratio": _inner_by_name(decoding.decoding_ratio),
     "rerotate": eviction_wrappers.rerotate,
     "quantize": codecs.quantize,
@@ -214,6 +216,9 @@ METHOD_INFO: dict[str, MethodInfo] = {
     # Llama-3.1-8B; equal given the same curve (kvpress run with the golden's)
     "lukv": MethodInfo("Tang et al. 2026, https://arxiv.org/abs/2602.08585", "LUKVPress",
                        "lukv:ratio={r},curve=PATH", "tests/test_kvpress_zoo_third.py"),
+    "kvcompose": MethodInfo("Akulov et al. 2025, https://arxiv.org/abs/2509.05165",
+                            "KVComposePress", "kvcompose:ratio={r}",
+                            "tests/test_kvpress_zoo_third.py"),
 }
 """Paper and kvpress equivalence per method name (absent: none known)."""
 
