@@ -5,6 +5,7 @@ kvpress press mapping."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,3 +137,13 @@ def test_kvpress_specs_map_to_presses_or_fail_clearly():
     press = press_for("streaming_llm:ratio=0.5")
     assert isinstance(press, kvpress.StreamingLLMPress) and press.compression_ratio == 0.5
     assert isinstance(press_for("snapkv:ratio=0.5,headwise=true"), kvpress.AdaKVPress)
+    # hub artifacts: the file the spec names, read by kvjax's checked loader
+    golden = Path(__file__).parent / "golden"
+    assert parse_press_spec(f"qfilter:ratio=0.5,filters={golden}/smollm2_qfilters.npz") == (
+        "QFilterPress", {"compression_ratio": 0.5,
+                         "filters": f"{golden}/smollm2_qfilters.npz"})
+    press = press_for(f"lukv:ratio=0.75,curve={golden}/smollm2_lukv_curve.npz")
+    assert isinstance(press, kvpress.LUKVPress) and press.compression_ratio == 0.75
+    assert press._load_budget_curves(None).shape == (99, 30, 3)
+    with pytest.raises(ValueError, match="is not a file"):
+        press_for("qfilter:ratio=0.5,filters=/no/such.npz")

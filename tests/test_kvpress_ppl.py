@@ -15,8 +15,11 @@ wrapper that keeps chunks (ChunkKV), a two-stage wrapper (CriticalKV), one that 
 kept values (Merging), a randomized scorer given kvjax's sketch (LeverageScore), the
 reconstruction pass with the tokenizer's prompt (KVzip), and key-channel pruning (ThinK: the
 prefix's keys on the kept channels, the 256 later keys whole in the exact part, as kvpress
-prunes the prefill only; 5e-7). `python -m experiments.eval.kvpress_ppl_parity` compares
-every row: 45 of 46 within 0.1%; the other is named in docs/DECISIONS.md (LagKV at r = 0.75
+prunes the prefill only; 5e-7), and two presses given kvjax's artifacts in place of the hub's
+(LU-KV's budget curve: per-head counts, pooled; Q-Filters' filters), and KVCompose (its
+second pass over the context, per-layer counts).
+`python -m experiments.eval.kvpress_ppl_parity` compares
+every row: 51 of 52 within 0.1%; the other is named in docs/DECISIONS.md (LagKV at r = 0.75
 on a 768-token prefix: 256 tokens tie at kvpress's top score for 192 places, and torch's
 `topk` drops the sinks where kvjax keeps the earliest).
 """
@@ -34,7 +37,10 @@ CASES = [("kjv_genesis", "full"), ("devils_dictionary", "full"),
          ("devils_dictionary", "critical:inner=snapkv,ratio=0.75"),
          ("kjv_genesis", "merging:inner=snapkv,ratio=0.5"),
          ("kjv_genesis", "leverage:ratio=0.5"), ("devils_dictionary", "kvzip:ratio=0.75"),
-         ("kjv_genesis", "think:ratio=0.5")]
+         ("kjv_genesis", "think:ratio=0.5"),
+         ("kjv_genesis", "lukv:ratio=0.5,curve={golden}/smollm2_lukv_curve.npz"),
+         ("devils_dictionary", "qfilter:ratio=0.75,filters={golden}/smollm2_qfilters.npz"),
+         ("kjv_genesis", "kvcompose:ratio=0.5")]
 
 
 def test_the_golden_covers_every_method_kvpress_runs():

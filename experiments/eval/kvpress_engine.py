@@ -25,6 +25,8 @@ press `kvjax methods` names for the method, built from the spec it publishes the
                                           chunkkv:inner=snapkv,ratio=R ->
                                           ChunkKVPress(SnapKVPress(R))
     NAME:ratio=R,headwise=true         -> AdaKVPress(NAME's press(R))
+    qfilter:ratio=R,filters=PATH       -> QFilterPress(R) with PATH's filters (not the hub's)
+    lukv:ratio=R,curve=PATH            -> LUKVPress(R) with PATH's budget curve
 
 Anything else (chains, codecs, other arguments, methods whose published spec takes other
 arguments) has no kvpress equivalent here and raises. Needs the `compare` extra
@@ -52,6 +54,9 @@ REROTATING = ("KeyRerotationPress", "FinchPress")
 RATIO_ARGUMENT = {"ThinKPress": "key_channel_compression_ratio"}
 # presses that compress while decoding, not the prefill a ppl window or a question follows
 DECODING = ("decoding_ratio",)
+# a press whose artifact kvpress downloads from the hub (out of reach here) takes the file
+# the spec names instead: the spec's argument -> the press it feeds
+ARTIFACTS = {"filters": "QFilterPress", "curve": "LUKVPress"}
 
 
 def _published(name: str) -> dict | None:
@@ -63,7 +68,7 @@ def _published(name: str) -> dict | None:
     if info is None or not info.spec or "+" in info.spec or name in DECODING:
         return None
     kwargs = split_part(info.spec.replace("{r}", "0.5"))[1]
-    return kwargs if "ratio" in kwargs and set(kwargs) <= {"ratio", "inner"} else None
+    return kwargs if "ratio" in kwargs and set(kwargs) <= {"ratio", "inner", *ARTIFACTS} else None
 
 
 def parse_press_spec(method: str) -> tuple[str, dict] | None:
@@ -92,7 +97,8 @@ def parse_press_spec(method: str) -> tuple[str, dict] | None:
     press = METHOD_INFO[name].kvpress
     if "inner" in kwargs:
         return press, {"press": parse_press_spec(f"{kwargs['inner']}:ratio={ratio}")}
-    spec = (press, {RATIO_ARGUMENT.get(press, "compression_ratio"): ratio})
+    artifact = {k: kwargs[k] for k in ARTIFACTS if k in kwargs}
+    spec = (press, {RATIO_ARGUMENT.get(press, "compression_ratio"): ratio, **artifact})
     return ("AdaKVPress", {"press": spec}) if headwise else spec
 
 
@@ -107,7 +113,26 @@ def _build(spec: tuple[str, dict]):
 
     name, kwargs = spec
     kwargs = {k: _build(v) if k == "press" else v for k, v in kwargs.items()}
-    return getattr(kvpress, name)(**kwargs)
+    artifact = {k: kwargs.pop(k) for k in ARTIFACTS if k in kwargs}
+    return _given(getattr(kvpress, name)(**kwargs), artifact)
+
+
+def _given(press, artifact: dict):
+    """`press` reading kvjax's artifact file in place of the hub's: QFilterPress its filters
+    (`filters`, as `kvjax calibrate --qfilters` writes them), LUKVPress its budget curve
+    (`curve`, as `kvjax calibrate --lukv` writes it), both read by kvjax's checked loaders."""
+    if "filters" in artifact:
+        import torch
+
+        from kvjax.policies.eviction_geometry import load_qfilters
+        filters = torch.from_numpy(load_qfilters(artifact["filters"]))
+        press.post_init_from_model = lambda model: setattr(press, "q_filters",
+                                                           filters.to(model.dtype))
+    if "curve" in artifact:
+        from kvjax.policies.eviction_lukv import load_budget_curve
+        curve = load_budget_curve(artifact["curve"])
+        press._load_budget_curves = lambda model: curve
+    return press
 
 
 @contextlib.contextmanager

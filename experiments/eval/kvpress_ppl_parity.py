@@ -36,7 +36,9 @@ def kvjax_ppl(model, tokenizer, golden: dict, text: str, spec: str) -> tuple[flo
     from kvjax.policies.methods import parse_method
     from models.reconstruction import with_tokenizer
 
-    transform = with_tokenizer(parse_method(spec), tokenizer)
+    from experiments.golden.make_kvpress_ppl import resolve
+
+    transform = with_tokenizer(parse_method(resolve(spec)), tokenizer)
     result = perplexity(model, golden["ids"][text], context=golden["window"],
                         prefix=golden["prefix"], transform=transform, batch_size=1)
     return result.ppl, result.tokens_scored

@@ -15,7 +15,8 @@ scored and the perplexity.
 
 The methods: `full` and every method `experiments.eval.kvpress_engine.parse_press_spec`
 maps to a press (the spec `kvjax methods` publishes), at ratio 0.5 on KJV Genesis and 0.75
-on The Devil's Dictionary. LeverageScorePress (and CompactorPress, which contains one) gets
+on The Devil's Dictionary; QFilterPress and LUKVPress read the filters and the budget curve
+kvjax calibrated (`ARTIFACT_FILES`) in place of the hub's. LeverageScorePress (and CompactorPress, which contains one) gets
 kvjax's Gaussian sketch instead of its own `torch.randn` draw (`kvjax_sketches`).
 
 How to run (the ``compare`` extra; about ten minutes on 2 busy CPU cores)::
@@ -42,14 +43,26 @@ WINDOW, PREFIX = 1024, 768  # kvjax eval's ppl cells: PPL_PREFIX = 0.75 of the w
 TEXTS = {"kjv_genesis": 0.5, "devils_dictionary": 0.75}  # text -> the ratio its rows use
 
 
+# the artifact files the specs of hub-artifact presses name (PATH in `kvjax methods`): made by
+# kvjax (`kvjax calibrate --qfilters` / `--lukv` on SmolLM2, defaults), handed to both engines
+ARTIFACT_FILES = {"qfilter": "{golden}/smollm2_qfilters.npz",
+                  "lukv": "{golden}/smollm2_lukv_curve.npz"}
+
+
 def methods(ratio: float) -> list[str]:
-    """`full` and each method kvpress runs here, as the spec `kvjax methods` publishes."""
+    """`full` and each method kvpress runs here, as the spec `kvjax methods` publishes (its
+    PATH replaced by `ARTIFACT_FILES`'s; `resolve` makes the path real)."""
     from experiments.eval.kvpress_engine import _published
     from kvjax.policies.methods import METHOD_INFO
 
-    specs = [METHOD_INFO[m].spec.format(r=ratio) for m in sorted(METHOD_INFO)
-             if _published(m) is not None]
+    specs = [METHOD_INFO[m].spec.format(r=ratio).replace("PATH", ARTIFACT_FILES.get(m, "PATH"))
+             for m in sorted(METHOD_INFO) if _published(m) is not None]
     return ["full"] + specs
+
+
+def resolve(spec: str) -> str:
+    """A golden row's spec with `{golden}` as the folder of the goldens."""
+    return spec.replace("{golden}", str(REPO_ROOT / "tests" / "golden"))
 
 
 @contextlib.contextmanager
@@ -108,7 +121,7 @@ def main(argv=None) -> int:
             if only and spec.split(":")[0] not in only:
                 continue
             start = time.perf_counter()
-            press = press_for(spec)
+            press = press_for(resolve(spec))
             torch.manual_seed(SEED)
             cfg = model.config
             with kvjax_sketches(press, torch, cfg.num_key_value_heads, cfg.head_dim):
