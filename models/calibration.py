@@ -225,3 +225,41 @@ def _lukv_scores(scorer, sink: int, window: int, p: int, prefix_cache, prefix_st
     weights = attention_weights(full_stats.queries, full_stats.query_pos, full_cache)
     return (by_position(scores, seen.pos)[..., :p],
             by_position(weights.sum((2, 3)), full_cache.pos)[..., :p])
+
+
+def calibrate_query_stats(model: Llama, windows: Sequence[Sequence[int]], sinks: int = 4,
+                          batch: int = 2, progress: bool = True):
+    """(mean [L, H, D], covariance [L, H, D, D]) float32 of the pre-RoPE queries of `windows`
+    (token-id lists), each window's first `sinks` positions left out, the covariance with
+    `N - 1` (kvpress's `collect_queries`, which ExpectedAttentionStatsPress reads). Save as
+    `np.savez(path, query_mean=..., query_cov=...)` for `expected_attention_stats:stats=PATH`.
+
+    Example:
+        >>> from flax import nnx
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> mean, cov = calibrate_query_stats(model, [list(range(3, 40))], progress=False)
+        >>> mean.shape, cov.shape        # [L, H, D], [L, H, D, D]
+        ((2, 4, 16), (2, 4, 16, 16))
+    """
+    import numpy as np
+
+    from kvjax.core.stats import StatsSpec
+    from models.sampler import prefill_batch
+
+    if not windows or any(len(w) <= sinks for w in windows):
+        raise ValueError(f"calibrate_query_stats needs windows of more than sinks={sinks} "
+                         f"tokens, got lengths {sorted({len(w) for w in windows})}")
+    spec = StatsSpec(query_moments=True, moments_skip=sinks)
+    total = None
+    for start in tqdm(range(0, len(windows), batch), desc="query statistics", unit="batch",
+                      disable=not progress):
+        pre = prefill_batch(model, [list(w) for w in windows[start:start + batch]], stats=spec)
+        sums = [(np.asarray(s.q_sum, np.float64).sum(0), np.asarray(s.q_outer, np.float64).sum(0),
+                 float(np.asarray(s.q_count).sum())) for s in pre.stats]
+        total = sums if total is None else [tuple(a + b for a, b in zip(x, y))
+                                            for x, y in zip(total, sums)]
+    mean = np.stack([q / n for q, _, n in total])  # [L, H, D]
+    cov = np.stack([(outer - n * np.einsum("hi,hj->hij", q / n, q / n)) / (n - 1)
+                    for q, outer, n in total])
+    return mean.astype(np.float32), cov.astype(np.float32)

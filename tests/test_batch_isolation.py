@@ -40,6 +40,7 @@ SPECIAL = {
     "duo_attention": "duo_attention:head_ratio=0.5,scores={basis},sink=4,recent=8",  # scores: a file
     "qfilter": "qfilter:ratio=0.5,filters={basis}",  # filters: a file
     "lukv": "lukv:ratio=0.5,curve={basis}",  # a budget curve: a file
+    "expected_attention_stats": "expected_attention_stats:ratio=0.5,stats={basis}",
     "auto": "auto:budget=0.25",
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""
@@ -57,7 +58,7 @@ def model():
 @pytest.fixture(scope="module")
 def basis_file(tmp_path_factory):
     return random_basis(tmp_path_factory.mktemp("basis") / "basis.npz", CONFIG.num_layers,
-                        CONFIG.num_kv_heads, CONFIG.head_dim)
+                        CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.num_heads)
 
 
 def test_every_registered_method_has_a_spec(basis_file):

@@ -73,6 +73,7 @@ DEFAULT_SPECS = {
     "duo_attention": f"duo_attention:head_ratio=0.5,scores={BASIS},sink=4,recent=8",
     "qfilter": f"qfilter:ratio=0.5,filters={BASIS}",
     "lukv": f"lukv:ratio=0.5,curve={BASIS}",
+    "expected_attention_stats": f"expected_attention_stats:ratio=0.5,stats={BASIS}",
     "kvcompose": "kvcompose:ratio=0.5",  # a pass over the context after prefill, as kvzip's
     "cam": "cam:ratio=0.5,merge_budget=4",  # merges only with compress_every (a decoding press)
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
@@ -106,9 +107,11 @@ def model():
     return Llama(CONFIG, rngs=nnx.Rngs(0))
 
 
-def random_basis(path, layers: int, kv_heads: int, head_dim: int) -> str:
+def random_basis(path, layers: int, kv_heads: int, head_dim: int, heads: int | None = None
+                 ) -> str:
     """Save a random orthonormal basis per layer and KV head (what `kvjax calibrate` writes)
-    at `path`; returns the path as a string."""
+    at `path`, with random artifacts of the other calibrated methods (`heads`: query heads,
+    default `kv_heads`, for the query statistics); returns the path as a string."""
     rng = np.random.default_rng(0)
     shape = (layers, kv_heads, head_dim, head_dim)
     keys, values = (np.linalg.qr(rng.standard_normal(shape))[0].astype(np.float32)
@@ -119,14 +122,18 @@ def random_basis(path, layers: int, kv_heads: int, head_dim: int) -> str:
         arrays = dict(f)  # and random Q-Filters and an LU-KV budget curve
     np.savez(path, **arrays, head_scores=rng.random(shape[:2]).astype(np.float32),
              q_filters=rng.standard_normal(shape[:3]).astype(np.float32),
-             budget_curve=rng.uniform(0.05, 0.95, (99,) + shape[:2]).astype(np.float32))
+             budget_curve=rng.uniform(0.05, 0.95, (99,) + shape[:2]).astype(np.float32),
+             query_mean=rng.standard_normal((layers, heads or kv_heads, head_dim)).astype(
+                 np.float32),
+             query_cov=np.broadcast_to(np.eye(head_dim, dtype=np.float32),
+                                       (layers, heads or kv_heads, head_dim, head_dim)))
     return str(path)
 
 
 @pytest.fixture(scope="module")
 def basis_file(tmp_path_factory):
     return random_basis(tmp_path_factory.mktemp("basis") / "random_basis.npz",
-                        CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim)
+                        CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.num_heads)
 
 
 def prompt(n: int, seed: int) -> list[int]:

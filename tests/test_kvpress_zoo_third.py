@@ -7,7 +7,8 @@ ratio (0.5, 0.75), the positions kvpress kept in every layer and KV head. kvjax
 prefills the same ids once and applies the method from its spec string to a
 copy of that cache. QFilterPress runs with the golden's own filters in place of the hub's
 (`qfilter` with the same filters), LUKVPress with the golden's budget curve (`lukv` with the
-same curve), KVComposePress after its own second pass (`kvcompose`). RestoreKVPress has no golden: it needs hub adapters kvpress
+same curve), KVComposePress after its own second pass (`kvcompose`), ExpectedAttentionStatsPress with
+seeded query statistics (`expected_attention_stats` with the same). RestoreKVPress has no golden: it needs hub adapters kvpress
 cannot load here (docs/DECISIONS.md).
 """
 
@@ -137,6 +138,26 @@ def test_kvcompose_keeps_kvpress_positions(prefilled_kvcompose, golden, ctx, rat
     ours, theirs = keep_by_position(out, n), unpack(golden, f"{ctx}_kvcompose_r{ratio}_keep", n)
     assert ours.sum(-1).tolist() == theirs.sum(-1).tolist()
     assert (theirs.sum(-1) == theirs.sum(-1)[:, :1]).all()  # structured: one count a layer
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", ["0.50", "0.75"])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+def test_expected_attention_stats_keeps_kvpress_positions_given_the_same_statistics(
+        smollm2, golden, prefilled, ctx, ratio, tmp_path):
+    """ExpectedAttentionStatsPress with the golden's query statistics (made again from their
+    seed) and `expected_attention_stats:stats=PATH` with the same: the same kept positions in
+    every layer and KV head."""
+    from experiments.golden.make_kvpress_zoo_third import query_stats
+    cfg = smollm2[0].config
+    mean, cov = query_stats(cfg.num_layers, cfg.num_heads, cfg.head_dim)
+    path = str(tmp_path / "stats.npz")
+    np.savez(path, query_mean=mean, query_cov=cov)
+    out, n = compress_context(prefilled, ctx,
+                              f"expected_attention_stats:ratio={float(ratio)},stats={path}")
+    ours = keep_by_position(out, n)
+    theirs = unpack(golden, f"{ctx}_expected_attention_stats_r{ratio}_keep", n)
     np.testing.assert_array_equal(ours, theirs)
 
 

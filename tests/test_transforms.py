@@ -45,6 +45,19 @@ def test_parse_method_returns_the_same_object_for_the_same_spec():
     assert isinstance(parse_method("full+full"), CacheTransform)
 
 
+def test_a_rewritten_artifact_file_parses_anew(tmp_path):
+    """Specs are cached, but one naming a file is keyed on the file too: filters rewritten
+    under the same path give a new transform with the new filters, not the cached one."""
+    import numpy as np
+    path = tmp_path / "q.npz"
+    np.savez(path, q_filters=np.zeros((2, 2, 4), np.float32))
+    first = parse_method(f"qfilter:ratio=0.5,filters={path}")
+    assert parse_method(f"qfilter:ratio=0.5,filters={path}") is first  # unchanged: cached
+    np.savez(path, q_filters=np.ones((2, 2, 8), np.float32))
+    again = parse_method(f"qfilter:ratio=0.5,filters={path}")
+    assert again is not first and again.update.scorer.filters.shape == (2, 2, 8)
+
+
 @pytest.mark.parametrize("spec, match", [
     ("nosuch", "unknown method 'nosuch'"),
     ("full:ratio=0.5", "bad arguments"),

@@ -9,6 +9,7 @@
     kvjax calibrate --duo --out duo.npz    # then --method duo_attention:head_ratio=0.5,scores=duo.npz
     kvjax calibrate --qfilters --out qf.npz   # then --method qfilter:ratio=0.5,filters=qf.npz
     kvjax calibrate --lukv --out curve.npz    # then --method lukv:ratio=0.5,curve=curve.npz
+    kvjax calibrate --query-stats --out q.npz # then --method expected_attention_stats:ratio=0.5,stats=q.npz
     kvjax train-state --out maps           # then --method snapkv:budget=192+fold:map=maps
     kvjax eval --config experiments/configs/smoke.toml --out results/smoke
     kvjax eval --config experiments/configs/results.toml --out docs/results/eval \
@@ -87,8 +88,9 @@ def check_args(args) -> None:
             raise _bad("stride", args.stride, f"must be in [1, --context {args.context}]")
         if args.prefix >= args.context:
             raise _bad("prefix", args.prefix, f"must be in [0, --context {args.context})")
-    if args.command == "calibrate" and args.duo + args.qfilters + args.lukv > 1:
-        raise UsageError("--duo, --qfilters and --lukv: give one (each writes a different file)")
+    if args.command == "calibrate" and args.duo + args.qfilters + args.lukv + args.query_stats > 1:
+        raise UsageError("--duo, --qfilters, --lukv and --query-stats: give one (each writes a "
+                         "different file)")
     if args.command == "generate" and not args.prompt.strip() and not args.chat:
         raise _bad("prompt", repr(args.prompt), "must not be empty (or use --chat)")
     for option in ("text", "context_file", "config"):
@@ -213,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an LU-KV budget curve instead (for lukv:curve=OUT): per head, the "
                         "future attention ExpectedAttention's top tokens hold, allocated over "
                         "heads for ratios 0.01-0.99")
+    c.add_argument("--query-stats", action="store_true",
+                   help="pre-RoPE query mean and covariance per layer and head instead (for "
+                        "expected_attention_stats:stats=OUT)")
     c.add_argument("--samples", type=int, default=3000,
                    help="--qfilters: queries drawn at random for each layer's SVD")
     c.add_argument("--out", type=Path, required=True, help="where to write the .npz basis")
@@ -299,6 +304,22 @@ def cmd_calibrate_lukv(args, model, ids) -> dict:
             "seconds": round(time.perf_counter() - start, 3)}
 
 
+def cmd_calibrate_query_stats(args, model, ids) -> dict:
+    """`kvjax calibrate --query-stats`: query statistics of the windows of `ids`."""
+    import numpy as np
+
+    from models.calibration import calibrate_query_stats
+
+    windows = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
+    if not windows:
+        raise _bad("tokens", len(ids), f"must give at least one window of {args.window} tokens")
+    start = time.perf_counter()
+    mean, cov = calibrate_query_stats(model, windows)
+    np.savez(args.out, query_mean=mean, query_cov=cov)
+    return {"out": str(args.out), "windows": len(windows), "tokens": len(windows) * args.window,
+            "query_mean_shape": list(mean.shape), "seconds": round(time.perf_counter() - start, 3)}
+
+
 def cmd_calibrate(args, model, tokenizer) -> dict:
     from models.calibration import calibrate_low_rank
 
@@ -309,6 +330,8 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
         return cmd_calibrate_qfilters(args, model, ids)
     if args.lukv:
         return cmd_calibrate_lukv(args, model, ids)
+    if args.query_stats:
+        return cmd_calibrate_query_stats(args, model, ids)
     start = time.perf_counter()
     basis = calibrate_low_rank(model, ids, window=args.window)
     basis.save(args.out)

@@ -29,6 +29,11 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   0.5, 0.75: its second pass over the context and its per-layer budgets, read off the cache it
   leaves (every kept key row matched to the uncompressed prefill's).
 
+* ``expected_attention_stats``: ``ExpectedAttentionStatsPress(compression_ratio=r)``, r in
+  0.5, 0.75, given query statistics in place of the hub's: ``query_stats`` (seeded, made again
+  from the seed by the test, not stored: a mean and a positive semi-definite covariance per
+  layer and query head).
+
 RestoreKVPress is not here: it loads LoRA adapters and restore embeddings
 from the hub (``higokri/RestoreKV-<model>``, published for Llama-3.1-8B and
 Qwen3-8B only), so kvpress cannot run it on SmolLM2 offline (docs/DECISIONS.md).
@@ -54,7 +59,8 @@ from experiments.golden.make_kvpress_zoo import kept_from_cache, provenance
 
 THIRD_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_zoo_third.npz"
 RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 0.75),
-          "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75), "kvcompose": (0.5, 0.75)}
+          "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75), "kvcompose": (0.5, 0.75),
+          "expected_attention_stats": (0.5, 0.75)}
 THIRD_PRESSES = list(RATIOS)
 
 
@@ -64,6 +70,15 @@ def qfilter_filters(n_layers: int, kvh: int, head_dim: int) -> np.ndarray:
         np.float32)
 
 
+def query_stats(n_layers: int, heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The golden's stand-in for the hub's query statistics: (mean [L, H, D], covariance
+    [L, H, D, D] = A A^T / D) float32, from a seeded generator."""
+    rng = np.random.default_rng(SEED + 2)
+    mean = rng.standard_normal((n_layers, heads, head_dim)).astype(np.float32)
+    a = rng.standard_normal((n_layers, heads, head_dim, head_dim))
+    return mean, (a @ a.transpose(0, 1, 3, 2) / head_dim).astype(np.float32)
+
+
 def lukv_curve(n_layers: int, kvh: int) -> np.ndarray:
     """The golden's budget curve: [99, L, KVH] float32 prune ratios, uniform in [0.05, 0.95]."""
     return np.random.default_rng(SEED + 1).uniform(0.05, 0.95, (99, n_layers, kvh)).astype(
@@ -71,12 +86,18 @@ def lukv_curve(n_layers: int, kvh: int) -> np.ndarray:
 
 
 def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
-                     curve: np.ndarray | None = None):
+                     curve: np.ndarray | None = None, stats: tuple | None = None):
     """The kvpress press of `name` at `ratio`, every other argument at kvpress's default."""
     import kvpress
 
     if name == "kvcompose":
         return kvpress.KVComposePress(compression_ratio=ratio)
+    if name == "expected_attention_stats":
+        import torch
+
+        press = kvpress.ExpectedAttentionStatsPress(compression_ratio=ratio)
+        press.mu, press.cov = (torch.from_numpy(x) for x in stats)  # post_init loads no others
+        return press
     if name == "lukv":
         class GivenCurve(kvpress.LUKVPress):  # no published curve for SmolLM2: the golden's
             def _load_budget_curves(self, model):
@@ -106,7 +127,8 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
 
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     press = make_third_press(name, ratio, qfilter_filters(n_layers, kvh, head_dim),
-                             lukv_curve(n_layers, kvh))
+                             lukv_curve(n_layers, kvh),
+                             query_stats(n_layers, model.config.num_attention_heads, head_dim))
     if name == "kvcompose":  # compresses the cache when its block exits, not in `compress`
         inp = torch.from_numpy(ids.astype(np.int64))[None]
         with torch.no_grad():

@@ -415,6 +415,11 @@ class ExpectedAttentionScorer:
             raise ValueError("expected_attention needs query moments: run the model with "
                              "StatsSpec(query_moments=True)")
         mean, cov = query_mean_cov(stats)  # [B, H, D], [B, H, D, D]
+        return self.scores(layer, stats, mean, cov)
+
+    def scores(self, layer, stats, mean, cov):
+        """(scores, protect) given the pre-RoPE queries' `mean` [B, H, D] and `cov`
+        [B, H, D, D] (the prompt's, or calibrated: `ExpectedAttentionStatsScorer`)."""
         start = jnp.max(layer.pos, axis=(1, 2)) + 1  # [B] the next position
         rot = mean_rotation(rope_inv_freq(stats, "expected_attention"), start, self.n_future)  # [B, D, D]
         b, kvh, c = layer.pos.shape

@@ -283,3 +283,95 @@ def qfilter(ratio: float | None = None, budget: int | None = None, filters: str 
                          "that `kvjax calibrate --qfilters --out PATH` writes")
     scorer = QFilterScorer(load_qfilters(filters))
     return scored_policy("qfilter", scorer, ratio=ratio, budget=budget, **options)
+
+
+# ----------------------------------------------------------------------------- ExpectedAttention
+# with calibrated query statistics
+
+
+def load_query_stats(path: str) -> tuple[np.ndarray, np.ndarray]:
+    """(`query_mean` [L, H, D], `query_cov` [L, H, D, D]) float32 of a `.npz` (what
+    `kvjax calibrate --query-stats` writes)."""
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise ValueError(f"expected_attention_stats: stats={path!r} is not a file; give the .npz "
+                         "that `kvjax calibrate --query-stats --out PATH` writes")
+    try:
+        with np.load(path) as f:
+            mean, cov = (np.asarray(f[k], np.float32) if k in f.files else None
+                         for k in ("query_mean", "query_cov"))
+    except (OSError, ValueError, AttributeError):
+        mean = cov = None
+    if mean is None or cov is None or mean.ndim != 3 or cov.shape != mean.shape + mean.shape[-1:]:
+        raise ValueError(f"expected_attention_stats: {path} holds no query_mean [L, H, D] and "
+                         "query_cov [L, H, D, D]")
+    if not (np.isfinite(mean).all() and np.isfinite(cov).all()):
+        raise ValueError(f"expected_attention_stats: {path}'s statistics are not all finite")
+    return mean, cov
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ExpectedAttentionStatsScorer:
+    """ExpectedAttention with each layer's calibrated query mean and covariance in place of the
+    prompt's (compared by content, a digest)."""
+
+    base: object  # eviction.ExpectedAttentionScorer: n_future, sinks, covariance, vnorm, epsilon
+    mean: np.ndarray  # [L, H, D]
+    cov: np.ndarray  # [L, H, D, D]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(repr(self.base).encode() + self.mean.tobytes()
+                              + self.cov.tobytes()).hexdigest()
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ExpectedAttentionStatsScorer) and self.digest == other.digest
+
+    def for_layer(self, index, num_layers: int):
+        if num_layers != self.mean.shape[0]:
+            raise ValueError(f"expected_attention_stats: statistics for {self.mean.shape[0]} "
+                             f"layers, the cache has {num_layers}: calibrate them on this model")
+        return functools.partial(self._scores, jnp.asarray(self.mean)[index],
+                                 jnp.asarray(self.cov)[index])
+
+    def _scores(self, mean, cov, layer, stats, budget, key):
+        h, d = mean.shape
+        heads = None if stats is None else stats.queries.shape[2]  # the model's query heads
+        if d != layer.head_dim or h % layer.kv_heads or heads not in (None, h):
+            raise ValueError(f"expected_attention_stats: statistics of {h} query heads x {d} "
+                             f"dims, the model has {heads} query heads, {layer.kv_heads} KV "
+                             f"heads x {layer.head_dim}: calibrate them on this model")
+        b = layer.batch
+        return self.base.scores(layer, stats, jnp.broadcast_to(mean, (b,) + mean.shape),
+                                jnp.broadcast_to(cov, (b,) + cov.shape))
+
+    def __call__(self, layer, stats, budget, key):
+        raise TypeError("ExpectedAttentionStatsScorer scores one layer at a time: call "
+                        "for_layer(index, L) first")
+
+
+def expected_attention_stats(ratio: float | None = None, budget: int | None = None,
+                             stats: str | None = None, n_future: int = 512, sinks: int = 4,
+                             use_covariance: bool = True, use_vnorm: bool = True,
+                             epsilon: float = 0.0, **options) -> CacheTransform:
+    """ExpectedAttention with query statistics calibrated beforehand (kvpress
+    ExpectedAttentionStatsPress): each layer's pre-RoPE query mean and covariance come from
+    `stats=PATH` (`kvjax calibrate --query-stats --out PATH`), not from the prompt.
+    """
+    from kvjax.core.stats import StatsSpec
+    from kvjax.policies.eviction import ExpectedAttentionScorer, check_real
+
+    check_int("expected_attention_stats", "n_future", n_future)
+    check_int("expected_attention_stats", "sinks", sinks, 0)
+    check_real("expected_attention_stats", "epsilon", epsilon, 0.0)
+    if stats is None:
+        raise ValueError("expected_attention_stats: needs stats=PATH, the .npz of query "
+                         "statistics `kvjax calibrate --query-stats --out PATH` writes")
+    base = ExpectedAttentionScorer(n_future, sinks, bool(use_covariance), bool(use_vnorm),
+                                   float(epsilon))
+    scorer = ExpectedAttentionStatsScorer(base, *load_query_stats(stats))
+    # window=1: the model's RoPE frequencies ride along with the statistics (nothing else read)
+    return scored_policy("expected_attention_stats", scorer, ratio=ratio, budget=budget,
+                         stats=StatsSpec(window=1), **options)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import os
+import re
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -101,6 +103,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "cam": _inner_by_name(eviction_cam.cam),
     "duo_attention": eviction_duo.duo_attention,
     "qfilter": eviction_geometry.qfilter,
+    "expected_attention_stats": eviction_geometry.expected_attention_stats,
     "lukv": _inner_by_name(eviction_lukv.lukv),
     "kvcompose": eviction_compose.kvcompose,
     "decoding_ratio": _inner_by_name(decoding.decoding_ratio),
@@ -216,6 +219,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
     # Llama-3.1-8B; equal given the same curve (kvpress run with the golden's)
     "lukv": MethodInfo("Tang et al. 2026, https://arxiv.org/abs/2602.08585", "LUKVPress",
                        "lukv:ratio={r},curve=PATH", "tests/test_kvpress_zoo_third.py"),
+    # PATH: `kvjax calibrate --query-stats` (kvpress downloads statistics from the hub)
+    "expected_attention_stats": MethodInfo(
+        "Devoto et al. 2025 (kvpress)", "ExpectedAttentionStatsPress",
+        "expected_attention_stats:ratio={r},stats=PATH", "tests/test_kvpress_zoo_third.py"),
     "kvcompose": MethodInfo("Akulov et al. 2025, https://arxiv.org/abs/2509.05165",
                             "KVComposePress", "kvcompose:ratio={r}",
                             "tests/test_kvpress_zoo_third.py"),
@@ -487,11 +494,24 @@ def parse_method(spec: str) -> CacheTransform:
     """
     if not isinstance(spec, str):
         raise ValueError(f"a method spec is a string such as 'snapkv:ratio=0.5', got {spec!r}")
-    return _parse_method(spec, eviction.debug_checks_enabled())
+    return _parse_method(spec, eviction.debug_checks_enabled(), _files_named(spec))
+
+
+def _files_named(spec: str) -> tuple:
+    """(path, inode, size, modification time) of every argument of `spec` that names a file or
+    folder: a method reads its artifact (a basis, filters, a curve) when parsed, so the cache
+    of parsed specs must not hand out a transform of a file rewritten since."""
+    found = []
+    for value in re.findall(r"=([^,+]+)", spec):
+        path = value.strip()
+        if os.path.exists(path):
+            st = os.stat(path)
+            found.append((path, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(found)
 
 
 @functools.lru_cache(maxsize=None)
-def _parse_method(spec: str, debug: bool) -> CacheTransform:
+def _parse_method(spec: str, debug: bool, files: tuple = ()) -> CacheTransform:
     parts = spec.split("+")
     if not any(p.strip() for p in parts):
         raise ValueError("empty method spec")
