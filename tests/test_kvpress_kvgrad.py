@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from tests.test_kvpress_parity import compress_context
+from tests.test_kvpress_parity import compress_context, reconstructed_contexts
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_kvgrad.npz")
@@ -40,17 +40,7 @@ def golden():
 @pytest.fixture(scope="module")
 def prefilled(smollm2, golden):
     """ctx -> (full cache, statistics with KVgrad's scores, tokens)."""
-    from models.reconstruction import reconstruct, with_tokenizer
-    from models.sampler import prefill_batch
-    model, tok = smollm2
-    rec = with_tokenizer(kvjax.parse_method("kvgrad:ratio=0.5"), tok).stats.reconstruction
-    out = {}
-    for ctx in ("ctx1", "ctx2"):
-        ids = golden[f"{ctx}_ids"].tolist()
-        pre = prefill_batch(model, [ids])
-        out[ctx] = (pre.cache, reconstruct(model, pre.cache, pre.stats, pre.next_pos, [ids],
-                                           rec), len(ids))
-    return out
+    return reconstructed_contexts(smollm2, golden, "kvgrad:ratio=0.5")
 
 
 @pytest.mark.slow

@@ -77,6 +77,22 @@ def prefill_contexts(model, golden, stats: kvjax.StatsSpec) -> dict:
     return out
 
 
+def reconstructed_contexts(smollm2, golden, spec: str) -> dict:
+    """ctx -> (full cache, statistics with the reconstruction pass's scores of the method
+    `spec` (its prompt bound to SmolLM2's tokenizer), tokens) for each golden context."""
+    from models.reconstruction import reconstruct, with_tokenizer
+    from models.sampler import prefill_batch
+    model, tok = smollm2
+    rec = with_tokenizer(kvjax.parse_method(spec), tok).stats.reconstruction
+    out = {}
+    for ctx in ("ctx1", "ctx2"):
+        ids = golden[f"{ctx}_ids"].tolist()
+        pre = prefill_batch(model, [ids])
+        out[ctx] = (pre.cache, reconstruct(model, pre.cache, pre.stats, pre.next_pos, [ids],
+                                           rec), len(ids))
+    return out
+
+
 def compress_context(prefilled: dict, ctx: str, spec: str):
     """(the cache of `prefill_contexts` for `ctx` compressed by the method `spec`, tokens)."""
     cache, stats, n = prefilled[ctx]

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from tests.test_kvpress_parity import compress_context, prefill_contexts
+from tests.test_kvpress_parity import (compress_context, prefill_contexts,
+                                      reconstructed_contexts)
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo_third.npz")
@@ -115,17 +116,7 @@ def test_lukv_keeps_kvpress_positions_given_the_same_curve(prefilled_lukv, golde
 @pytest.fixture(scope="module")
 def prefilled_kvcompose(smollm2, golden):
     """ctx -> (full cache, statistics with KVCompose's pass scores, tokens)."""
-    from models.reconstruction import reconstruct
-    from models.sampler import prefill_batch
-    model = smollm2[0]
-    rec = kvjax.parse_method("kvcompose:ratio=0.5").stats.reconstruction
-    out = {}
-    for ctx in ("ctx1", "ctx2"):
-        ids = golden[f"{ctx}_ids"].tolist()
-        pre = prefill_batch(model, [ids])
-        out[ctx] = (pre.cache, reconstruct(model, pre.cache, pre.stats, pre.next_pos, [ids],
-                                           rec), len(ids))
-    return out
+    return reconstructed_contexts(smollm2, golden, "kvcompose:ratio=0.5")
 
 
 @pytest.mark.slow

@@ -267,15 +267,21 @@ def cmd_calibrate_duo(args, model, tokenizer) -> dict:
             "seconds": round(time.perf_counter() - start, 3)}
 
 
+def calibration_windows(args, ids) -> list:
+    """`ids` cut into consecutive windows of `--window` tokens (a shorter tail dropped)."""
+    windows = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
+    if not windows:
+        raise _bad("tokens", len(ids), f"must give at least one window of {args.window} tokens")
+    return windows
+
+
 def cmd_calibrate_qfilters(args, model, ids) -> dict:
     """`kvjax calibrate --qfilters`: Q-Filters of the windows of `ids`."""
     import numpy as np
 
     from models.calibration import calibrate_qfilters
 
-    windows = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
-    if not windows:
-        raise _bad("tokens", len(ids), f"must give at least one window of {args.window} tokens")
+    windows = calibration_windows(args, ids)
     start = time.perf_counter()
     filters = calibrate_qfilters(model, windows, samples=args.samples)
     np.savez(args.out, q_filters=filters)
@@ -290,9 +296,7 @@ def cmd_calibrate_lukv(args, model, ids) -> dict:
 
     from models.calibration import calibrate_lukv
 
-    windows = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
-    if not windows:
-        raise _bad("tokens", len(ids), f"must give at least one window of {args.window} tokens")
+    windows = calibration_windows(args, ids)
     start = time.perf_counter()
     curve = calibrate_lukv(model, windows)
     np.savez(args.out, budget_curve=curve)
@@ -310,9 +314,7 @@ def cmd_calibrate_query_stats(args, model, ids) -> dict:
 
     from models.calibration import calibrate_query_stats
 
-    windows = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
-    if not windows:
-        raise _bad("tokens", len(ids), f"must give at least one window of {args.window} tokens")
+    windows = calibration_windows(args, ids)
     start = time.perf_counter()
     mean, cov = calibrate_query_stats(model, windows)
     np.savez(args.out, query_mean=mean, query_cov=cov)

@@ -28,13 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.core.cache import EMPTY, Cache
-from kvjax.core.layer import is_plain
 from kvjax.core.layout import compact, map_layers
 from kvjax.core.selection import init_budget, rank
 from kvjax.core.stats import StatsSpec
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import check_real
-from kvjax.policies.eviction_kvzip import Reconstruction, ReconstructionPrompt, slot_scores
+from kvjax.policies.eviction_kvzip import Reconstruction, ReconstructionPrompt, pass_scores
 
 WHOLE = 1 << 30  # one reconstruction chunk: the whole context in a single pass
 
@@ -75,19 +74,7 @@ class KVComposeUpdate:
     """`kvcompose`'s update: per-layer counts from the composite scores, every head alike."""
 
     def __call__(self, cache: Cache, state, stats=None):
-        if stats is None or any(s is None or s.position_scores is None for s in stats):
-            raise ValueError("kvcompose scores slots by a pass the model runs after prefill "
-                             "(models.reconstruction; the sampler runs it): it has no scores "
-                             "here. It compresses the prompt only, not during decoding "
-                             "(compress_every)")
-        for i, (layer, s) in enumerate(zip(cache, stats)):
-            if not is_plain(layer) or layer.pooled or \
-                    s.position_scores.shape[:2] != layer.pos.shape[:2]:
-                raise ValueError(f"kvcompose: layer {i} is not a plain per-head token cache (a "
-                                 f"codec's or a head-wise policy's before it in the chain)")
-        pos = jnp.stack([layer.pos for layer in cache])  # [L, B, KVH, C]
-        scores = jnp.stack([slot_scores(s.position_scores, layer.pos)
-                            for s, layer in zip(stats, cache)])
+        pos, scores = pass_scores("kvcompose", cache, stats)
         keep = kvcompose_keep(scores, pos, state.ratio)
         return map_layers(_evict, tuple(cache), tuple(keep)), state
 

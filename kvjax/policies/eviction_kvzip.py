@@ -238,6 +238,26 @@ def _evict(layer: TokenCache, keep: jax.Array) -> TokenCache:
     return compact(pool_heads(layer), pooled_mask(keep))
 
 
+def pass_scores(name: str, cache: Cache, stats) -> tuple[jax.Array, jax.Array]:
+    """(positions, scores) [L, B, KVH, C] of every slot from the reconstruction pass's
+    `position_scores`; a ValueError naming `name` without them (no pass ran: a decode-time
+    update) or on a layer that is not a plain per-head token cache."""
+    if stats is None or any(s is None or s.position_scores is None for s in stats):
+        raise ValueError(f"{name} scores slots by a pass the model runs after prefill "
+                         "(models.reconstruction; the sampler runs it): it has no scores "
+                         "here. It compresses the prompt only, not during decoding "
+                         "(compress_every)")
+    for i, (layer, s) in enumerate(zip(cache, stats)):
+        if not is_plain(layer) or layer.pooled or \
+                s.position_scores.shape[:2] != layer.pos.shape[:2]:
+            raise ValueError(f"{name}: layer {i} is not a plain per-head token cache (a "
+                             f"codec's or a head-wise policy's before it in the chain); "
+                             f"{name} ranks the tokens of a plain cache after prefill")
+    pos = jnp.stack([layer.pos for layer in cache])  # [L, B, KVH, C]
+    return pos, jnp.stack([slot_scores(s.position_scores, layer.pos)
+                           for s, layer in zip(stats, cache)])
+
+
 @dataclasses.dataclass(frozen=True)
 class KVzipUpdate:
     """`kvzip`'s update: every layer's reconstruction scores ranked together (or by layer)."""
@@ -246,20 +266,7 @@ class KVzipUpdate:
     layerwise: bool = False
 
     def __call__(self, cache: Cache, state, stats=None):
-        if stats is None or any(s is None or s.position_scores is None for s in stats):
-            raise ValueError("kvzip scores slots by a reconstruction pass the model runs after "
-                             "prefill (models.reconstruction; the sampler runs it): it has no "
-                             "scores here. It compresses the prompt only, not during decoding "
-                             "(compress_every)")
-        for i, (layer, s) in enumerate(zip(cache, stats)):
-            if not is_plain(layer) or layer.pooled or \
-                    s.position_scores.shape[:2] != layer.pos.shape[:2]:
-                raise ValueError(f"kvzip: layer {i} is not a plain per-head token cache (a "
-                                 f"codec's or a head-wise policy's before it in the chain); "
-                                 f"kvzip ranks the tokens of a plain cache after prefill")
-        pos = jnp.stack([layer.pos for layer in cache])  # [L, B, KVH, C]
-        scores = jnp.stack([slot_scores(s.position_scores, layer.pos)
-                            for s, layer in zip(stats, cache)])
+        pos, scores = pass_scores("kvzip", cache, stats)
         keep = kvzip_keep(scores, pos, state.ratio, self.n_sink, self.layerwise)
         return map_layers(_evict, tuple(cache), tuple(keep)), state
 
