@@ -71,6 +71,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import math
 import os
 from typing import Protocol
@@ -104,6 +105,28 @@ class Scorer(Protocol):
 
     def __call__(self, layer: TokenCache, stats: LayerStats | None, budget: jax.Array,
                  key: jax.Array) -> tuple[jax.Array, jax.Array]: ...
+
+
+class ByContent:
+    """Hashed and compared by a digest of its dataclass fields, arrays by their bytes: a
+    scorer or update holding calibrated arrays (filters, statistics, a curve) keys jit's cache
+    by value, so two parses of the same file share one compilation. For frozen dataclasses
+    declared with `eq=False`."""
+
+    @functools.cached_property
+    def digest(self) -> str:
+        h = hashlib.sha256(type(self).__name__.encode())
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            h.update(f.name.encode() + (str(value.shape).encode() + value.tobytes()
+                                        if hasattr(value, "tobytes") else repr(value).encode()))
+        return h.hexdigest()
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self.digest == other.digest
 
 
 def broadcast_heads(x: jax.Array, layer: TokenCache) -> jax.Array:

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.policies.eviction import check_int, no_protect, scored_policy
+from kvjax.policies.eviction import ByContent, check_int, no_protect, scored_policy
 from kvjax.policies.eviction_sequence import in_sequence, keys_values, to_slots
 from kvjax.core.transforms import CacheTransform
 
@@ -236,20 +235,10 @@ def qfilter_scores(filters, layer, stats, budget, key):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class QFilterScorer:
-    """QFilter's scorer: one filter [KVH, D] per layer, compared by content (a digest)."""
+class QFilterScorer(ByContent):
+    """QFilter's scorer: one filter [KVH, D] per layer, compared by content."""
 
     filters: np.ndarray  # [L, KVH, D] float32
-
-    @functools.cached_property
-    def digest(self) -> str:
-        return hashlib.sha256(str(self.filters.shape).encode() + self.filters.tobytes()).hexdigest()
-
-    def __hash__(self) -> int:
-        return hash(self.digest)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, QFilterScorer) and self.digest == other.digest
 
     def for_layer(self, index, num_layers: int):
         if num_layers != self.filters.shape[0]:
@@ -310,24 +299,13 @@ def load_query_stats(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ExpectedAttentionStatsScorer:
+class ExpectedAttentionStatsScorer(ByContent):
     """ExpectedAttention with each layer's calibrated query mean and covariance in place of the
-    prompt's (compared by content, a digest)."""
+    prompt's (compared by content)."""
 
     base: object  # eviction.ExpectedAttentionScorer: n_future, sinks, covariance, vnorm, epsilon
     mean: np.ndarray  # [L, H, D]
     cov: np.ndarray  # [L, H, D, D]
-
-    @functools.cached_property
-    def digest(self) -> str:
-        return hashlib.sha256(repr(self.base).encode() + self.mean.tobytes()
-                              + self.cov.tobytes()).hexdigest()
-
-    def __hash__(self) -> int:
-        return hash(self.digest)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, ExpectedAttentionStatsScorer) and self.digest == other.digest
 
     def for_layer(self, index, num_layers: int):
         if num_layers != self.mean.shape[0]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import os
 from typing import NamedTuple
 
@@ -39,7 +38,8 @@ from kvjax.core.layout import compact, pool_heads
 from kvjax.core.selection import rank
 from kvjax.core.stores import count_true
 from kvjax.core.transforms import CacheTransform
-from kvjax.policies.eviction import check_int, check_real, evict_layers, latest, earliest
+from kvjax.policies.eviction import (ByContent, check_int, check_real, earliest, evict_layers,
+                                     latest)
 
 RATIOS = 99  # curve rows: compression ratios 0.01 .. 0.99
 
@@ -98,7 +98,7 @@ def init_lukv(ratio: float, seed: int, cache) -> LUKVState:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class LUKVUpdate:
+class LUKVUpdate(ByContent):
     """`lukv`'s update. The first update fixes every layer's per-head counts (the state);
     later ones (`--compress-every`) bring each head back to its count."""
 
@@ -106,17 +106,6 @@ class LUKVUpdate:
     curve: np.ndarray  # [99, L, KVH] prune ratios
     sink: int = 4
     window: int = 1
-
-    @functools.cached_property
-    def digest(self) -> str:  # compared by content: one compilation per equal update
-        return hashlib.sha256(repr((self.scorer, self.sink, self.window)).encode()
-                              + self.curve.tobytes()).hexdigest()
-
-    def __hash__(self) -> int:
-        return hash(self.digest)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, LUKVUpdate) and self.digest == other.digest
 
     def __call__(self, cache, state: LUKVState, stats=None):
         _, num_layers, kvh = self.curve.shape
