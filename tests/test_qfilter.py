@@ -150,3 +150,14 @@ def test_filters_of_another_model_are_refused_at_trace_time(tiny_model, tmp_path
     t = qfilter(ratio=0.5, filters=path)
     with pytest.raises(ValueError, match=match):
         t.update(pre.cache, t.init(pre.cache), None)
+
+
+def test_a_wrapper_refuses_it_as_inner_by_name(tmp_path):
+    """Per-layer filters cannot be indexed inside a wrapper's scoring: a clear ValueError when
+    the wrapper is built, not a failure inside jit."""
+    import functools
+    from kvjax.policies.eviction_wrappers import chunkkv
+    path = str(tmp_path / "q.npz")
+    np.savez(path, q_filters=np.ones((2, 2, 16), np.float32))
+    with pytest.raises(ValueError, match="chunkkv: inner=.* per-layer constants"):
+        chunkkv(inner=functools.partial(qfilter, filters=path), ratio=0.5)

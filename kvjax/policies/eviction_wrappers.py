@@ -52,6 +52,9 @@ def inner_scorer(factory, wrapper: str, ratio: float | None) -> tuple[Scorer, St
                          f"policy ({e})") from None
     if not isinstance(transform.update, ScoredUpdate) or transform.update.headwise:
         raise ValueError(f"{wrapper}: inner={name} is not a per-head scored policy")
+    if hasattr(transform.update.scorer, "for_layer"):
+        raise ValueError(f"{wrapper}: inner={name} scores with per-layer constants (a "
+                         "calibrated file), which a wrapper cannot index; use it on its own")
     return transform.update.scorer, transform.stats
 
 
