@@ -94,6 +94,13 @@ def calibrate_duo_attention(model: Llama, texts: Sequence[Sequence[int]], q_len:
     return total.astype(np.float32)
 
 
+def _check_windows(name: str, windows: Sequence[Sequence[int]]) -> None:
+    """ValueError unless `windows` are one or more non-empty token windows of one length."""
+    if not windows or len({len(w) for w in windows}) != 1 or not len(windows[0]):
+        raise ValueError(f"{name} needs one or more token windows of one length, got lengths "
+                         f"{sorted({len(w) for w in windows})}")
+
+
 def calibrate_qfilters(model: Llama, windows: Sequence[Sequence[int]], samples: int = 3000,
                        seed: int = 0, batch: int = 2, progress: bool = True):
     """[L, KVH, D] float32 Q-Filters (Godey et al. 2025) of `windows` (token-id lists of equal
@@ -117,9 +124,7 @@ def calibrate_qfilters(model: Llama, windows: Sequence[Sequence[int]], samples: 
     from kvjax.core.stats import StatsSpec
     from models.sampler import prefill_batch
 
-    if not windows or len({len(w) for w in windows}) != 1 or not len(windows[0]):
-        raise ValueError("calibrate_qfilters needs one or more token windows of one length, got "
-                         f"lengths {sorted({len(w) for w in windows})}")
+    _check_windows("calibrate_qfilters", windows)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"calibrate_qfilters: samples must be an int >= 1, got {samples!r}")
     cfg, width = model.config, len(windows[0])
@@ -168,18 +173,14 @@ def calibrate_lukv(model: Llama, windows: Sequence[Sequence[int]], inner=None,
         >>> curve.shape, bool(((curve >= 0) & (curve <= 1)).all())     # [99, L, KVH]
         ((99, 2, 2), True)
     """
-    import jax.numpy as jnp
     import numpy as np
 
     from kvjax.core.stats import StatsSpec
-    from kvjax.policies.eviction import expected_attention
-    from kvjax.policies.eviction_lukv import budget_curve, utility_curves
+    from kvjax.policies.eviction_lukv import KVPRESS_INNER, budget_curve, utility_curves
     from kvjax.policies.eviction_wrappers import inner_scorer
     from models.sampler import prefill_batch
 
-    if not windows or len({len(w) for w in windows}) != 1:
-        raise ValueError("calibrate_lukv needs one or more token windows of one length, got "
-                         f"lengths {sorted({len(w) for w in windows})}")
+    _check_windows("calibrate_lukv", windows)
     if not 0 < prefix < 1:
         raise ValueError(f"calibrate_lukv: prefix must be in (0, 1), got {prefix!r}")
     width = len(windows[0])
@@ -187,8 +188,7 @@ def calibrate_lukv(model: Llama, windows: Sequence[Sequence[int]], inner=None,
     if p < 1 or p >= width:
         raise ValueError(f"calibrate_lukv: windows of {width} tokens leave no prefix or no "
                          f"future at prefix={prefix}")
-    factory = (lambda **kw: expected_attention(epsilon=0.02, **kw)) if inner is None else inner
-    scorer, spec = inner_scorer(factory, "lukv", 0.5)
+    scorer, spec = inner_scorer(KVPRESS_INNER if inner is None else inner, "lukv", 0.5)
     total = None
     for start in tqdm(range(0, len(windows), batch), desc="LU-KV utility curves",
                       unit="batch", disable=not progress):
@@ -213,15 +213,13 @@ def _lukv_scores(scorer, sink: int, window: int, p: int, prefix_cache, prefix_st
     [B, KVH, p] the attention the window's later queries pay each of them)."""
     from kvjax.core.attention import attention_weights
     from kvjax.core.cache import view
-    from kvjax.policies.eviction import earliest, latest
+    from kvjax.policies.eviction_lukv import protected_scores
     from models.reconstruction import by_position
 
     seen = view(prefix_cache)
-    b = seen.batch
-    scores, protect = scorer(seen, prefix_stats, jnp.full((b,), p // 2, jnp.int32),
-                             jax.random.key(0))
-    protect = protect | earliest(seen.pos, sink) | latest(seen.pos, window)
-    scores = jnp.where(protect, jnp.inf, scores.astype(jnp.float32))
+    scores = protected_scores(scorer, seen, prefix_stats,
+                              jnp.full((seen.batch,), p // 2, jnp.int32), jax.random.key(0),
+                              sink, window)
     weights = attention_weights(full_stats.queries, full_stats.query_pos, full_cache)
     return (by_position(scores, seen.pos)[..., :p],
             by_position(weights.sum((2, 3)), full_cache.pos)[..., :p])

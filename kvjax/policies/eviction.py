@@ -78,6 +78,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax.core.attention import attention_weights
 from kvjax.core.cache import EMPTY, Cache, TokenCache, view
@@ -177,6 +178,26 @@ def check_int(name: str, arg: str, value, low: int = 1) -> None:
     """ValueError unless `value` is an int (not a bool) >= `low`; names the argument."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name}: need {arg} >= {low} (an int), got {value!r}")
+
+
+def read_arrays(name: str, arg: str, path, keys: tuple[str, ...], writer: str,
+                npy: bool = False) -> dict[str, np.ndarray]:
+    """The float32 arrays `keys` of the `.npz` a method's `arg=path` names (a calibrated
+    artifact), those it holds; with `npy`, a bare `.npy` stands for the one key. A ValueError
+    naming the method, argument and path when it is not a file; {} for a file numpy cannot
+    read as arrays (the caller says what it lacks)."""
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise ValueError(f"{name}: {arg}={path!r} is not a file; give the .npz that "
+                         f"`{writer}` writes")
+    try:
+        with open(path, "rb") as f:
+            loaded = np.load(f)
+            if isinstance(loaded, np.ndarray):
+                return {keys[0]: loaded.astype(np.float32)} if npy and len(keys) == 1 else {}
+            with loaded:
+                return {k: np.asarray(loaded[k], np.float32) for k in keys if k in loaded.files}
+    except (OSError, ValueError):  # not an .npz or .npy; pickled objects
+        return {}
 
 
 def check_real(name: str, arg: str, value, low: float, high: float = math.inf,

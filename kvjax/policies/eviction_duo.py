@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,7 @@ from kvjax.core.layer import is_plain
 from kvjax.core.layout import compact, pool_heads
 from kvjax.core.stores import is_encoded
 from kvjax.core.transforms import CacheTransform
-from kvjax.policies.eviction import check_int, check_real, evict_layers
+from kvjax.policies.eviction import check_int, check_real, evict_layers, read_arrays
 from kvjax.policies.eviction_sequence import rotate_half
 
 SINK, RECENT = 128, 256  # kvpress's sink_size and recent_size under on-the-fly scoring
@@ -92,13 +91,11 @@ def duo_keep(pos: jax.Array, streaming: jax.Array, sink: int, recent: int) -> ja
 
 def load_head_scores(path: str) -> np.ndarray:
     """[L, KVH] float32 `head_scores` of a `.npz` (what `calibrate_duo_attention` saves)."""
-    if not isinstance(path, str) or not os.path.isfile(path):
-        raise ValueError(f"duo_attention: scores={path!r} is not a file; give the .npz that "
-                         "models.calibration.calibrate_duo_attention saves (head_scores [L, KVH])")
-    with np.load(path) as f:
-        if "head_scores" not in f.files or f["head_scores"].ndim != 2:
-            raise ValueError(f"duo_attention: {path} holds no head_scores [L, KVH] array")
-        return np.asarray(f["head_scores"], np.float32)
+    scores = read_arrays("duo_attention", "scores", path, ("head_scores",),
+                         "kvjax calibrate --duo --out PATH").get("head_scores")
+    if scores is None or scores.ndim != 2:
+        raise ValueError(f"duo_attention: {path} holds no head_scores [L, KVH] array")
+    return scores
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.policies.eviction import ByContent, check_int, no_protect, scored_policy
+from kvjax.policies.eviction import (ByContent, check_int, no_protect, read_arrays,
+                                     scored_policy)
 from kvjax.policies.eviction_sequence import in_sequence, keys_values, to_slots
 from kvjax.core.transforms import CacheTransform
 
@@ -206,18 +206,11 @@ def cur(ratio: float | None = None, budget: int | None = None, sinks: int = 4,
 
 def load_qfilters(path: str) -> np.ndarray:
     """[L, KVH, D] float32 `q_filters` of a `.npz` (what `calibrate_qfilters` saves)."""
-    if not isinstance(path, str) or not os.path.isfile(path):
-        raise ValueError(f"qfilter: filters={path!r} is not a file; give the .npz that "
-                         "`kvjax calibrate --qfilters --out PATH` writes (q_filters [L, KVH, D])")
-    try:
-        with np.load(path) as f:
-            filters = f["q_filters"] if "q_filters" in f.files else None
-            filters = None if filters is None or filters.ndim != 3 else filters.astype(np.float32)
-    except (OSError, ValueError, AttributeError):  # not an .npz (AttributeError: a bare .npy)
-        filters = None
-    if filters is None:
+    writer = "kvjax calibrate --qfilters --out PATH"
+    filters = read_arrays("qfilter", "filters", path, ("q_filters",), writer).get("q_filters")
+    if filters is None or filters.ndim != 3:
         raise ValueError(f"qfilter: {path} holds no q_filters [L, KVH, D] array (write it with "
-                         "`kvjax calibrate --qfilters --out PATH`)")
+                         f"`{writer}`)")
     if not np.isfinite(filters).all():
         raise ValueError(f"qfilter: {path}'s q_filters are not all finite")
     return filters
@@ -281,15 +274,9 @@ def qfilter(ratio: float | None = None, budget: int | None = None, filters: str 
 def load_query_stats(path: str) -> tuple[np.ndarray, np.ndarray]:
     """(`query_mean` [L, H, D], `query_cov` [L, H, D, D]) float32 of a `.npz` (what
     `kvjax calibrate --query-stats` writes)."""
-    if not isinstance(path, str) or not os.path.isfile(path):
-        raise ValueError(f"expected_attention_stats: stats={path!r} is not a file; give the .npz "
-                         "that `kvjax calibrate --query-stats --out PATH` writes")
-    try:
-        with np.load(path) as f:
-            mean, cov = (np.asarray(f[k], np.float32) if k in f.files else None
-                         for k in ("query_mean", "query_cov"))
-    except (OSError, ValueError, AttributeError):
-        mean = cov = None
+    found = read_arrays("expected_attention_stats", "stats", path, ("query_mean", "query_cov"),
+                        "kvjax calibrate --query-stats --out PATH")
+    mean, cov = found.get("query_mean"), found.get("query_cov")
     if mean is None or cov is None or mean.ndim != 3 or cov.shape != mean.shape + mean.shape[-1:]:
         raise ValueError(f"expected_attention_stats: {path} holds no query_mean [L, H, D] and "
                          "query_cov [L, H, D, D]")

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import NamedTuple
 
 import jax
@@ -39,25 +38,16 @@ from kvjax.core.selection import rank
 from kvjax.core.stores import count_true
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import (ByContent, check_int, check_real, earliest, evict_layers,
-                                     latest)
+                                     expected_attention, latest, read_arrays)
 
 RATIOS = 99  # curve rows: compression ratios 0.01 .. 0.99
+KVPRESS_INNER = functools.partial(expected_attention, epsilon=0.02)  # LUKVPress's default press
 
 
 def load_budget_curve(path: str) -> np.ndarray:
     """[99, L, KVH] float32 prune ratios in [0, 1] of a `.npy` or `.npz` (`budget_curve`)."""
-    if not isinstance(path, str) or not os.path.isfile(path):
-        raise ValueError(f"lukv: curve={path!r} is not a file; give the .npz that "
-                         "`kvjax calibrate --lukv --out PATH` writes (or a [99, L, KVH] .npy)")
-    try:
-        with open(path, "rb") as f:
-            loaded = np.load(f)
-            curve = loaded["budget_curve"] if isinstance(loaded, np.lib.npyio.NpzFile) and \
-                "budget_curve" in loaded.files else loaded if isinstance(loaded, np.ndarray) \
-                else None
-            curve = None if curve is None else np.asarray(curve, np.float32)
-    except (OSError, ValueError):
-        curve = None
+    curve = read_arrays("lukv", "curve", path, ("budget_curve",),
+                        "kvjax calibrate --lukv --out PATH", npy=True).get("budget_curve")
     if curve is None or curve.ndim != 3 or curve.shape[0] != RATIOS:
         raise ValueError(f"lukv: {path} holds no [99, L, KVH] budget curve (budget_curve)")
     if not (np.isfinite(curve).all() and (curve >= 0).all() and (curve <= 1).all()):
@@ -68,6 +58,14 @@ def load_budget_curve(path: str) -> np.ndarray:
 def curve_row(ratio: jax.Array) -> jax.Array:
     """The curve row of compression ratio `ratio`: `clip(round(100 r) - 1, 0, 98)` (kvpress)."""
     return jnp.clip(jnp.round(ratio * 100).astype(jnp.int32) - 1, 0, RATIOS - 1)
+
+
+def protected_scores(scorer, seen, stats, budget, key, sink: int, window: int) -> jax.Array:
+    """[B, KVH, C] float32: the inner `scorer`'s scores of the dense layer `seen`, +inf on the
+    slots it protects and on the first `sink` and last `window` tokens (kept first)."""
+    scores, protect = scorer(seen, stats, budget, key)
+    protect = protect | earliest(seen.pos, sink) | latest(seen.pos, window)
+    return jnp.where(protect, jnp.inf, scores.astype(jnp.float32))
 
 
 def head_keep_counts(prune: jax.Array, n: jax.Array) -> jax.Array:
@@ -124,9 +122,8 @@ class LUKVUpdate(ByContent):
             n = jnp.max(count_true(valid, -1), axis=-1)  # [B] the row's tokens
             counts = jnp.where(counts < 0, head_keep_counts(prune[index], n), counts)
             key = jax.random.fold_in(state.key, index)
-            scores, protect = self.scorer(seen, layer_stats, jnp.min(counts, -1), key)
-            protect = protect | earliest(seen.pos, self.sink) | latest(seen.pos, self.window)
-            scores = jnp.where(protect, jnp.inf, scores.astype(jnp.float32))
+            scores = protected_scores(self.scorer, seen, layer_stats, jnp.min(counts, -1), key,
+                                      self.sink, self.window)
             keep = (rank(scores, valid) < counts[..., None]) & valid
             return compact(layer, keep), counts
 
@@ -143,7 +140,6 @@ def lukv(inner=None, ratio: float | None = None, curve: str | None = None, sink:
     As kvpress LUKVPress(press=INNER(compression_ratio=ratio), sink, window) given the same
     curve (`curve=PATH`: `kvjax calibrate --lukv --out PATH`, or a `[99, L, KVH]` .npy).
     """
-    from kvjax.policies.eviction import expected_attention
     from kvjax.policies.eviction_wrappers import inner_scorer
 
     check_real("lukv", "ratio", ratio, 0.0, 1.0, high_open=True)
@@ -153,8 +149,7 @@ def lukv(inner=None, ratio: float | None = None, curve: str | None = None, sink:
     if curve is None:
         raise ValueError("lukv: needs curve=PATH, a [99, L, KVH] budget curve: "
                          "`kvjax calibrate --lukv --out PATH` profiles one")
-    factory = functools.partial(expected_attention, epsilon=0.02) if inner is None else inner
-    scorer, stats = inner_scorer(factory, "lukv", ratio)
+    scorer, stats = inner_scorer(KVPRESS_INNER if inner is None else inner, "lukv", ratio)
     return CacheTransform(functools.partial(init_lukv, float(ratio), int(seed)),
                           LUKVUpdate(scorer, load_budget_curve(curve), int(sink), int(window)),
                           stats)
