@@ -35,6 +35,22 @@ def held_bytes(cache) -> int:
     return kvjax.nbytes(kvjax.shrink(cache, 0))
 
 
+def unused(t, model, batch: int = 1) -> int:
+    """The most budget a plan may leave: per layer and row, a head-slot per KV head (the
+    floors), and for per-channel keys a group per head (whole groups) and the spare parameter
+    rows counted in its fixed bytes."""
+    c = model.config
+    group = np.gcd(32, c.head_dim)
+    cache = [kvjax.init_cache(batch, c.num_kv_heads, 1, c.head_dim)] * c.num_layers
+    total = 0
+    for choice in t.update.plan(cache):
+        fixed, slot = planner.layer_bytes(batch, c.num_kv_heads, c.head_dim, "float32",
+                                          choice.bits, choice.keys)
+        heads = 2 * c.num_kv_heads + (choice.keys == "channel") * c.num_kv_heads * group
+        total += batch * heads * slot + (choice.keys == "channel") * fixed
+    return total
+
+
 # ----------------------------------------------------------------------------- arguments
 
 
@@ -51,6 +67,8 @@ def held_bytes(cache) -> int:
     ("auto", ["exactly one of budget"]),
     ("auto:budget=0.5,bytes=100", ["exactly one of budget"]),
     ("auto:budget=0.5,table=mine", ["table='mine'"]),
+    ("auto:budget=0.5,keys=rows", ["keys='rows'", "channel"]),
+    ("auto:budget=0.5,score=mass", ["score='mass'", "expected_attention"]),
 ])
 def test_bad_arguments_are_named_at_parse_time(spec, words):
     with pytest.raises(ValueError) as e:
@@ -80,7 +98,7 @@ def test_budget_holds_from_one_token_to_thousands(long_tiny, fraction):
         held, budget = held_bytes(pre.cache), bf16_budget(long_tiny, 1, n, fraction)
         assert held <= budget, (n, held, budget)
         if n >= 700:  # a long prompt uses its budget: what is left is less than a slot a layer
-            assert held >= budget - 2 * 200 * long_tiny.config.num_layers, (n, held, budget)
+            assert held >= budget - unused(t, long_tiny), (n, held, budget)
 
 
 def test_budget_holds_at_8k_tokens_beside_a_short_row(long_tiny):
@@ -91,10 +109,10 @@ def test_budget_holds_at_8k_tokens_beside_a_short_row(long_tiny):
     from models.sampler import prefill_and_compress
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, n).tolist() for n in (8192, 40)]
-    pre = prefill_and_compress(long_tiny, prompts, transform=parse_method("auto:budget=0.125"),
-                               chunk=512)
+    t = parse_method("auto:budget=0.125")
+    pre = prefill_and_compress(long_tiny, prompts, transform=t, chunk=512)
     held, budget = held_bytes(pre.cache), bf16_budget(long_tiny, 2, 8192, 0.125)
-    assert budget - 2 * 2 * 200 * long_tiny.config.num_layers <= held <= budget, (held, budget)
+    assert budget - unused(t, long_tiny, 2) <= held <= budget, (held, budget)
     pos = np.asarray(pre.cache[0].pos)  # [B, KVH, slots]
     assert (pos[1] != kvjax.EMPTY).sum() <= 40 * long_tiny.config.num_kv_heads
 
@@ -103,10 +121,10 @@ def test_bytes_budget_holds_and_is_used(long_tiny):
     from models.sampler import prefill_and_compress
     ids = np.random.default_rng(1).integers(3, 256, 900).tolist()
     for n_bytes in (20_000, 60_000):
-        pre = prefill_and_compress(long_tiny, [ids], transform=parse_method(
-            f"auto:bytes={n_bytes}"), chunk=256)
+        t = parse_method(f"auto:bytes={n_bytes}")
+        pre = prefill_and_compress(long_tiny, [ids], transform=t, chunk=256)
         held = held_bytes(pre.cache)
-        assert n_bytes - 2 * 200 * long_tiny.config.num_layers <= held <= n_bytes
+        assert n_bytes - unused(t, long_tiny) <= held <= n_bytes
 
 
 def test_budget_holds_for_a_batch_of_mixed_lengths(long_tiny):
@@ -123,12 +141,15 @@ def test_budget_holds_for_a_batch_of_mixed_lengths(long_tiny):
     assert (pos[0] != kvjax.EMPTY).sum() <= 3 * long_tiny.config.num_kv_heads
 
 
-def test_budget_holds_with_compress_every(long_tiny):
+@pytest.mark.parametrize("keys", ["token", "channel"])
+def test_budget_holds_with_compress_every(long_tiny, keys):
     """Decoding with re-planning every 4 steps: the last re-plan's budget is that of the
     context then, and the cache holds at most it plus the tokens decoded since (< 4)."""
     from models.sampler import generate
     ids = np.random.default_rng(3).integers(3, 256, 300).tolist()
-    t = parse_method("auto:budget=0.25")
+    t = parse_method(f"auto:budget=0.25,keys={keys}")
+    assert {c.keys for c in t.update.plan(
+        [kvjax.init_cache(1, 2, 1, 16)] * long_tiny.config.num_layers)} == {keys}
     for steps in (8, 16):  # ends right after a re-plan (step % 4 == 0)
         out = generate(long_tiny, [ids], max_new_tokens=steps, transform=t, compress_every=4,
                        eos_ids=())
@@ -140,11 +161,74 @@ def test_budget_holds_with_compress_every(long_tiny):
 
 
 def _bytes_per_new_token(t, cache) -> int:
-    """A decoded token takes one coded slot per KV head in every layer."""
+    """A decoded token takes one slot per KV head in every layer: coded, or exact in a
+    per-channel layer until its group fills."""
     c = cache[0]
-    return sum(c.kv_heads * planner.layer_bytes(1, c.kv_heads, c.head_dim, "float32",
-                                                choice.bits)[1]
-               for choice in t.update.plan(cache))
+    slot = lambda choice: planner.exact_slot_bytes(1, c.kv_heads, c.head_dim, "float32") \
+        if choice.keys == "channel" else \
+        planner.layer_bytes(1, c.kv_heads, c.head_dim, "float32", choice.bits)[1]
+    return sum(c.kv_heads * slot(choice) for choice in t.update.plan(cache))
+
+
+def test_per_channel_layers_code_whole_groups_per_head(long_tiny):
+    """`keys=channel`: every layer holds KIVI keys (per channel) and per-token values; each
+    head keeps the same count: whole groups of tokens coded for the longest row, plus what
+    the bytes of a group left buy as exact tokens (fewer than a group); a shorter row within
+    them; the budget holds from one token."""
+    from kvjax.core.cache import ResidualCache
+    from kvjax.core.stores import PackedChannels, PackedTokens
+    from models.sampler import prefill_and_compress
+    t = parse_method("auto:budget=0.125,keys=channel")
+    group = np.gcd(32, long_tiny.config.head_dim)
+    rng = np.random.default_rng(5)
+    for lengths in ((1,), (40,), (1100,), (1100, 333)):
+        prompts = [rng.integers(3, 256, n).tolist() for n in lengths]
+        pre = prefill_and_compress(long_tiny, prompts, transform=t, chunk=256)
+        budget = bf16_budget(long_tiny, len(lengths), max(lengths), 0.125)
+        assert held_bytes(pre.cache) <= budget, (lengths, held_bytes(pre.cache), budget)
+        for layer in pre.cache:
+            assert isinstance(layer, ResidualCache)
+            assert isinstance(layer.body.k, PackedChannels)
+            assert isinstance(layer.body.v, PackedTokens)
+            kept = np.asarray(layer.pos != kvjax.EMPTY).sum(-1)  # [B, KVH]
+            assert (kept == kept[:, :1]).all()  # the same count per head
+            if max(lengths) >= 1100:
+                coded = np.asarray(layer.body.pos != kvjax.EMPTY).sum(-1)[0, 0]
+                assert coded > 0 and coded % group == 0, coded
+                assert 0 <= kept[0, 0] - coded < group
+                assert layer.body.k.group == group
+        if len(lengths) == 2:  # the short row keeps at most its own tokens and fits
+            assert (kept[1] <= kept[0]).all()
+
+
+def test_channel_keep_adds_exact_tokens_to_a_coded_body():
+    """A layer coded before (a re-plan): its coded tokens all stay; of its exact tokens the
+    best stay while the bytes last (`ratio` of a coded slot each)."""
+    group, d = 16, 16
+    layer = kvjax.init_cache(1, 1, 64, d)
+    x = jax.random.normal(jax.random.key(0), (1, 1, 40, d))
+    layer = kvjax.write(layer, x, x, jnp.arange(40)[None])
+    coded = planner._encode(layer, 4, "channel")  # 32 coded, 8 exact
+    assert int(coded.body.length) == 32 and int(coded.recent.length) == 8
+    seen = kvjax.view(coded)
+    valid = seen.pos != kvjax.EMPTY
+    scores = jnp.where(valid, seen.pos.astype(jnp.float32), 0.0)  # later scores higher
+    in_body = valid & (jnp.arange(valid.shape[-1]) < coded.body.capacity)
+    keep = planner.channel_keep(scores, valid, jnp.int32(36), 0.5, group, in_body)
+    body = np.asarray(keep[0, 0, :coded.body.capacity])
+    recent = np.asarray(keep[0, 0, coded.body.capacity:])
+    assert body.sum() == 32  # every coded token stays
+    assert recent.sum() == 2  # (36 - 32) x 0.5 exact
+    kept_pos = np.asarray(seen.pos[0, 0, coded.body.capacity:])[recent]
+    assert sorted(kept_pos.tolist()) == [38, 39]  # the best of the exact ones
+
+
+def test_score_choice_and_its_statistics():
+    assert planner.auto(budget=0.25, score="attention").stats == StatsSpec(window=32)
+    ea = planner.auto(budget=0.25)
+    assert ea.update.score == "expected_attention" and ea.stats.query_moments
+    with pytest.raises(ValueError, match="score='h2o'"):
+        planner.auto(budget=0.25, score="h2o")
 
 
 def test_repeated_updates_track_a_growing_context():
@@ -153,7 +237,7 @@ def test_repeated_updates_track_a_growing_context():
     layers, kvh, d, heads = 3, 2, 16, 4
     spec = kvjax.CacheSpec(layers, kvh, d)
     cache = kvjax.init_model_cache(spec, batch=1, capacity=512)
-    t = planner.auto(budget=0.2, window=8)
+    t = planner.auto(budget=0.2, window=8, score="attention")
     state = t.init(cache)
     key = jax.random.key(0)
     seen, kept_before = 0, 0
@@ -207,7 +291,8 @@ def test_a_concentrated_head_keeps_fewer_tokens_than_a_diffuse_one():
     layer = kvjax.write(layer, jnp.asarray(keys)[None], jnp.asarray(keys)[None],
                         jnp.arange(c)[None])
     stats = (window_stats(q, jnp.arange(c - w, c)[None]),)
-    t = planner.auto(budget=0.3, window=w, sinks=0, recent=0, alpha=0.0)
+    t = planner.auto(budget=0.3, window=w, sinks=0, recent=0, alpha=0.0, keys="token",
+                     score="attention")
     cache, state = t.update((layer,), t.init((layer,)), stats)
     kept = np.asarray(state.head_kept)[0, 0]
     entropy = np.asarray(state.head_entropy)[0, 0]
@@ -249,8 +334,8 @@ def test_knapsack_gives_a_sensitive_layer_more_bytes_and_beats_uniform():
 def test_static_plan_spends_more_bits_or_tokens_with_more_budget():
     small = planner.static_plan(0.0625, 30, 3, 64, "prior")
     large = planner.static_plan(0.5, 30, 3, 64, "prior")
-    slot = {b: planner.layer_bytes(1, 3, 64, "float32", b)[1] for b in planner.BITS}
-    spend = lambda plan: sum(c.keep * slot[c.bits] for c in plan)
+    slot = lambda c: planner.layer_bytes(1, 3, 64, "float32", c.bits, c.keys)[1]
+    spend = lambda plan: sum(c.keep * slot(c) for c in plan)
     assert spend(large) > 2 * spend(small)
     for plan, f in ((small, 0.0625), (large, 0.5)):
         assert spend(plan) <= f * 30 * 260 + 1e-6

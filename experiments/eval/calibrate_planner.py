@@ -1,8 +1,8 @@
 """Measure `auto`'s per-layer damage table on calibration text; write it where `auto` reads it.
 
 For each window of the calibration text, the model prefills `prefix + probe` tokens,
-collecting the last `2 x probe` queries. Per layer and candidate config (keep share, bits)
-of `kvjax.policies.planner.CONFIGS`, the prefix's cache is compressed as `auto` would
+collecting the last `2 x probe` queries. Per layer and candidate config (keep share, bits,
+key coding) of `kvjax.policies.planner.CONFIGS`, the prefix's cache is compressed as `auto` would
 (selected by the `probe` queries before the prefix's end) and the attention output of the
 `probe` queries *after* it (the continuation's, never seen by the selection) is compared
 with the full prefix's (`planner.config_damage`). The table is the mean over windows.
@@ -46,11 +46,11 @@ def damage_table(model, tokenizer, text: Path, windows: int, prefix: int, probe:
                                     query_pos=stats.query_pos[:, :window])
             eval_q, eval_pos = stats.queries[:, window:], stats.query_pos[:, window:]
             rows.append([float(planner.config_damage(prefix_layer, select, eval_q, eval_pos,
-                                                     keep, bits, window))
-                         for keep, bits in planner.CONFIGS])
+                                                     keep, bits, keys, window))
+                         for keep, bits, keys in planner.CONFIGS])
             signals.append([np.asarray(planner.config_signals(prefix_layer, select, keep, bits,
-                                                              window))
-                            for keep, bits in planner.CONFIGS])
+                                                              keys, window))
+                            for keep, bits, keys in planner.CONFIGS])
         table, signals = np.array(rows), np.array(signals)
         total = table if total is None else total + table
         total_signals = signals if total_signals is None else total_signals + signals

@@ -48,8 +48,9 @@ def plan_summary(spec: str, model) -> dict | None:
     c = model.config
     fraction = t.update.plan_fraction(c.num_layers, c.num_kv_heads, c.head_dim)
     plan = planner.static_plan(fraction, c.num_layers, c.num_kv_heads, c.head_dim,
-                               t.update.table)
+                               t.update.table, t.update.keys)
     return {"bits": [p.bits for p in plan], "keep": [p.keep for p in plan],
+            "keys": [p.keys for p in plan],
             "source": planner.plan_source(c.num_layers, t.update.table)}
 
 
@@ -100,8 +101,39 @@ def fraction(row: dict) -> float:
     return b / row["full_bf16_bytes"]
 
 
+VARIANTS = (("", "`auto`"), (",table=learned", "learned controller"),
+            (",table=prior", "prior"), (",score=attention", "window scores"),
+            (",table=learned,keys=token,score=attention", "per-token keys only"))
+"""`auto` variants of the summary: spec suffix, column name (the last: the planner's previous
+choices, per-token keys and window-attention scores)."""
+
+
+def summary(rows: list[dict]) -> str:
+    """Markdown: per text and budget, `auto` (its defaults), the best fixed method or chain
+    with no more bytes, and the `auto` variants (ppl; blank where not run)."""
+    texts = sorted({r["text"] for r in rows})
+    budgets = sorted({float(r["method"].split(",")[0].split("=")[1]) for r in rows
+                      if r["method"].startswith("auto:budget=")})
+    by = {(r["text"], r["method"]): r for r in rows}
+    head = ["text", "budget", "best fixed with no more bytes"] + [v for _, v in VARIANTS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for text in texts:
+        fixed = [r for r in rows if r["text"] == text and not r["method"].startswith("auto")]
+        for b in budgets:
+            rival = min((x for x in fixed if fraction(x) <= b + 1e-9), key=lambda x: x["ppl"],
+                        default=None)
+            cells = [f"{by[(text, f'auto:budget={b:g}{s}')]['ppl']:.3f}"
+                     if (text, f"auto:budget={b:g}{s}") in by else "" for s, _ in VARIANTS]
+            if cells[0] and rival:
+                cells[0] = f"**{cells[0]}**" if float(cells[0]) < rival["ppl"] else cells[0]
+            best = f"{rival['ppl']:.3f} `{rival['method']}` ({fraction(rival):.3f})" \
+                if rival else "none"
+            lines.append(f"| {text} | 1/{round(1 / b)} | {best} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(out: Path) -> str:
-    """CSV, PNG and a markdown table (returned) of every row, per text."""
+    """CSV, PNG, a summary and a markdown table (returned) of every row, per text."""
     rows = _rows(out / "rows.jsonl")
     with (out / "rows.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, ["text", "method", "ppl", "fraction_of_bf16", "cache_bytes",
@@ -148,7 +180,7 @@ def report(out: Path) -> str:
         ax.set_title(text)
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=120)
-    table = "\n".join(lines)
+    table = summary(rows) + "\n\n" + "\n".join(lines)
     (out / "table.md").write_text(table + "\n")
     return table
 

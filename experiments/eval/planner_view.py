@@ -29,8 +29,10 @@ def plan_summary(method, model) -> dict | None:
         return None
     c = model.config
     fraction = update.plan_fraction(c.num_layers, c.num_kv_heads, c.head_dim)
-    plan = planner.static_plan(fraction, c.num_layers, c.num_kv_heads, c.head_dim, update.table)
+    plan = planner.static_plan(fraction, c.num_layers, c.num_kv_heads, c.head_dim, update.table,
+                               update.keys)
     return {"bits": [p.bits for p in plan], "keep": [p.keep for p in plan],
+            "keys": [p.keys for p in plan],
             "plan_fraction": fraction, "source": planner.plan_source(c.num_layers, update.table)}
 
 
@@ -59,11 +61,12 @@ def draw_plan(summary: dict, kept: np.ndarray, tokens: int, title: str, out: Pat
     ax.set_ylabel("layer")
     ax.set_title(f"tokens kept of {tokens}")
     fig.colorbar(im, ax=ax, fraction=0.05, label="share kept")
-    bx.barh(np.arange(layers), summary["bits"], color="C1")
+    channel = [k == "channel" for k in summary.get("keys", ["token"] * layers)]
+    bx.barh(np.arange(layers), summary["bits"], color=["C2" if c else "C1" for c in channel])
     bx.invert_yaxis()
     bx.set_xlabel("bits")
     bx.set_xticks([2, 4, 8])
-    bx.set_title("codec")
+    bx.set_title("codec (green: per-channel keys)", fontsize=7)
     fig.suptitle(f"{title}\n{summary['source']}", fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

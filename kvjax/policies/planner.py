@@ -10,32 +10,36 @@ layers cut to their written slots (`kvjax.shrink(cache, room=0)`).
 
 How it decides (`docs/DECISIONS.md`, "auto: the budget planner"):
 
-1. **Per layer, static** (one compiled program per budget and shape): a codec (int8, int4 or
-   int2 per-token codes, group 32, fp16 scale and offset) and a share of the context's
-   tokens, chosen by a multiple-choice knapsack over `CONFIGS` that minimises the summed
-   predicted damage under the budget. The damage table is the shipped calibration
-   (`planner_calibration.json`: each layer's attention-output error per config, measured
-   on calibration text by `experiments/eval/calibrate_planner.py`) when it matches the
-   model's layer count, else an analytic prior (`prior_damage`). `plan_source()` says which.
-2. **Per layer, traced**: the token budget from the bytes. With `fixed_l + slot_l x T_l`
-   bytes for a layer of `T_l` pooled slots (measured once from shapes with `nbytes`),
+1. **Per layer, static** (one compiled program per budget and shape): a share of the
+   context's tokens, the bits (8, 4 or 2; group 32, fp16 scale and offset) and the key
+   coding: per-token (keys like values) or per-channel (KIVI's keys: each channel over
+   groups of 32 tokens). A multiple-choice knapsack over `CONFIGS` minimises the summed
+   predicted damage under the budget: the shipped calibration table
+   (`planner_calibration.json`: each layer's attention-output error per config, measured on
+   calibration text by `experiments/eval/calibrate_planner.py`) when it matches the model's
+   layer count, else a learned controller's prediction from the calibration's signals, else
+   an analytic prior (`prior_damage`). `plan_source()` says which.
+2. **Per layer, traced**: the head-slots from the bytes. With `fixed_l + slot_l x T_l` bytes
+   for `T_l` coded head-slots (measured once from shapes with `nbytes`),
    `T_l = floor(share_l x X)` with the largest X that fits; floors make `nbytes <= budget`.
-3. **Per KV head, traced, from the prompt**: the layer's `T_l` slots go to the (head, token)
-   pairs with the most attention from the last `window` queries, each head's attention
-   normalised to sum to 1 (so the split maximises the attention mass kept, summed over
-   heads: a head whose attention is concentrated needs, and gets, fewer tokens than a
-   diffuse one); every head keeps at least `alpha x T_l / KVH`; the first `sinks` and the
-   last `recent` tokens of every head outrank the rest. The layer then uses the pooled
-   (head-wise) layout, as Ada-KV does in kvjax, so per-head counts really save memory.
+3. **Per KV head, traced, from the prompt**: tokens ranked by `score` (default the attention
+   future queries are expected to pay, ExpectedAttention's; or the last `window` queries'),
+   each head's scores normalised to sum to 1; the first `sinks` and last `recent` tokens of
+   every head outrank the rest. A per-token layer is pooled (head-wise, as Ada-KV in kvjax)
+   and its `T_l` slots go to the best (head, token) pairs, every head keeping at least
+   `alpha x T_l / KVH`: a head whose attention is concentrated gets fewer. A per-channel
+   layer keeps per-head rows, the same count per head, coded in whole groups of 32 tokens;
+   the bytes a group would not fill buy a few more tokens kept exact (`channel_keep`).
 
 Every later `update` (`--compress-every`) re-plans for the context grown so far: budgets
-grow with it, the codecs stay (a token is never requantized).
+grow with it, the codecs stay (a token is never requantized; a per-channel layer's coded
+groups stay and its new tokens are kept exact while the bytes last, coded as groups fill).
 
 Example:
     >>> import jax, jax.numpy as jnp, kvjax
     >>> from kvjax.core.stats import StatsSpec
     >>> t = auto(budget=0.25)
-    >>> t.stats == StatsSpec(window=32)
+    >>> t.stats == StatsSpec(window=32, query_moments=True, moments_skip=4)
     True
     >>> auto(budget=0.0)
     Traceback (most recent call last):
@@ -56,18 +60,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core.cache import EMPTY, Cache, TokenCache, init_cache, nbytes, view
+from kvjax.core.cache import (EMPTY, Cache, ResidualCache, TokenCache, flush_residual,
+                              init_cache, nbytes, view)
 from kvjax.core.layout import compact, map_layers, pool_heads
 from kvjax.core.selection import rank
 from kvjax.core.stats import StatsSpec
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies import codecs
-from kvjax.policies.eviction import window_attention
+from kvjax.policies.eviction import ExpectedAttentionScorer, window_attention
 
 BITS = (8, 4, 2)
 KEEPS = (1.0, 0.5, 0.25, 0.125, 0.0625, 0.03125)
-CONFIGS: tuple[tuple[float, int], ...] = tuple((k, b) for b in BITS for k in KEEPS)
-"""Candidate (share of the context's tokens kept per head, bits) of one layer."""
+KEYS = ("token", "channel")
+"""How a layer's keys are coded: "token" (each token's channels in groups, as its values;
+the layer pooled so its heads share the slots unevenly) or "channel" (KIVI's: each channel
+over groups of tokens, values per token; per-head rows, every head keeping the same count)."""
+CONFIGS: tuple[tuple[float, int, str], ...] = tuple(
+    (k, b, a) for a in KEYS for b in BITS for k in KEEPS)
+"""Candidate (share of the context's tokens kept per head, bits, keys) of one layer."""
 
 MIN_FRACTION = KEEPS[-1] * 3 / 16
 """The smallest budget `auto` takes: 1/32 of the tokens as int2 codes plus an fp16 scale and
@@ -85,17 +95,18 @@ CALIBRATION = Path(__file__).with_name("planner_calibration.json")
 def prior_damage(num_layers: int) -> np.ndarray:
     """[L, len(CONFIGS)] predicted damage without calibration: the same for every layer.
 
-    Eviction costs `0.012 (1/keep - 1)`, codes cost 0.001 / 0.06 / 0.3 for 8 / 4 / 2 bits,
-    added: the shape of the relative perplexity increases in docs/RESULTS.md
-    (SnapKV-0.5 +1%, -0.75 +4.5%, int8 +0%, int4 +6%, KIVI-2 +23%), not fitted to any text.
+    Eviction costs `0.012 (1/keep - 1)`, per-token codes cost 0.001 / 0.06 / 0.3 for 8 / 4 / 2
+    bits and per-channel keys 0.001 / 0.03 / 0.2, added: the shape of the relative perplexity
+    increases in docs/RESULTS.md (SnapKV-0.5 +1%, -0.75 +4.5%, int8 +0%, int4 +6%,
+    per-channel int4 +3-5%, KIVI-2 +23%), not fitted to any text.
 
     Example:
         >>> d = prior_damage(2)
-        >>> d.shape, bool(d[0, CONFIGS.index((1.0, 8))] < d[0, CONFIGS.index((0.5, 4))])
-        ((2, 18), True)
+        >>> d.shape, bool(d[0, CONFIGS.index((1.0, 8, "token"))] < d[0, CONFIGS.index((0.5, 4, "token"))])
+        ((2, 36), True)
     """
-    quant = {8: 0.001, 4: 0.06, 2: 0.3}
-    row = np.array([0.012 * (1 / k - 1) + quant[b] for k, b in CONFIGS])
+    quant = {"token": {8: 0.001, 4: 0.06, 2: 0.3}, "channel": {8: 0.001, 4: 0.03, 2: 0.2}}
+    row = np.array([0.012 * (1 / k - 1) + quant[a][b] for k, b, a in CONFIGS])
     return np.tile(row, (num_layers, 1))
 
 
@@ -108,8 +119,9 @@ def _calibration(path: str) -> dict | None:
 def damage_table(num_layers: int, source: str = "auto") -> tuple[np.ndarray, str]:
     """([L, len(CONFIGS)] damage, where it came from), for `source`:
 
-    * "auto": the learned controller's predictions from the shipped calibration signals when
-      both exist for `num_layers` layers, else the measured calibration table, else the prior;
+    * "auto": the measured calibration table when it exists for `num_layers` layers, else
+      the learned controller's predictions, else the prior (the table planned better than
+      the controller on the calibration text's held-out windows: docs/DECISIONS.md);
     * "learned" / "table": only that one (else the prior); "prior": the prior.
     """
     if source not in TABLES:
@@ -117,14 +129,14 @@ def damage_table(num_layers: int, source: str = "auto") -> tuple[np.ndarray, str
     cal = _calibration(str(CALIBRATION)) if source != "prior" else None
     fits = cal is not None and len(cal["damage"]) == num_layers and \
         [tuple(c) for c in cal["configs"]] == list(CONFIGS)
+    if fits and source in ("auto", "table"):
+        return np.asarray(cal["damage"], np.float64), f"calibrated table ({cal['source']})"
     params = load_controller(str(CONTROLLER)) if source in ("auto", "learned") else None
     if fits and params is not None and "signals" in cal:
         with jax.ensure_compile_time_eval():  # a constant even when planning under jit
             predicted = np.exp(np.asarray(controller_apply(params, jnp.asarray(cal["signals"]))))
         return predicted.astype(np.float64), \
             f"learned controller on signals of {cal['source']}"
-    if fits and source != "learned":
-        return np.asarray(cal["damage"], np.float64), f"calibrated table ({cal['source']})"
     return prior_damage(num_layers), "prior (no calibration for this layer count)"
 
 
@@ -137,23 +149,45 @@ def plan_source(num_layers: int, table: str = "auto") -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def layer_bytes(batch: int, kv_heads: int, head_dim: int, dtype: str, bits: int) -> tuple[int, int]:
-    """(fixed, per pooled slot) bytes of one layer as `auto` stores it: pooled and coded
-    with `bits`-bit per-token codes; `nbytes = fixed + per_slot x slots`. Measured with
-    `nbytes` on shapes (nothing is allocated).
+def layer_bytes(batch: int, kv_heads: int, head_dim: int, dtype: str, bits: int,
+                keys: str = "token") -> tuple[int, int]:
+    """(fixed, per head-slot) bytes of one layer as `auto` stores it with `bits`-bit codes and
+    `keys` coding: `nbytes = fixed + per_slot x head-slots` (for "channel", of its coded whole
+    groups; its exact tokens cost `exact_slot_bytes`). Measured with `nbytes` on the coded
+    layer's shapes (nothing written by hand).
 
     Example:
         >>> layer_bytes(1, 3, 64, "float32", 8)   # 64 + 64 code bytes + 4 fp16 params x 2, 3 positions
         (4, 156)
+        >>> layer_bytes(1, 3, 64, "float32", 4, "channel")  # + a group id, 1 position per slot
+        (12, 86)
     """
-    def coded(slots_per_head):
-        layer = pool_heads(init_cache(batch, kv_heads, slots_per_head, head_dim, dtype))
-        return _encode(layer, bits)
+    unit = 1 if keys == "token" else _group(head_dim)  # head-slots come in units of `unit`
+
+    def coded(units):
+        layer = init_cache(batch, kv_heads, units * unit, head_dim, dtype)
+        layer = layer.replace(pos=jnp.broadcast_to(jnp.arange(units * unit, dtype=jnp.int32),
+                                                   layer.pos.shape), length=jnp.int32(units * unit))
+        layer = pool_heads(layer) if keys == "token" else layer
+        return _written(_encode(layer, bits, keys))
     one, two = (nbytes(jax.eval_shape(functools.partial(coded, c))) for c in (1, 2))
-    per_slot, rem = divmod(two - one, kv_heads)
-    if rem:
+    per_unit, rem = divmod(two - one, kv_heads * batch)
+    per_slot, rem2 = divmod(per_unit, unit)
+    if rem or rem2:
         raise AssertionError(f"layer bytes not linear in slots: {one}, {two}")
-    return one - per_slot * kv_heads, per_slot // batch
+    return one - per_unit * kv_heads * batch, per_slot
+
+
+def _written(layer):
+    """A coded layer as `kvjax.shrink(..., room=0)` holds it when every slot of its body is
+    written and its exact part is empty (shapes only: the exact part cut to no slots)."""
+    if not isinstance(layer, ResidualCache):
+        return layer
+    recent = layer.recent
+    none = lambda x, axis: jax.lax.slice_in_dim(x, 0, 0, axis=axis)
+    return layer.replace(recent=recent.replace(
+        k=none(recent.k, 1), v=none(recent.v, 1), pos=none(recent.pos, 2),
+        mass=None if recent.mass is None else none(recent.mass, 2)))
 
 
 def bf16_full_bytes(num_layers: int, batch: int, kv_heads: int, head_dim: int, tokens):
@@ -172,9 +206,31 @@ def _group(head_dim: int) -> int:
     return math.gcd(32, head_dim)
 
 
-def _encode(layer, bits: int):
-    t = codecs.quantize(bits=bits, group=_group(layer.head_dim))
+def _encode(layer, bits: int, keys: str = "token"):
+    """A layer coded as `auto` stores it: `bits`-bit per-token codes for keys and values
+    ("token"; a pooled layer stays pooled), or KIVI's coding with no exact window
+    ("channel": keys per channel over groups of tokens, values per token; whole groups are
+    coded, a last partial group stays exact until it fills)."""
+    group = _group(layer.head_dim)
+    if keys == "token":
+        t = codecs.quantize(bits=bits, group=group)
+    else:
+        t = codecs.kivi(bits=bits, group=group, residual=0)
     return t.update((layer,), (), None)[0][0]
+
+
+@functools.lru_cache(maxsize=None)
+def exact_slot_bytes(batch: int, kv_heads: int, head_dim: int, dtype: str) -> int:
+    """Bytes of one uncoded head-slot (key, value, position) of a per-head `dtype` layer, per
+    batch row: what a token of a per-channel layer's exact part costs.
+
+    Example:
+        >>> exact_slot_bytes(1, 3, 64, "bfloat16")
+        260
+    """
+    one, two = (nbytes(jax.eval_shape(lambda c=c: init_cache(batch, kv_heads, c, head_dim, dtype)))
+                for c in (1, 2))
+    return (two - one) // (kv_heads * batch)
 
 
 # ----------------------------------------------------------------------------- the static plan
@@ -183,6 +239,7 @@ def _encode(layer, bits: int):
 class LayerChoice(NamedTuple):
     keep: float  # share of the context's tokens per head (before filling the budget)
     bits: int
+    keys: str = "token"  # one of KEYS
 
 
 def knapsack(damage: np.ndarray, cost: np.ndarray, capacity: float) -> tuple[int, ...]:
@@ -234,20 +291,30 @@ def _lower_hull(cost: np.ndarray, damage: np.ndarray) -> list[int]:
 
 @functools.lru_cache(maxsize=None)
 def static_plan(fraction: float, num_layers: int, kv_heads: int, head_dim: int,
-                table: str = "auto") -> tuple[LayerChoice, ...]:
-    """The per-layer (keep share, bits) for a budget of `fraction` of the bf16 full cache.
+                table: str = "auto", keys: str = "auto") -> tuple[LayerChoice, ...]:
+    """The per-layer (keep share, bits, keys) for a budget of `fraction` of the bf16 full
+    cache. `keys`: "auto" lets each layer choose its key coding, else only that one. A
+    coding whose fixed bytes (cursors) do not fit the budget of a one-token context is left
+    out when another fits, so the budget holds from the first token.
 
     Example:
         >>> plan = static_plan(0.25, 4, 3, 64, "prior")
-        >>> len(plan), all(c.bits in BITS for c in plan)
+        >>> len(plan), all(c.bits in BITS and c.keys in KEYS for c in plan)
         (4, True)
+        >>> {c.keys for c in static_plan(0.25, 4, 3, 64, "prior", keys="token")}
+        {'token'}
     """
     damage, _ = damage_table(num_layers, table)
     per_token = 4 * head_dim + 4  # a bf16 head-token: k, v and its position
-    slot = {b: layer_bytes(1, kv_heads, head_dim, "float32", b)[1] for b in BITS}
-    cost = np.array([k * slot[b] / per_token for k, b in CONFIGS])
-    picks = knapsack(damage, cost, fraction * num_layers)
-    return tuple(LayerChoice(*CONFIGS[i]) for i in picks)
+    one_token = fraction * bf16_full_bytes(1, 1, kv_heads, head_dim, 1)
+    sizes = [layer_bytes(1, kv_heads, head_dim, "float32", b, a) for _, b, a in CONFIGS]
+    asked = np.array([keys in ("auto", a) for _, _, a in CONFIGS])
+    fits = np.array([fixed <= one_token for fixed, _ in sizes])
+    allowed = asked & fits if (asked & fits).any() else asked
+    cost = np.array([k * slot / per_token for (k, _, _), (_, slot) in zip(CONFIGS, sizes)])
+    index = np.flatnonzero(allowed)
+    picks = knapsack(damage[:, index], cost[index], fraction * num_layers)
+    return tuple(LayerChoice(*CONFIGS[index[i]]) for i in picks)
 
 
 # ----------------------------------------------------------------------------- the transform
@@ -269,11 +336,21 @@ def _init_state(cache: Cache) -> AutoState:
                      jnp.zeros((n, b, kvh), jnp.float32), jnp.zeros((), jnp.float32))
 
 
-def head_signals(layer: TokenCache, stats, window: int) -> tuple[jax.Array, jax.Array]:
-    """(scores [B, KVH, C], entropy [B, KVH]) of a pooled, dense view of a layer: each head's
-    window attention (mean over its query heads and the window), normalised to sum to 1 over
-    its own tokens, and that distribution's entropy."""
-    attn = window_attention(layer, stats, window).mean(axis=2)  # [B, KVH, C]
+SCORES = ("attention", "expected_attention")
+"""What ranks a layer's tokens: the last `window` queries' attention (SnapKV's), or the
+attention expected of future queries (ExpectedAttention's, from the prompt's query moments)."""
+
+
+def head_signals(layer: TokenCache, stats, window: int,
+                 score: str = "attention") -> tuple[jax.Array, jax.Array]:
+    """(scores [B, KVH, C], entropy [B, KVH]) of a dense view of a layer (pooled or per
+    head): each head's `score` (window attention or expected attention, mean over its query
+    heads), normalised to sum to 1 over its own tokens, and that distribution's entropy."""
+    if score == "expected_attention":
+        sinks = min(ExpectedAttentionScorer.sinks, layer.pos.shape[-1])  # a prompt may be shorter
+        attn, _ = ExpectedAttentionScorer(sinks=sinks)(layer, stats, None, None)  # [B, KVH, C]
+    else:
+        attn = window_attention(layer, stats, window).mean(axis=2)  # [B, KVH, C]
     valid = layer.pos != EMPTY
     attn = jnp.where(valid, attn, 0.0)
     total = attn.sum(axis=-1, keepdims=True)
@@ -315,6 +392,8 @@ class AutoUpdate:
     recent: int = 8
     alpha: float = 0.2
     table: str = "auto"
+    keys: str = "auto"
+    score: str = "expected_attention"
 
     def plan_fraction(self, num_layers: int, kv_heads: int, head_dim: int) -> float:
         """The fraction the static (codec) plan is made for: F, or N over the bf16 bytes
@@ -327,14 +406,15 @@ class AutoUpdate:
     def plan(self, cache: Cache) -> tuple[LayerChoice, ...]:
         first = cache[0]
         fraction = self.plan_fraction(len(cache), first.kv_heads, first.head_dim)
-        return static_plan(fraction, len(cache), first.kv_heads, first.head_dim, self.table)
+        return static_plan(fraction, len(cache), first.kv_heads, first.head_dim, self.table,
+                           self.keys)
 
     def __call__(self, cache: Cache, state: AutoState, stats=None):
         first = cache[0]
         num_layers, b, kvh, d = len(cache), first.batch, first.kv_heads, first.head_dim
         dtype = str(view(first).k.dtype)
         plan = self.plan(cache)
-        fixed, slot = zip(*(layer_bytes(b, kvh, d, dtype, c.bits) for c in plan))
+        fixed, slot = zip(*(layer_bytes(b, kvh, d, dtype, c.bits, c.keys) for c in plan))
         n_ctx = (jnp.max(first.pos) + 1).astype(jnp.float32)  # [] the longest row's context
         if self.per_sequence is not None:
             budget = jnp.float32(self.per_sequence * b)
@@ -343,16 +423,16 @@ class AutoUpdate:
         if self.per_sequence is not None and self.per_sequence * b < sum(fixed):
             raise ValueError(f"auto: bytes={self.per_sequence} is below the cache's fixed "
                              f"{sum(fixed) / b:.0f} bytes per sequence (cursors) for this model")
-        shares = np.array([c.keep * kvh for c in plan])  # slots per context token
+        shares = np.array([c.keep * kvh for c in plan])  # head-slots per context token
         per_x = b * float(np.dot(shares, slot))  # bytes per unit of X
         x = (budget - sum(fixed)) / per_x * (1 - 2 ** -20)  # margin for float32 rounding
         x = jnp.maximum(x, 0.0)
         slots = [jnp.clip(jnp.floor(s * x), 0, kvh * n_ctx).astype(jnp.int32) for s in shares]
         stats = stats if stats is not None else (None,) * num_layers
         out = [None] * num_layers
-        for bits in sorted({c.bits for c in plan}):  # one compiled layer body per codec
-            members = [i for i, c in enumerate(plan) if c.bits == bits]
-            done = map_layers(functools.partial(self._layer, choice=LayerChoice(1.0, bits)),
+        for coding in sorted({c[1:] for c in plan}):  # one compiled layer body per codec
+            members = [i for i, c in enumerate(plan) if c[1:] == coding]
+            done = map_layers(functools.partial(self._layer, choice=LayerChoice(1.0, *coding)),
                               *([xs[i] for i in members] for xs in (cache, stats, slots)))
             for i, result in zip(members, done):
                 out[i] = result
@@ -361,26 +441,64 @@ class AutoUpdate:
                                         jnp.asarray(budget, jnp.float32))
 
     def _layer(self, layer, stats, slots, choice: LayerChoice):
-        layer = pool_heads(layer)
+        """One layer cut to `slots` head-slots' bytes (traced) and coded: pooled and split over
+        heads by attention for per-token keys; for per-channel keys `channel_keep`."""
+        pooled = choice.keys == "token"
+        layer = pool_heads(layer) if pooled else layer
         seen = view(layer)
-        scores, entropy = head_signals(seen, stats, self.window)
+        scores, entropy = head_signals(seen, stats, self.window, self.score)
         valid = seen.pos != EMPTY
         order = rank(seen.pos.astype(jnp.float32), valid)  # 0 = the latest token
         first = rank(-seen.pos.astype(jnp.float32), valid)  # 0 = the earliest
         protect = valid & ((order < self.recent) | (first < self.sinks))
-        keep = headwise_keep(scores, valid, protect, slots, self.alpha)
-        layer = _encode(compact(layer, keep), choice.bits)
+        if pooled:
+            keep = headwise_keep(scores, valid, protect, slots, self.alpha)
+        else:
+            b, kvh, d = seen.batch, seen.kv_heads, seen.head_dim
+            dtype = str(seen.k.dtype)
+            ratio = layer_bytes(b, kvh, d, dtype, choice.bits, "channel")[1] / \
+                exact_slot_bytes(b, kvh, d, dtype)
+            coded = None
+            if isinstance(layer, ResidualCache):  # coded before: its body's slots come first
+                coded = valid & (jnp.arange(valid.shape[-1]) < layer.body.capacity)
+            keep = channel_keep(jnp.where(protect, jnp.inf, scores), valid, slots // kvh,
+                                ratio, _group(d), coded)
+        layer = _encode(compact(layer, keep), choice.bits, choice.keys)
         return layer, keep.sum(axis=-1).astype(jnp.int32), entropy
+
+
+def channel_keep(scores: jax.Array, valid: jax.Array, allowed: jax.Array, ratio: float,
+                 group: int, coded: jax.Array | None = None) -> jax.Array:
+    """[B, KVH, C] keep mask of a per-channel layer allowed `allowed` coded head-slots per
+    head (traced): the best whole `group`s of tokens per head, or, for a layer coded before,
+    every token it holds coded (`coded` [B, KVH, C]: codes are never re-selected, so each
+    group keeps one parameter row); then, while the bytes last, the best further tokens kept
+    exact (`ratio` = coded / exact bytes of a slot). A shorter row's coded and exact tokens
+    fit within the longest row's, so the bytes are the longest row's.
+
+    Example:
+        >>> s = jnp.arange(40.0).reshape(1, 1, 40)   # later tokens score higher
+        >>> keep = channel_keep(s, jnp.ones(s.shape, bool), jnp.int32(36), 0.5, group=32)
+        >>> int(keep.sum()), bool(keep[0, 0, -34:].all())   # 32 coded + (36 - 32) x 0.5 exact
+        (34, True)
+    """
+    if coded is None:
+        best = jnp.minimum(valid.sum(-1), allowed) // group * group  # [B, KVH] whole groups
+        coded = (rank(scores, valid) < best[..., None]) & valid
+    coded_slots = jnp.max(coded.sum(-1))  # [] the longest row's, what `shrink` keeps
+    extra = jnp.floor(jnp.maximum(allowed - coded_slots, 0) * ratio).astype(jnp.int32)
+    rest = valid & ~coded
+    return coded | (rest & (rank(scores, rest) < extra))
 
 
 # ----------------------------------------------------------------------------- calibration
 
 
-@functools.partial(jax.jit, static_argnames=("keep", "bits", "window"))
+@functools.partial(jax.jit, static_argnames=("keep", "bits", "keys", "window"))
 def config_damage(layer: TokenCache, select_stats, eval_q: jax.Array, eval_pos: jax.Array,
-                  keep: float, bits: int, window: int = 32) -> jax.Array:
+                  keep: float, bits: int, keys: str = "token", window: int = 32) -> jax.Array:
     """[] relative squared error of a layer's attention output when `auto` stores it with
-    (`keep` share of its tokens, `bits`), for queries the selection never saw.
+    (`keep` share of its tokens, `bits`, `keys`), for queries the selection never saw.
 
     `layer`: a dense layer (the prefix); `select_stats`: its statistics with the last
     `window` queries of the prefix (what `auto` selects with); `eval_q` [B, T, H, D],
@@ -391,33 +509,36 @@ def config_damage(layer: TokenCache, select_stats, eval_q: jax.Array, eval_pos: 
     from kvjax.core.attention import attend_reference
     n = jnp.max(jnp.sum(layer.pos != EMPTY, axis=-1))
     slots = jnp.floor(keep * layer.kv_heads * n).astype(jnp.int32)
-    update = AutoUpdate(1.0, None, window=window)
-    small, _, _ = update._layer(layer, select_stats, slots, LayerChoice(keep, bits))
+    update = AutoUpdate(1.0, None, window=window, score="attention")  # as calibrated
+    small, _, _ = update._layer(layer, select_stats, slots, LayerChoice(keep, bits, keys))
     full_out = attend_reference(eval_q, eval_pos, layer)
     out = attend_reference(eval_q, eval_pos, small)
     return jnp.sum((out - full_out) ** 2) / jnp.maximum(jnp.sum(full_out ** 2), 1e-30)
 
 
-SIGNALS = ("keep", "bits/8", "attention mass lost", "entropy / log n",
+SIGNALS = ("keep", "bits/8", "per-channel keys", "attention mass lost", "entropy / log n",
            "key error", "value error")
 """What the learned controller reads per (layer, config), all measured on the prompt."""
 
 
-@functools.partial(jax.jit, static_argnames=("keep", "bits", "window"))
+@functools.partial(jax.jit, static_argnames=("keep", "bits", "keys", "window"))
 def config_signals(layer: TokenCache, select_stats, keep: float, bits: int,
-                   window: int = 32) -> jax.Array:
-    """[len(SIGNALS)] float32 signals of storing a dense `layer` with (`keep`, `bits`): the
-    share of window attention the kept tokens would lose (mean over heads), the heads' mean
-    attention entropy over log n, and the relative squared error of the keys and of the
-    values under `bits`-bit per-token codes."""
+                   keys: str = "token", window: int = 32) -> jax.Array:
+    """[len(SIGNALS)] float32 signals of storing a dense `layer` with (`keep`, `bits`,
+    `keys`): whether keys are coded per channel, the share of window attention the kept
+    tokens would lose (mean over heads), the heads' mean attention entropy over log n, and
+    the relative squared error of the keys and of the values under those codes."""
     scores, entropy = head_signals(layer, select_stats, window)  # [B, KVH, C]
     valid = layer.pos != EMPTY
     n = jnp.maximum(jnp.sum(valid, axis=-1, keepdims=True), 1)  # [B, KVH, 1]
     top = rank(scores, valid) < jnp.floor(keep * n)
     lost = 1 - jnp.sum(jnp.where(top, scores, 0.0), axis=-1)  # [B, KVH]
-    coded = view(_encode(layer, bits))
-    rel = lambda x, y: jnp.sum((x - y) ** 2) / jnp.maximum(jnp.sum(y ** 2), 1e-30)
-    return jnp.stack([jnp.float32(keep), jnp.float32(bits / 8), lost.mean(),
+    coded = view(_encode(layer, bits, keys))  # its first slots are the layer's, in order
+    rows = valid.reshape(-1, layer.capacity)[..., None]  # [B*KVH, C, 1]: written slots only
+    rel = lambda x, y: jnp.sum(jnp.where(rows, x[:, :layer.capacity] - y, 0.0) ** 2) / \
+        jnp.maximum(jnp.sum(jnp.where(rows, y, 0.0) ** 2), 1e-30)
+    return jnp.stack([jnp.float32(keep), jnp.float32(bits / 8), jnp.float32(keys == "channel"),
+                      lost.mean(),
                       (entropy / jnp.log(jnp.maximum(n[..., 0], 2))).mean(),
                       rel(coded.k, layer.k), rel(coded.v, layer.v)]).astype(jnp.float32)
 
@@ -453,7 +574,8 @@ def load_controller(path: str) -> dict | None:
 
 def auto(budget: float | None = None, bytes: int | None = None, context: int = 1024,
          window: int = 32, sinks: int = 4, recent: int = 8, alpha: float = 0.2,
-         table: str = "auto") -> CacheTransform:
+         table: str = "auto", keys: str = "auto",
+         score: str = "expected_attention") -> CacheTransform:
     """A cache that fits a memory budget: eviction and codes planned per layer and KV head.
 
     Args:
@@ -464,8 +586,15 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
       window: the last `window` queries score the tokens (their attention).
       sinks, recent: the first and the last tokens of every head, kept before the rest.
       alpha: each head keeps at least `alpha` of an equal share of its layer's slots.
-      table: where per-layer damage comes from (`damage_table`): "auto" (the learned
-        controller, else the calibration table, else the prior), "learned", "table", "prior".
+      table: where per-layer damage comes from (`damage_table`): "auto" (the calibration
+        table, else the learned controller, else the prior), "table", "learned", "prior".
+      keys: the key codings a layer may use: "auto" (each layer chooses), "token" (per-token
+        codes, heads sharing the layer's slots unevenly) or "channel" (KIVI's per-channel
+        keys, the same count per head).
+      score: what ranks the tokens (`SCORES`): "expected_attention" (future queries'
+        expected attention from the prompt's query moments; the first 4 tokens kept; chosen
+        on calibration text, docs/results/planner/scores) or "attention" (the last `window`
+        queries').
 
     Example:
         >>> auto(bytes=0)
@@ -496,6 +625,13 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
         raise ValueError(f"auto: alpha={alpha!r} must be a number in [0, 1]")
     if table not in TABLES:
         raise ValueError(f"auto: table={table!r} must be one of {', '.join(TABLES)}")
+    if keys not in ("auto",) + KEYS:
+        raise ValueError(f"auto: keys={keys!r} must be one of auto, {', '.join(KEYS)}")
+    if score not in SCORES:
+        raise ValueError(f"auto: score={score!r} must be one of {', '.join(SCORES)}")
     update = AutoUpdate(None if budget is None else float(budget), bytes, context,
-                        window, sinks, recent, float(alpha), table)
-    return CacheTransform(_init_state, update, StatsSpec(window=window))
+                        window, sinks, recent, float(alpha), table, keys, score)
+    stats = StatsSpec(window=window)
+    if score == "expected_attention":
+        stats = stats.merge(StatsSpec(query_moments=True, moments_skip=ExpectedAttentionScorer.sinks))
+    return CacheTransform(_init_state, update, stats)
