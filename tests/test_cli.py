@@ -1,6 +1,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from experiments.cli.main import main
@@ -123,3 +124,21 @@ def test_generate_parses_its_method_once(capsys, monkeypatch):
     assert code == 0 and calls == ["snapkv:ratio=0.5,layers=0-29"]
     result = json.loads(out)
     assert result["method"] == "snapkv:ratio=0.5,layers=0-29" and result["monitor"]["layers"] == 30
+    assert "plan" not in result["monitor"]
+
+
+def test_generate_monitor_reports_autos_plan(capsys):
+    """`--monitor` with `auto`: the plan (bits, key coding, token share per layer, the damage
+    table's source) and what the update decided (budget bytes, tokens per layer and head),
+    consistent with the monitor's own token count."""
+    code, out, _ = run(capsys, "generate", "--model", str(smollm2_path()), "--prompt",
+                       "Tell me about the sea. " * 20, "--max-new-tokens", "2",
+                       "--method", "auto:budget=0.25", "--monitor", "--json")
+    assert code == 0
+    monitor = json.loads(out)["monitor"]
+    plan = monitor["plan"]
+    assert len(plan["bits"]) == len(plan["keys"]) == len(plan["kept"]) == 30
+    assert set(plan["keys"]) <= {"token", "channel"} and plan["budget_bytes"] > 0
+    assert plan["source"].startswith("calibrated table")
+    kept = np.asarray(plan["kept"])  # [L, KVH] at the last update (after the prefill)
+    assert (kept > 0).all() and kept.sum() <= monitor["tokens"] + 2 * kept.size

@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also apply --method every N decode steps (0 = only after prefill)")
     g.add_argument("--monitor", action="store_true",
                    help="report what the method did (kvjax.tools.monitor): tokens kept and evicted, "
-                        "attention mass retained, key/value error; on stderr, or in --json")
+                        "attention mass retained, key/value error, auto's plan; on stderr, or "
+                        "in --json")
 
     p = sub.add_parser("ppl", help="perplexity of a text file with sliding windows")
     _common(p)
@@ -409,6 +410,10 @@ def cmd_generate(args, model, tokenizer) -> dict:
     if getattr(args, "monitor", False):
         from kvjax.tools.monitor import find_monitor, refresh, summary
         result["monitor"] = summary(refresh(find_monitor(answer.transform_state), answer.cache))
+        from experiments.eval.planner_view import monitor_plan
+        plan = monitor_plan(args.method, model, answer.transform_state)
+        if plan is not None:  # auto: what it planned (bits, keys, tokens per layer and head)
+            result["monitor"]["plan"] = plan
         if not args.json:
             print("monitor: " + json.dumps(result["monitor"]), file=sys.stderr)
     return result

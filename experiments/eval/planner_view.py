@@ -36,6 +36,25 @@ def plan_summary(method, model) -> dict | None:
             "plan_fraction": fraction, "source": planner.plan_source(c.num_layers, update.table)}
 
 
+def monitor_plan(method, model, state) -> dict | None:
+    """For `kvjax generate --monitor`: an `auto` method's plan (`plan_summary`) with what its
+    last update decided, read off the `AutoState` inside `state` (the transform state a
+    generation returns, wrapped or not): the budget in bytes and the tokens each layer and KV
+    head kept (batch row 0). None for another method."""
+    import jax
+
+    from kvjax.policies import planner
+    plan = plan_summary(method, model)
+    if plan is None:
+        return None
+    found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, planner.AutoState))
+             if isinstance(x, planner.AutoState)]
+    if found:
+        plan["budget_bytes"] = float(found[0].budget_bytes)
+        plan["kept"] = np.asarray(found[0].head_kept)[:, 0].tolist()  # [L, KVH]
+    return plan
+
+
 def kept_per_head(cache) -> np.ndarray:
     """[L, KVH] tokens each head holds in batch row 0 of a cache."""
     import kvjax
