@@ -216,7 +216,32 @@ def load_qfilters(path: str) -> np.ndarray:
     return filters
 
 
-def qfilter_scores(filters, layer, stats, budget, key):
+class PerLayer(ByContent):
+    """A scorer holding constants per layer (`[L, ...]` arrays, compared by content):
+    `for_layer(index, L)` checks the cache's layer count against the arrays' and gives layer
+    `index`'s scorer (`layer_scorer`); calling the whole scorer is an error."""
+
+    name = ""  # the method's name, for errors
+    what = ""  # what the constants are, for errors
+    per_layer = ()  # names of the [L, ...] fields
+
+    def for_layer(self, index, num_layers: int):
+        count = getattr(self, self.per_layer[0]).shape[0]
+        if num_layers != count:
+            raise ValueError(f"{self.name}: {self.what} for {count} layers, the cache has "
+                             f"{num_layers}: calibrate them on this model")
+        return functools.partial(self.layer_scores,
+                                 *(jnp.asarray(getattr(self, f))[index] for f in self.per_layer))
+
+    def layer_scores(self, *constants_then_scorer_args):
+        raise NotImplementedError
+
+    def __call__(self, layer, stats, budget, key):
+        raise TypeError(f"{type(self).__name__} scores one layer at a time: call "
+                        "for_layer(index, L) first")
+
+
+def qfilter_scores(filters: jax.Array, layer) -> tuple[jax.Array, jax.Array]:
     """Q-Filters: score = -(filter . k) per KV head, as kvpress QFilterPress.
 
     `filters` [KVH, D] is this layer's; keys are the cached (post-RoPE) ones. A pooled row
@@ -228,27 +253,18 @@ def qfilter_scores(filters, layer, stats, budget, key):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class QFilterScorer(ByContent):
-    """QFilter's scorer: one filter [KVH, D] per layer, compared by content."""
+class QFilterScorer(PerLayer):
+    """QFilter's scorer: one filter [KVH, D] per layer."""
 
     filters: np.ndarray  # [L, KVH, D] float32
+    name, what, per_layer = "qfilter", "filters", ("filters",)
 
-    def for_layer(self, index, num_layers: int):
-        if num_layers != self.filters.shape[0]:
-            raise ValueError(f"qfilter: filters for {self.filters.shape[0]} layers, the cache has "
-                             f"{num_layers}: calibrate them on this model")
-        return functools.partial(self._checked, jnp.asarray(self.filters)[index])
-
-    @staticmethod
-    def _checked(filters, layer, stats, budget, key):
+    def layer_scores(self, filters, layer, stats, budget, key):
         if filters.shape != (layer.kv_heads, layer.head_dim):
             raise ValueError(f"qfilter: filters of {filters.shape[0]} KV heads x {filters.shape[1]} "
                              f"dims, the cache has {layer.kv_heads} x {layer.head_dim}: calibrate "
                              "them on this model")
-        return qfilter_scores(filters, layer, stats, budget, key)
-
-    def __call__(self, layer, stats, budget, key):
-        raise TypeError("QFilterScorer scores one layer at a time: call for_layer(index, L) first")
+        return qfilter_scores(filters, layer)
 
 
 def qfilter(ratio: float | None = None, budget: int | None = None, filters: str | None = None,
@@ -286,22 +302,16 @@ def load_query_stats(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ExpectedAttentionStatsScorer(ByContent):
+class ExpectedAttentionStatsScorer(PerLayer):
     """ExpectedAttention with each layer's calibrated query mean and covariance in place of the
-    prompt's (compared by content)."""
+    prompt's."""
 
     base: object  # eviction.ExpectedAttentionScorer: n_future, sinks, covariance, vnorm, epsilon
     mean: np.ndarray  # [L, H, D]
     cov: np.ndarray  # [L, H, D, D]
+    name, what, per_layer = "expected_attention_stats", "statistics", ("mean", "cov")
 
-    def for_layer(self, index, num_layers: int):
-        if num_layers != self.mean.shape[0]:
-            raise ValueError(f"expected_attention_stats: statistics for {self.mean.shape[0]} "
-                             f"layers, the cache has {num_layers}: calibrate them on this model")
-        return functools.partial(self._scores, jnp.asarray(self.mean)[index],
-                                 jnp.asarray(self.cov)[index])
-
-    def _scores(self, mean, cov, layer, stats, budget, key):
+    def layer_scores(self, mean, cov, layer, stats, budget, key):
         h, d = mean.shape
         heads = None if stats is None else stats.queries.shape[2]  # the model's query heads
         if d != layer.head_dim or h % layer.kv_heads or heads not in (None, h):
@@ -311,10 +321,6 @@ class ExpectedAttentionStatsScorer(ByContent):
         b = layer.batch
         return self.base.scores(layer, stats, jnp.broadcast_to(mean, (b,) + mean.shape),
                                 jnp.broadcast_to(cov, (b,) + cov.shape))
-
-    def __call__(self, layer, stats, budget, key):
-        raise TypeError("ExpectedAttentionStatsScorer scores one layer at a time: call "
-                        "for_layer(index, L) first")
 
 
 def expected_attention_stats(ratio: float | None = None, budget: int | None = None,
