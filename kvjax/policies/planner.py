@@ -60,8 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core.cache import (EMPTY, Cache, ResidualCache, TokenCache, flush_residual,
-                              init_cache, nbytes, view)
+from kvjax.core.cache import EMPTY, Cache, TokenCache, init_cache, nbytes, view
+from kvjax.core.layer import has_exact_part
 from kvjax.core.layout import compact, map_layers, pool_heads
 from kvjax.core.selection import rank
 from kvjax.core.stats import StatsSpec
@@ -181,7 +181,7 @@ def layer_bytes(batch: int, kv_heads: int, head_dim: int, dtype: str, bits: int,
 def _written(layer):
     """A coded layer as `kvjax.shrink(..., room=0)` holds it when every slot of its body is
     written and its exact part is empty (shapes only: the exact part cut to no slots)."""
-    if not isinstance(layer, ResidualCache):
+    if not has_exact_part(layer):
         return layer
     recent = layer.recent
     none = lambda x, axis: jax.lax.slice_in_dim(x, 0, 0, axis=axis)
@@ -459,8 +459,9 @@ class AutoUpdate:
             ratio = layer_bytes(b, kvh, d, dtype, choice.bits, "channel")[1] / \
                 exact_slot_bytes(b, kvh, d, dtype)
             coded = None
-            if isinstance(layer, ResidualCache):  # coded before: its body's slots come first
-                coded = valid & (jnp.arange(valid.shape[-1]) < layer.body.capacity)
+            if has_exact_part(layer):  # coded before: its body's slots come first
+                body = layer.parts()[0]
+                coded = valid & (jnp.arange(valid.shape[-1]) < body.capacity)
             keep = channel_keep(jnp.where(protect, jnp.inf, scores), valid, slots // kvh,
                                 ratio, _group(d), coded)
         layer = _encode(compact(layer, keep), choice.bits, choice.keys)
