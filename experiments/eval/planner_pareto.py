@@ -38,26 +38,11 @@ def dense_bf16_bytes(row: dict, num_layers: int, head_dim: int) -> float | None:
     return head_slots * (4 * head_dim + 4) + cursors
 
 
-def plan_summary(spec: str, model) -> dict | None:
-    """For an `auto` spec: the static plan (bits and token share per layer) and its source."""
-    from kvjax import parse_method
-    from kvjax.policies import planner
-    t = parse_method(spec)
-    if not isinstance(t.update, planner.AutoUpdate):
-        return None
-    c = model.config
-    fraction = t.update.plan_fraction(c.num_layers, c.num_kv_heads, c.head_dim)
-    plan = planner.static_plan(fraction, c.num_layers, c.num_kv_heads, c.head_dim,
-                               t.update.table, t.update.keys)
-    return {"bits": [p.bits for p in plan], "keep": [p.keep for p in plan],
-            "keys": [p.keys for p in plan],
-            "source": planner.plan_source(c.num_layers, t.update.table)}
-
-
 def run(out: Path, methods: list[str], texts: list[str], context: int, prefix: int,
         windows: int, offset: int = 0) -> None:
     import numpy as np
 
+    from experiments.eval.planner_view import plan_summary
     from experiments.eval.ppl import perplexity
     from kvjax import parse_method
     from models.loading import load_model
