@@ -261,3 +261,87 @@ def calibrate_query_stats(model: Llama, windows: Sequence[Sequence[int]], sinks:
     cov = np.stack([(outer - n * np.einsum("hi,hj->hij", q / n, q / n)) / (n - 1)
                     for q, outer, n in total])
     return mean.astype(np.float32), cov.astype(np.float32)
+
+
+def kvzap_training_data(model: Llama, windows: Sequence[Sequence[int]], prompt,
+                        samples: int = 256, seed: int = 0, batch: int = 2,
+                        progress: bool = True):
+    """(inputs [N, L, hidden], targets [N, L, KVH]) float32 for KVzap (kvpress's
+    `KVzapDataCollector`): each layer's attention input of `samples` tokens drawn at random
+    from every window (token-id lists of one length; all tokens when fewer), and the log of
+    their KVzip+ scores (`kvzip:plus=true`'s reconstruction pass behind `prompt`, a
+    `ReconstructionPrompt`: `models.reconstruction.chat_prompt(tokenizer)` for kvpress's; its
+    `prefix` leading tokens are not reconstructed, so not drawn).
+
+    Example:
+        >>> from flax import nnx
+        >>> from kvjax.policies.eviction_kvzip import ReconstructionPrompt
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> x, y = kvzap_training_data(model, [list(range(3, 35))], ReconstructionPrompt(),
+        ...                            samples=8, progress=False)
+        >>> x.shape, y.shape       # [N, L, hidden], [N, L, KVH]
+        ((8, 2, 64), (8, 2, 2))
+    """
+    import numpy as np
+
+    import kvjax
+    from kvjax.policies.eviction_kvzip import Reconstruction
+    from models.reconstruction import reconstruct
+
+    _check_windows("kvzap_training_data", windows)
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"kvzap_training_data: samples must be an int >= 1, got {samples!r}")
+    width = len(windows[0])
+    if prompt.prefix >= width:
+        raise ValueError(f"kvzap_training_data: windows of {width} tokens leave nothing after "
+                         f"the prompt's {prompt.prefix}-token prefix")
+    rec = Reconstruction(chunk_size=width, prompt=prompt, plus=True)
+    rng = np.random.default_rng(seed)
+    xs, ys = [], []
+    for start in tqdm(range(0, len(windows), batch), desc="KVzip+ scores", unit="batch",
+                      disable=not progress):
+        group = [list(w) for w in windows[start:start + batch]]
+        tokens = jnp.asarray(group, jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
+        cache = kvjax.init_model_cache(model.config.cache_spec, len(group), width)
+        cache, inputs = _attention_inputs(model, tokens, positions, cache)
+        stats = reconstruct(model, cache, None, np.full(len(group), width), group, rec)
+        scores = np.stack([np.asarray(s.position_scores) for s in stats], 1)  # [B, L, KVH, T]
+        inputs = np.stack([np.asarray(h) for h in inputs], 2)  # [B, T, L, hidden]
+        for b in range(len(group)):
+            take = np.sort(rng.permutation(np.arange(prompt.prefix, width))[:samples])
+            xs.append(inputs[b, take])
+            ys.append(np.log(np.maximum(scores[b, :, :, take], np.finfo(np.float32).tiny)))
+    return np.concatenate(xs).astype(np.float32), np.concatenate(ys).astype(np.float32)
+
+
+@functools.partial(jax.jit, donate_argnums=(3,))
+def _attention_inputs(model, tokens, positions, cache):
+    """The prefilled cache and each layer's attention inputs [B, T, hidden] of `tokens`."""
+    from kvjax.core.stats import NO_STATS
+    from models.reconstruction import probe_forward
+    _, cache, _, inputs = probe_forward(model, tokens, positions, cache, None, NO_STATS)
+    return cache, inputs
+
+
+def calibrate_kvzap(model: Llama, windows: Sequence[Sequence[int]], prompt, kind: str = "linear",
+                    samples: int = 256, hidden: int = 128, seed: int = 0, progress: bool = True):
+    """A `KVzapModel` for `model` trained on `windows` (`kvzap_training_data`): `kind` "linear"
+    (ridge regression) or "mlp" (`hidden` units, optax); `.save(DIR)` for `kvzap:weights=DIR`.
+
+    Example:
+        >>> from flax import nnx
+        >>> from kvjax.policies.eviction_kvzip import ReconstructionPrompt
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> m = calibrate_kvzap(model, [list(range(3, 35))], ReconstructionPrompt(), progress=False)
+        >>> m.kind, m.w1.shape                              # [L, hidden, KVH]
+        ('linear', (2, 64, 2))
+    """
+    from kvjax.policies.eviction_kvzap import KINDS, fit_linear, fit_mlp
+
+    if kind not in KINDS:
+        raise ValueError(f"calibrate_kvzap: kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    x, y = kvzap_training_data(model, windows, prompt, samples, seed, progress=progress)
+    return fit_linear(x, y) if kind == "linear" else fit_mlp(x, y, hidden=hidden, seed=seed)

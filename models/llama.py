@@ -404,7 +404,7 @@ class Attention(nnx.Module):
                                         cfg.attn_softcap)
             cache = keep_newest(accumulate_mass(joined, q, positions), cache.capacity)
         if stats is not None:
-            stats = observe(spec, stats, q_pre, q, positions)
+            stats = observe(spec, stats, q_pre, q, positions, x.reshape(b, t, -1))
         return self.o_proj(out.reshape(b * t, h * d)), cache, stats
 
 
@@ -519,8 +519,12 @@ class Llama(nnx.Module):
 
     def init_stats(self, spec: StatsSpec, cache: Cache) -> tuple[LayerStats, ...] | None:
         """Empty statistics for `spec` (None when the spec needs nothing per step)."""
-        if not (spec.window or spec.query_moments or spec.output_projection):
+        if not (spec.window or spec.query_moments or spec.output_projection
+                or spec.token_scores is not None):
             return None
+        if spec.token_scores is not None:
+            cfg = self.config
+            spec.token_scores.check_model(cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads)
         out_proj = ([layer.attn.o_proj.kernel[...] for layer in self.layers]
                     if spec.output_projection else None)  # W_o [H*D, hidden] per layer
         return init_stats(spec, cache, self.config.num_heads, fixed_rope_frequencies(self.config),

@@ -94,19 +94,20 @@ def _pass_scores(model, tokens, positions, cache, start, end, sinks, context,
 def probe_forward(model: Llama, tokens, positions, cache, offsets, spec: StatsSpec, impl="xla"):
     """`model.forward` with `offsets[l]` [B*T, hidden] added to layer l's attention output
     (what KVgrad differentiates by; None: no offsets): (the last layer's output [B, T, hidden]
-    before the final norm, cache, stats, per layer the norm [B, T] of each token's attention
-    input, KVzip+'s `||h||`). With zero offsets, `model.norm` of it is `model.forward`'s output
-    (tested): the same layers, the same order, the same embedding."""
+    before the final norm, cache, stats, per layer each token's attention input `h`
+    [B, T, hidden] float32: KVzip+ divides by its norm, KVzap learns from it). With zero
+    offsets, `model.norm` of it is `model.forward`'s output (tested): the same layers, the
+    same order, the same embedding."""
     b, t = tokens.shape
     x = jnp.take(model.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
     if model.config.scale_embeddings:  # Gemma, as Llama.forward
         x = x * jnp.asarray(model.config.hidden_size ** 0.5, model.embed.dtype).astype(jnp.float32)
-    stats = model.init_stats(spec, cache)
+    stats = model.init_stats(spec, cache) or (None,) * len(model.layers)
     offsets = (0.0,) * len(model.layers) if offsets is None else offsets
-    new_cache, new_stats, input_norms = [], [], []
+    new_cache, new_stats, inputs = [], [], []
     for layer, layer_cache, layer_stats, offset in zip(model.layers, cache, stats, offsets):
         h = layer.input_norm(x)  # [B*T, hidden]
-        input_norms.append(jnp.linalg.norm(h.astype(jnp.float32), axis=-1).reshape(b, t))
+        inputs.append(h.astype(jnp.float32).reshape(b, t, -1))
         a, layer_cache, layer_stats = layer.attn(h, positions, layer_cache, impl, layer_stats,
                                                  spec)
         a = a + offset  # as Block.__call__, the attention output shifted
@@ -118,7 +119,7 @@ def probe_forward(model: Llama, tokens, positions, cache, offsets, spec: StatsSp
             x = x + layer.post_mlp_norm(layer.mlp(layer.pre_mlp_norm(x)))
         new_cache.append(layer_cache)
         new_stats.append(layer_stats)
-    return x.reshape(b, t, -1), tuple(new_cache), tuple(new_stats), tuple(input_norms)
+    return x.reshape(b, t, -1), tuple(new_cache), tuple(new_stats), tuple(inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("capacities", "impl"))
@@ -153,11 +154,11 @@ def _plus_pass_scores(model, tokens, positions, cache, start, end, sinks, contex
     """KVzip+'s scores of one pass: each attention weight divided by its query's attention
     input norm `||h||` and times the key's `||v W_o||_2`, per layer [B, KVH, C_l]."""
     spec = StatsSpec(window=tokens.shape[1])
-    _, new_cache, stats, input_norms = probe_forward(model, tokens, positions, cache, None,
-                                                     spec, impl)
+    _, new_cache, stats, inputs = probe_forward(model, tokens, positions, cache, None, spec,
+                                                impl)
     out = []
-    for layer, s, h_norm, c, block in zip(new_cache, stats, input_norms, capacities,
-                                          model.layers):
+    for layer, s, h, c, block in zip(new_cache, stats, inputs, capacities, model.layers):
+        h_norm = jnp.linalg.norm(h, axis=-1)  # [B, T]
         norms = value_output_norms(layer.logical_v, block.attn.o_proj.kernel[...])
         inverse = jnp.where(h_norm > 0, 1.0 / jnp.where(h_norm > 0, h_norm, 1.0), 0.0)
         out.append(chunk_scores(layer, s.queries, s.query_pos, start, end, sinks, context,

@@ -41,6 +41,7 @@ SPECIAL = {
     "qfilter": "qfilter:ratio=0.5,filters={basis}",  # filters: a file
     "lukv": "lukv:ratio=0.5,curve={basis}",  # a budget curve: a file
     "expected_attention_stats": "expected_attention_stats:ratio=0.5,stats={basis}",
+    "kvzap": "kvzap:ratio=0.5,weights={basis}.kvzap",  # a random surrogate (orbax)
     "auto": "auto:budget=0.25",
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""
@@ -58,7 +59,8 @@ def model():
 @pytest.fixture(scope="module")
 def basis_file(tmp_path_factory):
     return random_basis(tmp_path_factory.mktemp("basis") / "basis.npz", CONFIG.num_layers,
-                        CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.num_heads)
+                        CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.num_heads,
+                        CONFIG.hidden_size)
 
 
 def test_every_registered_method_has_a_spec(basis_file):

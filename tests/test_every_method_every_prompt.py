@@ -74,6 +74,7 @@ DEFAULT_SPECS = {
     "qfilter": f"qfilter:ratio=0.5,filters={BASIS}",
     "lukv": f"lukv:ratio=0.5,curve={BASIS}",
     "expected_attention_stats": f"expected_attention_stats:ratio=0.5,stats={BASIS}",
+    "kvzap": f"kvzap:ratio=0.5,weights={BASIS}.kvzap",  # a random surrogate (orbax)
     "kvcompose": "kvcompose:ratio=0.5",  # a pass over the context after prefill, as kvzip's
     "cam": "cam:ratio=0.5,merge_budget=4",  # merges only with compress_every (a decoding press)
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
@@ -107,12 +108,19 @@ def model():
     return Llama(CONFIG, rngs=nnx.Rngs(0))
 
 
-def random_basis(path, layers: int, kv_heads: int, head_dim: int, heads: int | None = None
-                 ) -> str:
+def random_basis(path, layers: int, kv_heads: int, head_dim: int, heads: int | None = None,
+                 hidden: int | None = None, model_layers: int | None = None) -> str:
     """Save a random orthonormal basis per layer and KV head (what `kvjax calibrate` writes)
     at `path`, with random artifacts of the other calibrated methods (`heads`: query heads,
-    default `kv_heads`, for the query statistics); returns the path as a string."""
+    default `kv_heads`, for the query statistics); returns the path as a string. With
+    `hidden`, also a random KVzap surrogate (an orbax directory) at `path` + ".kvzap" for a
+    model of `model_layers` layers (default `layers`)."""
     rng = np.random.default_rng(0)
+    if hidden is not None:
+        from tests.test_kvzap import random_surrogate
+        cfg = type("C", (), {"num_layers": model_layers or layers, "hidden_size": hidden,
+                             "num_kv_heads": kv_heads})
+        random_surrogate(cfg, "mlp").save(str(path) + ".kvzap")
     shape = (layers, kv_heads, head_dim, head_dim)
     keys, values = (np.linalg.qr(rng.standard_normal(shape))[0].astype(np.float32)
                     for _ in range(2))
@@ -133,7 +141,8 @@ def random_basis(path, layers: int, kv_heads: int, head_dim: int, heads: int | N
 @pytest.fixture(scope="module")
 def basis_file(tmp_path_factory):
     return random_basis(tmp_path_factory.mktemp("basis") / "random_basis.npz",
-                        CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.num_heads)
+                        CONFIG.num_layers, CONFIG.num_kv_heads, CONFIG.head_dim, CONFIG.num_heads,
+                        CONFIG.hidden_size)
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -40,7 +40,8 @@ def family(request, tmp_path_factory):
     model = build_model(cfg, params)
     full_layers = cfg.num_layers - len(windowed_layers(model))
     path = random_basis(tmp_path_factory.mktemp("basis") / f"{request.param}_basis.npz",
-                        max(full_layers, 1), cfg.num_kv_heads, cfg.head_dim, cfg.num_heads)
+                        max(full_layers, 1), cfg.num_kv_heads, cfg.head_dim, cfg.num_heads,
+                        cfg.hidden_size, cfg.num_layers)
     return request.param, model, path
 
 

@@ -83,7 +83,7 @@ def test_probe_forward_at_zero_offsets_is_the_models_forward():
     tokens = jnp.arange(3, 15)[None]
     positions = jnp.arange(12)[None]
     cache = kvjax.init_model_cache(model.config.cache_spec, 1, 16)
-    h, _, _, norms = probe_forward(model, tokens, positions, cache,
+    h, _, _, inputs = probe_forward(model, tokens, positions, cache,
                                    [jnp.zeros((12, model.config.hidden_size))] * len(model.layers),
                                    StatsSpec(window=12), "reference")
     want, _ = model.hidden(tokens, positions, cache, impl="reference")
@@ -92,12 +92,12 @@ def test_probe_forward_at_zero_offsets_is_the_models_forward():
     h_none, _, _, _ = probe_forward(model, tokens, positions, cache, None, StatsSpec(window=12),
                                     "reference")  # no offsets: the same forward
     np.testing.assert_array_equal(np.asarray(h_none), np.asarray(h))
-    # KVzip+'s ||h||: layer 0's attention input is the RMS-normed embedding (weights 1 at init)
+    # KVzip+'s h (KVzap's input): layer 0's attention input is the RMS-normed embedding
+    # (weights 1 at init)
     x = np.asarray(model.embed[...], np.float64)[np.arange(3, 15)]
     eps = model.layers[0].input_norm.eps
     normed = x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps)
-    np.testing.assert_allclose(np.asarray(norms[0])[0], np.linalg.norm(normed, axis=-1),
-                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(inputs[0])[0], normed, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("spec, words", [

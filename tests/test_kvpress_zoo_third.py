@@ -8,7 +8,8 @@ prefills the same ids once and applies the method from its spec string to a
 copy of that cache. QFilterPress runs with the golden's own filters in place of the hub's
 (`qfilter` with the same filters), LUKVPress with the golden's budget curve (`lukv` with the
 same curve), KVComposePress after its own second pass (`kvcompose`), ExpectedAttentionStatsPress with
-seeded query statistics (`expected_attention_stats` with the same). RestoreKVPress has no golden: it needs hub adapters kvpress
+seeded query statistics (`expected_attention_stats` with the same), KVzapPress (linear and
+MLP) with seeded surrogate weights (`kvzap` with the same, saved by orbax). RestoreKVPress has no golden: it needs hub adapters kvpress
 cannot load here (docs/DECISIONS.md).
 """
 
@@ -191,3 +192,56 @@ def test_entropy_chunk_rule_matches_kvpress_on_random_scores():
         ours = np.asarray(rule(jnp.asarray(scores), jnp.array([t]), budget, chunk, low))[0]
         assert not ours[t:].any()
         np.testing.assert_array_equal(ours[:t], theirs, err_msg=f"trial {trial}")
+
+
+@pytest.fixture(scope="module")
+def kvzap_dirs(smollm2, tmp_path_factory):
+    """kind -> the orbax directory of the golden's surrogate (made again from its seed)."""
+    from experiments.golden.make_kvpress_zoo_third import kvzap_weights
+    from kvjax.policies.eviction_kvzap import KVzapModel
+    cfg = smollm2[0].config
+    out = {}
+    for kind in ("linear", "mlp"):
+        path = tmp_path_factory.mktemp("kvzap") / kind
+        KVzapModel(**kvzap_weights(kind, cfg.num_layers, cfg.hidden_size,
+                                   cfg.num_kv_heads)).save(path)
+        out[kind] = str(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prefilled_kvzap(smollm2, golden, kvzap_dirs):
+    """kind -> ctx -> (full cache, statistics with the surrogate's scores, tokens)."""
+    return {kind: prefill_contexts(smollm2[0], golden, kvjax.parse_method(
+        f"kvzap:ratio=0.5,weights={path}").stats) for kind, path in kvzap_dirs.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", ["0.50", "0.75"])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_kvzap_keeps_kvpress_positions_given_the_same_weights(prefilled_kvzap, golden,
+                                                              kvzap_dirs, kind, ctx, ratio):
+    """KVzapPress(model_type=kind) with the golden's surrogate (NVIDIA's are published for a
+    few large models only) and `kvzap:weights=DIR` with the same weights saved by orbax: the
+    same per-head counts (ScorerPress's `int(n (1 - r))`) and kept positions in every layer
+    and KV head, but among exact ties at the budget's edge. Those exist in layer 0 only: its
+    attention input is the normed embedding of the token alone, so a repeated token scores
+    the same wherever it stands, and torch's `topk` keeps a different one of them than kvjax
+    (the earlier slot); there the kept count among the tied positions must agree."""
+    out, n = compress_context(prefilled_kvzap[kind], ctx,
+                              f"kvzap:ratio={float(ratio)},weights={kvzap_dirs[kind]}")
+    ours = keep_by_position(out, n)
+    theirs = unpack(golden, f"{ctx}_kvzap_{kind}_r{ratio}_keep", n)
+    assert (theirs.sum(-1) == int(n * (1 - float(ratio)))).all()
+    _, stats, _ = prefilled_kvzap[kind][ctx]
+    for layer, s in enumerate(stats):
+        scores = np.asarray(s.position_scores)[0, :, :n]  # [KVH, n]: kvjax's own scores
+        for h in range(scores.shape[0]):
+            differ = ours[layer, h] != theirs[layer, h]
+            if not differ.any():
+                continue
+            edge = scores[h][ours[layer, h]].min()  # the lowest kept score
+            tied = scores[h] == edge
+            assert layer == 0 and tied[differ].all(), (layer, h, np.flatnonzero(differ))
+            assert ours[layer, h][tied].sum() == theirs[layer, h][tied].sum()

@@ -10,6 +10,7 @@
     kvjax calibrate --qfilters --out qf.npz   # then --method qfilter:ratio=0.5,filters=qf.npz
     kvjax calibrate --lukv --out curve.npz    # then --method lukv:ratio=0.5,curve=curve.npz
     kvjax calibrate --query-stats --out q.npz # then --method expected_attention_stats:ratio=0.5,stats=q.npz
+    kvjax calibrate --kvzap linear --out kvzap # then --method kvzap:ratio=0.5,weights=kvzap
     kvjax train-state --out maps           # then --method snapkv:budget=192+fold:map=maps
     kvjax eval --config experiments/configs/smoke.toml --out results/smoke
     kvjax eval --config experiments/configs/results.toml --out docs/results/eval \
@@ -88,9 +89,10 @@ def check_args(args) -> None:
             raise _bad("stride", args.stride, f"must be in [1, --context {args.context}]")
         if args.prefix >= args.context:
             raise _bad("prefix", args.prefix, f"must be in [0, --context {args.context})")
-    if args.command == "calibrate" and args.duo + args.qfilters + args.lukv + args.query_stats > 1:
-        raise UsageError("--duo, --qfilters, --lukv and --query-stats: give one (each writes a "
-                         "different file)")
+    if args.command == "calibrate" and \
+            args.duo + args.qfilters + args.lukv + args.query_stats + bool(args.kvzap) > 1:
+        raise UsageError("--duo, --qfilters, --lukv, --query-stats and --kvzap: give one (each "
+                         "writes a different file)")
     if args.command == "generate" and not args.prompt.strip() and not args.chat:
         raise _bad("prompt", repr(args.prompt), "must not be empty (or use --chat)")
     for option in ("text", "context_file", "config"):
@@ -219,8 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--query-stats", action="store_true",
                    help="pre-RoPE query mean and covariance per layer and head instead (for "
                         "expected_attention_stats:stats=OUT)")
-    c.add_argument("--samples", type=int, default=3000,
-                   help="--qfilters: queries drawn at random for each layer's SVD")
+    c.add_argument("--kvzap", choices=("linear", "mlp"),
+                   help="a KVzap surrogate instead (for kvzap:weights=OUT, an orbax directory): "
+                        "per layer, a linear map (ridge) or a two-layer MLP (optax) from each "
+                        "token's attention input to the log of its KVzip+ score; trained on "
+                        "90%% of the windows, scored on the rest")
+    c.add_argument("--samples", type=int, default=None,
+                   help="--qfilters: queries drawn at random for each layer's SVD (3000); "
+                        "--kvzap: tokens drawn from each window (256)")
     c.add_argument("--out", type=Path, required=True, help="where to write the .npz basis")
     return parser
 
@@ -284,10 +292,10 @@ def cmd_calibrate_qfilters(args, model, ids) -> dict:
 
     windows = calibration_windows(args, ids)
     start = time.perf_counter()
-    filters = calibrate_qfilters(model, windows, samples=args.samples)
+    filters = calibrate_qfilters(model, windows, samples=args.samples or 3000)
     np.savez(args.out, q_filters=filters)
     return {"out": str(args.out), "windows": len(windows), "tokens": len(windows) * args.window,
-            "samples": min(args.samples, len(windows) * args.window),
+            "samples": min(args.samples or 3000, len(windows) * args.window),
             "q_filters_shape": list(filters.shape), "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -323,6 +331,55 @@ def cmd_calibrate_query_stats(args, model, ids) -> dict:
             "query_mean_shape": list(mean.shape), "seconds": round(time.perf_counter() - start, 3)}
 
 
+def cmd_calibrate_kvzap(args, model, tokenizer, ids) -> dict:
+    """`kvjax calibrate --kvzap KIND`: a KVzap surrogate trained on 90% of the windows of
+    `ids`, its fit reported on the rest (R^2 and Spearman of the log KVzip+ scores)."""
+    import shutil
+
+    import numpy as np
+
+    from kvjax.policies.eviction_kvzap import fit_linear, fit_mlp
+    from models.calibration import kvzap_training_data
+    from models.reconstruction import chat_prompt
+
+    out = Path(args.out)
+    if out.exists() and not (out / "_CHECKPOINT_METADATA").is_file():
+        raise _bad("out", out, "exists and is not a checkpoint this command wrote: give a new "
+                               "directory")
+    windows = calibration_windows(args, ids)
+    if len(windows) < 2:
+        raise _bad("tokens", args.tokens, f"must hold at least two --window {args.window} "
+                                          "windows (one is held out)")
+    held = max(1, len(windows) // 10)
+    start = time.perf_counter()
+    x, y = kvzap_training_data(model, windows, chat_prompt(tokenizer),
+                               samples=args.samples or 256)
+    per_window = len(x) // len(windows)
+    split = per_window * (len(windows) - held)
+    fitted = fit_linear(x[:split], y[:split]) if args.kvzap == "linear" else \
+        fit_mlp(x[:split], y[:split])
+    predicted = np.stack([np.asarray(fitted.apply(fitted.layer_params(i), x[split:, i]))
+                          for i in range(fitted.num_layers)], 1)  # [N, L, KVH]
+    if out.exists():
+        shutil.rmtree(out)
+    fitted.save(out)
+    return {"out": str(out), "kind": fitted.kind, "windows": len(windows), "held_out": held,
+            "train_tokens": split, "held_out_tokens": len(x) - split,
+            "held_out_r2": round(float(1 - ((predicted - y[split:]) ** 2).mean()
+                                       / y[split:].var(axis=0).mean()), 4),
+            "held_out_spearman": round(float(_mean_spearman(predicted, y[split:])), 4),
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+def _mean_spearman(a, b) -> float:
+    """The mean over the trailing axes of Spearman's rank correlation along axis 0."""
+    import numpy as np
+    rank = lambda x: np.argsort(np.argsort(x, axis=0), axis=0).astype(np.float64)
+    ra, rb = rank(a), rank(b)
+    ra, rb = ra - ra.mean(0), rb - rb.mean(0)
+    return float(((ra * rb).sum(0) / np.sqrt((ra ** 2).sum(0) * (rb ** 2).sum(0))).mean())
+
+
 def cmd_calibrate(args, model, tokenizer) -> dict:
     from models.calibration import calibrate_low_rank
 
@@ -335,6 +392,8 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
         return cmd_calibrate_lukv(args, model, ids)
     if args.query_stats:
         return cmd_calibrate_query_stats(args, model, ids)
+    if args.kvzap:
+        return cmd_calibrate_kvzap(args, model, tokenizer, ids)
     start = time.perf_counter()
     basis = calibrate_low_rank(model, ids, window=args.window)
     basis.save(args.out)

@@ -34,6 +34,11 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   from the seed by the test, not stored: a mean and a positive semi-definite covariance per
   layer and query head).
 
+* ``kvzap_linear`` / ``kvzap_mlp``: ``KVzapPress(model_type=...)`` under its ScorerPress rule
+  (``compression_ratio=r``), r in 0.5, 0.75, given surrogate weights in place of NVIDIA's
+  (``nvidia/KVzap-<type>-<model>``, published for a few large models only): ``kvzap_weights``
+  (seeded, made again from the seed by the test, not stored; the MLP with 16 hidden units).
+
 RestoreKVPress is not here: it loads LoRA adapters and restore embeddings
 from the hub (``higokri/RestoreKV-<model>``, published for Llama-3.1-8B and
 Qwen3-8B only), so kvpress cannot run it on SmolLM2 offline (docs/DECISIONS.md).
@@ -60,7 +65,8 @@ from experiments.golden.make_kvpress_zoo import kept_from_cache, provenance
 THIRD_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_zoo_third.npz"
 RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 0.75),
           "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75), "kvcompose": (0.5, 0.75),
-          "expected_attention_stats": (0.5, 0.75)}
+          "expected_attention_stats": (0.5, 0.75), "kvzap_linear": (0.5, 0.75),
+          "kvzap_mlp": (0.5, 0.75)}
 THIRD_PRESSES = list(RATIOS)
 
 
@@ -79,14 +85,55 @@ def query_stats(n_layers: int, heads: int, head_dim: int) -> tuple[np.ndarray, n
     return mean, (a @ a.transpose(0, 1, 3, 2) / head_dim).astype(np.float32)
 
 
+def kvzap_weights(kind: str, n_layers: int, hidden: int, kvh: int) -> dict[str, np.ndarray]:
+    """The golden's stand-in for NVIDIA's KVzap weights: float32 arrays stacked over layers,
+    ``w1`` [L, hidden, M] and ``b1`` [L, M] (linear: M = KVH), and for the MLP (M = 16) ``w2``
+    [L, M, KVH] and ``b2`` [L, KVH]; normal, scaled by 1/sqrt(fan-in), from a seeded generator."""
+    rng = np.random.default_rng(SEED + (3 if kind == "linear" else 4))
+    m = kvh if kind == "linear" else 16
+    dense = lambda fan_in, *shape: (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(
+        np.float32)
+    out = {"w1": dense(hidden, n_layers, hidden, m), "b1": dense(1, n_layers, m)}
+    if kind == "mlp":
+        out |= {"w2": dense(m, n_layers, m, kvh), "b2": dense(1, n_layers, kvh)}
+    return out
+
+
 def lukv_curve(n_layers: int, kvh: int) -> np.ndarray:
     """The golden's budget curve: [99, L, KVH] float32 prune ratios, uniform in [0.05, 0.95]."""
     return np.random.default_rng(SEED + 1).uniform(0.05, 0.95, (99, n_layers, kvh)).astype(
         np.float32)
 
 
+def given_kvzap(kind: str, ratio: float, weights: dict[str, np.ndarray]):
+    """kvpress's KVzapPress(model_type=kind, compression_ratio=ratio) whose surrogate is a
+    kvpress `KVzapModel` holding `weights` (torch's Linear stores W transposed)."""
+    import kvpress
+    import torch
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    layers, hidden, m = weights["w1"].shape
+    mlp = kind == "mlp"
+    surrogate = KVzapModel(KVzapConfig(input_dim=hidden, output_dim=weights["b2" if mlp else "b1"]
+                                       .shape[-1], n_modules=layers,
+                                       hidden_dim=m if mlp else None))
+    with torch.no_grad():
+        for i, module in enumerate(surrogate.layers):
+            linears = (module[0], module[2]) if mlp else (module,)
+            for linear, (w, b) in zip(linears, (("w1", "b1"), ("w2", "b2"))):
+                linear.weight.copy_(torch.from_numpy(weights[w][i].T))
+                linear.bias.copy_(torch.from_numpy(weights[b][i]))
+
+    class GivenWeights(kvpress.KVzapPress):  # the hub download replaced by `weights`
+        def post_init_from_model(self, model):
+            self.kvzap_model = surrogate
+
+    return GivenWeights(compression_ratio=ratio, model_type=kind)
+
+
 def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
-                     curve: np.ndarray | None = None, stats: tuple | None = None):
+                     curve: np.ndarray | None = None, stats: tuple | None = None,
+                     kvzap: dict | None = None):
     """The kvpress press of `name` at `ratio`, every other argument at kvpress's default."""
     import kvpress
 
@@ -113,6 +160,8 @@ def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
                 self.q_filters = torch.from_numpy(filters).to(model.dtype)
 
         return GivenFilters(compression_ratio=ratio)
+    if name.startswith("kvzap_"):
+        return given_kvzap(name[len("kvzap_"):], ratio, kvzap)
     inner = {"snapkv": kvpress.SnapKVPress, "knorm": kvpress.KnormPress}
     if name.startswith("entropy_chunkkv_"):
         press = inner[name[len("entropy_chunkkv_"):]](compression_ratio=ratio)
@@ -128,7 +177,10 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     press = make_third_press(name, ratio, qfilter_filters(n_layers, kvh, head_dim),
                              lukv_curve(n_layers, kvh),
-                             query_stats(n_layers, model.config.num_attention_heads, head_dim))
+                             query_stats(n_layers, model.config.num_attention_heads, head_dim),
+                             kvzap_weights(name[len("kvzap_"):], n_layers,
+                                           model.config.hidden_size, kvh)
+                             if name.startswith("kvzap_") else None)
     if name == "kvcompose":  # compresses the cache when its block exits, not in `compress`
         inp = torch.from_numpy(ids.astype(np.int64))[None]
         with torch.no_grad():

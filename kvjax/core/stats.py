@@ -21,6 +21,11 @@ decode step), so no statistic ever needs a `T x T` matrix:
   context again behind a "repeat" prompt (KVzip); each slot's score from it
   arrives as `LayerStats.position_scores` (`models.reconstruction` runs it,
   `kvjax.policies.eviction_kvzip` says what it is).
+* `token_scores`: a small model of each token's attention input (KVzap's
+  surrogate, `kvjax.policies.eviction_kvzap`) scores every token as it enters,
+  prefill and decode alike; its scores arrive by position in
+  `LayerStats.position_scores` [B, KVH, P], P the capacity the statistics were
+  made for (positions past it are not scored).
 
 Example:
     >>> from flax import nnx
@@ -39,7 +44,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,15 +64,20 @@ class StatsSpec:
     attention_mass: bool = False  # the cache accumulates attention per slot
     output_projection: bool = False  # each layer's W_o [H*D, hidden] rides along (CriticalKV)
     reconstruction: Any = None  # a hashable request for a pass after prefill (KVzip), or None
+    token_scores: Any = None  # a hashable per-token scorer (`TokenScorer`), or None
 
     def __post_init__(self):
         if self.window < 0 or self.moments_skip < 0:
             raise ValueError(f"StatsSpec: window and moments_skip must be >= 0, got {self}")
+        if self.reconstruction is not None and self.token_scores is not None:
+            raise ValueError("StatsSpec: a reconstruction pass (KVzip) and a token scorer "
+                             "(KVzap) both write position_scores; a chain may use one of them")
 
     @property
     def needed(self) -> bool:
         return bool(self.window or self.query_moments or self.attention_mass
-                    or self.output_projection or self.reconstruction is not None)
+                    or self.output_projection or self.reconstruction is not None
+                    or self.token_scores is not None)
 
     def merge(self, other: "StatsSpec") -> "StatsSpec":
         """The union of two needs (the larger window; moments must skip alike)."""
@@ -78,6 +88,9 @@ class StatsSpec:
                 self.reconstruction != other.reconstruction:
             raise ValueError("StatsSpec.merge: two policies want different reconstruction "
                              f"passes, {self.reconstruction} and {other.reconstruction}")
+        if None not in (self.token_scores, other.token_scores) and \
+                self.token_scores != other.token_scores:
+            raise ValueError("StatsSpec.merge: two policies want different token scorers")
         return StatsSpec(
             window=max(self.window, other.window),
             query_moments=self.query_moments or other.query_moments,
@@ -85,7 +98,9 @@ class StatsSpec:
             attention_mass=self.attention_mass or other.attention_mass,
             output_projection=self.output_projection or other.output_projection,
             reconstruction=(self.reconstruction if self.reconstruction is not None
-                            else other.reconstruction))
+                            else other.reconstruction),
+            token_scores=(self.token_scores if self.token_scores is not None
+                          else other.token_scores))
 
 
 NO_STATS = StatsSpec()
@@ -101,8 +116,20 @@ class LayerStats(NamedTuple):
     q_count: jax.Array  # [B] float32 tokens in the sums
     inv_freq: jax.Array  # [D/2] float32 the model's RoPE inverse frequencies
     out_proj: jax.Array  # [H*D, hidden] the layer's attention output projection W_o (or [0, 0])
-    position_scores: Any = None  # [B, KVH, P] float32 a reconstruction pass's score of the token
-    #                              at each position p (< P, the prefilled capacity), or None
+    position_scores: Any = None  # [B, KVH, P] float32 a reconstruction pass's or a token
+    #                              scorer's score of the token at position p (< P), or None
+    scorer: Any = None  # the token scorer's parameters for this layer (arrays), or None
+
+
+class TokenScorer(Protocol):
+    """What `StatsSpec.token_scores` holds: hashable (it keys compilation), with one
+    layer's parameters and the rule that scores a step's tokens from their attention input."""
+
+    def layer_params(self, index: int) -> Any: ...  # arrays: they ride in `LayerStats.scorer`
+
+    def apply(self, params: Any, inputs: jax.Array) -> jax.Array: ...  # [B, T, hidden] -> [B, T, KVH]
+
+    def check_model(self, num_layers: int, hidden_size: int, kv_heads: int) -> None: ...
 
 
 def rope_inv_freq(stats: LayerStats, who: str) -> jax.Array:
@@ -123,6 +150,8 @@ def init_stats(spec: StatsSpec, cache: Sequence[TokenCache], num_heads: int,
 
     `out_proj`: per layer, its attention output projection `W_o` [H*D, hidden] (the
     model's weight, in its dtype); needed when `spec.output_projection`, ignored otherwise.
+    A `spec.token_scores` gets each layer its parameters and zero `position_scores`
+    [B, KVH, P], P the largest layer capacity (a prefill's: prompt plus room).
     """
     if spec.output_projection and (out_proj is None or len(out_proj) != len(cache)):
         raise ValueError(f"init_stats: spec.output_projection needs out_proj, one W_o "
@@ -139,14 +168,20 @@ def init_stats(spec: StatsSpec, cache: Sequence[TokenCache], num_heads: int,
         q_count=jnp.zeros((b,), jnp.float32),
         inv_freq=jnp.asarray(inv_freq, jnp.float32),
         out_proj=jnp.zeros((0, 0), jnp.float32))
-    if not spec.output_projection:
-        return tuple(empty for _ in cache)
-    return tuple(empty._replace(out_proj=w) for w in out_proj)
+    stats = [empty._replace(out_proj=w) for w in out_proj] if spec.output_projection else \
+        [empty for _ in cache]
+    if spec.token_scores is not None:
+        p = max(layer.capacity for layer in cache)
+        zeros = jnp.zeros((b, layer.kv_heads, p), jnp.float32)
+        stats = [s._replace(position_scores=zeros, scorer=spec.token_scores.layer_params(i))
+                 for i, s in enumerate(stats)]
+    return tuple(stats)
 
 
 def observe(spec: StatsSpec, stats: LayerStats, q_pre: jax.Array, q: jax.Array,
-            positions: jax.Array) -> LayerStats:
-    """Fold one step's queries into a layer's statistics.
+            positions: jax.Array, inputs: jax.Array | None = None) -> LayerStats:
+    """Fold one step's queries (and, for a token scorer, its attention inputs
+    `inputs` [B, T, hidden]) into a layer's statistics.
 
     Args:
       q_pre: [B, T, H, D] queries before RoPE; q: the same after RoPE.
@@ -165,7 +200,26 @@ def observe(spec: StatsSpec, stats: LayerStats, q_pre: jax.Array, q: jax.Array,
             q_sum=stats.q_sum + x.sum(axis=1),
             q_outer=stats.q_outer + jnp.einsum("bthi,bthj->bhij", x, x),
             q_count=stats.q_count + use.sum(axis=1))
+    if spec.token_scores is not None:
+        scores = spec.token_scores.apply(stats.scorer, inputs).astype(jnp.float32)  # [B, T, KVH]
+        stats = stats._replace(position_scores=scatter_by_position(
+            stats.position_scores, scores.transpose(0, 2, 1), positions))
     return stats
+
+
+def scatter_by_position(table: jax.Array, scores: jax.Array, positions: jax.Array) -> jax.Array:
+    """`table` [B, KVH, P] with `scores` [B, KVH, T] written at `positions` [B, T] (a
+    negative position, padding, or one past P is dropped).
+
+    Example:
+        >>> table = jnp.zeros((1, 1, 4))
+        >>> scatter_by_position(table, jnp.array([[[5., 6., 7.]]]), jnp.array([[-1, 2, 9]])).tolist()
+        [[[0.0, 0.0, 6.0, 0.0]]]
+    """
+    b, kvh, p = table.shape
+    where = jnp.where(positions >= 0, positions, p)[:, None, :]  # [B, 1, T]
+    rows = jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None]
+    return table.at[(*rows, where)].set(scores, mode="drop")
 
 
 def accumulate_mass(cache: Layer, q: jax.Array, positions: jax.Array) -> Layer:

@@ -31,6 +31,7 @@ from kvjax.policies import eviction_entropy_chunk
 from kvjax.policies import eviction_cam
 from kvjax.policies import eviction_duo
 from kvjax.policies import eviction_finch
+from kvjax.policies import eviction_kvzap
 from kvjax.policies import eviction_kvzip
 from kvjax.policies import eviction_lukv
 from kvjax.policies import eviction_compose
@@ -99,6 +100,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "finch": eviction_finch.finch,
     "kvzip": eviction_kvzip.kvzip,
     "kvgrad": eviction_kvzip.kvgrad,
+    "kvzap": eviction_kvzap.kvzap,
     "merging": _inner_by_name(eviction_merging.merging),
     "cam": _inner_by_name(eviction_cam.cam),
     "duo_attention": eviction_duo.duo_attention,
@@ -223,6 +225,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
     "expected_attention_stats": MethodInfo(
         "Devoto et al. 2025 (kvpress)", "ExpectedAttentionStatsPress",
         "expected_attention_stats:ratio={r},stats=PATH", "tests/test_kvpress_zoo_third.py"),
+    # DIR: a surrogate from `kvjax calibrate --kvzap` (kvpress downloads NVIDIA's, for a few
+    # large models); equal given the same weights (kvpress run with the golden's)
+    "kvzap": MethodInfo("Jegou et al. 2026, https://arxiv.org/abs/2601.07891", "KVzapPress",
+                        "kvzap:ratio={r},weights=DIR", "tests/test_kvpress_kvzap.py"),
     "kvcompose": MethodInfo("Akulov et al. 2025, https://arxiv.org/abs/2509.05165",
                             "KVComposePress", "kvcompose:ratio={r}",
                             "tests/test_kvpress_zoo_third.py"),
