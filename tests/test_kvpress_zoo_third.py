@@ -245,3 +245,20 @@ def test_kvzap_keeps_kvpress_positions_given_the_same_weights(prefilled_kvzap, g
             tied = scores[h] == edge
             assert layer == 0 and tied[differ].all(), (layer, h, np.flatnonzero(differ))
             assert ours[layer, h][tied].sum() == theirs[layer, h][tied].sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("threshold", ["-0.50", "0.50"])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_kvzap_threshold_keeps_what_dmspress_keeps(prefilled_kvzap, golden, kvzap_dirs, kind,
+                                                   ctx, threshold):
+    """DMSPress(KVzapPress(model_type=kind), threshold=t) (its 128-token window, prefill) and
+    `kvzap:threshold=t,weights=DIR`: the same kept positions in every layer and KV head (the
+    complement of what DMSPress masks), counts that differ by head."""
+    out, n = compress_context(prefilled_kvzap[kind], ctx,
+                              f"kvzap:threshold={float(threshold)},weights={kvzap_dirs[kind]}")
+    ours = keep_by_position(out, n)
+    theirs = unpack(golden, f"{ctx}_kvzap_dms_{kind}_r{threshold}_keep", n)
+    assert len(set(theirs.sum(-1).ravel().tolist())) > 3  # the counts follow the scores
+    np.testing.assert_array_equal(ours, theirs)

@@ -23,6 +23,7 @@ import kvjax
 from kvjax.core.cache import EMPTY
 from kvjax.policies.eviction_kvzap import KVzapModel, fit_linear, fit_mlp, kvzap, load_kvzap
 from models.sampler import prefill_batch
+from tests.test_bad_inputs import tiny_gguf  # noqa: F401  (a fixture: a tiny GGUF model)
 
 SCORE_ATOL = 2e-4  # float32 matmuls over hidden 64 of unit-RMS inputs (measured ~1e-5)
 
@@ -225,3 +226,64 @@ def test_training_data_targets_are_the_log_of_kvzip_plus_scores(tiny_model):
                         Reconstruction(chunk_size=32, prompt=ReconstructionPrompt(), plus=True))
     want = np.stack([np.log(np.asarray(s.position_scores)[0][:, take]).T for s in stats], 1)
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4)
+
+
+def test_calibrate_command_trains_saves_and_reports_a_held_out_fit(capsys, tmp_path, tiny_gguf):
+    """`kvjax calibrate --kvzap linear --json`: an orbax directory `kvzap:weights=DIR` reads,
+    made for that model, and the held-out fit in the JSON; a second run replaces it; an
+    existing directory that is not such a checkpoint is refused by name."""
+    import json
+    from tests.test_bad_inputs import cli
+    out = tmp_path / "kvzap"
+    argv = ["calibrate", "--kvzap", "linear", "--model", tiny_gguf, "--tokens", "256",
+            "--window", "64", "--samples", "16", "--out", out, "--json"]
+    for _ in range(2):
+        code, stdout, err = cli(capsys, *argv)
+        assert code == 0, err
+    report = json.loads(stdout)
+    assert report["kind"] == "linear" and report["windows"] == 4 and report["held_out"] == 1
+    assert report["train_tokens"] == 48 and report["held_out_tokens"] == 16
+    assert -1 <= report["held_out_spearman"] <= 1
+    surrogate = load_kvzap(out)
+    assert (surrogate.num_layers, surrogate.hidden_size) == (2, 64)
+    (tmp_path / "other").mkdir()
+    code, _, err = cli(capsys, *argv[:-3], "--out", tmp_path / "other")
+    assert code == 2 and "exists and is not a checkpoint `calibrate --kvzap` wrote" in err
+
+
+@pytest.mark.parametrize("threshold, window", [(0.0, 8), (-1.0, 0), (1.5, 128)])
+def test_threshold_keeps_scores_at_least_t_and_the_newest_window(tiny_model, threshold, window):
+    """`kvzap:threshold=t,window=w` (DMSPress's rule): per layer and KV head of each prompt in
+    a left-padded batch, exactly the positions whose numpy-predicted score is >= t, plus the
+    newest w."""
+    cfg = tiny_model.config
+    surrogate = random_surrogate(cfg, "linear", seed=8)
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (23, 40)]
+    t = kvzap(threshold=threshold, window=window, weights=surrogate)
+    pre = prefill_batch(tiny_model, prompts, stats=t.stats)
+    out, _ = t.update(pre.cache, t.init(pre.cache), pre.stats)
+    counts = set()
+    for b, ids in enumerate(prompts):
+        inputs = attention_inputs(tiny_model, ids)
+        for layer, after in enumerate(out):
+            score = numpy_apply(surrogate, layer, inputs[layer])  # [n, KVH]
+            for h in range(cfg.num_kv_heads):
+                n = len(ids)
+                want = {p for p in range(n) if score[p, h] >= threshold or p >= n - window}
+                kept = np.asarray(after.pos[b, h])
+                assert set(kept[kept != EMPTY].tolist()) == want, (layer, b, h)
+                counts.add(len(want))
+    assert len(counts) > 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"threshold": 0.0, "ratio": 0.5}, "threshold=0.0 decides the kept count"),
+    ({"threshold": 0.0, "headwise": True}, "give no ratio, budget or headwise"),
+    ({"ratio": 0.5, "window": 64}, "window=64 goes with threshold="),
+    ({"threshold": float("nan")}, "threshold must be a finite number"),
+    ({"threshold": 0.0, "window": -1}, "window"),
+])
+def test_bad_threshold_arguments_are_refused_by_name(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kvzap(weights=random_surrogate(tiny_model.config, "linear"), **kwargs)

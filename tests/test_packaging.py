@@ -1,5 +1,6 @@
 """What a wheel install carries: the built wheel holds every package with its data (the CPU
-kernel's C++ source, the texts, the shipped configs, the notebooks), and `--config NAME`
+kernel's C++ source, the texts, the shipped configs, the notebooks, the trained artifacts:
+the planner's controller and the KVzap surrogate), and `--config NAME`
 finds a shipped grid without the repository."""
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def test_the_wheel_carries_code_and_data(tmp_path):
     want |= {f"experiments/notebooks/{p.name}"
              for p in (ROOT / "experiments/notebooks").glob("*.ipynb")}
     want |= {f"experiments/data/{p.name}" for p in (ROOT / "experiments/data").glob("*.txt")}
+    for folder in ("experiments/data/kvzap", "kvjax/policies/planner_controller"):  # orbax
+        want |= {str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*") if p.is_file()}
     want |= {"kvjax/core/cpu_kernels/decode_attention.cc", "kvjax/py.typed",
              "experiments/cli/main.py", "experiments/eval/harness.py", "models/sampler.py",
              "kernels_pallas/paged_attention.py", "kvjax/memory/paging.py"}

@@ -102,7 +102,13 @@ def check_args(args) -> None:
             raise _bad(option, path, "is a directory: need a file" if Path(path).is_dir()
                        else f"{kind} file not found")
     out = getattr(args, "out", None)
-    if out is not None:
+    if out is not None and getattr(args, "kvzap", None):  # a checkpoint folder, made anew
+        out = Path(out)
+        if out.exists() and not (out / "_CHECKPOINT_METADATA").is_file():
+            raise _bad("out", out, "exists and is not a checkpoint `calibrate --kvzap` wrote: "
+                                   "give a new folder")
+        check_writable(out.parent, folder=True)
+    elif out is not None:
         check_writable(out, folder=args.command in ("eval", "bench"))
 
 
@@ -342,10 +348,7 @@ def cmd_calibrate_kvzap(args, model, tokenizer, ids) -> dict:
     from models.calibration import kvzap_training_data
     from models.reconstruction import chat_prompt
 
-    out = Path(args.out)
-    if out.exists() and not (out / "_CHECKPOINT_METADATA").is_file():
-        raise _bad("out", out, "exists and is not a checkpoint this command wrote: give a new "
-                               "directory")
+    out = Path(args.out)  # checked by `check_args`: new, or a checkpoint this command wrote
     windows = calibration_windows(args, ids)
     if len(windows) < 2:
         raise _bad("tokens", args.tokens, f"must hold at least two --window {args.window} "

@@ -38,6 +38,10 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   (``compression_ratio=r``), r in 0.5, 0.75, given surrogate weights in place of NVIDIA's
   (``nvidia/KVzap-<type>-<model>``, published for a few large models only): ``kvzap_weights``
   (seeded, made again from the seed by the test, not stored; the MLP with 16 hidden units).
+  ``kvzap_dms_linear`` / ``kvzap_dms_mlp``: the paper's use, ``DMSPress(KVzapPress(...),
+  threshold=t)`` (sliding window 128, prefill only) with the same weights, t in -0.5 and 0.5
+  (the ``_r`` of these keys is the threshold). DMSPress masks rather than evicts: ``..._keep``
+  is the complement of each layer's ``masked_key_indices``.
 
 RestoreKVPress is not here: it loads LoRA adapters and restore embeddings
 from the hub (``higokri/RestoreKV-<model>``, published for Llama-3.1-8B and
@@ -66,7 +70,8 @@ THIRD_OUT = REPO_ROOT / "tests" / "golden" / "kvpress_zoo_third.npz"
 RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 0.75),
           "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75), "kvcompose": (0.5, 0.75),
           "expected_attention_stats": (0.5, 0.75), "kvzap_linear": (0.5, 0.75),
-          "kvzap_mlp": (0.5, 0.75)}
+          "kvzap_mlp": (0.5, 0.75), "kvzap_dms_linear": (-0.5, 0.5),
+          "kvzap_dms_mlp": (-0.5, 0.5)}  # kvzap_dms: thresholds
 THIRD_PRESSES = list(RATIOS)
 
 
@@ -160,6 +165,9 @@ def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
                 self.q_filters = torch.from_numpy(filters).to(model.dtype)
 
         return GivenFilters(compression_ratio=ratio)
+    if name.startswith("kvzap_dms_"):  # `ratio` is DMSPress's threshold
+        inner = given_kvzap(name[len("kvzap_dms_"):], 0.0, kvzap)
+        return kvpress.DMSPress(press=inner, threshold=ratio)
     if name.startswith("kvzap_"):
         return given_kvzap(name[len("kvzap_"):], ratio, kvzap)
     inner = {"snapkv": kvpress.SnapKVPress, "knorm": kvpress.KnormPress}
@@ -178,7 +186,7 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
     press = make_third_press(name, ratio, qfilter_filters(n_layers, kvh, head_dim),
                              lukv_curve(n_layers, kvh),
                              query_stats(n_layers, model.config.num_attention_heads, head_dim),
-                             kvzap_weights(name[len("kvzap_"):], n_layers,
+                             kvzap_weights(name.rsplit("_", 1)[1], n_layers,
                                            model.config.hidden_size, kvh)
                              if name.startswith("kvzap_") else None)
     if name == "kvcompose":  # compresses the cache when its block exits, not in `compress`
@@ -196,12 +204,15 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
             keep[i] = kept_from_cache(plain.past_key_values.layers[i].keys,
                                       out.past_key_values.layers[i].keys)
         return {"keep": keep}
-    if name == "lukv":  # masks: the kept positions are the complement of the masked ones
+    if name == "lukv" or name.startswith("kvzap_dms_"):  # masks: the kept positions are the
+        # complement of the masked ones
         inp = torch.from_numpy(ids.astype(np.int64))[None]
         with torch.no_grad(), press(model):
             model(input_ids=inp, past_key_values=DynamicCache(), use_cache=True)
         keep = np.ones((n_layers, kvh, len(ids)), bool)
         for i, layer in enumerate(model.model.layers):
+            if layer.self_attn.masked_key_indices is None:  # nothing masked in this layer
+                continue
             b, h, s = (x.numpy() for x in layer.self_attn.masked_key_indices)
             assert (b == 0).all()
             keep[i, h, s] = False
