@@ -147,3 +147,18 @@ def test_kvpress_specs_map_to_presses_or_fail_clearly():
     assert press._load_budget_curves(None).shape == (99, 30, 3)
     with pytest.raises(ValueError, match="is not a file"):
         press_for("qfilter:ratio=0.5,filters=/no/such.npz")
+    # KVzap: the surrogate kvjax trained, in kvpress's own KVzapModel (weights transposed)
+    import torch
+    from kvjax.policies.eviction_kvzap import load_kvzap
+    weights = Path(__file__).parents[1] / "experiments/data/kvzap/SmolLM2-135M-Instruct-linear"
+    press = press_for(f"kvzap:ratio=0.5,weights={weights}")
+    assert isinstance(press, kvpress.KVzapPress) and press.model_type == "linear"
+    press.post_init_from_model(None)
+    ours = load_kvzap(weights)
+    h = np.random.default_rng(0).standard_normal((1, 5, ours.hidden_size)).astype(np.float32)
+    with torch.no_grad():
+        theirs = press.kvzap_model.layers[7](torch.from_numpy(h)).numpy()
+    np.testing.assert_allclose(theirs, np.asarray(ours.apply(ours.layer_params(7), h)),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="is not an orbax checkpoint directory"):
+        press_for("kvzap:ratio=0.5,weights=/no/such")

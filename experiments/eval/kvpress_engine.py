@@ -56,7 +56,7 @@ RATIO_ARGUMENT = {"ThinKPress": "key_channel_compression_ratio"}
 DECODING = ("decoding_ratio",)
 # a press whose artifact kvpress downloads from the hub (out of reach here) takes the file
 # the spec names instead: the spec's argument -> the press it feeds
-ARTIFACTS = {"filters": "QFilterPress", "curve": "LUKVPress"}
+ARTIFACTS = {"filters": "QFilterPress", "curve": "LUKVPress", "weights": "KVzapPress"}
 
 
 def _published(name: str) -> dict | None:
@@ -117,10 +117,36 @@ def _build(spec: tuple[str, dict]):
     return _given(getattr(kvpress, name)(**kwargs), artifact)
 
 
+def kvpress_kvzap_model(surrogate):
+    """kvpress's `KVzapModel` holding a kvjax `KVzapModel`'s weights (torch's Linear stores
+    W transposed)."""
+    import torch
+    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
+
+    layers, hidden, m = surrogate.w1.shape
+    mlp = surrogate.kind == "mlp"
+    out = KVzapModel(KVzapConfig(input_dim=hidden, output_dim=surrogate.kv_heads,
+                                 n_modules=layers, hidden_dim=m if mlp else None))
+    with torch.no_grad():
+        for i, module in enumerate(out.layers):
+            linears = (module[0], module[2]) if mlp else (module,)
+            for linear, (w, b) in zip(linears, (("w1", "b1"), ("w2", "b2"))):
+                linear.weight.copy_(torch.from_numpy(getattr(surrogate, w)[i].T))
+                linear.bias.copy_(torch.from_numpy(getattr(surrogate, b)[i]))
+    return out
+
+
 def _given(press, artifact: dict):
     """`press` reading kvjax's artifact file in place of the hub's: QFilterPress its filters
     (`filters`, as `kvjax calibrate --qfilters` writes them), LUKVPress its budget curve
-    (`curve`, as `kvjax calibrate --lukv` writes it), both read by kvjax's checked loaders."""
+    (`curve`, as `kvjax calibrate --lukv` writes it), KVzapPress its surrogate (`weights`, as
+    `kvjax calibrate --kvzap` writes it), each read by kvjax's checked loaders."""
+    if "weights" in artifact:
+        from kvjax.policies.eviction_kvzap import load_kvzap
+        surrogate = load_kvzap(artifact["weights"])
+        model = kvpress_kvzap_model(surrogate)
+        press.model_type = surrogate.kind
+        press.post_init_from_model = lambda _: setattr(press, "kvzap_model", model)
     if "filters" in artifact:
         import torch
 

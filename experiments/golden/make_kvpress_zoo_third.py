@@ -112,22 +112,13 @@ def lukv_curve(n_layers: int, kvh: int) -> np.ndarray:
 
 def given_kvzap(kind: str, ratio: float, weights: dict[str, np.ndarray]):
     """kvpress's KVzapPress(model_type=kind, compression_ratio=ratio) whose surrogate is a
-    kvpress `KVzapModel` holding `weights` (torch's Linear stores W transposed)."""
+    kvpress `KVzapModel` holding `weights`."""
     import kvpress
-    import torch
-    from kvpress.presses.kvzap_press import KVzapConfig, KVzapModel
 
-    layers, hidden, m = weights["w1"].shape
-    mlp = kind == "mlp"
-    surrogate = KVzapModel(KVzapConfig(input_dim=hidden, output_dim=weights["b2" if mlp else "b1"]
-                                       .shape[-1], n_modules=layers,
-                                       hidden_dim=m if mlp else None))
-    with torch.no_grad():
-        for i, module in enumerate(surrogate.layers):
-            linears = (module[0], module[2]) if mlp else (module,)
-            for linear, (w, b) in zip(linears, (("w1", "b1"), ("w2", "b2"))):
-                linear.weight.copy_(torch.from_numpy(weights[w][i].T))
-                linear.bias.copy_(torch.from_numpy(weights[b][i]))
+    from experiments.eval.kvpress_engine import kvpress_kvzap_model
+    from kvjax.policies.eviction_kvzap import KVzapModel
+
+    surrogate = kvpress_kvzap_model(KVzapModel(**weights))
 
     class GivenWeights(kvpress.KVzapPress):  # the hub download replaced by `weights`
         def post_init_from_model(self, model):
