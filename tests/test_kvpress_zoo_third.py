@@ -248,7 +248,7 @@ def test_kvzap_keeps_kvpress_positions_given_the_same_weights(prefilled_kvzap, g
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("threshold", ["-0.50", "0.50"])
+@pytest.mark.parametrize("threshold", ["-0.5", "0.5"])
 @pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_kvzap_threshold_keeps_what_dmspress_keeps(prefilled_kvzap, golden, kvzap_dirs, kind,
@@ -260,5 +260,28 @@ def test_kvzap_threshold_keeps_what_dmspress_keeps(prefilled_kvzap, golden, kvza
                               f"kvzap:threshold={float(threshold)},weights={kvzap_dirs[kind]}")
     ours = keep_by_position(out, n)
     theirs = unpack(golden, f"{ctx}_kvzap_dms_{kind}_r{threshold}_keep", n)
+    assert len(set(theirs.sum(-1).ravel().tolist())) > 3  # the counts follow the scores
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def prefilled_snapkv(smollm2, golden):
+    """As `prefilled`, with SnapKV's window of queries (its default 64)."""
+    return prefill_contexts(smollm2[0], golden, kvjax.parse_method("snapkv:ratio=0.5").stats)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inner, threshold", [("knorm", "-17.8"), ("knorm", "-14.1"),
+                                              ("snapkv", "3e-05"), ("snapkv", "0.0003")])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+def test_dms_keeps_what_dmspress_keeps(prefilled, prefilled_snapkv, golden, inner, threshold,
+                                       ctx):
+    """DMSPress(press=KnormPress() / SnapKVPress(), threshold=t) (its 128-token window,
+    prefill) and `dms:inner=...,threshold=t`: the same kept positions in every layer and KV
+    head -- the inner scores' raw values are kvpress's, not only their order."""
+    out, n = compress_context(prefilled_snapkv if inner == "snapkv" else prefilled, ctx,
+                              f"dms:inner={inner},threshold={float(threshold)}")
+    ours = keep_by_position(out, n)
+    theirs = unpack(golden, f"{ctx}_dms_{inner}_r{threshold}_keep", n)
     assert len(set(theirs.sum(-1).ravel().tolist())) > 3  # the counts follow the scores
     np.testing.assert_array_equal(ours, theirs)

@@ -43,6 +43,10 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   (the ``_r`` of these keys is the threshold). DMSPress masks rather than evicts: ``..._keep``
   is the complement of each layer's ``masked_key_indices``.
 
+* ``dms_knorm`` / ``dms_snapkv``: ``DMSPress(KnormPress())`` and ``DMSPress(SnapKVPress())``
+  at their defaults, thresholds near the 30th and 70th percentile of the scores on ctx1
+  (knorm -17.8, -14.1; snapkv 3e-5, 3e-4; the ``_r`` of the keys), kept as for ``kvzap_dms``.
+
 RestoreKVPress is not here: it loads LoRA adapters and restore embeddings
 from the hub (``higokri/RestoreKV-<model>``, published for Llama-3.1-8B and
 Qwen3-8B only), so kvpress cannot run it on SmolLM2 offline (docs/DECISIONS.md).
@@ -71,7 +75,8 @@ RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 
           "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75), "kvcompose": (0.5, 0.75),
           "expected_attention_stats": (0.5, 0.75), "kvzap_linear": (0.5, 0.75),
           "kvzap_mlp": (0.5, 0.75), "kvzap_dms_linear": (-0.5, 0.5),
-          "kvzap_dms_mlp": (-0.5, 0.5)}  # kvzap_dms: thresholds
+          "kvzap_dms_mlp": (-0.5, 0.5),  # dms: thresholds, near the 30th/70th score percentiles
+          "dms_knorm": (-17.8, -14.1), "dms_snapkv": (3e-5, 3e-4)}
 THIRD_PRESSES = list(RATIOS)
 
 
@@ -156,6 +161,9 @@ def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
                 self.q_filters = torch.from_numpy(filters).to(model.dtype)
 
         return GivenFilters(compression_ratio=ratio)
+    if name.startswith("dms_"):  # `ratio` is DMSPress's threshold
+        inner = {"knorm": kvpress.KnormPress, "snapkv": kvpress.SnapKVPress}[name[4:]]()
+        return kvpress.DMSPress(press=inner, threshold=ratio)
     if name.startswith("kvzap_dms_"):  # `ratio` is DMSPress's threshold
         inner = given_kvzap(name[len("kvzap_dms_"):], 0.0, kvzap)
         return kvpress.DMSPress(press=inner, threshold=ratio)
@@ -195,7 +203,7 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
             keep[i] = kept_from_cache(plain.past_key_values.layers[i].keys,
                                       out.past_key_values.layers[i].keys)
         return {"keep": keep}
-    if name == "lukv" or name.startswith("kvzap_dms_"):  # masks: the kept positions are the
+    if name == "lukv" or "dms_" in name:  # masks: the kept positions are the
         # complement of the masked ones
         inp = torch.from_numpy(ids.astype(np.int64))[None]
         with torch.no_grad(), press(model):
@@ -266,7 +274,8 @@ def main(argv=None) -> int:
                 t1 = time.perf_counter()
                 torch.manual_seed(SEED)
                 arrays = run_third_press(model, torch, ids, name, ratio, n_layers, kvh)
-                prefix = f"ctx{c}_{name}_r{ratio:.2f}"
+                tag = f"{ratio:g}" if "dms_" in name else f"{ratio:.2f}"  # a threshold: as is
+                prefix = f"ctx{c}_{name}_r{tag}"
                 for key, value in arrays.items():
                     out[f"{prefix}_{key}"] = np.packbits(value.ravel())
                 kept = arrays["keep"].sum(-1)

@@ -42,13 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax.core.cache import EMPTY, view
-from kvjax.core.layout import compact
 from kvjax.core.stats import StatsSpec
-from kvjax.core.transforms import CacheTransform, EmptyState
-from kvjax.policies.eviction import (ByContent, check_int, check_real, evict_layers, no_protect,
-                                     scored_policy)
+from kvjax.core.transforms import CacheTransform
+from kvjax.policies.eviction import ByContent, check_real, no_protect, scored_policy
 from kvjax.policies.eviction_kvzip import slot_scores
+from kvjax.policies.eviction_wrappers import threshold_policy
 
 KINDS = ("linear", "mlp")
 
@@ -165,25 +163,6 @@ def kvzap_scores(layer, stats, budget, key):
     return slot_scores(stats.position_scores, layer.pos), no_protect(layer)
 
 
-@dataclasses.dataclass(frozen=True)
-class ThresholdUpdate:
-    """kvpress DMSPress's rule around `kvzap`'s scores: a token older than the newest `window`
-    of its row whose score is below `threshold` goes; the counts differ by head and text."""
-
-    threshold: float
-    window: int
-
-    def __call__(self, cache, state, stats=None):
-        def evict(layer, layer_stats, budget, index, debug=False):
-            seen = view(layer)  # dense slots of an encoded or residual layer
-            scores, _ = kvzap_scores(seen, layer_stats, budget, None)
-            newest = jnp.max(seen.pos, axis=-1, keepdims=True)  # [B, KVH, 1]
-            recent = seen.pos > newest - self.window
-            return compact(layer, (seen.pos != EMPTY) & ((scores >= self.threshold) | recent))
-
-        return evict_layers(evict, cache, stats, (None,) * len(cache)), state
-
-
 def kvzap(ratio: float | None = None, budget: int | None = None,
           weights: str | os.PathLike | KVzapModel | None = None,
           threshold: float | None = None, window: int | None = None,
@@ -192,7 +171,8 @@ def kvzap(ratio: float | None = None, budget: int | None = None,
     highest (kvpress `KVzapPress` under its ScorerPress rule: `ratio` or `budget`), or, with
     `threshold`, every token whose score is at least `threshold` plus the newest `window`
     (default 128) of each row (kvpress `DMSPress(KVzapPress(), threshold, window)`, the
-    paper's use; the kept count then follows the text).
+    paper's use; `kvjax.policies.eviction_wrappers.dms`'s rule; the kept count then follows
+    the text).
 
     `weights`: a `KVzapModel` or the orbax directory `kvjax calibrate --kvzap --out DIR`
     writes (made for the model it runs with: checked when the statistics are made).
@@ -210,14 +190,11 @@ def kvzap(ratio: float | None = None, budget: int | None = None,
         if ratio is not None or budget is not None or options:
             raise ValueError(f"kvzap: threshold={threshold!r} decides the kept count; give no "
                              f"ratio, budget or {', '.join(options) or 'scored-policy option'}")
-        check_real("kvzap", "threshold", threshold, -math.inf)
         window = 128 if window is None else window
-        check_int("kvzap", "window", window, 0)
     surrogate = weights if isinstance(weights, KVzapModel) else load_kvzap(weights)
     stats = StatsSpec(token_scores=surrogate)
     if threshold is not None:
-        return CacheTransform(lambda cache: EmptyState(),
-                              ThresholdUpdate(float(threshold), window), stats)
+        return threshold_policy("kvzap", kvzap_scores, stats, threshold, window)
     return scored_policy("kvzap", kvzap_scores, ratio=ratio, budget=budget, stats=stats,
                          **options)
 

@@ -7,6 +7,8 @@
 * `chunkkv` (kvpress ChunkKVPress): keep whole chunks of `chunk_length`
   tokens, the same chunks in every KV head, ranked by the inner scores
   summed over heads and averaged over the chunk.
+* `dms` (kvpress DMSPress): no budget but a threshold on the inner scores;
+  the newest `window` tokens of each row always stay.
 
 The inner method is a scored-policy factory (`kvjax.keydiff`...; in a spec
 string its registered name, `block:inner=keydiff`) and runs at its defaults.
@@ -20,16 +22,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
-import functools
-
 from kvjax.core.cache import EMPTY, view
 from kvjax.core.layer import is_plain
-from kvjax.policies.eviction import (Scorer, ScoredUpdate, _check_budget, check_int, evict_layers,
-                                     scored_policy, snapkv)
+from kvjax.policies.eviction import (Scorer, ScoredUpdate, _check_budget, check_int, check_real,
+                                     evict_layers, knorm, scored_policy, snapkv)
 from kvjax.policies.eviction_geometry import keydiff
 from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
 from kvjax.core.layout import compact
@@ -264,3 +266,51 @@ def rerotate() -> CacheTransform:
     compression every update closes the gaps again.
     """
     return CacheTransform(lambda cache: EmptyState(), RerotateUpdate(), StatsSpec(window=1))
+
+
+# ----------------------------------------------------------------------------- DMS threshold
+
+
+@dataclasses.dataclass(frozen=True)
+class ThresholdUpdate:
+    """kvpress DMSPress's rule: a token older than the newest `window` of its row whose score
+    is below `threshold` goes (the scorer's raw score, its `protect` unused, as DMSPress
+    calls only `score`); the kept counts differ by head and text."""
+
+    scorer: Scorer
+    threshold: float
+    window: int
+
+    def __call__(self, cache, state, stats=None):
+        def evict(layer, layer_stats, budget, index, debug=False):
+            seen = view(layer)  # dense slots of an encoded or residual layer
+            valid = seen.pos != EMPTY
+            everything = jnp.full(seen.pos.shape[:1], seen.capacity, jnp.int32)  # [B]
+            scores, _ = self.scorer(seen, layer_stats, everything, jax.random.key(0))
+            newest = jnp.max(seen.pos, axis=-1, keepdims=True)  # [B, KVH, 1]
+            recent = seen.pos > newest - self.window
+            return compact(layer, valid & ((scores >= self.threshold) | recent))
+
+        return evict_layers(evict, cache, stats, (None,) * len(cache)), state
+
+
+def threshold_policy(name: str, scorer: Scorer, stats: StatsSpec, threshold: float,
+                     window: int) -> CacheTransform:
+    """A `CacheTransform` applying `ThresholdUpdate`, its arguments checked under `name`."""
+    check_real(name, "threshold", threshold, -math.inf)
+    check_int(name, "window", window, 0)
+    return CacheTransform(lambda cache: EmptyState(),
+                          ThresholdUpdate(scorer, float(threshold), window), stats)
+
+
+def dms(inner=knorm, threshold: float | None = None, window: int = 128) -> CacheTransform:
+    """DMS's inference rule (kvpress DMSPress(press=inner, threshold, sliding_window_size),
+    prefill, and with `--compress-every` during decode): evict every token older than the
+    newest `window` of its row whose `inner` score is below `threshold`. The kept count
+    follows the scores, so it differs by head and text. `inner`: a per-head scored policy
+    (`kvzap:threshold=T` is this around KVzap's surrogate).
+    """
+    if threshold is None:
+        raise ValueError("dms: needs threshold=T (tokens scoring below T are evicted)")
+    scorer, stats = inner_scorer(inner, "dms", None)
+    return threshold_policy("dms", scorer, stats, threshold, window)

@@ -96,6 +96,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "cap": eviction_cap.cap,
     "block": _inner_by_name(eviction_wrappers.block),
     "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
+    "dms": _inner_by_name(eviction_wrappers.dms),
     "entropy_chunkkv": _inner_by_name(eviction_entropy_chunk.entropy_chunkkv),
     "finch": eviction_finch.finch,
     "kvzip": eviction_kvzip.kvzip,
@@ -225,6 +226,9 @@ METHOD_INFO: dict[str, MethodInfo] = {
     "expected_attention_stats": MethodInfo(
         "Devoto et al. 2025 (kvpress)", "ExpectedAttentionStatsPress",
         "expected_attention_stats:ratio={r},stats=PATH", "tests/test_kvpress_zoo_third.py"),
+    # T: a threshold on the inner method's raw scores (no ratio); equal for knorm and snapkv
+    "dms": MethodInfo("Lancucki et al. 2025, https://arxiv.org/abs/2506.05345", "DMSPress",
+                      "dms:inner=knorm,threshold=T", "tests/test_kvpress_zoo_third.py"),
     # DIR: a surrogate from `kvjax calibrate --kvzap` (kvpress downloads NVIDIA's, for a few
     # large models); equal given the same weights (kvpress run with the golden's)
     "kvzap": MethodInfo("Jegou et al. 2026, https://arxiv.org/abs/2601.07891", "KVzapPress",
