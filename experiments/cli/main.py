@@ -344,7 +344,7 @@ def cmd_calibrate_kvzap(args, model, tokenizer, ids) -> dict:
 
     import numpy as np
 
-    from kvjax.policies.eviction_kvzap import fit_linear, fit_mlp
+    from kvjax.policies.eviction_kvzap import fit_linear, fit_mlp, fit_quality
     from models.calibration import kvzap_training_data
     from models.reconstruction import chat_prompt
 
@@ -361,26 +361,14 @@ def cmd_calibrate_kvzap(args, model, tokenizer, ids) -> dict:
     split = per_window * (len(windows) - held)
     fitted = fit_linear(x[:split], y[:split]) if args.kvzap == "linear" else \
         fit_mlp(x[:split], y[:split])
-    predicted = np.stack([np.asarray(fitted.apply(fitted.layer_params(i), x[split:, i]))
-                          for i in range(fitted.num_layers)], 1)  # [N, L, KVH]
+    quality = fit_quality(fitted, x[split:], y[split:])
     if out.exists():
         shutil.rmtree(out)
     fitted.save(out)
     return {"out": str(out), "kind": fitted.kind, "windows": len(windows), "held_out": held,
             "train_tokens": split, "held_out_tokens": len(x) - split,
-            "held_out_r2": round(float(1 - ((predicted - y[split:]) ** 2).mean()
-                                       / y[split:].var(axis=0).mean()), 4),
-            "held_out_spearman": round(float(_mean_spearman(predicted, y[split:])), 4),
+            "held_out_r2": quality["r2"], "held_out_spearman": quality["spearman"],
             "seconds": round(time.perf_counter() - start, 3)}
-
-
-def _mean_spearman(a, b) -> float:
-    """The mean over the trailing axes of Spearman's rank correlation along axis 0."""
-    import numpy as np
-    rank = lambda x: np.argsort(np.argsort(x, axis=0), axis=0).astype(np.float64)
-    ra, rb = rank(a), rank(b)
-    ra, rb = ra - ra.mean(0), rb - rb.mean(0)
-    return float(((ra * rb).sum(0) / np.sqrt((ra ** 2).sum(0) * (rb ** 2).sum(0))).mean())
 
 
 def cmd_calibrate(args, model, tokenizer) -> dict:

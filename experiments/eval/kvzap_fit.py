@@ -34,20 +34,6 @@ def windows(tokenizer, path: Path, tokens: int, window: int, last: bool) -> list
     return [ids[i:i + window] for i in range(0, len(ids) - window + 1, window)]
 
 
-def mean_spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Spearman's rank correlation along axis 0, averaged over the other axes."""
-    rank = lambda x: np.argsort(np.argsort(x, axis=0), axis=0).astype(np.float64)
-    ra, rb = rank(a), rank(b)
-    ra, rb = ra - ra.mean(0), rb - rb.mean(0)
-    return float(((ra * rb).sum(0) / np.sqrt((ra ** 2).sum(0) * (rb ** 2).sum(0))).mean())
-
-
-def predict(surrogate, x: np.ndarray) -> np.ndarray:
-    """[N, L, hidden] -> [N, L, KVH] the surrogate's log-score predictions."""
-    return np.stack([np.asarray(surrogate.apply(surrogate.layer_params(i), x[:, i]))
-                     for i in range(surrogate.num_layers)], 1)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("docs/results/kvzap"))
@@ -63,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/kvzap_data_32k.npz"))
     args = ap.parse_args(argv)
 
-    from kvjax.policies.eviction_kvzap import fit_linear, fit_mlp
+    from kvjax.policies.eviction_kvzap import fit_linear, fit_mlp, fit_quality
 
     if args.cache.is_file():
         with np.load(args.cache) as f:
@@ -92,13 +78,12 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         surrogate = fit_linear(x, y) if kind == "linear" else fit_mlp(x, y, hidden=width)
         seconds = time.perf_counter() - start
-        p = predict(surrogate, ex)
+        held = fit_quality(surrogate, ex, ey)
         rows.append({"kind": kind, "hidden": width, "fit_seconds": round(seconds, 2),
                      "parameters": int(sum(getattr(surrogate, n).size for n in ("w1", "b1", "w2", "b2")
                                            if getattr(surrogate, n) is not None)),
-                     "held_out_r2": round(float(1 - ((p - ey) ** 2).mean() / ey.var(0).mean()), 4),
-                     "held_out_spearman": round(mean_spearman(p, ey), 4),
-                     "train_spearman": round(mean_spearman(predict(surrogate, x), y), 4)})
+                     "held_out_r2": held["r2"], "held_out_spearman": held["spearman"],
+                     "train_spearman": fit_quality(surrogate, x, y)["spearman"]})
         print(json.dumps(rows[-1]), flush=True)
         if kind == args.kind and (kind == "linear" or width == args.hidden):
             chosen = surrogate

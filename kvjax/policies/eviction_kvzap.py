@@ -114,6 +114,11 @@ class KVzapModel(ByContent):
                            precision=hi) + params["b2"]
         return x
 
+    def predict(self, inputs: np.ndarray) -> np.ndarray:
+        """[N, L, hidden] attention inputs of every layer -> [N, L, KVH] float32 predictions."""
+        return np.stack([np.asarray(self.apply(self.layer_params(i), inputs[:, i]))
+                         for i in range(self.num_layers)], 1)
+
     def check_model(self, num_layers: int, hidden_size: int, kv_heads: int) -> None:
         """ValueError unless these weights were made for a model of this shape."""
         got = (self.num_layers, self.hidden_size, self.kv_heads)
@@ -266,6 +271,26 @@ def fit_mlp(inputs: np.ndarray, targets: np.ndarray, hidden: int = 64, epochs: i
             take = order[i * batch:(i + 1) * batch]
             params, state, _ = step(params, state, x_all[take], y_all[take])
     return KVzapModel(**{k: np.asarray(v, np.float32) for k, v in params.items()})
+
+
+def fit_quality(surrogate: KVzapModel, inputs: np.ndarray, targets: np.ndarray) -> dict:
+    """How well `surrogate` predicts `targets` [N, L, KVH] from `inputs` [N, L, hidden]: R^2
+    (1 - mean squared error / mean variance of the targets) and Spearman's rank correlation
+    over the N tokens, averaged over layers and KV heads.
+
+    Example:
+        >>> x = np.arange(12, dtype=np.float32).reshape(6, 1, 2)
+        >>> m = KVzapModel(w1=np.ones((1, 2, 1), np.float32), b1=np.zeros((1, 1), np.float32))
+        >>> fit_quality(m, x, m.predict(x))
+        {'r2': 1.0, 'spearman': 1.0}
+    """
+    predicted = surrogate.predict(inputs).astype(np.float64)
+    r2 = 1 - ((predicted - targets) ** 2).mean() / targets.var(axis=0).mean()
+    rank = lambda a: np.argsort(np.argsort(a, axis=0), axis=0).astype(np.float64)
+    ra, rb = rank(predicted), rank(targets)
+    ra, rb = ra - ra.mean(0), rb - rb.mean(0)
+    spearman = ((ra * rb).sum(0) / np.sqrt((ra ** 2).sum(0) * (rb ** 2).sum(0))).mean()
+    return {"r2": round(float(r2), 4), "spearman": round(float(spearman), 4)}
 
 
 def _check_data(inputs: np.ndarray, targets: np.ndarray) -> None:
