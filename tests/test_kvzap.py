@@ -277,7 +277,8 @@ def test_threshold_keeps_scores_at_least_t_and_the_newest_window(tiny_model, thr
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"threshold": 0.0, "ratio": 0.5}, "threshold=0.0 decides the kept count"),
-    ({"threshold": 0.0, "headwise": True}, "give no ratio, budget or headwise"),
+    ({"threshold": 0.0, "schedule": "pyramid"}, "give no ratio, budget or schedule"),
+    ({"threshold": 0.0, "headwise": "yes"}, "headwise must be true or false"),
     ({"ratio": 0.5, "window": 64}, "window=64 goes with threshold="),
     ({"threshold": float("nan")}, "threshold must be a finite number"),
     ({"threshold": 0.0, "window": -1}, "window"),

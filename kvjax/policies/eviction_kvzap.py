@@ -182,7 +182,9 @@ def kvzap(ratio: float | None = None, budget: int | None = None,
     `weights`: a `KVzapModel` or the orbax directory `kvjax calibrate --kvzap --out DIR`
     writes (made for the model it runs with: checked when the statistics are made).
     Positions scored are those below the capacity the statistics were made for (a prefill's:
-    prompt plus room). `options`: `schedule`, `headwise`, `alpha` of `scored_policy`.
+    prompt plus room). `options`: `schedule`, `headwise`, `alpha` of `scored_policy`; with
+    `threshold` only `headwise` (default true: heads share a pooled row, so the evicted
+    tokens' bytes are freed; false: a row per head, as KIVI after it needs).
     """
     if weights is None:
         raise ValueError("kvzap: needs weights=DIR, the surrogate that `kvjax calibrate "
@@ -192,6 +194,7 @@ def kvzap(ratio: float | None = None, budget: int | None = None,
             raise ValueError(f"kvzap: window={window!r} goes with threshold= (DMSPress's rule); "
                              "with ratio or budget every token is ranked")
     else:
+        headwise = options.pop("headwise", True)
         if ratio is not None or budget is not None or options:
             raise ValueError(f"kvzap: threshold={threshold!r} decides the kept count; give no "
                              f"ratio, budget or {', '.join(options) or 'scored-policy option'}")
@@ -199,7 +202,7 @@ def kvzap(ratio: float | None = None, budget: int | None = None,
     surrogate = weights if isinstance(weights, KVzapModel) else load_kvzap(weights)
     stats = StatsSpec(token_scores=surrogate)
     if threshold is not None:
-        return threshold_policy("kvzap", kvzap_scores, stats, threshold, window)
+        return threshold_policy("kvzap", kvzap_scores, stats, threshold, window, headwise)
     return scored_policy("kvzap", kvzap_scores, ratio=ratio, budget=budget, stats=stats,
                          **options)
 

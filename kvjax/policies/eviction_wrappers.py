@@ -34,7 +34,7 @@ from kvjax.policies.eviction import (Scorer, ScoredUpdate, _check_budget, check_
                                      evict_layers, knorm, scored_policy, snapkv)
 from kvjax.policies.eviction_geometry import keydiff
 from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
-from kvjax.core.layout import compact
+from kvjax.core.layout import compact, pool_heads
 from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
 from kvjax.core.stats import StatsSpec, rope_inv_freq
 from kvjax.core.transforms import CacheTransform, EmptyState
@@ -275,14 +275,19 @@ def rerotate() -> CacheTransform:
 class ThresholdUpdate:
     """kvpress DMSPress's rule: a token older than the newest `window` of its row whose score
     is below `threshold` goes (the scorer's raw score, its `protect` unused, as DMSPress
-    calls only `score`); the kept counts differ by head and text."""
+    calls only `score`). The kept counts differ by head and text: `headwise` pools the layer
+    (`pool_heads`) so heads share the freed slots and `shrink` frees the bytes, where kvpress
+    only masks; without it each head keeps its row (the bytes of the longest), which
+    per-channel codecs (KIVI) after it need."""
 
     scorer: Scorer
     threshold: float
     window: int
+    headwise: bool = True
 
     def __call__(self, cache, state, stats=None):
         def evict(layer, layer_stats, budget, index, debug=False):
+            layer = pool_heads(layer) if self.headwise else layer
             seen = view(layer)  # dense slots of an encoded or residual layer
             valid = seen.pos != EMPTY
             everything = jnp.full(seen.pos.shape[:1], seen.capacity, jnp.int32)  # [B]
@@ -295,22 +300,27 @@ class ThresholdUpdate:
 
 
 def threshold_policy(name: str, scorer: Scorer, stats: StatsSpec, threshold: float,
-                     window: int) -> CacheTransform:
+                     window: int, headwise: bool = True) -> CacheTransform:
     """A `CacheTransform` applying `ThresholdUpdate`, its arguments checked under `name`."""
     check_real(name, "threshold", threshold, -math.inf)
     check_int(name, "window", window, 0)
+    if not isinstance(headwise, bool):
+        raise ValueError(f"{name}: headwise must be true or false, got {headwise!r}")
     return CacheTransform(lambda cache: EmptyState(),
-                          ThresholdUpdate(scorer, float(threshold), window), stats)
+                          ThresholdUpdate(scorer, float(threshold), window, headwise), stats)
 
 
-def dms(inner=knorm, threshold: float | None = None, window: int = 128) -> CacheTransform:
+def dms(inner=knorm, threshold: float | None = None, window: int = 128,
+        headwise: bool = True) -> CacheTransform:
     """DMS's inference rule (kvpress DMSPress(press=inner, threshold, sliding_window_size),
     prefill, and with `--compress-every` during decode): evict every token older than the
     newest `window` of its row whose `inner` score is below `threshold`. The kept count
     follows the scores, so it differs by head and text. `inner`: a per-head scored policy
-    (`kvzap:threshold=T` is this around KVzap's surrogate).
+    (`kvzap:threshold=T` is this around KVzap's surrogate). `headwise` (default): heads
+    share one pooled row, so the evicted tokens' bytes are freed; `headwise=false` keeps a
+    row per head (the longest head's bytes), as a per-channel codec after it (KIVI) needs.
     """
     if threshold is None:
         raise ValueError("dms: needs threshold=T (tokens scoring below T are evicted)")
     scorer, stats = inner_scorer(inner, "dms", None)
-    return threshold_policy("dms", scorer, stats, threshold, window)
+    return threshold_policy("dms", scorer, stats, threshold, window, headwise)
