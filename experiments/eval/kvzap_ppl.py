@@ -7,8 +7,10 @@ each method keeps, on text the surrogate never saw.
 `kvjax ppl`'s measure (`experiments.eval.ppl.perplexity`): 4 windows of KJV Genesis, 1,024
 tokens each, the first 768 compressed, the last 256 scored. `kept` is the mean over windows,
 layers and KV heads of the tokens a method keeps of the 768 (kvpress's compression ratio is
-1 - kept); a threshold's count follows the text, so it is measured, not chosen. `{W}` in a
-method is replaced by `--weights`. Rows go to `ppl.json`.
+1 - kept); a threshold's count follows the text, so it is measured, not chosen.
+`cache_bytes` is the compressed prefix as the run stores it (float32), `full_bf16_bytes` the
+uncompressed one in bfloat16 (`kvjax ppl --json`'s fields). `{W}` in a method is replaced by
+`--weights`. Rows go to `ppl.json`.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def main(argv=None) -> int:
                        batch_size=args.windows)
         kept = 1.0 if method == "full" else kept_fraction(model, prefixes, transform)
         rows.append({"method": spec.replace("{W}", "W"), "ppl": round(r.ppl, 4),
-                     "kept": round(kept, 4), "seconds": round(time.perf_counter() - start, 1)})
+                     "kept": round(kept, 4), "cache_bytes": r.cache_bytes,
+                     "full_bf16_bytes": r.full_bf16_bytes,
+                     "seconds": round(time.perf_counter() - start, 1)})
         print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "ppl.json").write_text(json.dumps({
