@@ -40,7 +40,9 @@ CASES = [("kjv_genesis", "full"), ("devils_dictionary", "full"),
          ("kjv_genesis", "think:ratio=0.5"),
          ("kjv_genesis", "lukv:ratio=0.5,curve={golden}/smollm2_lukv_curve.npz"),
          ("devils_dictionary", "qfilter:ratio=0.75,filters={golden}/smollm2_qfilters.npz"),
-         ("kjv_genesis", "kvcompose:ratio=0.5")]
+         ("kjv_genesis", "kvcompose:ratio=0.5"),
+         ("kjv_genesis", "kvzap:ratio=0.5,weights={repo}/experiments/data/kvzap/"
+                         "SmolLM2-135M-Instruct-linear")]
 
 
 def test_the_golden_covers_every_method_kvpress_runs():

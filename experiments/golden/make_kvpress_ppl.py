@@ -46,7 +46,8 @@ TEXTS = {"kjv_genesis": 0.5, "devils_dictionary": 0.75}  # text -> the ratio its
 # the artifact files the specs of hub-artifact presses name (PATH in `kvjax methods`): made by
 # kvjax (`kvjax calibrate --qfilters` / `--lukv` on SmolLM2, defaults), handed to both engines
 ARTIFACT_FILES = {"qfilter": "{golden}/smollm2_qfilters.npz",
-                  "lukv": "{golden}/smollm2_lukv_curve.npz"}
+                  "lukv": "{golden}/smollm2_lukv_curve.npz",
+                  "kvzap": "{repo}/experiments/data/kvzap/SmolLM2-135M-Instruct-linear"}
 
 
 def methods(ratio: float) -> list[str]:
@@ -56,13 +57,15 @@ def methods(ratio: float) -> list[str]:
     from kvjax.policies.methods import METHOD_INFO
 
     specs = [METHOD_INFO[m].spec.format(r=ratio).replace("PATH", ARTIFACT_FILES.get(m, "PATH"))
+             .replace("DIR", ARTIFACT_FILES.get(m, "DIR"))
              for m in sorted(METHOD_INFO) if _published(m) is not None]
     return ["full"] + specs
 
 
 def resolve(spec: str) -> str:
     """A golden row's spec with `{golden}` as the folder of the goldens."""
-    return spec.replace("{golden}", str(REPO_ROOT / "tests" / "golden"))
+    return spec.replace("{golden}", str(REPO_ROOT / "tests" / "golden")).replace(
+        "{repo}", str(REPO_ROOT))
 
 
 @contextlib.contextmanager
