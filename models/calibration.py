@@ -323,25 +323,3 @@ def _attention_inputs(model, tokens, positions, cache):
     from models.reconstruction import probe_forward
     _, cache, _, inputs = probe_forward(model, tokens, positions, cache, None, NO_STATS)
     return cache, inputs
-
-
-def calibrate_kvzap(model: Llama, windows: Sequence[Sequence[int]], prompt, kind: str = "linear",
-                    samples: int = 256, hidden: int = 128, seed: int = 0, progress: bool = True):
-    """A `KVzapModel` for `model` trained on `windows` (`kvzap_training_data`): `kind` "linear"
-    (ridge regression) or "mlp" (`hidden` units, optax); `.save(DIR)` for `kvzap:weights=DIR`.
-
-    Example:
-        >>> from flax import nnx
-        >>> from kvjax.policies.eviction_kvzip import ReconstructionPrompt
-        >>> from models.llama import Llama, LlamaConfig
-        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-        >>> m = calibrate_kvzap(model, [list(range(3, 35))], ReconstructionPrompt(), progress=False)
-        >>> m.kind, m.w1.shape                              # [L, hidden, KVH]
-        ('linear', (2, 64, 2))
-    """
-    from kvjax.policies.eviction_kvzap import KINDS, fit_linear, fit_mlp
-
-    if kind not in KINDS:
-        raise ValueError(f"calibrate_kvzap: kind must be one of {', '.join(KINDS)}, got {kind!r}")
-    x, y = kvzap_training_data(model, windows, prompt, samples, seed, progress=progress)
-    return fit_linear(x, y) if kind == "linear" else fit_mlp(x, y, hidden=hidden, seed=seed)

@@ -227,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--query-stats", action="store_true",
                    help="pre-RoPE query mean and covariance per layer and head instead (for "
                         "expected_attention_stats:stats=OUT)")
+    # eviction_kvzap.KINDS, spelled out: importing kvjax here would slow `kvjax --help`
     c.add_argument("--kvzap", choices=("linear", "mlp"),
                    help="a KVzap surrogate instead (for kvzap:weights=OUT, an orbax directory): "
                         "per layer, a linear map (ridge) or a two-layer MLP (optax) from each "

@@ -35,10 +35,12 @@ def windows(tokenizer, path: Path, tokens: int, window: int, last: bool) -> list
 
 
 def main(argv=None) -> int:
+    from kvjax.policies.eviction_kvzap import KINDS, fit_linear, fit_mlp, fit_quality
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("docs/results/kvzap"))
     ap.add_argument("--save", type=Path, help="orbax directory for the --kind surrogate")
-    ap.add_argument("--kind", choices=("linear", "mlp"), default="linear")
+    ap.add_argument("--kind", choices=KINDS, default="linear")
     ap.add_argument("--hidden", type=int, default=64, help="a saved MLP's hidden units")
     ap.add_argument("--widths", type=int, nargs="+", default=[32, 64],
                     help="MLP widths compared in fit.json")
@@ -48,8 +50,6 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=512)
     ap.add_argument("--cache", type=Path, default=Path("/tmp/kvzap_data_32k.npz"))
     args = ap.parse_args(argv)
-
-    from kvjax.policies.eviction_kvzap import fit_linear, fit_mlp, fit_quality
 
     if args.cache.is_file():
         with np.load(args.cache) as f:

@@ -232,7 +232,7 @@ METHOD_INFO: dict[str, MethodInfo] = {
     # DIR: a surrogate from `kvjax calibrate --kvzap` (kvpress downloads NVIDIA's, for a few
     # large models); equal given the same weights (kvpress run with the golden's)
     "kvzap": MethodInfo("Jegou et al. 2026, https://arxiv.org/abs/2601.07891", "KVzapPress",
-                        "kvzap:ratio={r},weights=DIR", "tests/test_kvpress_kvzap.py"),
+                        "kvzap:ratio={r},weights=DIR", "tests/test_kvpress_zoo_third.py"),
     "kvcompose": MethodInfo("Akulov et al. 2025, https://arxiv.org/abs/2509.05165",
                             "KVComposePress", "kvcompose:ratio={r}",
                             "tests/test_kvpress_zoo_third.py"),
