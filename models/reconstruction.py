@@ -6,7 +6,7 @@ prefill: every sequence's context is fed again, chunk by chunk, behind the
 reconstruction prompt, on top of a copy of the prefilled cache (each chunk
 starts from the prefilled cache again), and each layer's slots are scored by
 `eviction_kvzip.chunk_scores` from the pass's queries (KVgrad: also from the
-gradient of the pass's objective, `jax.grad` of `probe_forward`; KVzip+: also from each
+gradient of the pass's objective, `attention_output_gradients`; KVzip+: also from each
 query's attention input norm and each value's `||v W_o||`). The scores reach the
 transform's update as `LayerStats.position_scores`. `models.sampler.prefill_and_compress`
 calls `reconstruct` for such a transform; nothing else changes.
@@ -93,52 +93,104 @@ def _pass_scores(model, tokens, positions, cache, start, end, sinks, context,
 
 def probe_forward(model: Llama, tokens, positions, cache, offsets, spec: StatsSpec, impl="xla"):
     """`model.forward` with `offsets[l]` [B*T, hidden] added to layer l's attention output
-    (what KVgrad differentiates by; None: no offsets): (the last layer's output [B, T, hidden]
-    before the final norm, cache, stats, per layer each token's attention input `h`
-    [B, T, hidden] float32: KVzip+ divides by its norm, KVzap learns from it). With zero
-    offsets, `model.norm` of it is `model.forward`'s output (tested): the same layers, the
-    same order, the same embedding."""
+    (None: no offsets): (the last layer's output [B, T, hidden] before the final norm, cache,
+    stats, per layer each token's attention input `h` [B, T, hidden] float32: KVzip+ divides
+    by its norm, KVzap learns from it). With zero offsets, `model.norm` of it is
+    `model.forward`'s output (tested): the same layers, the same order, the same embedding."""
     b, t = tokens.shape
-    x = jnp.take(model.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
-    if model.config.scale_embeddings:  # Gemma, as Llama.forward
-        x = x * jnp.asarray(model.config.hidden_size ** 0.5, model.embed.dtype).astype(jnp.float32)
+    x = _embed(model, tokens)
     stats = model.init_stats(spec, cache) or (None,) * len(model.layers)
     offsets = (0.0,) * len(model.layers) if offsets is None else offsets
     new_cache, new_stats, inputs = [], [], []
     for layer, layer_cache, layer_stats, offset in zip(model.layers, cache, stats, offsets):
-        h = layer.input_norm(x)  # [B*T, hidden]
+        x, h, layer_cache, layer_stats = _probe_layer(layer, x, positions, layer_cache,
+                                                      layer_stats, offset, spec, impl)
         inputs.append(h.astype(jnp.float32).reshape(b, t, -1))
-        a, layer_cache, layer_stats = layer.attn(h, positions, layer_cache, impl, layer_stats,
-                                                 spec)
-        a = a + offset  # as Block.__call__, the attention output shifted
-        if layer.pre_mlp_norm is None:
-            x = x + a
-            x = x + layer.mlp(layer.post_attn_norm(x))
-        else:
-            x = x + layer.post_attn_norm(a)
-            x = x + layer.post_mlp_norm(layer.mlp(layer.pre_mlp_norm(x)))
         new_cache.append(layer_cache)
         new_stats.append(layer_stats)
     return x.reshape(b, t, -1), tuple(new_cache), tuple(new_stats), tuple(inputs)
+
+
+def _embed(model: Llama, tokens) -> jax.Array:
+    """[B*T, hidden] float32: the tokens' embeddings, as `Llama.forward` takes them."""
+    b, t = tokens.shape
+    x = jnp.take(model.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
+    if model.config.scale_embeddings:  # Gemma, as Llama.forward
+        x = x * jnp.asarray(model.config.hidden_size ** 0.5, model.embed.dtype).astype(jnp.float32)
+    return x
+
+
+def _probe_layer(layer, x, positions, layer_cache, layer_stats, offset, spec, impl):
+    """One decoder block as `Block.__call__`, with `offset` added to its attention output:
+    (x after it [B*T, hidden], its attention input h, the layer's cache, its stats)."""
+    h = layer.input_norm(x)  # [B*T, hidden]
+    a, layer_cache, layer_stats = layer.attn(h, positions, layer_cache, impl, layer_stats, spec)
+    a = a + offset
+    if layer.pre_mlp_norm is None:
+        x = x + a
+        x = x + layer.mlp(layer.post_attn_norm(x))
+    else:
+        x = x + layer.post_attn_norm(a)
+        x = x + layer.post_mlp_norm(layer.mlp(layer.pre_mlp_norm(x)))
+    return x, h, layer_cache, layer_stats
+
+
+def attention_output_gradients(model: Llama, tokens, positions, cache, spec: StatsSpec):
+    """KVgrad's backward pass: (per layer `d Phi / d a` [B*T, hidden] at its attention output
+    `a`, the pass's cache, its stats), Phi = sum over real tokens of `||h||^2` (the last
+    layer's output, before the final norm); `jax.grad` of `probe_forward` by its offsets.
+
+    The backward runs layer by layer: each layer's forward is recomputed from its saved input
+    once the gradient above it is ready (`_after`), so memory holds one layer's
+    attention probabilities, not all of them (`jax.grad` of the whole pass needed 36 GiB of
+    temporaries for 8 contexts of 1,024 tokens in SmolLM2). Attention by its plain definition
+    (`impl="reference"`): the blockwise loop has no VJP.
+    """
+    with cpu_kernel.disabled():  # the CPU kernels (FFI calls) have no derivative: XLA's ops
+        return _attention_output_gradients(model, tokens, positions, cache, spec)
+
+
+def _attention_output_gradients(model: Llama, tokens, positions, cache, spec: StatsSpec):
+    b, t = tokens.shape
+    real = (positions != EMPTY).astype(jnp.float32).reshape(b * t, 1)
+    x = _embed(model, tokens)
+    stats = model.init_stats(spec, cache)
+    inputs, new_cache, new_stats = [], [], []
+    for layer, layer_cache, layer_stats in zip(model.layers, cache, stats):
+        inputs.append(x)
+        x, _, layer_cache, layer_stats = _probe_layer(layer, x, positions, layer_cache,
+                                                      layer_stats, 0.0, spec, "reference")
+        new_cache.append(layer_cache)
+        new_stats.append(layer_stats)
+    grad_x = 2.0 * x * real  # d Phi / d x, the last layer's output
+    grads = [None] * len(model.layers)
+    for i in reversed(range(len(model.layers))):
+        x_i = _after(inputs[i], grad_x)
+
+        def block(x, offset, i=i):
+            return _probe_layer(model.layers[i], x, positions, cache[i], stats[i], offset, spec,
+                                "reference")[0]
+
+        _, vjp = jax.vjp(block, x_i, jnp.zeros_like(x_i))
+        grad_x, grads[i] = vjp(grad_x)
+    return tuple(grads), tuple(new_cache), tuple(new_stats)
+
+
+def _after(x: jax.Array, y: jax.Array) -> jax.Array:
+    """`x` unchanged, but computed from only once `y` is: a data dependency (`x + 0 * y[0, 0]`,
+    exact for a finite `y`). XLA:CPU drops `optimization_barrier`, and without an order it
+    recomputes every layer's forward before the first backward step, holding them all."""
+    return x + 0.0 * y[0, 0]
 
 
 @functools.partial(jax.jit, static_argnames=("capacities", "impl"))
 def _gradient_pass_scores(model, tokens, positions, cache, start, end, sinks, context,
                           capacities: tuple[int, ...], impl=None):
     """KVgrad's scores of one pass: attention x ||v W_o||_2 x ||d Phi / d a_p||_2, per layer
-    [B, KVH, C_l], Phi = sum over the pass's real tokens of ||h_p||^2 (last layer, pre-norm)."""
+    [B, KVH, C_l] (`attention_output_gradients`)."""
     b, t = tokens.shape
-    spec = StatsSpec(window=t)
-    real = (positions != EMPTY).astype(jnp.float32)[..., None]  # [B, T, 1]
-
-    def objective(offsets):  # attention by its plain definition: the blockwise loop has no VJP
-        h, new_cache, stats, _ = probe_forward(model, tokens, positions, cache, offsets, spec,
-                                               "reference")
-        return jnp.sum(jnp.square(h) * real), (new_cache, stats)
-
-    zeros = tuple(jnp.zeros((b * t, model.config.hidden_size), jnp.float32)
-                  for _ in model.layers)
-    grads, (new_cache, stats) = jax.grad(objective, has_aux=True)(zeros)
+    grads, new_cache, stats = attention_output_gradients(model, tokens, positions, cache,
+                                                         StatsSpec(window=t))
     out = []
     for layer, s, g, c, block in zip(new_cache, stats, grads, capacities, model.layers):
         norms = value_output_norms(layer.logical_v, block.attn.o_proj.kernel[...])
@@ -202,9 +254,8 @@ def reconstruct(model: Llama, cache, stats, next_pos: np.ndarray,
         args = (model, jnp.asarray(padded), jnp.asarray(positions), grown, jnp.asarray(start),
                 jnp.asarray(end), jnp.asarray(sinks), jnp.asarray(next_pos, jnp.int32),
                 capacities, impl)
-        if rec.gradient:  # the CPU kernels (FFI calls) have no derivative: XLA's ops here
-            with cpu_kernel.disabled():
-                scores = _gradient_pass_scores(*args)
+        if rec.gradient:
+            scores = _gradient_pass_scores(*args)
         elif rec.plus:
             scores = _plus_pass_scores(*args)
         else:

@@ -186,3 +186,27 @@ def test_attention_mass_is_the_column_sum_of_attention_weights():
     out = np.einsum("bkgtc,bkcd->btkgd", np.asarray(weights), np.asarray(cache.logical_v))
     ref = np.asarray(kvjax.attend_reference(q, q_pos, cache)).reshape(out.shape)
     np.testing.assert_allclose(out[0], ref[0], rtol=1e-5, atol=1e-6)
+
+
+def test_layer_after_layer_attention_holds_one_layers_temporaries():
+    """Sixteen layers' plain attention in a row need no more temporaries than two: a row's
+    "sees nothing" test reads its scores, so XLA cannot count every layer's mask up front
+    (positions only) and hold a [B*H, T, C] float array per layer (the old count grew by one
+    such array per layer: 3 units at 2 layers, 17 at 16)."""
+    from kvjax.core.attention import attend_reference
+    b, t, h, kvh, d, c = 2, 256, 4, 2, 16, 512
+
+    def chain(q, q_pos, caches):
+        for cache in caches:
+            q = attend_reference(q, q_pos, cache)
+        return q
+
+    def temporaries(layers: int) -> float:  # in units of one layer's [B*H, T, C] float32
+        caches = [kvjax.init_cache(batch=b, kv_heads=kvh, capacity=c, head_dim=d)
+                  for _ in range(layers)]
+        compiled = jax.jit(chain).lower(jnp.zeros((b, t, h, d)), jnp.zeros((b, t), jnp.int32),
+                                        caches).compile()
+        return compiled.memory_analysis().temp_size_in_bytes / (b * h * t * c * 4)
+
+    few, many = temporaries(2), temporaries(16)
+    assert many <= few + 0.5 and many < 2.0, (few, many)

@@ -7,8 +7,9 @@ positions KVgradPress kept at its defaults (chunk_size=512: 2 chunks and 1) in
 every layer and KV head, and layers 0 and 29's scores for one case.
 
 kvjax runs KVzip's reconstruction with the gradient of `Phi = sum_p ||h_p||^2`
-taken by `jax.grad` (`models.reconstruction.probe_forward`: the model's forward
-with an offset on every attention output, differentiated at zero), binds the
+by every attention output (`models.reconstruction.attention_output_gradients`, layer by
+layer; equal to `jax.grad` of `probe_forward`, the model's forward with an offset on
+every attention output, at zero: tests/test_reconstruction_memory.py), binds the
 prompt from its own tokenizer and compresses with `kvgrad:ratio=r`. A swap
 between a kept and an evicted slot is allowed only inside the golden's band
 and only where `NEAR_TIES` names it.

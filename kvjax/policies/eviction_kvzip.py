@@ -68,6 +68,7 @@ from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import _check_bool, check_int, check_real
 
 PROMPTS = ("chat", "bare")
+QUERY_BLOCK = 128  # reconstruction queries scored at a time (`chunk_scores`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,13 +125,16 @@ def chunk_scores(layer: TokenCache, queries: jax.Array, query_pos: jax.Array, st
                  end: jax.Array, sinks: jax.Array, context: jax.Array,
                  value_norms: jax.Array | None = None,
                  query_weights: jax.Array | None = None,
-                 group_mean: bool = False) -> jax.Array:
+                 group_mean: bool = False, query_block: int = QUERY_BLOCK) -> jax.Array:
     """[B, KVH, C] float32: per slot of the chunk `[start, end)`, the most attention a
     reconstruction query pays it (0 outside the chunk); `group_mean`: each query head's most,
     averaged over the KV head's query heads (KVCompose).
 
     The queries' softmax runs over the first `sinks` tokens, the chunk and the pass's own
-    tokens (positions >= `context`, causally): kvpress's `_compute_cross_attention`.
+    tokens (positions >= `context`, causally): kvpress's `_compute_cross_attention`. The
+    queries go `query_block` at a time (a running maximum), so memory is
+    `B * H * query_block * C` floats, not `B * H * W * C`: a batch of 8 contexts of 1,024
+    tokens otherwise needs 18 GiB of temporaries in SmolLM2's pass.
 
     Args:
       layer: the layer's cache after the pass (the context, then the pass's tokens).
@@ -154,12 +158,27 @@ def chunk_scores(layer: TokenCache, queries: jax.Array, query_pos: jax.Array, st
     in_chunk = (pos >= row(start)) & (pos < row(end))
     seen = in_chunk | (pos < row(sinks)) | (pos >= row(context))
     sub = layer.replace(pos=jnp.where(seen & (pos != EMPTY), pos, EMPTY))
-    weights = attention_weights(queries.astype(jnp.float32), query_pos, sub)  # [B, KVH, G, W, C]
-    if value_norms is not None:
-        weights = weights * value_norms[:, :, :, None, :]
-    if query_weights is not None:
-        weights = weights * query_weights[:, None, None, :, None]
-    best = weights.max(axis=3).mean(axis=2) if group_mean else weights.max(axis=(2, 3))
+    b, w, h, _ = queries.shape
+    if query_weights is None:
+        query_weights = jnp.ones((b, w), jnp.float32)
+    n = -(-w // query_block)  # padding queries (EMPTY) attend nothing: their rows are zeros
+    pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, n * query_block - w)] + [(0, 0)] * (x.ndim - 2),
+                                  constant_values=fill)
+    blocks = lambda x: jnp.moveaxis(x.reshape(b, n, query_block, *x.shape[2:]), 1, 0)
+
+    def most(best, block):  # best [B, KVH, G, C]: the running maximum over queries
+        q, q_pos, q_weight = block
+        weights = attention_weights(q, q_pos, sub)  # [B, KVH, G, query_block, C]
+        if value_norms is not None:
+            weights = weights * value_norms[:, :, :, None, :]
+        weights = weights * q_weight[:, None, None, :, None]
+        return jnp.maximum(best, weights.max(axis=3)), None
+
+    best0 = jnp.zeros((b, sub.kv_heads, h // sub.kv_heads, sub.capacity), jnp.float32)
+    best, _ = jax.lax.scan(most, best0, (blocks(pad(queries.astype(jnp.float32), 0)),
+                                         blocks(pad(query_pos, EMPTY)),
+                                         blocks(pad(query_weights.astype(jnp.float32), 0))))
+    best = best.mean(axis=2) if group_mean else best.max(axis=2)
     return jnp.where(in_chunk, best, 0.0)
 
 
