@@ -267,11 +267,7 @@ def kvzap_training_data(model: Llama, windows: Sequence[Sequence[int]], prompt,
                         samples: int = 256, seed: int = 0, batch: int = 2,
                         progress: bool = True):
     """(inputs [N, L, hidden], targets [N, L, KVH]) float32 for KVzap (kvpress's
-    `KVzapDataCollector`): each layer's attention input of `samples` tokens drawn at random
-    from every window (token-id lists of one length; all tokens when fewer), and the log of
-    their KVzip+ scores (`kvzip:plus=true`'s reconstruction pass behind `prompt`, a
-    `ReconstructionPrompt`: `models.reconstruction.chat_prompt(tokenizer)` for kvpress's; its
-    `prefix` leading tokens are not reconstructed, so not drawn).
+    `KVzapDataCollector`): `kvzip_training_data` with KVzip+'s scores, and their log.
 
     Example:
         >>> from flax import nnx
@@ -285,22 +281,50 @@ def kvzap_training_data(model: Llama, windows: Sequence[Sequence[int]], prompt,
     """
     import numpy as np
 
+    x, y = kvzip_training_data(model, windows, prompt, samples, seed, batch, progress,
+                               plus=True, who="kvzap_training_data")
+    return x, np.log(np.maximum(y, np.finfo(np.float32).tiny)).astype(np.float32)
+
+
+def kvzip_training_data(model: Llama, windows: Sequence[Sequence[int]], prompt,
+                        samples: int = 256, seed: int = 0, batch: int = 2,
+                        progress: bool = True, plus: bool = False,
+                        who: str = "kvzip_training_data"):
+    """(inputs [N, L, hidden], targets [N, L, KVH]) float32: each layer's attention input of
+    `samples` tokens drawn at random from every window (token-id lists of one length; all
+    tokens when fewer), and their KVzip scores (`plus`: KVzip+'s), from the reconstruction
+    pass behind `prompt`, a `ReconstructionPrompt` (`models.reconstruction.chat_prompt(
+    tokenizer)` for kvpress's; its `prefix` leading tokens are not reconstructed, so not
+    drawn). Fast KVzip's gates learn the scores, KVzap's surrogates their log.
+
+    Example:
+        >>> from flax import nnx
+        >>> from kvjax.policies.eviction_kvzip import ReconstructionPrompt
+        >>> from models.llama import Llama, LlamaConfig
+        >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+        >>> x, y = kvzip_training_data(model, [list(range(3, 35))], ReconstructionPrompt(),
+        ...                            samples=8, progress=False)
+        >>> x.shape, y.shape, bool(((y >= 0) & (y <= 1)).all())   # attention: in [0, 1]
+        ((8, 2, 64), (8, 2, 2), True)
+    """
+    import numpy as np
+
     import kvjax
     from kvjax.policies.eviction_kvzip import Reconstruction
     from models.reconstruction import reconstruct
 
-    _check_windows("kvzap_training_data", windows)
+    _check_windows(who, windows)
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"kvzap_training_data: samples must be an int >= 1, got {samples!r}")
+        raise ValueError(f"{who}: samples must be an int >= 1, got {samples!r}")
     width = len(windows[0])
     if prompt.prefix >= width:
-        raise ValueError(f"kvzap_training_data: windows of {width} tokens leave nothing after "
+        raise ValueError(f"{who}: windows of {width} tokens leave nothing after "
                          f"the prompt's {prompt.prefix}-token prefix")
-    rec = Reconstruction(chunk_size=width, prompt=prompt, plus=True)
+    rec = Reconstruction(chunk_size=width, prompt=prompt, plus=plus)
     rng = np.random.default_rng(seed)
     xs, ys = [], []
-    for start in tqdm(range(0, len(windows), batch), desc="KVzip+ scores", unit="batch",
-                      disable=not progress):
+    for start in tqdm(range(0, len(windows), batch), desc="KVzip+ scores" if plus else
+                      "KVzip scores", unit="batch", disable=not progress):
         group = [list(w) for w in windows[start:start + batch]]
         tokens = jnp.asarray(group, jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), tokens.shape)
@@ -312,7 +336,7 @@ def kvzap_training_data(model: Llama, windows: Sequence[Sequence[int]], prompt,
         for b in range(len(group)):
             take = np.sort(rng.permutation(np.arange(prompt.prefix, width))[:samples])
             xs.append(inputs[b, take])
-            ys.append(np.log(np.maximum(scores[b, :, :, take], np.finfo(np.float32).tiny)))
+            ys.append(scores[b, :, :, take])
     return np.concatenate(xs).astype(np.float32), np.concatenate(ys).astype(np.float32)
 
 

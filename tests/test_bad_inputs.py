@@ -320,7 +320,7 @@ def cli(capsys, *argv):
     (["calibrate", "--qfilters", "--samples", "0", "--out", "{tmp}/q.npz"],
      "--samples 0: must be an integer >= 1"),
     (["calibrate", "--qfilters", "--duo", "--out", "{tmp}/q.npz"],
-     "--duo, --qfilters, --lukv, --query-stats and --kvzap: give one"),
+     "--duo, --qfilters, --lukv, --query-stats, --kvzap and --fastkvzip: give one"),
 ])
 def test_cli_rejects_bad_numbers_with_one_line(capsys, tmp_path, tiny_gguf, argv, message):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

@@ -162,3 +162,15 @@ def test_kvpress_specs_map_to_presses_or_fail_clearly():
                                rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="is not an orbax checkpoint directory"):
         press_for("kvzap:ratio=0.5,weights=/no/such")
+    # Fast KVzip: the gates kvjax trained, in kvpress's own FastKVzipGate modules
+    from kvjax.policies.eviction_fastkvzip import load_fastkvzip
+    gates = Path(__file__).parents[1] / "experiments/data/fastkvzip/SmolLM2-135M-Instruct"
+    press = press_for(f"fastkvzip:ratio=0.5,gates={gates}")
+    assert isinstance(press, kvpress.FastKVzipPress) and len(press.gates) == 30
+    ours = load_fastkvzip(gates)
+    with torch.no_grad():
+        theirs = press.gates[7](torch.from_numpy(h)).numpy()  # [1, KVH, T]
+    np.testing.assert_allclose(theirs[0].T, np.asarray(ours.apply(ours.layer_params(7), h))[0],
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="is not an orbax checkpoint directory"):
+        press_for("fastkvzip:ratio=0.5,gates=/no/such")

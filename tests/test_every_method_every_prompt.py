@@ -76,6 +76,7 @@ DEFAULT_SPECS = {
     "lukv": f"lukv:ratio=0.5,curve={BASIS}",
     "expected_attention_stats": f"expected_attention_stats:ratio=0.5,stats={BASIS}",
     "kvzap": f"kvzap:ratio=0.5,weights={BASIS}.kvzap",  # a random surrogate (orbax)
+    "fastkvzip": f"fastkvzip:ratio=0.5,gates={BASIS}.fastkvzip",  # random gates (orbax)
     "kvcompose": "kvcompose:ratio=0.5",  # a pass over the context after prefill, as kvzip's
     "cam": "cam:ratio=0.5,merge_budget=4",  # merges only with compress_every (a decoding press)
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
@@ -99,9 +100,10 @@ def registered_specs() -> list[str]:
 
 SPECS = registered_specs() + MORE + CHAINS
 PROMPT_ONLY = {DEFAULT_SPECS["kvzip"], DEFAULT_SPECS["kvgrad"], KVZIP_PLUS,
-               DEFAULT_SPECS["kvcompose"]}
+               DEFAULT_SPECS["kvcompose"], DEFAULT_SPECS["fastkvzip"]}
 """Methods that compress the prompt only (kvzip, kvgrad, kvcompose: their scores come from a pass
-after prefill): with `compress_every` they must refuse by name."""
+after prefill; fastkvzip: kvpress's rule ranks a plain cache once): with `compress_every` they
+must refuse by name."""
 
 
 @pytest.fixture(scope="module")
@@ -114,14 +116,18 @@ def random_basis(path, layers: int, kv_heads: int, head_dim: int, heads: int | N
     """Save a random orthonormal basis per layer and KV head (what `kvjax calibrate` writes)
     at `path`, with random artifacts of the other calibrated methods (`heads`: query heads,
     default `kv_heads`, for the query statistics); returns the path as a string. With
-    `hidden`, also a random KVzap surrogate (an orbax directory) at `path` + ".kvzap" for a
-    model of `model_layers` layers (default `layers`)."""
+    `hidden`, also a random KVzap surrogate and random Fast KVzip gates (orbax directories) at
+    `path` + ".kvzap" and ".fastkvzip" for a model of `model_layers` layers (default
+    `layers`)."""
     rng = np.random.default_rng(0)
     if hidden is not None:
         from tests.test_kvzap import random_surrogate
         cfg = type("C", (), {"num_layers": model_layers or layers, "hidden_size": hidden,
                              "num_kv_heads": kv_heads})
         random_surrogate(cfg, "mlp").save(str(path) + ".kvzap")
+        from tests.test_fastkvzip import random_gates
+        random_gates(model_layers or layers, hidden, kv_heads,
+                     (heads or kv_heads) // kv_heads).save(str(path) + ".fastkvzip")
     shape = (layers, kv_heads, head_dim, head_dim)
     keys, values = (np.linalg.qr(rng.standard_normal(shape))[0].astype(np.float32)
                     for _ in range(2))
@@ -253,10 +259,11 @@ def _quick_compiles():
 @pytest.mark.parametrize("every", [0, 2], ids=["prefill_only", "compress_every_2"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_method_generates_on_every_prompt_length(model, basis_file, spec, every):
+    prompt_only = spec in PROMPT_ONLY
     spec = spec.replace(BASIS, basis_file)
     failures = []
     for prompts, options in cases():
-        if every and spec in PROMPT_ONLY:  # a clear refusal, never a silent other method
+        if every and prompt_only:  # a clear refusal, never a silent other method
             with pytest.raises(ValueError, match="compress_every"):
                 run_and_check(model, spec, prompts, every, **options)
             continue

@@ -134,21 +134,21 @@ def test_every_method_runs_on_an_own_decoder(model, spec, tmp_path):
     """(low_rank needs a calibrated basis of the model's keys: the sweep's covers it;
     duo_attention gets random head scores for this model's layers and heads.) kvzip and
     kvgrad replay the context through kvjax's own decoder, so they refuse another one by
-    name; kvzap reads the attention inputs kvjax's decoder passes to `observe`, and refuses a
-    decoder whose statistics have none, by name."""
+    name; kvzap and fastkvzip read the attention inputs kvjax's decoder passes to `observe`, and
+    refuse a decoder whose statistics have none, by name."""
     cfg = model.config
     scores = random_basis(tmp_path / "scores.npz", cfg.num_layers, cfg.num_heads, cfg.head_dim,
                           hidden=cfg.hidden)
     prompts = [np.random.default_rng(n).integers(3, 64, n).tolist() for n in (7, 129)]
     run = lambda: generate(model, prompts, max_new_tokens=5, compress_every=2, eos_ids=(),
                            chunk=64, transform=kvjax.parse_method(spec.replace(BASIS, scores)))
+    if spec.startswith(("kvzap", "fastkvzip")):  # scores from the attention inputs kvjax's
+        with pytest.raises(ValueError, match="scores tokens as the model runs them"):  # decoder
+            run()  # hands to `observe`; this decoder collects no such statistics
+        return
     if spec in PROMPT_ONLY:
         with pytest.raises(ValueError, match="reconstruction pass runs kvjax's own decoder"):
             run()
-        return
-    if spec.startswith("kvzap"):  # its scores come from the attention inputs kvjax's decoder
-        with pytest.raises(ValueError, match="kvzap scores tokens as the model runs them"):
-            run()  # hands to `observe`; this decoder collects no such statistics
         return
     out = run()
     assert out.tokens.shape == (2, 5)

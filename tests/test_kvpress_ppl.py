@@ -42,7 +42,9 @@ CASES = [("kjv_genesis", "full"), ("devils_dictionary", "full"),
          ("devils_dictionary", "qfilter:ratio=0.75,filters={golden}/smollm2_qfilters.npz"),
          ("kjv_genesis", "kvcompose:ratio=0.5"),
          ("kjv_genesis", "kvzap:ratio=0.5,weights={repo}/experiments/data/kvzap/"
-                         "SmolLM2-135M-Instruct-linear")]
+                         "SmolLM2-135M-Instruct-linear"),
+         ("kjv_genesis", "fastkvzip:ratio=0.5,gates={repo}/experiments/data/fastkvzip/"
+                         "SmolLM2-135M-Instruct")]
 
 
 def test_the_golden_covers_every_method_kvpress_runs():

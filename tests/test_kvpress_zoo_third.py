@@ -9,8 +9,9 @@ copy of that cache. QFilterPress runs with the golden's own filters in place of 
 (`qfilter` with the same filters), LUKVPress with the golden's budget curve (`lukv` with the
 same curve), KVComposePress after its own second pass (`kvcompose`), ExpectedAttentionStatsPress with
 seeded query statistics (`expected_attention_stats` with the same), KVzapPress (linear and
-MLP) with seeded surrogate weights (`kvzap` with the same, saved by orbax). RestoreKVPress has no golden: it needs hub adapters kvpress
-cannot load here (docs/DECISIONS.md).
+MLP) with seeded surrogate weights (`kvzap` with the same, saved by orbax), FastKVzipPress with
+seeded gates (`fastkvzip` with the same, saved by orbax). RestoreKVPress has no golden: it needs
+hub adapters kvpress cannot load here (docs/DECISIONS.md).
 """
 
 import os
@@ -285,3 +286,56 @@ def test_dms_keeps_what_dmspress_keeps(prefilled, prefilled_snapkv, golden, inne
     theirs = unpack(golden, f"{ctx}_dms_{inner}_r{threshold}_keep", n)
     assert len(set(theirs.sum(-1).ravel().tolist())) > 3  # the counts follow the scores
     np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.fixture(scope="module")
+def fastkvzip_dir(smollm2, tmp_path_factory):
+    """The orbax directory of the golden's gates (made again from its seed)."""
+    from experiments.golden.make_kvpress_zoo_third import fastkvzip_gates
+    cfg = smollm2[0].config
+    path = tmp_path_factory.mktemp("fastkvzip") / "gates"
+    fastkvzip_gates(cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads,
+                    cfg.num_heads // cfg.num_kv_heads).save(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prefilled_fastkvzip(smollm2, golden, fastkvzip_dir):
+    """ctx -> (full cache, statistics with the gates' scores, tokens)."""
+    return prefill_contexts(smollm2[0], golden, kvjax.parse_method(
+        f"fastkvzip:ratio=0.5,gates={fastkvzip_dir}").stats)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", ["0.50", "0.75"])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+def test_fastkvzip_keeps_kvpress_positions_given_the_same_gates(prefilled_fastkvzip, golden,
+                                                               fastkvzip_dir, ctx, ratio):
+    """FastKVzipPress(compression_ratio=r) with the golden's gates (the paper's are published
+    for a few large models only) and `fastkvzip:gates=DIR` with the same gates saved by orbax:
+    the same `floor(L * KVH * T * r)` tokens evicted over all layers and KV heads, and the
+    same kept positions in every layer and KV head (counts that differ by layer and head), but
+    among exact ties at the budget's edge (layer 0's gates read the normed embedding alone,
+    so a repeated token scores the same wherever it stands); there the kept count among the
+    tied positions must agree."""
+    from kvjax.policies.eviction_fastkvzip import protect_window
+    out, n = compress_context(prefilled_fastkvzip, ctx,
+                              f"fastkvzip:ratio={float(ratio)},gates={fastkvzip_dir}")
+    ours = keep_by_position(out, n)
+    theirs = unpack(golden, f"{ctx}_fastkvzip_r{ratio}_keep", n)
+    layers, kvh = ours.shape[:2]
+    evicted = int(layers * kvh * n * float(ratio))
+    assert (~theirs).sum() == (~ours).sum() == evicted
+    assert len(set(theirs.sum(-1).ravel().tolist())) > 10  # budgets differ by layer and head
+    differ = ours != theirs
+    if differ.any():
+        _, stats, _ = prefilled_fastkvzip[ctx]
+        pos = np.broadcast_to(np.arange(n), (layers, 1, kvh, n))
+        scores = np.asarray(protect_window(
+            np.stack([np.asarray(s.position_scores)[:, :, :n] for s in stats]), pos, 4096,
+            0.02))[:, 0]  # [L, KVH, n], kvjax's own
+        scores[:, :, :4] = np.inf  # the sinks
+        edge = scores[ours].min()
+        tied = scores == edge
+        assert tied[differ].all(), np.argwhere(differ & ~tied)[:5]
+        assert ours[tied].sum() == theirs[tied].sum()

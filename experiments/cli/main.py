@@ -11,6 +11,7 @@
     kvjax calibrate --lukv --out curve.npz    # then --method lukv:ratio=0.5,curve=curve.npz
     kvjax calibrate --query-stats --out q.npz # then --method expected_attention_stats:ratio=0.5,stats=q.npz
     kvjax calibrate --kvzap linear --out kvzap # then --method kvzap:ratio=0.5,weights=kvzap
+    kvjax calibrate --fastkvzip --out gates    # then --method fastkvzip:ratio=0.5,gates=gates
     kvjax train-state --out maps           # then --method snapkv:budget=192+fold:map=maps
     kvjax eval --config experiments/configs/smoke.toml --out results/smoke
     kvjax eval --config experiments/configs/results.toml --out docs/results/eval \
@@ -90,9 +91,10 @@ def check_args(args) -> None:
         if args.prefix >= args.context:
             raise _bad("prefix", args.prefix, f"must be in [0, --context {args.context})")
     if args.command == "calibrate" and \
-            args.duo + args.qfilters + args.lukv + args.query_stats + bool(args.kvzap) > 1:
-        raise UsageError("--duo, --qfilters, --lukv, --query-stats and --kvzap: give one (each "
-                         "writes a different file)")
+            args.duo + args.qfilters + args.lukv + args.query_stats + bool(args.kvzap) + \
+            args.fastkvzip > 1:
+        raise UsageError("--duo, --qfilters, --lukv, --query-stats, --kvzap and --fastkvzip: "
+                         "give one (each writes a different file)")
     if args.command == "generate" and not args.prompt.strip() and not args.chat:
         raise _bad("prompt", repr(args.prompt), "must not be empty (or use --chat)")
     for option in ("text", "context_file", "config"):
@@ -102,11 +104,13 @@ def check_args(args) -> None:
             raise _bad(option, path, "is a directory: need a file" if Path(path).is_dir()
                        else f"{kind} file not found")
     out = getattr(args, "out", None)
-    if out is not None and getattr(args, "kvzap", None):  # a checkpoint folder, made anew
+    trained = "--kvzap" if getattr(args, "kvzap", None) else \
+        "--fastkvzip" if getattr(args, "fastkvzip", False) else None
+    if out is not None and trained:  # a checkpoint folder, made anew
         out = Path(out)
         if out.exists() and not (out / "_CHECKPOINT_METADATA").is_file():
-            raise _bad("out", out, "exists and is not a checkpoint `calibrate --kvzap` wrote: "
-                                   "give a new folder")
+            raise _bad("out", out, f"exists and is not a checkpoint `calibrate {trained}` "
+                                   f"wrote: give a new folder")
         check_writable(out.parent, folder=True)
     elif out is not None:
         check_writable(out, folder=args.command in ("eval", "bench"))
@@ -233,9 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "per layer, a linear map (ridge) or a two-layer MLP (optax) from each "
                         "token's attention input to the log of its KVzip+ score; trained on "
                         "90%% of the windows, scored on the rest")
+    c.add_argument("--fastkvzip", action="store_true",
+                   help="Fast KVzip gates instead (for fastkvzip:gates=OUT, an orbax "
+                        "directory): per layer, a sink-attention gate from each token's "
+                        "attention input to its KVzip score (binary cross-entropy, SGD with "
+                        "momentum, optax); trained on 90%% of the windows, scored on the rest")
     c.add_argument("--samples", type=int, default=None,
                    help="--qfilters: queries drawn at random for each layer's SVD (3000); "
-                        "--kvzap: tokens drawn from each window (256)")
+                        "--kvzap, --fastkvzip: tokens drawn from each window (256)")
     c.add_argument("--out", type=Path, required=True, help="where to write the .npz basis")
     return parser
 
@@ -372,6 +381,38 @@ def cmd_calibrate_kvzap(args, model, tokenizer, ids) -> dict:
             "seconds": round(time.perf_counter() - start, 3)}
 
 
+def cmd_calibrate_fastkvzip(args, model, tokenizer, ids) -> dict:
+    """`kvjax calibrate --fastkvzip`: Fast KVzip gates trained on 90% of the windows of `ids`,
+    their fit reported on the rest (R^2 and Spearman of the KVzip scores)."""
+    import shutil
+
+    from kvjax.policies.eviction_fastkvzip import fit_gates
+    from kvjax.policies.eviction_kvzap import fit_quality
+    from models.calibration import kvzip_training_data
+    from models.reconstruction import chat_prompt
+
+    out = Path(args.out)  # checked by `check_args`: new, or a checkpoint this command wrote
+    windows = calibration_windows(args, ids)
+    if len(windows) < 2:
+        raise _bad("tokens", args.tokens, f"must hold at least two --window {args.window} "
+                                          "windows (one is held out)")
+    held = max(1, len(windows) // 10)
+    start = time.perf_counter()
+    x, y = kvzip_training_data(model, windows, chat_prompt(tokenizer),
+                               samples=args.samples or 256)
+    split = len(x) // len(windows) * (len(windows) - held)
+    cfg = model.config
+    gates = fit_gates(x[:split], y[:split], groups=cfg.num_heads // cfg.num_kv_heads)
+    quality = fit_quality(gates, x[split:], y[split:])
+    if out.exists():
+        shutil.rmtree(out)
+    gates.save(out)
+    return {"out": str(out), "windows": len(windows), "held_out": held, "train_tokens": split,
+            "held_out_tokens": len(x) - split, "held_out_r2": quality["r2"],
+            "held_out_spearman": quality["spearman"],
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
 def cmd_calibrate(args, model, tokenizer) -> dict:
     from models.calibration import calibrate_low_rank
 
@@ -386,6 +427,8 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
         return cmd_calibrate_query_stats(args, model, ids)
     if args.kvzap:
         return cmd_calibrate_kvzap(args, model, tokenizer, ids)
+    if args.fastkvzip:
+        return cmd_calibrate_fastkvzip(args, model, tokenizer, ids)
     start = time.perf_counter()
     basis = calibrate_low_rank(model, ids, window=args.window)
     basis.save(args.out)

@@ -56,7 +56,8 @@ RATIO_ARGUMENT = {"ThinKPress": "key_channel_compression_ratio"}
 DECODING = ("decoding_ratio",)
 # a press whose artifact kvpress downloads from the hub (out of reach here) takes the file
 # the spec names instead: the spec's argument -> the press it feeds
-ARTIFACTS = {"filters": "QFilterPress", "curve": "LUKVPress", "weights": "KVzapPress"}
+ARTIFACTS = {"filters": "QFilterPress", "curve": "LUKVPress", "weights": "KVzapPress",
+             "gates": "FastKVzipPress"}
 
 
 def _published(name: str) -> dict | None:
@@ -136,17 +137,42 @@ def kvpress_kvzap_model(surrogate):
     return out
 
 
+def kvpress_fastkvzip_gates(gates) -> list:
+    """kvpress's `FastKVzipGate` modules holding a kvjax `FastKVzipGates`' weights, one per
+    layer (torch's Linear stores W transposed; the sink keys and biases gain a unit axis)."""
+    import torch
+    from kvpress.presses.fastkvzip_press import FastKVzipGate
+
+    kvh, sink, dim = gates.k_base.shape[1:]
+    modules = []
+    for i in range(gates.num_layers):
+        module = FastKVzipGate(i, gates.hidden_size, kvh, gates.bias.shape[-1], torch.float32,
+                               dim, sink)
+        module.q_norm.variance_epsilon = module.k_norm.variance_epsilon = gates.eps
+        state = {"q_proj.weight": gates.q_proj[i].T, "q_proj.bias": gates.q_bias[i],
+                 "k_proj.weight": gates.k_proj[i].T, "q_norm.weight": gates.q_norm[i],
+                 "k_norm.weight": gates.k_norm[i], "k_base": gates.k_base[i][:, None],
+                 "b": gates.bias[i][:, None]}
+        module.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in state.items()})
+        modules.append(module)
+    return modules
+
+
 def _given(press, artifact: dict):
     """`press` reading kvjax's artifact file in place of the hub's: QFilterPress its filters
     (`filters`, as `kvjax calibrate --qfilters` writes them), LUKVPress its budget curve
     (`curve`, as `kvjax calibrate --lukv` writes it), KVzapPress its surrogate (`weights`, as
-    `kvjax calibrate --kvzap` writes it), each read by kvjax's checked loaders."""
+    `kvjax calibrate --kvzap` writes it), FastKVzipPress its gates (`gates`, as `kvjax
+    calibrate --fastkvzip` writes them), each read by kvjax's checked loaders."""
     if "weights" in artifact:
         from kvjax.policies.eviction_kvzap import load_kvzap
         surrogate = load_kvzap(artifact["weights"])
         model = kvpress_kvzap_model(surrogate)
         press.model_type = surrogate.kind
         press.post_init_from_model = lambda _: setattr(press, "kvzap_model", model)
+    if "gates" in artifact:
+        from kvjax.policies.eviction_fastkvzip import load_fastkvzip
+        press.gates = kvpress_fastkvzip_gates(load_fastkvzip(artifact["gates"]))
     if "filters" in artifact:
         import torch
 

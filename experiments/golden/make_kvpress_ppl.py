@@ -47,7 +47,8 @@ TEXTS = {"kjv_genesis": 0.5, "devils_dictionary": 0.75}  # text -> the ratio its
 # kvjax (`kvjax calibrate --qfilters` / `--lukv` on SmolLM2, defaults), handed to both engines
 ARTIFACT_FILES = {"qfilter": "{golden}/smollm2_qfilters.npz",
                   "lukv": "{golden}/smollm2_lukv_curve.npz",
-                  "kvzap": "{repo}/experiments/data/kvzap/SmolLM2-135M-Instruct-linear"}
+                  "kvzap": "{repo}/experiments/data/kvzap/SmolLM2-135M-Instruct-linear",
+                  "fastkvzip": "{repo}/experiments/data/fastkvzip/SmolLM2-135M-Instruct"}
 
 
 def methods(ratio: float) -> list[str]:

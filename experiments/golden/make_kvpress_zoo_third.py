@@ -25,6 +25,12 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   has one, for Llama-3.1-8B). LU-KV masks rather than evicts: ``..._keep`` is the complement of
   each layer's ``masked_key_indices``.
 
+* ``fastkvzip``: ``FastKVzipPress(compression_ratio=r)`` at its defaults (global across
+  layers, 4 sinks, a 2% window), r in 0.5, 0.75, given the gates ``fastkvzip_gates`` (seeded
+  normal arrays) in place of the paper's (``Jang-Hyun/Fast-KVzip``, for a few large models).
+  It masks rather than evicts: ``..._keep`` is the complement of each layer's
+  ``masked_key_indices``.
+
 * ``kvcompose``: ``KVComposePress(compression_ratio=r)`` at its defaults (structured), r in
   0.5, 0.75: its second pass over the context and its per-layer budgets, read off the cache it
   leaves (every kept key row matched to the uncompressed prefill's).
@@ -75,7 +81,7 @@ RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 
           "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75), "kvcompose": (0.5, 0.75),
           "expected_attention_stats": (0.5, 0.75), "kvzap_linear": (0.5, 0.75),
           "kvzap_mlp": (0.5, 0.75), "kvzap_dms_linear": (-0.5, 0.5),
-          "kvzap_dms_mlp": (-0.5, 0.5),  # dms: thresholds, near the 30th/70th score percentiles
+          "kvzap_dms_mlp": (-0.5, 0.5), "fastkvzip": (0.5, 0.75),  # dms: thresholds, near the 30th/70th score percentiles
           "dms_knorm": (-17.8, -14.1), "dms_snapkv": (3e-5, 3e-4)}
 THIRD_PRESSES = list(RATIOS)
 
@@ -109,6 +115,25 @@ def kvzap_weights(kind: str, n_layers: int, hidden: int, kvh: int) -> dict[str, 
     return out
 
 
+def fastkvzip_gates(n_layers: int, hidden: int, kvh: int, groups: int):
+    """The golden's stand-in for the paper's trained gates (`Jang-Hyun/Fast-KVzip`, published
+    for a few large models): a kvjax `FastKVzipGates` of width 16 with 16 sink keys, every
+    array normal from a seeded generator (projections scaled by 1/sqrt(hidden), norms about 1,
+    sink keys and biases of unit scale, so scores spread over (0, 1))."""
+    from kvjax.policies.eviction_fastkvzip import FastKVzipGates
+
+    rng = np.random.default_rng(SEED + 5)
+    normal = lambda scale, *shape: (rng.standard_normal(shape) * scale).astype(np.float32)
+    dim, sink = 16, 16
+    return FastKVzipGates(q_proj=normal(hidden ** -0.5, n_layers, hidden, kvh * groups * dim),
+                          q_bias=normal(0.1, n_layers, kvh * groups * dim),
+                          k_proj=normal(hidden ** -0.5, n_layers, hidden, kvh * dim),
+                          q_norm=1 + normal(0.1, n_layers, dim),
+                          k_norm=1 + normal(0.1, n_layers, dim),
+                          k_base=normal(1.0, n_layers, kvh, sink, dim),
+                          bias=normal(1.0, n_layers, kvh, groups))
+
+
 def lukv_curve(n_layers: int, kvh: int) -> np.ndarray:
     """The golden's budget curve: [99, L, KVH] float32 prune ratios, uniform in [0.05, 0.95]."""
     return np.random.default_rng(SEED + 1).uniform(0.05, 0.95, (99, n_layers, kvh)).astype(
@@ -134,7 +159,7 @@ def given_kvzap(kind: str, ratio: float, weights: dict[str, np.ndarray]):
 
 def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
                      curve: np.ndarray | None = None, stats: tuple | None = None,
-                     kvzap: dict | None = None):
+                     kvzap: dict | None = None, gates=None):
     """The kvpress press of `name` at `ratio`, every other argument at kvpress's default."""
     import kvpress
 
@@ -169,6 +194,12 @@ def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
         return kvpress.DMSPress(press=inner, threshold=ratio)
     if name.startswith("kvzap_"):
         return given_kvzap(name[len("kvzap_"):], ratio, kvzap)
+    if name == "fastkvzip":  # the hub download replaced by the golden's gates
+        from experiments.eval.kvpress_engine import kvpress_fastkvzip_gates
+
+        press = kvpress.FastKVzipPress(compression_ratio=ratio)
+        press.gates = kvpress_fastkvzip_gates(gates)
+        return press
     inner = {"snapkv": kvpress.SnapKVPress, "knorm": kvpress.KnormPress}
     if name.startswith("entropy_chunkkv_"):
         press = inner[name[len("entropy_chunkkv_"):]](compression_ratio=ratio)
@@ -187,7 +218,9 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
                              query_stats(n_layers, model.config.num_attention_heads, head_dim),
                              kvzap_weights(name.rsplit("_", 1)[1], n_layers,
                                            model.config.hidden_size, kvh)
-                             if name.startswith("kvzap_") else None)
+                             if name.startswith("kvzap_") else None,
+                             fastkvzip_gates(n_layers, model.config.hidden_size, kvh,
+                                             model.config.num_attention_heads // kvh))
     if name == "kvcompose":  # compresses the cache when its block exits, not in `compress`
         inp = torch.from_numpy(ids.astype(np.int64))[None]
         with torch.no_grad():
@@ -203,7 +236,7 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
             keep[i] = kept_from_cache(plain.past_key_values.layers[i].keys,
                                       out.past_key_values.layers[i].keys)
         return {"keep": keep}
-    if name == "lukv" or "dms_" in name:  # masks: the kept positions are the
+    if name in ("lukv", "fastkvzip") or "dms_" in name:  # masks: the kept positions are the
         # complement of the masked ones
         inp = torch.from_numpy(ids.astype(np.int64))[None]
         with torch.no_grad(), press(model):

@@ -30,6 +30,7 @@ from kvjax.policies import eviction_cap, eviction_critical, eviction_simlayer, e
 from kvjax.policies import eviction_entropy_chunk
 from kvjax.policies import eviction_cam
 from kvjax.policies import eviction_duo
+from kvjax.policies import eviction_fastkvzip
 from kvjax.policies import eviction_finch
 from kvjax.policies import eviction_kvzap
 from kvjax.policies import eviction_kvzip
@@ -102,6 +103,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "kvzip": eviction_kvzip.kvzip,
     "kvgrad": eviction_kvzip.kvgrad,
     "kvzap": eviction_kvzap.kvzap,
+    "fastkvzip": eviction_fastkvzip.fastkvzip,
     "merging": _inner_by_name(eviction_merging.merging),
     "cam": _inner_by_name(eviction_cam.cam),
     "duo_attention": eviction_duo.duo_attention,
@@ -233,6 +235,11 @@ METHOD_INFO: dict[str, MethodInfo] = {
     # large models); equal given the same weights (kvpress run with the golden's)
     "kvzap": MethodInfo("Jegou et al. 2026, https://arxiv.org/abs/2601.07891", "KVzapPress",
                         "kvzap:ratio={r},weights=DIR", "tests/test_kvpress_zoo_third.py"),
+    # DIR: gates from `kvjax calibrate --fastkvzip` (kvpress downloads the paper's, for a few
+    # large models); equal given the same gates (kvpress run with the golden's)
+    "fastkvzip": MethodInfo("Kim et al. 2026, https://arxiv.org/abs/2601.17668",
+                            "FastKVzipPress", "fastkvzip:ratio={r},gates=DIR",
+                            "tests/test_kvpress_zoo_third.py"),
     "kvcompose": MethodInfo("Akulov et al. 2025, https://arxiv.org/abs/2509.05165",
                             "KVComposePress", "kvcompose:ratio={r}",
                             "tests/test_kvpress_zoo_third.py"),
