@@ -59,6 +59,7 @@ DEFAULT_SPECS = {
     "compactor": "compactor:ratio=0.5",
     "block": "block:inner=keydiff,ratio=0.5",
     "chunkkv": "chunkkv:inner=snapkv,ratio=0.5",
+    "chunk": "chunk:inner=keydiff,ratio=0.5,chunk_length=16",  # several chunks per prompt
     "dms": "dms:inner=knorm,threshold=-4,window=16",  # no ratio: a threshold on -||k||
     "merging": "merging:inner=snapkv,ratio=0.5",
     "rerotate": "knorm:ratio=0.5+rerotate",

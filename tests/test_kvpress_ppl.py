@@ -44,7 +44,8 @@ CASES = [("kjv_genesis", "full"), ("devils_dictionary", "full"),
          ("kjv_genesis", "kvzap:ratio=0.5,weights={repo}/experiments/data/kvzap/"
                          "SmolLM2-135M-Instruct-linear"),
          ("kjv_genesis", "fastkvzip:ratio=0.5,gates={repo}/experiments/data/fastkvzip/"
-                         "SmolLM2-135M-Instruct")]
+                         "SmolLM2-135M-Instruct"),
+         ("devils_dictionary", "chunk:inner=knorm,ratio=0.75")]
 
 
 def test_the_golden_covers_every_method_kvpress_runs():

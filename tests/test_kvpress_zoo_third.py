@@ -339,3 +339,47 @@ def test_fastkvzip_keeps_kvpress_positions_given_the_same_gates(prefilled_fastkv
         tied = scores == edge
         assert tied[differ].all(), np.argwhere(differ & ~tied)[:5]
         assert ours[tied].sum() == theirs[tied].sum()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", ["0.30", "0.75"])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+@pytest.mark.parametrize("inner", ["knorm", "keydiff"])
+def test_chunk_keeps_kvpress_positions(prefilled, golden, inner, ctx, ratio):
+    """ChunkPress(press=Inner(r), chunk_length=128) and `chunk:inner=...,chunk_length=128`:
+    the same kept positions in every layer and KV head, each chunk keeping its own
+    `max(1, int(n_c (1 - r)))` (KeyDiff's anchor is the chunk's own mean key), but for swaps at
+    a chunk's edge in Knorm's layer 0, whose keys are a token's embedding alone, rotated: a
+    repeated token's keys have norms equal to float32 rounding, which the two engines round
+    apart. Each swapped position must have a partner swapped the other way in its chunk and
+    head whose key norm is within 1e-5 of its own."""
+    chunk_length = 128
+    out, n = compress_context(prefilled, ctx, f"chunk:inner={inner},ratio={float(ratio)},"
+                                              f"chunk_length={chunk_length}")
+    ours = keep_by_position(out, n)
+    theirs = unpack(golden, f"{ctx}_chunk_{inner}_r{ratio}_keep", n)
+    sizes = [min(chunk_length, n - s) for s in range(0, n, chunk_length)]
+    per_chunk = [max(1, int(size * (1 - float(ratio)))) for size in sizes]
+    assert (theirs.sum(-1) == sum(per_chunk)).all()
+    for c, want in enumerate(per_chunk):  # every chunk keeps its own share
+        assert (theirs[:, :, c * chunk_length:(c + 1) * chunk_length].sum(-1) == want).all()
+    assert (ours.sum(-1) == theirs.sum(-1)).all()
+    differ = ours != theirs
+    if inner == "keydiff" or not differ.any():
+        np.testing.assert_array_equal(ours, theirs)
+        return
+    assert not differ[1:].any()  # layer 0 only
+    layer = prefilled[ctx][0][0]
+    keys = np.asarray(kvjax.view(layer).k, np.float32)
+    keys = keys.reshape(layer.kv_heads, -1, keys.shape[-1])  # [KVH, C, D], batch 1
+    pos = np.asarray(layer.pos)[0]
+    norms = np.zeros((layer.kv_heads, n), np.float32)
+    for h in range(layer.kv_heads):
+        valid = (pos[h] >= 0) & (pos[h] < n)
+        norms[h, pos[h][valid]] = np.linalg.norm(keys[h][valid], axis=-1)
+    for h, p in zip(*np.nonzero(differ[0])):  # a swap with a near-equal key in its chunk
+        lo = p // chunk_length * chunk_length
+        partners = [q for q in np.flatnonzero(differ[0, h, lo:lo + chunk_length]) + lo
+                    if ours[0, h, q] != ours[0, h, p]]
+        gap = min(abs(norms[h, q] - norms[h, p]) for q in partners)
+        assert gap <= 1e-5 * norms[h, p], (h, p, gap)

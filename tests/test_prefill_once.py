@@ -12,7 +12,7 @@ import pytest
 
 import models.sampler as sampler
 from experiments.eval import cells as cells_module
-from experiments.eval.cells import (Setup, compresses_during_prefill, prefill_groups,
+from experiments.eval.cells import (Setup, prefill_groups,
                                     run_retrieval_cell, run_retrieval_group, shares_prefill)
 from experiments.eval.grid import Cell
 
@@ -61,8 +61,6 @@ def test_groups_and_exceptions():
     import kvjax
     transforms = [kvjax.parse_method(m) for m in METHODS]
     assert prefill_groups(transforms) == [[0, 2], [1, 3], [4]]
-    assert compresses_during_prefill("chunk:size=512+snapkv:ratio=0.5")
-    assert not compresses_during_prefill("snapkv:ratio=0.5+kivi:bits=4")
     cell = _cells()[0]
     assert shares_prefill(cell)
     assert not shares_prefill(replace(cell, query_aware=True))

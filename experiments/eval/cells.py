@@ -149,20 +149,7 @@ def run_retrieval_cell(cell: Cell) -> dict:
     return retrieval_row(cell, prompts, texts, time.perf_counter() - start, **measured)
 
 
-PREFILL_COMPRESSING = ("chunk",)  # method parts that compress during prefill (own prefill)
 RECONSTRUCTING = ("kvzip", "kvgrad")  # method parts that run a pass after prefill (own prefill)
-
-
-def compresses_during_prefill(method: str) -> bool:
-    """True for a method whose compression runs inside the prefill (a `chunk` part: the
-    context is prefilled chunk by chunk onto the compressed cache), so its prefill cannot be
-    shared with other methods (`run_retrieval_group` runs it as its own cell).
-
-    Example:
-        >>> compresses_during_prefill("snapkv:ratio=0.5"), compresses_during_prefill("chunk:size=512+snapkv:ratio=0.5")
-        (False, True)
-    """
-    return any(part.split(":")[0].strip() in PREFILL_COMPRESSING for part in method.split("+"))
 
 
 def shares_prefill(cell: Cell) -> bool:
@@ -171,7 +158,6 @@ def shares_prefill(cell: Cell) -> bool:
     no model pass of its own (kvzip's and kvgrad's reconstruction runs in their own cell)."""
     return (cell.engine == "kvjax" and cell.task not in ("ppl", "speed", "memory")
             and not cell.query_aware and not cell.timed and not cell.mesh
-            and not compresses_during_prefill(cell.method)
             and not any(part.split(":")[0].strip() in RECONSTRUCTING
                         for part in cell.method.split("+")))
 

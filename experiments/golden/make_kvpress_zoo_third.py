@@ -31,6 +31,10 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   It masks rather than evicts: ``..._keep`` is the complement of each layer's
   ``masked_key_indices``.
 
+* ``chunk_knorm`` / ``chunk_keydiff``: ``ChunkPress(press=KnormPress(r) | KeyDiffPress(r),
+  chunk_length=128)``, r in 0.3, 0.75 (at 0.3 the chunks' kept counts, ``max(1, int(n_c
+  0.7))``, sum to fewer than ``int(n 0.7)``: 208 against 210 in 300 tokens).
+
 * ``kvcompose``: ``KVComposePress(compression_ratio=r)`` at its defaults (structured), r in
   0.5, 0.75: its second pass over the context and its per-layer budgets, read off the cache it
   leaves (every kept key row matched to the uncompressed prefill's).
@@ -81,7 +85,8 @@ RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 
           "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75), "kvcompose": (0.5, 0.75),
           "expected_attention_stats": (0.5, 0.75), "kvzap_linear": (0.5, 0.75),
           "kvzap_mlp": (0.5, 0.75), "kvzap_dms_linear": (-0.5, 0.5),
-          "kvzap_dms_mlp": (-0.5, 0.5), "fastkvzip": (0.5, 0.75),  # dms: thresholds, near the 30th/70th score percentiles
+          "kvzap_dms_mlp": (-0.5, 0.5), "fastkvzip": (0.5, 0.75),
+          "chunk_knorm": (0.3, 0.75), "chunk_keydiff": (0.3, 0.75),  # 0.3: floors that differ  # dms: thresholds, near the 30th/70th score percentiles
           "dms_knorm": (-17.8, -14.1), "dms_snapkv": (3e-5, 3e-4)}
 THIRD_PRESSES = list(RATIOS)
 
@@ -113,6 +118,9 @@ def kvzap_weights(kind: str, n_layers: int, hidden: int, kvh: int) -> dict[str, 
     if kind == "mlp":
         out |= {"w2": dense(m, n_layers, m, kvh), "b2": dense(1, n_layers, kvh)}
     return out
+
+
+CHUNK = 128  # ChunkPress's chunk_length in the golden (kvpress's default 1,024 is one chunk)
 
 
 def fastkvzip_gates(n_layers: int, hidden: int, kvh: int, groups: int):
@@ -194,6 +202,9 @@ def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
         return kvpress.DMSPress(press=inner, threshold=ratio)
     if name.startswith("kvzap_"):
         return given_kvzap(name[len("kvzap_"):], ratio, kvzap)
+    if name.startswith("chunk_"):  # chunks of 128 tokens: five in 640, three in 300
+        press = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress}[name[6:]]
+        return kvpress.ChunkPress(press=press(compression_ratio=ratio), chunk_length=CHUNK)
     if name == "fastkvzip":  # the hub download replaced by the golden's gates
         from experiments.eval.kvpress_engine import kvpress_fastkvzip_gates
 

@@ -9,6 +9,9 @@
   summed over heads and averaged over the chunk.
 * `dms` (kvpress DMSPress): no budget but a threshold on the inner scores;
   the newest `window` tokens of each row always stay.
+* `chunk` (kvpress ChunkPress): each chunk of `chunk_length` tokens scored by
+  the inner method on its own and compressed by the ratio, so the kept tokens
+  spread evenly over the context.
 
 The inner method is a scored-policy factory (`kvjax.keydiff`...; in a spec
 string its registered name, `block:inner=keydiff`) and runs at its defaults.
@@ -28,7 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvjax.core.cache import EMPTY, view
+from kvjax.core.cache import EMPTY, Cache, view
 from kvjax.core.layer import is_plain
 from kvjax.policies.eviction import (Scorer, ScoredUpdate, _check_budget, check_int, check_real,
                                      evict_layers, knorm, scored_policy, snapkv)
@@ -36,7 +39,7 @@ from kvjax.policies.eviction_geometry import keydiff
 from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
 from kvjax.core.layout import compact, pool_heads
 from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
-from kvjax.core.stats import StatsSpec, rope_inv_freq
+from kvjax.core.stats import NO_STATS, StatsSpec, rope_inv_freq
 from kvjax.core.transforms import CacheTransform, EmptyState
 
 
@@ -215,6 +218,88 @@ def chunkkv(inner=snapkv, ratio: float | None = None, budget: int | None = None,
     scorer, stats = inner_scorer(inner, "chunkkv", ratio)
     return CacheTransform(functools.partial(init_budget, ratio, budget, seed),
                           ChunkKVUpdate(scorer, chunk_length), stats)
+
+
+# ----------------------------------------------------------------------------- ChunkPress
+
+
+def each_chunk_keep(inner: Scorer, layer, stats, key, ratio: jax.Array,
+               chunk_length: int) -> jax.Array:
+    """[B, KVH, C] what ChunkPress keeps: each chunk of `chunk_length` positions (positions
+    `[c L, (c + 1) L)`) scored by `inner` as if it were the whole cache (its other slots
+    hidden), and its `max(1, floor(n_c (1 - ratio)))` best tokens kept per KV head (n_c: the
+    chunk's tokens).
+
+    Example:
+        >>> import jax, jax.numpy as jnp, kvjax
+        >>> from kvjax.policies.eviction import knorm_scores
+        >>> k = jnp.array([3., 1., 2., 5., 4., 0.5, 6.])[None, :, None] * jnp.ones((1, 1, 2))
+        >>> layer = kvjax.write(kvjax.init_cache(batch=1, kv_heads=1, capacity=7, head_dim=2),
+        ...                     k[:, None], k[:, None], jnp.arange(7)[None])
+        >>> ratio = jnp.float32(0.5)
+        >>> keep = each_chunk_keep(knorm_scores, layer, None, jax.random.key(0), ratio, 3)
+        >>> keep[0, 0].astype(int).tolist()   # chunks [0, 3), [3, 6), [6]: the smallest keys
+        [0, 1, 0, 0, 0, 1, 1]
+    """
+    pos = layer.pos
+    valid = pos != EMPTY
+    chunk = jnp.where(valid, pos // chunk_length, -1)
+
+    def one_chunk(c, keep):
+        in_chunk = chunk == c
+        n = jnp.sum(in_chunk, axis=-1)  # [B, KVH]
+        kept = jnp.where(n > 0, jnp.maximum(1, jnp.floor(n * (1 - ratio)).astype(jnp.int32)),
+                         0)
+        sub = layer.replace(pos=jnp.where(in_chunk, pos, EMPTY))
+        scores, protect = inner(sub, stats, jnp.max(kept, axis=1), key)
+        return keep | _keep_best(scores, protect, in_chunk, kept)
+
+    return jax.lax.fori_loop(0, jnp.max(chunk) + 1, one_chunk, jnp.zeros_like(valid))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkUpdate:
+    """`chunk`'s update: every layer's chunks ranked each on its own (`each_chunk_keep`)."""
+
+    inner: Scorer
+    chunk_length: int = 1024
+
+    def __call__(self, cache: Cache, state: BudgetState, stats=None):
+        def evict(layer, layer_stats, budget, index, debug=False):
+            key = jax.random.fold_in(state.key, index)
+            keep = each_chunk_keep(self.inner, view(layer), layer_stats, key, state.ratio,
+                              self.chunk_length)
+            return compact(layer, keep)
+
+        unused = jnp.zeros((len(cache), cache[0].batch), jnp.int32)  # each chunk sets its own
+        return evict_layers(evict, cache, stats, unused), state
+
+
+def chunk(inner=knorm, ratio: float | None = None, chunk_length: int = 1024,
+          seed: int = 0) -> CacheTransform:
+    """ChunkPress (kvpress; FINCH's chunking, Corallo & Papotti 2024): compress each chunk of
+    `chunk_length` tokens on its own with the inner method, so the kept tokens spread evenly
+    over the context.
+
+    As kvpress ChunkPress(press=INNER(compression_ratio=ratio), chunk_length): the inner
+    method scores each chunk as if it were the whole context, and each chunk keeps its
+    `max(1, int(n_c (1 - ratio)))` best tokens per KV head. The inner method must need no
+    statistics of the prompt: kvpress recomputes them from each chunk's own hidden states
+    (SnapKV's window queries at the chunk's end), which kvjax collects for the whole prompt
+    only; such an inner method is refused by name.
+    """
+    check_real("chunk", "ratio", ratio, 0.0, 1.0, high_open=True)
+    check_int("chunk", "chunk_length", chunk_length, 1)
+    check_int("chunk", "seed", seed, 0)
+    scorer, stats = inner_scorer(inner, "chunk", ratio)
+    if stats.needed:
+        name = getattr(inner, "__name__", repr(inner))
+        raise ValueError(f"chunk: inner={name} reads statistics of the prompt (its queries), "
+                         f"which kvjax collects for the whole prompt, not for each chunk as "
+                         f"kvpress's ChunkPress recomputes them; use a key-only method "
+                         f"(knorm, keydiff, lagkv, cur, streaming_llm, random)")
+    return CacheTransform(functools.partial(init_budget, ratio, None, seed),
+                          ChunkUpdate(scorer, chunk_length), NO_STATS)
 
 
 # ----------------------------------------------------------------------------- key re-rotation

@@ -98,6 +98,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "block": _inner_by_name(eviction_wrappers.block),
     "chunkkv": _inner_by_name(eviction_wrappers.chunkkv),
     "dms": _inner_by_name(eviction_wrappers.dms),
+    "chunk": _inner_by_name(eviction_wrappers.chunk),
     "entropy_chunkkv": _inner_by_name(eviction_entropy_chunk.entropy_chunkkv),
     "finch": eviction_finch.finch,
     "kvzip": eviction_kvzip.kvzip,
@@ -229,6 +230,10 @@ METHOD_INFO: dict[str, MethodInfo] = {
         "Devoto et al. 2025 (kvpress)", "ExpectedAttentionStatsPress",
         "expected_attention_stats:ratio={r},stats=PATH", "tests/test_kvpress_zoo_third.py"),
     # T: a threshold on the inner method's raw scores (no ratio); equal for knorm and snapkv
+    # kvpress's default chunk_length is 1,024: the zoo's 1,024-token windows are one chunk
+    "chunk": MethodInfo("FINCH's chunking (Corallo & Papotti 2024), kvpress ChunkPress",
+                        "ChunkPress", "chunk:inner=knorm,ratio={r}",
+                        "tests/test_kvpress_zoo_third.py"),
     "dms": MethodInfo("Lancucki et al. 2025, https://arxiv.org/abs/2506.05345", "DMSPress",
                       "dms:inner=knorm,threshold=T", "tests/test_kvpress_zoo_third.py"),
     # DIR: a surrogate from `kvjax calibrate --kvzap` (kvpress downloads NVIDIA's, for a few
