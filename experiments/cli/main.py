@@ -347,15 +347,15 @@ def cmd_calibrate_query_stats(args, model, ids) -> dict:
             "query_mean_shape": list(mean.shape), "seconds": round(time.perf_counter() - start, 3)}
 
 
-def cmd_calibrate_kvzap(args, model, tokenizer, ids) -> dict:
-    """`kvjax calibrate --kvzap KIND`: a KVzap surrogate trained on 90% of the windows of
-    `ids`, its fit reported on the rest (R^2 and Spearman of the log KVzip+ scores)."""
+def cmd_calibrate_token_scorer(args, model, tokenizer, ids) -> dict:
+    """`kvjax calibrate --kvzap KIND` or `--fastkvzip`: a KVzap surrogate (on the log of KVzip+
+    scores) or Fast KVzip gates (on KVzip scores) trained on 90% of the windows of `ids`,
+    the fit reported on the rest (R^2 and Spearman of the targets)."""
     import shutil
 
-    import numpy as np
-
+    from kvjax.policies.eviction_fastkvzip import fit_gates
     from kvjax.policies.eviction_kvzap import fit_linear, fit_mlp, fit_quality
-    from models.calibration import kvzap_training_data
+    from models.calibration import kvzap_training_data, kvzip_training_data
     from models.reconstruction import chat_prompt
 
     out = Path(args.out)  # checked by `check_args`: new, or a checkpoint this command wrote
@@ -365,49 +365,20 @@ def cmd_calibrate_kvzap(args, model, tokenizer, ids) -> dict:
                                           "windows (one is held out)")
     held = max(1, len(windows) // 10)
     start = time.perf_counter()
-    x, y = kvzap_training_data(model, windows, chat_prompt(tokenizer),
-                               samples=args.samples or 256)
-    per_window = len(x) // len(windows)
-    split = per_window * (len(windows) - held)
-    fitted = fit_linear(x[:split], y[:split]) if args.kvzap == "linear" else \
-        fit_mlp(x[:split], y[:split])
+    data = kvzap_training_data if args.kvzap else kvzip_training_data
+    x, y = data(model, windows, chat_prompt(tokenizer), samples=args.samples or 256)
+    split = len(x) // len(windows) * (len(windows) - held)
+    cfg = model.config
+    if args.kvzap:
+        fitted = (fit_linear if args.kvzap == "linear" else fit_mlp)(x[:split], y[:split])
+    else:
+        fitted = fit_gates(x[:split], y[:split], groups=cfg.num_heads // cfg.num_kv_heads)
     quality = fit_quality(fitted, x[split:], y[split:])
     if out.exists():
         shutil.rmtree(out)
     fitted.save(out)
-    return {"out": str(out), "kind": fitted.kind, "windows": len(windows), "held_out": held,
-            "train_tokens": split, "held_out_tokens": len(x) - split,
-            "held_out_r2": quality["r2"], "held_out_spearman": quality["spearman"],
-            "seconds": round(time.perf_counter() - start, 3)}
-
-
-def cmd_calibrate_fastkvzip(args, model, tokenizer, ids) -> dict:
-    """`kvjax calibrate --fastkvzip`: Fast KVzip gates trained on 90% of the windows of `ids`,
-    their fit reported on the rest (R^2 and Spearman of the KVzip scores)."""
-    import shutil
-
-    from kvjax.policies.eviction_fastkvzip import fit_gates
-    from kvjax.policies.eviction_kvzap import fit_quality
-    from models.calibration import kvzip_training_data
-    from models.reconstruction import chat_prompt
-
-    out = Path(args.out)  # checked by `check_args`: new, or a checkpoint this command wrote
-    windows = calibration_windows(args, ids)
-    if len(windows) < 2:
-        raise _bad("tokens", args.tokens, f"must hold at least two --window {args.window} "
-                                          "windows (one is held out)")
-    held = max(1, len(windows) // 10)
-    start = time.perf_counter()
-    x, y = kvzip_training_data(model, windows, chat_prompt(tokenizer),
-                               samples=args.samples or 256)
-    split = len(x) // len(windows) * (len(windows) - held)
-    cfg = model.config
-    gates = fit_gates(x[:split], y[:split], groups=cfg.num_heads // cfg.num_kv_heads)
-    quality = fit_quality(gates, x[split:], y[split:])
-    if out.exists():
-        shutil.rmtree(out)
-    gates.save(out)
-    return {"out": str(out), "windows": len(windows), "held_out": held, "train_tokens": split,
+    return {"out": str(out), **({"kind": fitted.kind} if args.kvzap else {}),
+            "windows": len(windows), "held_out": held, "train_tokens": split,
             "held_out_tokens": len(x) - split, "held_out_r2": quality["r2"],
             "held_out_spearman": quality["spearman"],
             "seconds": round(time.perf_counter() - start, 3)}
@@ -425,10 +396,8 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
         return cmd_calibrate_lukv(args, model, ids)
     if args.query_stats:
         return cmd_calibrate_query_stats(args, model, ids)
-    if args.kvzap:
-        return cmd_calibrate_kvzap(args, model, tokenizer, ids)
-    if args.fastkvzip:
-        return cmd_calibrate_fastkvzip(args, model, tokenizer, ids)
+    if args.kvzap or args.fastkvzip:
+        return cmd_calibrate_token_scorer(args, model, tokenizer, ids)
     start = time.perf_counter()
     basis = calibrate_low_rank(model, ids, window=args.window)
     basis.save(args.out)

@@ -40,7 +40,6 @@ import dataclasses
 import functools
 import math
 import os
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +50,8 @@ from kvjax.core.layout import map_layers
 from kvjax.core.selection import init_budget
 from kvjax.core.stats import StatsSpec
 from kvjax.core.transforms import CacheTransform
-from kvjax.policies.eviction import ByContent, _check_bool, check_int, check_real
+from kvjax.policies.eviction import _check_bool, check_int, check_real
+from kvjax.policies.eviction_kvzap import LayerScorer, restore_arrays
 from kvjax.policies.eviction_kvzip import _evict, kvzip_keep, pass_scores
 
 FIELDS = ("q_proj", "q_bias", "k_proj", "q_norm", "k_norm", "k_base", "bias")
@@ -59,7 +59,7 @@ LONG_CONTEXT = 32_000  # from this many tokens on, the protected window is `wind
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class FastKVzipGates(ByContent):
+class FastKVzipGates(LayerScorer):
     """Per-layer gate weights stacked over layers (float32; kvpress `FastKVzipGate`'s, with
     torch's Linear weights transposed). Hashed by content: it keys compilation through
     `StatsSpec.token_scores`."""
@@ -72,6 +72,9 @@ class FastKVzipGates(ByContent):
     k_base: np.ndarray  # [L, KVH, sink, dim] the learned sink keys
     bias: np.ndarray  # [L, KVH, G]
     eps: float = 1e-6  # the RMSNorms' (Qwen3RMSNorm's default)
+
+    METHOD = "fastkvzip"
+    ARTIFACT = "gates"
 
     def __post_init__(self):
         for name in FIELDS:
@@ -134,27 +137,10 @@ class FastKVzipGates(ByContent):
         """[..., hidden] attention inputs -> [..., KVH] float32 gate scores in (0, 1)."""
         return gate_scores(params, inputs, self.eps)
 
-    def predict(self, inputs: np.ndarray) -> np.ndarray:
-        """[N, L, hidden] attention inputs of every layer -> [N, L, KVH] float32 scores."""
-        return np.stack([np.asarray(self.apply(self.layer_params(i), inputs[:, i]))
-                         for i in range(self.num_layers)], 1)
-
-    def check_model(self, num_layers: int, hidden_size: int, kv_heads: int) -> None:
-        """ValueError unless these gates were made for a model of this shape."""
-        got = (self.num_layers, self.hidden_size, self.kv_heads)
-        if got != (num_layers, hidden_size, kv_heads):
-            raise ValueError(
-                f"fastkvzip: the gates are for a model of {got[0]} layers, hidden size {got[1]} "
-                f"and {got[2]} KV heads; this model has {num_layers}, {hidden_size} and "
-                f"{kv_heads}: train its own with `kvjax calibrate --fastkvzip --out DIR`")
-
     def save(self, path: str | os.PathLike) -> None:
         """Write the gates as an orbax checkpoint at `path` (a new directory)."""
-        import orbax.checkpoint as ocp
-        arrays = {n: getattr(self, n) for n in FIELDS} | {"eps": np.float64(self.eps)}
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(Path(path).absolute(), arrays)
-        checkpointer.wait_until_finished()
+        self.save_arrays(path, {n: getattr(self, n) for n in FIELDS} |
+                         {"eps": np.float64(self.eps)})
 
 
 def gate_scores(params: dict[str, jax.Array], inputs: jax.Array, eps: float) -> jax.Array:
@@ -178,20 +164,10 @@ def gate_scores(params: dict[str, jax.Array], inputs: jax.Array, eps: float) -> 
 def load_fastkvzip(path: str | os.PathLike) -> FastKVzipGates:
     """The `FastKVzipGates` saved at `path` (`FastKVzipGates.save`, `kvjax calibrate
     --fastkvzip`); a ValueError naming the path when it is not such a checkpoint."""
-    folder = Path(path)
-    if not (folder / "_CHECKPOINT_METADATA").is_file():
-        raise ValueError(f"fastkvzip: gates={str(path)!r} is not an orbax checkpoint "
-                         f"directory; give the DIR that `kvjax calibrate --fastkvzip --out DIR` "
-                         f"writes")
-    import orbax.checkpoint as ocp
-    try:
-        restored = ocp.StandardCheckpointer().restore(folder.absolute())
-    except Exception as e:  # orbax raises several kinds for a damaged checkpoint
-        raise ValueError(f"fastkvzip: gates={str(path)!r} could not be read ({e})") from None
-    if not isinstance(restored, dict) or set(restored) != set(FIELDS) | {"eps"}:
-        raise ValueError(f"fastkvzip: gates={str(path)!r} holds "
-                         f"{sorted(restored) if isinstance(restored, dict) else type(restored)}"
-                         f", not {', '.join(FIELDS)} and eps")
+    restored = restore_arrays(path, "fastkvzip", "gates")
+    if set(restored) != set(FIELDS) | {"eps"}:
+        raise ValueError(f"fastkvzip: gates={str(path)!r} holds {sorted(restored)}, not "
+                         f"{', '.join(FIELDS)} and eps")
     return FastKVzipGates(**{k: np.asarray(restored[k], np.float32) for k in FIELDS},
                           eps=float(restored["eps"]))
 

@@ -51,8 +51,59 @@ from kvjax.policies.eviction_wrappers import threshold_policy
 KINDS = ("linear", "mlp")
 
 
+class LayerScorer(ByContent):
+    """What KVzap's surrogate and Fast KVzip's gates share: per-layer arrays stacked over
+    layers that score each token from its attention input (`StatsSpec.token_scores`), saved
+    with orbax. A subclass sets `METHOD` and `ARTIFACT` (its spec's name and argument) and has
+    `num_layers`, `hidden_size`, `kv_heads`, `layer_params` and `apply`."""
+
+    METHOD = ""
+    ARTIFACT = ""
+
+    def predict(self, inputs: np.ndarray) -> np.ndarray:
+        """[N, L, hidden] attention inputs of every layer -> [N, L, KVH] float32 scores."""
+        return np.stack([np.asarray(self.apply(self.layer_params(i), inputs[:, i]))
+                         for i in range(self.num_layers)], 1)
+
+    def check_model(self, num_layers: int, hidden_size: int, kv_heads: int) -> None:
+        """ValueError unless these arrays were made for a model of this shape."""
+        got = (self.num_layers, self.hidden_size, self.kv_heads)
+        if got != (num_layers, hidden_size, kv_heads):
+            raise ValueError(
+                f"{self.METHOD}: the {self.ARTIFACT} are for a model of {got[0]} layers, hidden "
+                f"size {got[1]} and {got[2]} KV heads; this model has {num_layers}, "
+                f"{hidden_size} and {kv_heads}: train its own with `kvjax calibrate "
+                f"--{self.METHOD} --out DIR`")
+
+    def save_arrays(self, path: str | os.PathLike, arrays: dict) -> None:
+        """Write `arrays` as an orbax checkpoint at `path` (a new directory)."""
+        import orbax.checkpoint as ocp
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(Path(path).absolute(), arrays)
+        checkpointer.wait_until_finished()
+
+
+def restore_arrays(path: str | os.PathLike, method: str, artifact: str) -> dict:
+    """The dict of arrays a `LayerScorer` saved at `path`; a ValueError naming `method`,
+    `artifact` and the path when it is not an orbax checkpoint or cannot be read."""
+    folder = Path(path)
+    if not (folder / "_CHECKPOINT_METADATA").is_file():
+        raise ValueError(f"{method}: {artifact}={str(path)!r} is not an orbax checkpoint "
+                         f"directory; give the DIR that `kvjax calibrate --{method} --out DIR` "
+                         f"writes")
+    import orbax.checkpoint as ocp
+    try:
+        restored = ocp.StandardCheckpointer().restore(folder.absolute())
+    except Exception as e:  # orbax raises several kinds for a damaged checkpoint
+        raise ValueError(f"{method}: {artifact}={str(path)!r} could not be read ({e})") from None
+    if not isinstance(restored, dict):
+        raise ValueError(f"{method}: {artifact}={str(path)!r} holds a {type(restored)}, not "
+                         f"named arrays")
+    return restored
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class KVzapModel(ByContent):
+class KVzapModel(LayerScorer):
     """Per-layer surrogate weights, stacked over layers (float32). Linear: `h @ w1 + b1`;
     MLP: `gelu(h @ w1 + b1) @ w2 + b2` (exact GELU, torch's `nn.GELU()`). Hashed by content:
     it keys compilation through `StatsSpec.token_scores`."""
@@ -61,6 +112,9 @@ class KVzapModel(ByContent):
     b1: np.ndarray  # [L, M]
     w2: np.ndarray | None = None  # [L, M, KVH]: present for the MLP
     b2: np.ndarray | None = None  # [L, KVH]
+
+    METHOD = "kvzap"
+    ARTIFACT = "weights"
 
     def __post_init__(self):
         arrays = {"w1": self.w1, "b1": self.b1, "w2": self.w2, "b2": self.b2}
@@ -114,47 +168,19 @@ class KVzapModel(ByContent):
                            precision=hi) + params["b2"]
         return x
 
-    def predict(self, inputs: np.ndarray) -> np.ndarray:
-        """[N, L, hidden] attention inputs of every layer -> [N, L, KVH] float32 predictions."""
-        return np.stack([np.asarray(self.apply(self.layer_params(i), inputs[:, i]))
-                         for i in range(self.num_layers)], 1)
-
-    def check_model(self, num_layers: int, hidden_size: int, kv_heads: int) -> None:
-        """ValueError unless these weights were made for a model of this shape."""
-        got = (self.num_layers, self.hidden_size, self.kv_heads)
-        if got != (num_layers, hidden_size, kv_heads):
-            raise ValueError(
-                f"kvzap: the weights are for a model of {got[0]} layers, hidden size {got[1]} "
-                f"and {got[2]} KV heads; this model has {num_layers}, {hidden_size} and "
-                f"{kv_heads}: train its own with `kvjax calibrate --kvzap --out DIR`")
-
     def save(self, path: str | os.PathLike) -> None:
         """Write the weights as an orbax checkpoint at `path` (a new directory)."""
-        import orbax.checkpoint as ocp
-        arrays = {n: getattr(self, n) for n in ("w1", "b1", "w2", "b2")
-                  if getattr(self, n) is not None}
-        checkpointer = ocp.StandardCheckpointer()
-        checkpointer.save(Path(path).absolute(), arrays)
-        checkpointer.wait_until_finished()
+        self.save_arrays(path, {n: getattr(self, n) for n in ("w1", "b1", "w2", "b2")
+                                if getattr(self, n) is not None})
 
 
 def load_kvzap(path: str | os.PathLike) -> KVzapModel:
     """The `KVzapModel` saved at `path` (`KVzapModel.save`, `kvjax calibrate --kvzap`); a
     ValueError naming the path when it is not such a checkpoint."""
-    folder = Path(path)
-    if not (folder / "_CHECKPOINT_METADATA").is_file():
-        raise ValueError(f"kvzap: weights={str(path)!r} is not an orbax checkpoint directory; "
-                         f"give the DIR that `kvjax calibrate --kvzap --out DIR` writes")
-    import orbax.checkpoint as ocp
-    try:
-        restored = ocp.StandardCheckpointer().restore(folder.absolute())
-    except Exception as e:  # orbax raises several kinds for a damaged checkpoint
-        raise ValueError(f"kvzap: weights={str(path)!r} could not be read ({e})") from None
-    if not isinstance(restored, dict) or not {"w1", "b1"} <= set(restored) or \
-            not set(restored) <= {"w1", "b1", "w2", "b2"}:
-        raise ValueError(f"kvzap: weights={str(path)!r} holds "
-                         f"{sorted(restored) if isinstance(restored, dict) else type(restored)}"
-                         f", not w1, b1 (linear) or w1, b1, w2, b2 (MLP)")
+    restored = restore_arrays(path, "kvzap", "weights")
+    if not {"w1", "b1"} <= set(restored) or not set(restored) <= {"w1", "b1", "w2", "b2"}:
+        raise ValueError(f"kvzap: weights={str(path)!r} holds {sorted(restored)}, not w1, b1 "
+                         f"(linear) or w1, b1, w2, b2 (MLP)")
     return KVzapModel(**{k: np.asarray(v, np.float32) for k, v in restored.items()})
 
 
@@ -276,7 +302,7 @@ def fit_mlp(inputs: np.ndarray, targets: np.ndarray, hidden: int = 64, epochs: i
     return KVzapModel(**{k: np.asarray(v, np.float32) for k, v in params.items()})
 
 
-def fit_quality(surrogate: KVzapModel, inputs: np.ndarray, targets: np.ndarray) -> dict:
+def fit_quality(surrogate: LayerScorer, inputs: np.ndarray, targets: np.ndarray) -> dict:
     """How well `surrogate` predicts `targets` [N, L, KVH] from `inputs` [N, L, hidden]: R^2
     (1 - mean squared error / mean variance of the targets) and Spearman's rank correlation
     over the N tokens, averaged over layers and KV heads.
