@@ -76,10 +76,10 @@ def test_sweep_units_group_cells_that_share_a_prefill():
     a, b, c = _cells()[:3]
     other_length = replace(a, length=512)
     ppl = Cell("ppl", 256, "full", 2)
-    chunked = replace(a, method="chunk:size=64+snapkv:ratio=0.5")
+    reconstructing = replace(a, method="kvzip:ratio=0.5")  # its own pass after prefill
     aware = replace(b, query_aware=True)
-    units = prefill_once_units([a, ppl, b, other_length, chunked, aware, c])
-    assert units == [(a, b, c), ppl, other_length, chunked, aware]
+    units = prefill_once_units([a, ppl, b, other_length, reconstructing, aware, c])
+    assert units == [(a, b, c), ppl, other_length, reconstructing, aware]
     rows = _failed(units[0], "error: x")
     assert [r["method"] for r in rows] == [a.method, b.method, c.method]
     assert all(r["status"] == "error: x" for r in rows) and _failed(ppl, "s")["task"] == "ppl"
