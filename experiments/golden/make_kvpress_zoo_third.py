@@ -85,8 +85,9 @@ RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 
           "qfilter": (0.5, 0.75), "lukv": (0.5, 0.75), "kvcompose": (0.5, 0.75),
           "expected_attention_stats": (0.5, 0.75), "kvzap_linear": (0.5, 0.75),
           "kvzap_mlp": (0.5, 0.75), "kvzap_dms_linear": (-0.5, 0.5),
-          "kvzap_dms_mlp": (-0.5, 0.5), "fastkvzip": (0.5, 0.75),
-          "chunk_knorm": (0.3, 0.75), "chunk_keydiff": (0.3, 0.75),  # 0.3: floors that differ  # dms: thresholds, near the 30th/70th score percentiles
+          "kvzap_dms_mlp": (-0.5, 0.5),  # dms: thresholds, near the 30th/70th score percentiles
+          "fastkvzip": (0.5, 0.75),
+          "chunk_knorm": (0.3, 0.75), "chunk_keydiff": (0.3, 0.75),  # 0.3: floors that differ
           "dms_knorm": (-17.8, -14.1), "dms_snapkv": (3e-5, 3e-4)}
 THIRD_PRESSES = list(RATIOS)
 
@@ -231,7 +232,8 @@ def run_third_press(model, torch, ids: np.ndarray, name: str, ratio: float, n_la
                                            model.config.hidden_size, kvh)
                              if name.startswith("kvzap_") else None,
                              fastkvzip_gates(n_layers, model.config.hidden_size, kvh,
-                                             model.config.num_attention_heads // kvh))
+                                             model.config.num_attention_heads // kvh)
+                             if name == "fastkvzip" else None)
     if name == "kvcompose":  # compresses the cache when its block exits, not in `compress`
         inp = torch.from_numpy(ids.astype(np.int64))[None]
         with torch.no_grad():

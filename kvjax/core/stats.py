@@ -202,10 +202,10 @@ def observe(spec: StatsSpec, stats: LayerStats, q_pre: jax.Array, q: jax.Array,
             q_count=stats.q_count + use.sum(axis=1))
     if spec.token_scores is not None:
         if inputs is None or stats.scorer is None:
-            raise ValueError("a token scorer (kvzap) reads each token's attention input: the "
-                             "model must make its statistics with the scorer's parameters and "
-                             "pass observe(..., inputs=[B, T, hidden]); kvjax's decoder "
-                             "(models.llama) does")
+            raise ValueError("a token scorer (kvzap, fastkvzip) reads each token's attention "
+                             "input: the model must make its statistics with the scorer's "
+                             "parameters and pass observe(..., inputs=[B, T, hidden]); kvjax's "
+                             "decoder (models.llama) does")
         scores = spec.token_scores.apply(stats.scorer, inputs).astype(jnp.float32)  # [B, T, KVH]
         stats = stats._replace(position_scores=scatter_by_position(
             stats.position_scores, scores.transpose(0, 2, 1), positions))

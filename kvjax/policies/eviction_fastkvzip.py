@@ -51,7 +51,7 @@ from kvjax.core.selection import init_budget
 from kvjax.core.stats import StatsSpec
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import _check_bool, check_int, check_real
-from kvjax.policies.eviction_kvzap import LayerScorer, restore_arrays
+from kvjax.policies.eviction_kvzap import LayerScorer, check_training_shapes, restore_arrays
 from kvjax.policies.eviction_kvzip import _evict, kvzip_keep, pass_scores
 
 FIELDS = ("q_proj", "q_bias", "k_proj", "q_norm", "k_norm", "k_base", "bias")
@@ -259,10 +259,7 @@ def fit_gates(inputs: np.ndarray, targets: np.ndarray, groups: int, dim: int = 1
     (about 70 passes over them)."""
     import optax
 
-    if inputs.ndim != 3 or targets.ndim != 3 or inputs.shape[:2] != targets.shape[:2] or \
-            inputs.shape[0] < 2:
-        raise ValueError(f"fit_gates wants inputs [N, L, hidden] and targets [N, L, KVH] with "
-                         f"the same N >= 2 and L; got {inputs.shape} and {targets.shape}")
+    check_training_shapes("fit_gates", inputs, targets)
     if not (np.isfinite(inputs).all() and ((targets >= 0) & (targets <= 1)).all()):
         raise ValueError("fit_gates: inputs must be finite and targets KVzip scores in [0, 1]")
     for arg, value in (("groups", groups), ("dim", dim), ("sink", sink), ("steps", steps),

@@ -322,10 +322,16 @@ def fit_quality(surrogate: LayerScorer, inputs: np.ndarray, targets: np.ndarray)
     return {"r2": round(float(r2), 4), "spearman": round(float(spearman), 4)}
 
 
-def _check_data(inputs: np.ndarray, targets: np.ndarray) -> None:
+def check_training_shapes(who: str, inputs: np.ndarray, targets: np.ndarray) -> None:
+    """ValueError naming `who` unless `inputs` [N, L, hidden] and `targets` [N, L, KVH] share
+    N >= 2 and L (a token scorer's training data: KVzap's, Fast KVzip's)."""
     if inputs.ndim != 3 or targets.ndim != 3 or inputs.shape[:2] != targets.shape[:2] or \
             inputs.shape[0] < 2:
-        raise ValueError(f"KVzap training wants inputs [N, L, hidden] and targets [N, L, KVH] "
+        raise ValueError(f"{who} wants inputs [N, L, hidden] and targets [N, L, KVH] "
                          f"with the same N >= 2 and L; got {inputs.shape} and {targets.shape}")
+
+
+def _check_data(inputs: np.ndarray, targets: np.ndarray) -> None:
+    check_training_shapes("KVzap training", inputs, targets)
     if not (np.isfinite(inputs).all() and np.isfinite(targets).all()):
         raise ValueError("KVzap training data is not all finite (a zero KVzip+ score has no log)")

@@ -159,25 +159,25 @@ def chunk_scores(layer: TokenCache, queries: jax.Array, query_pos: jax.Array, st
     seen = in_chunk | (pos < row(sinks)) | (pos >= row(context))
     sub = layer.replace(pos=jnp.where(seen & (pos != EMPTY), pos, EMPTY))
     b, w, h, _ = queries.shape
-    if query_weights is None:
-        query_weights = jnp.ones((b, w), jnp.float32)
     n = -(-w // query_block)  # padding queries (EMPTY) attend nothing: their rows are zeros
     pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, n * query_block - w)] + [(0, 0)] * (x.ndim - 2),
                                   constant_values=fill)
     blocks = lambda x: jnp.moveaxis(x.reshape(b, n, query_block, *x.shape[2:]), 1, 0)
 
     def most(best, block):  # best [B, KVH, G, C]: the running maximum over queries
-        q, q_pos, q_weight = block
+        q, q_pos, q_weight = block  # q_weight None: KVzip's plain maximum
         weights = attention_weights(q, q_pos, sub)  # [B, KVH, G, query_block, C]
         if value_norms is not None:
             weights = weights * value_norms[:, :, :, None, :]
-        weights = weights * q_weight[:, None, None, :, None]
+        if q_weight is not None:
+            weights = weights * q_weight[:, None, None, :, None]
         return jnp.maximum(best, weights.max(axis=3)), None
 
     best0 = jnp.zeros((b, sub.kv_heads, h // sub.kv_heads, sub.capacity), jnp.float32)
+    weight_blocks = None if query_weights is None else \
+        blocks(pad(query_weights.astype(jnp.float32), 0))
     best, _ = jax.lax.scan(most, best0, (blocks(pad(queries.astype(jnp.float32), 0)),
-                                         blocks(pad(query_pos, EMPTY)),
-                                         blocks(pad(query_weights.astype(jnp.float32), 0))))
+                                         blocks(pad(query_pos, EMPTY)), weight_blocks))
     best = best.mean(axis=2) if group_mean else best.max(axis=2)
     return jnp.where(in_chunk, best, 0.0)
 
