@@ -385,15 +385,7 @@ class Attention(nnx.Module):
         b, t = positions.shape
         h, kvh, d = self.shape
         cfg = self.config
-        q_pre, k, v = dense_together(x, (self.q_proj, self.k_proj, self.v_proj))
-        q_pre = q_pre.reshape(b, t, h, d)
-        k = k.reshape(b, t, kvh, d)
-        if self.q_norm is not None:
-            q_pre, k = self.q_norm(q_pre), self.k_norm(k)
-        if cfg.query_scale is not None:  # kvjax.attend scales by d ** -0.5: fold in the rest
-            q_pre = q_pre * np.float32(cfg.query_scale * math.sqrt(d))
-        q, k = rotate_queries_and_keys(cfg, q_pre, k, positions, local=self.window is not None)
-        v = v.reshape(b, t, kvh, d)
+        q_pre, q, k, v = self.project(x, positions)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KVH, T, D]
         if self.window is None:
             cache = kvjax.write(cache, k, v, positions)
@@ -406,6 +398,24 @@ class Attention(nnx.Module):
         if stats is not None:
             stats = observe(spec, stats, q_pre, q, positions, x.reshape(b, t, -1))
         return self.o_proj(out.reshape(b * t, h * d)), cache, stats
+
+
+    def project(self, x: jax.Array, positions: jax.Array):
+        """x [B*T, hidden] float32, positions [B, T] -> (pre-RoPE queries q_pre [B, T, H, D],
+        queries q [B, T, H, D] and keys k [B, T, KVH, D] turned by RoPE, values v
+        [B, T, KVH, D]); the queries carry any `query_scale` beyond `d ** -0.5`."""
+        b, t = positions.shape
+        h, kvh, d = self.shape
+        cfg = self.config
+        q_pre, k, v = dense_together(x, (self.q_proj, self.k_proj, self.v_proj))
+        q_pre = q_pre.reshape(b, t, h, d)
+        k = k.reshape(b, t, kvh, d)
+        if self.q_norm is not None:
+            q_pre, k = self.q_norm(q_pre), self.k_norm(k)
+        if cfg.query_scale is not None:  # kvjax.attend scales by d ** -0.5: fold in the rest
+            q_pre = q_pre * np.float32(cfg.query_scale * math.sqrt(d))
+        q, k = rotate_queries_and_keys(cfg, q_pre, k, positions, local=self.window is not None)
+        return q_pre, q, k, v.reshape(b, t, kvh, d)
 
 
 class MLP(nnx.Module):
@@ -437,11 +447,16 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, cache, impl, stats=None, spec=NO_STATS):  # x [B*T, hidden]
         a, cache, stats = self.attn(self.input_norm(x), positions, cache, impl, stats, spec)
+        return self.after_attention(x, a), cache, stats
+
+    def after_attention(self, x: jax.Array, a: jax.Array) -> jax.Array:
+        """The residual stream [B*T, hidden] after this layer, from its input `x` and its
+        attention's output `a` (the MLP half of the block)."""
         if self.pre_mlp_norm is None:
             x = x + a
-            return x + self.mlp(self.post_attn_norm(x)), cache, stats
+            return x + self.mlp(self.post_attn_norm(x))
         x = x + self.post_attn_norm(a)
-        return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x))), cache, stats
+        return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x)))
 
 
 # Under jit with impl="xla", trace and lower a layer once per cache type. Kernel impls keep
@@ -498,9 +513,7 @@ class Llama(nnx.Module):
         # The residual stream stays [B*T, hidden], the kernels' own shape: reshapes around
         # its adds would make XLA's reshape-mover sink them one add per simplification
         # round, ~2 rounds per layer (DECISIONS "Compile: the residual stream in 2-D").
-        x = jnp.take(self.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
-        if self.config.scale_embeddings:  # Gemma: sqrt(hidden) rounded to the weights' dtype
-            x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.embed.dtype).astype(jnp.float32)
+        x = self.embed_tokens(tokens)
         new_cache, new_stats = [], []
         block = _shared_block()
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -516,6 +529,15 @@ class Llama(nnx.Module):
             new_stats.append(layer_stats)
         return (self.norm(x).reshape(b, t, -1), tuple(new_cache),
                 None if stats is None else tuple(new_stats))
+
+    def embed_tokens(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> their embeddings [B*T, hidden] float32, the residual stream's start
+        (Gemma's scaled by sqrt(hidden) rounded to the weights' dtype)."""
+        b, t = tokens.shape
+        x = jnp.take(self.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
+        if self.config.scale_embeddings:
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.embed.dtype).astype(jnp.float32)
+        return x
 
     def init_stats(self, spec: StatsSpec, cache: Cache) -> tuple[LayerStats, ...] | None:
         """Empty statistics for `spec` (None when the spec needs nothing per step)."""

@@ -98,7 +98,7 @@ def probe_forward(model: Llama, tokens, positions, cache, offsets, spec: StatsSp
     by its norm, KVzap learns from it). With zero offsets, `model.norm` of it is
     `model.forward`'s output (tested): the same layers, the same order, the same embedding."""
     b, t = tokens.shape
-    x = _embed(model, tokens)
+    x = model.embed_tokens(tokens)
     stats = model.init_stats(spec, cache) or (None,) * len(model.layers)
     offsets = (0.0,) * len(model.layers) if offsets is None else offsets
     new_cache, new_stats, inputs = [], [], []
@@ -111,28 +111,12 @@ def probe_forward(model: Llama, tokens, positions, cache, offsets, spec: StatsSp
     return x.reshape(b, t, -1), tuple(new_cache), tuple(new_stats), tuple(inputs)
 
 
-def _embed(model: Llama, tokens) -> jax.Array:
-    """[B*T, hidden] float32: the tokens' embeddings, as `Llama.forward` takes them."""
-    b, t = tokens.shape
-    x = jnp.take(model.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
-    if model.config.scale_embeddings:  # Gemma, as Llama.forward
-        x = x * jnp.asarray(model.config.hidden_size ** 0.5, model.embed.dtype).astype(jnp.float32)
-    return x
-
-
 def _probe_layer(layer, x, positions, layer_cache, layer_stats, offset, spec, impl):
     """One decoder block as `Block.__call__`, with `offset` added to its attention output:
     (x after it [B*T, hidden], its attention input h, the layer's cache, its stats)."""
     h = layer.input_norm(x)  # [B*T, hidden]
     a, layer_cache, layer_stats = layer.attn(h, positions, layer_cache, impl, layer_stats, spec)
-    a = a + offset
-    if layer.pre_mlp_norm is None:
-        x = x + a
-        x = x + layer.mlp(layer.post_attn_norm(x))
-    else:
-        x = x + layer.post_attn_norm(a)
-        x = x + layer.post_mlp_norm(layer.mlp(layer.pre_mlp_norm(x)))
-    return x, h, layer_cache, layer_stats
+    return layer.after_attention(x, a + offset), h, layer_cache, layer_stats
 
 
 def attention_output_gradients(model: Llama, tokens, positions, cache, spec: StatsSpec):
@@ -153,7 +137,7 @@ def attention_output_gradients(model: Llama, tokens, positions, cache, spec: Sta
 def _attention_output_gradients(model: Llama, tokens, positions, cache, spec: StatsSpec):
     b, t = tokens.shape
     real = (positions != EMPTY).astype(jnp.float32).reshape(b * t, 1)
-    x = _embed(model, tokens)
+    x = model.embed_tokens(tokens)
     stats = model.init_stats(spec, cache)
     inputs, new_cache, new_stats = [], [], []
     for layer, layer_cache, layer_stats in zip(model.layers, cache, stats):

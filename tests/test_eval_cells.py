@@ -116,7 +116,7 @@ def test_passkey_trials_take_depths_round_robin(smollm2):
     assert all(250 <= len(c) <= 256 for c in prompts.contexts)
 
 
-def test_kvpress_specs_map_to_presses_or_fail_clearly():
+def test_kvpress_specs_map_to_presses_or_fail_clearly(tmp_path):
     assert parse_press_spec("full") is None
     assert parse_press_spec("snapkv:ratio=0.25") == ("SnapKVPress", {"compression_ratio": 0.25})
     assert parse_press_spec("snapkv:ratio=0.5,headwise=true") == (
@@ -174,3 +174,21 @@ def test_kvpress_specs_map_to_presses_or_fail_clearly():
                                rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="is not an orbax checkpoint directory"):
         press_for("fastkvzip:ratio=0.5,gates=/no/such")
+    # DuoAttention: the head scores kvjax trained (or computed) as kvpress's loaded pattern,
+    # its streaming heads chosen by kvpress's own code
+    from types import SimpleNamespace
+
+    from kvjax.policies.eviction_duo import streaming_heads
+    scores = np.random.default_rng(1).uniform(-0.2, 1.2, (30, 3)).astype(np.float32)
+    np.savez(tmp_path / "duo.npz", head_scores=scores)
+    assert parse_press_spec(f"duo_attention:head_ratio=0.25,scores={tmp_path}/duo.npz") == (
+        "DuoAttentionPress", {"head_compression_ratio": 0.25,
+                              "scores": f"{tmp_path}/duo.npz"})
+    press = press_for(f"duo_attention:head_ratio=0.5,scores={tmp_path}/duo.npz")
+    assert isinstance(press, kvpress.DuoAttentionPress) and not press.on_the_fly_scoring
+    press.post_init_from_model(SimpleNamespace(device="cpu"))
+    assert (press.sink_size, press.recent_size) == (128, 256)
+    np.testing.assert_array_equal(press.streaming_mask.numpy(),
+                                  streaming_heads(np.clip(scores, 0, 1), 0.5))
+    with pytest.raises(ValueError, match="no kvpress press"):
+        parse_press_spec(f"duo_attention:head_ratio=0.5,scores={tmp_path}/duo.npz,sink=64")

@@ -7,6 +7,7 @@
         --method snapkv:ratio=0.5+kivi:bits=2
     kvjax calibrate --out basis.npz        # then --method low_rank:rank=32,basis=basis.npz
     kvjax calibrate --duo --out duo.npz    # then --method duo_attention:head_ratio=0.5,scores=duo.npz
+    kvjax calibrate --duo-train --out duo.npz   # the same, with patterns trained as the paper
     kvjax calibrate --qfilters --out qf.npz   # then --method qfilter:ratio=0.5,filters=qf.npz
     kvjax calibrate --lukv --out curve.npz    # then --method lukv:ratio=0.5,curve=curve.npz
     kvjax calibrate --query-stats --out q.npz # then --method expected_attention_stats:ratio=0.5,stats=q.npz
@@ -62,7 +63,8 @@ BOUNDS = {
     "max_new_tokens": (1, None), "top_k": (0, None), "seed": (0, None),
     "compress_every": (0, None), "context": (2, None), "stride": (1, None),
     "max_tokens": (2, None), "batch_size": (1, None), "prefix": (0, None),
-    "tokens": (2, None), "window": (1, None), "samples": (1, None),
+    "tokens": (2, None), "window": (1, None), "samples": (1, None), "steps": (1, None),
+    "passkeys": (1, 10), "words": (1, None),
 }
 
 
@@ -91,10 +93,10 @@ def check_args(args) -> None:
         if args.prefix >= args.context:
             raise _bad("prefix", args.prefix, f"must be in [0, --context {args.context})")
     if args.command == "calibrate" and \
-            args.duo + args.qfilters + args.lukv + args.query_stats + bool(args.kvzap) + \
-            args.fastkvzip > 1:
-        raise UsageError("--duo, --qfilters, --lukv, --query-stats, --kvzap and --fastkvzip: "
-                         "give one (each writes a different file)")
+            args.duo + args.duo_train + args.qfilters + args.lukv + args.query_stats + \
+            bool(args.kvzap) + args.fastkvzip > 1:
+        raise UsageError("--duo, --duo-train, --qfilters, --lukv, --query-stats, --kvzap and "
+                         "--fastkvzip: give one (each writes a different file)")
     if args.command == "generate" and not args.prompt.strip() and not args.chat:
         raise _bad("prompt", repr(args.prompt), "must not be empty (or use --chat)")
     for option in ("text", "context_file", "config"):
@@ -221,6 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--duo", action="store_true",
                    help="DuoAttention head scores instead (for duo_attention:scores=OUT): "
                         "kvpress's on-the-fly rule over 50 passages of the text")
+    c.add_argument("--duo-train", action="store_true",
+                   help="DuoAttention head patterns trained as the paper does instead (for "
+                        "duo_attention:scores=OUT): per (layer, KV head) a gate between full "
+                        "and streaming attention, fitted with optax on multi-passkey samples "
+                        "of --window tokens cut from the text")
+    c.add_argument("--steps", type=int, default=100,
+                   help="--duo-train: optimizer steps, one new sample each (100)")
+    c.add_argument("--passkeys", type=int, default=5,
+                   help="--duo-train: passkeys per sample (5; the paper: 10)")
+    c.add_argument("--words", type=int, default=16,
+                   help="--duo-train: words per passkey (16; the paper: 32)")
     c.add_argument("--qfilters", action="store_true",
                    help="Q-Filters instead (for qfilter:filters=OUT): the paper's rule over "
                         "the post-RoPE queries of the windows (--samples of them)")
@@ -289,6 +302,31 @@ def cmd_calibrate_duo(args, model, tokenizer) -> dict:
     scores = calibrate_duo_attention(model, [t for t in texts if t])
     np.savez(args.out, head_scores=scores)
     return {"out": str(args.out), "texts": len(texts), "head_scores_shape": list(scores.shape),
+            "seconds": round(time.perf_counter() - start, 3)}
+
+
+def cmd_calibrate_duo_train(args, model, tokenizer) -> dict:
+    """`kvjax calibrate --duo-train`: gates trained on `--steps` multi-passkey samples of
+    `--window` tokens whose haystacks come from the text's last `--tokens` tokens."""
+    from models.duo_training import check_trainable, passkey_samples, train_duo_gates
+
+    check_trainable(model)
+    ids = tokenizer.encode(read_text(args.text))[-args.tokens:]
+    try:
+        samples = passkey_samples(tokenizer, ids, args.steps, args.window, args.passkeys,
+                                  args.words)
+    except ValueError as e:  # too short for the passkeys, or the text for the window
+        raise _bad("window", args.window, str(e)) from None
+    start = time.perf_counter()
+    out = train_duo_gates(model, samples, steps=args.steps)
+    out.save(args.out)
+    first, last = out.history[0], out.history[-1]
+    return {"out": str(args.out), "steps": args.steps, "length": args.window,
+            "passkeys": args.passkeys, "words": args.words,
+            "gates_shape": list(out.gates.shape),
+            "retrieval_heads": int((out.gates > 0.5).sum()),
+            "mean_gate": round(float(out.gates.mean()), 4),
+            "distill_loss": {"first": float(first[0]), "last": float(last[0])},
             "seconds": round(time.perf_counter() - start, 3)}
 
 
@@ -389,6 +427,8 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
 
     if args.duo:
         return cmd_calibrate_duo(args, model, tokenizer)
+    if args.duo_train:
+        return cmd_calibrate_duo_train(args, model, tokenizer)
     ids = tokenizer.encode(read_text(args.text))[-args.tokens:]
     if args.qfilters:
         return cmd_calibrate_qfilters(args, model, ids)

@@ -27,6 +27,9 @@ press `kvjax methods` names for the method, built from the spec it publishes the
     NAME:ratio=R,headwise=true         -> AdaKVPress(NAME's press(R))
     qfilter:ratio=R,filters=PATH       -> QFilterPress(R) with PATH's filters (not the hub's)
     lukv:ratio=R,curve=PATH            -> LUKVPress(R) with PATH's budget curve
+    duo_attention:head_ratio=R,scores=PATH -> DuoAttentionPress(head_compression_ratio=R)
+                                          with PATH's head scores as its loaded pattern
+                                          (sink 128, recent 256)
 
 Anything else (chains, codecs, other arguments, methods whose published spec takes other
 arguments) has no kvpress equivalent here and raises. Needs the `compare` extra
@@ -50,14 +53,17 @@ from experiments.eval.grid import RETRIEVAL_TASKS, Cell
 REROTATING = ("KeyRerotationPress", "FinchPress")
 
 
-# the argument a press takes its ratio as (kvjax's `ratio` in the published spec)
-RATIO_ARGUMENT = {"ThinKPress": "key_channel_compression_ratio"}
+# the argument a press takes its ratio as (kvjax's `ratio`, or `head_ratio`, in the published
+# spec)
+RATIO_ARGUMENT = {"ThinKPress": "key_channel_compression_ratio",
+                  "DuoAttentionPress": "head_compression_ratio"}
+RATIOS = ("ratio", "head_ratio")
 # presses that compress while decoding, not the prefill a ppl window or a question follows
 DECODING = ("decoding_ratio",)
 # a press whose artifact kvpress downloads from the hub (out of reach here) takes the file
 # the spec names instead: the spec's argument -> the press it feeds
 ARTIFACTS = {"filters": "QFilterPress", "curve": "LUKVPress", "weights": "KVzapPress",
-             "gates": "FastKVzipPress"}
+             "gates": "FastKVzipPress", "scores": "DuoAttentionPress"}
 
 
 def _published(name: str) -> dict | None:
@@ -69,7 +75,8 @@ def _published(name: str) -> dict | None:
     if info is None or not info.spec or "+" in info.spec or name in DECODING:
         return None
     kwargs = split_part(info.spec.replace("{r}", "0.5"))[1]
-    return kwargs if "ratio" in kwargs and set(kwargs) <= {"ratio", "inner", *ARTIFACTS} else None
+    ratios = [r for r in RATIOS if r in kwargs]
+    return kwargs if len(ratios) == 1 and set(kwargs) <= {*ratios, "inner", *ARTIFACTS} else None
 
 
 def parse_press_spec(method: str) -> tuple[str, dict] | None:
@@ -94,7 +101,7 @@ def parse_press_spec(method: str) -> tuple[str, dict] | None:
         raise ValueError(f"no kvpress press for method {method!r}: compare runs `full` and, "
                          f"for a method in {known}, the spec `kvjax methods` publishes for it "
                          f"with any ratio (and snapkv with headwise=true)")
-    ratio = float(kwargs["ratio"])
+    ratio = float(next(kwargs[r] for r in RATIOS if r in kwargs))
     press = METHOD_INFO[name].kvpress
     if "inner" in kwargs:
         return press, {"press": parse_press_spec(f"{kwargs['inner']}:ratio={ratio}")}
@@ -163,7 +170,9 @@ def _given(press, artifact: dict):
     (`filters`, as `kvjax calibrate --qfilters` writes them), LUKVPress its budget curve
     (`curve`, as `kvjax calibrate --lukv` writes it), KVzapPress its surrogate (`weights`, as
     `kvjax calibrate --kvzap` writes it), FastKVzipPress its gates (`gates`, as `kvjax
-    calibrate --fastkvzip` writes them), each read by kvjax's checked loaders."""
+    calibrate --fastkvzip` writes them), DuoAttentionPress its head pattern (`scores`, as
+    `kvjax calibrate --duo-train` or `--duo` writes it), each read by kvjax's checked
+    loaders."""
     if "weights" in artifact:
         from kvjax.policies.eviction_kvzap import load_kvzap
         surrogate = load_kvzap(artifact["weights"])
@@ -184,6 +193,12 @@ def _given(press, artifact: dict):
         from kvjax.policies.eviction_lukv import load_budget_curve
         curve = load_budget_curve(artifact["curve"])
         press._load_budget_curves = lambda model: curve
+    if "scores" in artifact:  # in place of the patterns DuoAttention publishes for 6 models
+        import numpy as np
+
+        from kvjax.policies.eviction_duo import RECENT, SINK, load_head_scores
+        scores = np.clip(load_head_scores(artifact["scores"]), 0, 1)  # as kvpress clips them
+        press.load_attention_pattern = lambda model: (SINK, RECENT, scores)
     return press
 
 

@@ -48,7 +48,8 @@ TEXTS = {"kjv_genesis": 0.5, "devils_dictionary": 0.75}  # text -> the ratio its
 ARTIFACT_FILES = {"qfilter": "{golden}/smollm2_qfilters.npz",
                   "lukv": "{golden}/smollm2_lukv_curve.npz",
                   "kvzap": "{repo}/experiments/data/kvzap/SmolLM2-135M-Instruct-linear",
-                  "fastkvzip": "{repo}/experiments/data/fastkvzip/SmolLM2-135M-Instruct"}
+                  "fastkvzip": "{repo}/experiments/data/fastkvzip/SmolLM2-135M-Instruct",
+                  "duo_attention": "{repo}/experiments/data/duo/SmolLM2-135M-Instruct.npz"}
 
 
 def methods(ratio: float) -> list[str]:

@@ -9,9 +9,11 @@ attention and keeps them in memory; `duo_attention` evicts them, in the pooled l
 really shrinks.
 
 The scores: DuoAttention's are trained per model and published for a few (kvpress downloads
-them); kvpress's `on_the_fly_scoring=True` computes them instead, and so does kvjax
-(`models.calibration.calibrate_duo_attention`, the same rule: `duo_head_scores`), saved as an
-`.npz` with `head_scores` [L, KVH] that `scores=PATH` reads.
+them); kvjax trains them the same way for any model (`models.duo_training`, `kvjax calibrate
+--duo-train`: per-KV-head gates between full and streaming attention, `gated_attention`).
+kvpress's `on_the_fly_scoring=True` approximates them instead, and so does kvjax
+(`models.calibration.calibrate_duo_attention`, the same rule: `duo_head_scores`). Either is
+an `.npz` with `head_scores` [L, KVH] that `scores=PATH` reads.
 
 Example:
     >>> import numpy as np
@@ -64,6 +66,42 @@ def duo_head_scores(q_mean: jax.Array, k_mean: jax.Array, inv_freq: jax.Array,
     attn = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     area = jnp.cumsum(attn, axis=-1).mean(-1)  # [L, H]
     return area.reshape(num_layers, kvh, h // kvh).mean(-1)
+
+
+def streaming_visible(length: int, sink: int, recent: int) -> np.ndarray:
+    """[T, T] bool: what a streaming head's query i sees during DuoAttention's training: keys
+    j <= i among the first `sink` or the last `recent` (i - j < recent, itself included)."""
+    i, j = np.arange(length)[:, None], np.arange(length)[None, :]
+    return (j <= i) & ((j < sink) | (i - j < recent))
+
+
+def gated_attention(q: jax.Array, k: jax.Array, v: jax.Array, gates: jax.Array, sink: int,
+                    recent: int, softcap: float | None = None) -> jax.Array:
+    """DuoAttention's training attention: each KV head's output is `gate * full + (1 - gate) *
+    streaming`, full = causal softmax attention, streaming = the same over only the keys
+    `streaming_visible` leaves (the paper's eq. 1, gates clipped to [0, 1]).
+
+    Args:
+      q: [B, T, H, D] queries after RoPE; k, v: [B, T, KVH, D] keys after RoPE and values.
+      gates: [KVH] float32, one per KV head, shared by its query heads.
+    Returns:
+      [B, T, H, D] float32.
+    """
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", qg, k) * np.float32(d ** -0.5)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    causal = np.tril(np.ones((t, t), bool))
+
+    def attend(visible):
+        p = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+        return jnp.einsum("bkgts,bskd->btkgd", p, v)
+
+    gate = jnp.clip(gates, 0.0, 1.0)[:, None, None]  # [KVH, 1, 1] against [.., KVH, G, D]
+    out = gate * attend(causal) + (1 - gate) * attend(streaming_visible(t, sink, recent))
+    return out.reshape(b, t, h, d)
 
 
 def streaming_heads(scores: np.ndarray, head_ratio: float) -> np.ndarray:
@@ -135,7 +173,10 @@ def duo_attention(head_ratio: float = 0.0, scores: str | None = None, sink: int 
 
     As kvpress DuoAttentionPress(head_compression_ratio=head_ratio, on_the_fly_scoring=True)
     when `scores` holds the on-the-fly scores (`models.calibration.calibrate_duo_attention`
-    computes them with kvpress's rule; kvpress's own calibration texts come from the hub).
+    computes them with kvpress's rule; kvpress's own calibration texts come from the hub), and
+    as DuoAttentionPress(head_compression_ratio=head_ratio) loading `scores` as its pattern
+    (trained by `models.duo_training`; kvpress clips patterns to [0, 1], which trained gates
+    already are).
     """
     check_real("duo_attention", "head_ratio", head_ratio, 0.0, 1.0)
     check_int("duo_attention", "sink", sink, 0)

@@ -206,7 +206,8 @@ METHOD_INFO: dict[str, MethodInfo] = {
     "cam": MethodInfo("Zhang et al. 2024, https://openreview.net/forum?id=LCTmppB165",
                       "CAMPress", "cam:inner=knorm,budget=K", _CAM),
     # {r} here is kvpress's head_compression_ratio (its compression_ratio is an output);
-    # PATH: head scores from models.calibration.calibrate_duo_attention (on_the_fly_scoring)
+    # PATH: head scores, trained (`kvjax calibrate --duo-train`, kvpress's loaded pattern) or
+    # kvpress's on-the-fly rule (`--duo`, models.calibration.calibrate_duo_attention)
     "duo_attention": MethodInfo("Xiao et al. 2024, https://arxiv.org/abs/2410.10819",
                                 "DuoAttentionPress",
                                 "duo_attention:head_ratio={r},scores=PATH", _DUO),
