@@ -16,8 +16,9 @@ kept values (Merging), a randomized scorer given kvjax's sketch (LeverageScore),
 reconstruction pass with the tokenizer's prompt (KVzip), and key-channel pruning (ThinK: the
 prefix's keys on the kept channels, the 256 later keys whole in the exact part, as kvpress
 prunes the prefill only; 5e-7), and two presses given kvjax's artifacts in place of the hub's
-(LU-KV's budget curve: per-head counts, pooled; Q-Filters' filters), and KVCompose (its
-second pass over the context, per-layer counts).
+(LU-KV's budget curve: per-head counts, pooled; Q-Filters' filters), KVCompose (its
+second pass over the context, per-layer counts) and DuoAttention with the patterns kvjax
+trained (kvpress masks the streaming heads' middle tokens, kvjax evicts them).
 `python -m experiments.eval.kvpress_ppl_parity` compares
 every row: 51 of 52 within 0.1%; the other is named in docs/DECISIONS.md (LagKV at r = 0.75
 on a 768-token prefix: 256 tokens tie at kvpress's top score for 192 places, and torch's
@@ -45,7 +46,9 @@ CASES = [("kjv_genesis", "full"), ("devils_dictionary", "full"),
                          "SmolLM2-135M-Instruct-linear"),
          ("kjv_genesis", "fastkvzip:ratio=0.5,gates={repo}/experiments/data/fastkvzip/"
                          "SmolLM2-135M-Instruct"),
-         ("devils_dictionary", "chunk:inner=knorm,ratio=0.75")]
+         ("devils_dictionary", "chunk:inner=knorm,ratio=0.75"),
+         ("devils_dictionary", "duo_attention:head_ratio=0.75,scores={repo}/experiments/data/"
+                               "duo/SmolLM2-135M-Instruct.npz")]
 
 
 def test_the_golden_covers_every_method_kvpress_runs():
