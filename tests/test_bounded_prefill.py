@@ -67,3 +67,24 @@ def test_snapkv_budget_bounds_the_cache(smollm2_shape, n):
             == budget
     assert int(out.prefilled.next_pos[0]) == n
     assert np.isfinite(np.asarray(out.prefilled.logits)).all()
+
+
+def test_prefill_flops_count_every_weight_matmul_and_causal_attention():
+    """`experiments/bench/prefill_throughput.prefill_flops`' floor: two FLOPs per weight of
+    every layer's matmuls per token (the weights counted from the model itself, norms left
+    out), causal attention's two products over T (T + 1) / 2 query-key pairs per head and
+    layer, one row of logits."""
+    import numpy as np
+    from flax import nnx
+
+    from experiments.bench.prefill_throughput import prefill_flops
+    from models.llama import Llama, LlamaConfig
+    cfg = LlamaConfig.tiny()
+    model = Llama(cfg, rngs=nnx.Rngs(0))
+    weights = sum(int(np.prod(p.shape)) for path, p in nnx.to_flat_state(
+        nnx.state(model.layers, nnx.Param)) if "norm" not in "/".join(map(str, path)))
+    t = 10
+    flops = prefill_flops(cfg, t)
+    assert flops["dense"] == 2 * t * weights
+    assert flops["attention"] == cfg.num_layers * cfg.num_heads * 4 * cfg.head_dim * 55
+    assert flops["total"] == flops["dense"] + flops["attention"] + 2 * cfg.hidden_size * cfg.vocab_size
