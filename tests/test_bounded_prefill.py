@@ -70,14 +70,14 @@ def test_snapkv_budget_bounds_the_cache(smollm2_shape, n):
 
 
 def test_prefill_flops_count_every_weight_matmul_and_causal_attention():
-    """`experiments/bench/prefill_throughput.prefill_flops`' floor: two FLOPs per weight of
+    """`experiments.eval.floor.prefill_flops`, the floor of experiments/bench/prefill_throughput.py: two FLOPs per weight of
     every layer's matmuls per token (the weights counted from the model itself, norms left
     out), causal attention's two products over T (T + 1) / 2 query-key pairs per head and
     layer, one row of logits."""
     import numpy as np
     from flax import nnx
 
-    from experiments.bench.prefill_throughput import prefill_flops
+    from experiments.eval.floor import prefill_flops
     from models.llama import Llama, LlamaConfig
     cfg = LlamaConfig.tiny()
     model = Llama(cfg, rngs=nnx.Rngs(0))

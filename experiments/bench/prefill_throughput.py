@@ -6,7 +6,7 @@ One batch-1 prefill of `--tokens` tokens of KJV Genesis into a float32 cache, ti
 (median of `--repeats`, after a compile-and-run), for each prefill chunk in `--chunks`
 (`models.sampler.prefill_batch`: a scan of chunks, each attending to the cache so far). The
 floor is the prefill's matmul FLOPs over this machine's matmul throughput measured in the same
-run (`matmul_gflops`: the median of a float32 `[T, hidden] @ [hidden, intermediate]`
+run (`experiments.eval.floor.matmul_gflops`: the median of a float32 `[T, hidden] @ [hidden, intermediate]`
 product, the MLP's own shape): projections and MLP `2 * T * (weights)`, causal attention
 `2 * 2 * H * D * T (T + 1) / 2` per layer, one row of logits. Beside them transformers'
 float32 forward of the same ids (sdpa attention, torch's threads = this process's cores,
@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.eval.floor import matmul_gflops, prefill_flops
+
 TEXT = Path(__file__).resolve().parents[1] / "data" / "kjv_genesis.txt"
 
 
@@ -35,32 +37,6 @@ def median_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def matmul_gflops(rows: int, inner: int, cols: int, repeats: int = 5) -> float:
-    """Median GFLOP/s of a jitted float32 `[rows, inner] @ [inner, cols]` on this machine."""
-    import jax
-    import jax.numpy as jnp
-
-    a = jnp.ones((rows, inner), jnp.float32)
-    b = jnp.ones((inner, cols), jnp.float32)
-    product = jax.jit(jnp.matmul)
-    product(a, b).block_until_ready()
-    return 2 * rows * inner * cols / median_seconds(
-        lambda: product(a, b).block_until_ready(), repeats) / 1e9
-
-
-def prefill_flops(cfg, tokens: int) -> dict:
-    """FLOPs of one batch-1 causal prefill: matmuls with weights, causal attention, the last
-    position's logits."""
-    h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = cfg.hidden_size * (h * d + 2 * kvh * d) + h * d * cfg.hidden_size \
-        + 3 * cfg.hidden_size * cfg.intermediate_size
-    dense = 2 * tokens * per_layer * cfg.num_layers
-    attention = 2 * 2 * h * d * tokens * (tokens + 1) // 2 * cfg.num_layers
-    logits = 2 * cfg.hidden_size * cfg.vocab_size
-    return {"dense": dense, "attention": attention, "logits": logits,
-            "total": dense + attention + logits}
 
 
 def kvjax_prefill_seconds(model, ids, chunk: int, repeats: int) -> tuple[float, float]:
