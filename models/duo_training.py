@@ -42,6 +42,7 @@ from kvjax.policies.eviction_duo import RECENT, SINK, gated_attention
 from models.llama import Llama, new_cache, windowed_layers
 
 LR, REG = 0.02, 0.05  # the paper's published patterns: lr=0.02, reg=0.05
+PASSKEYS, WORDS = 5, 16  # per sample (the paper: 10 passkeys of 32 words in 1k-128k tokens)
 PASSKEY_WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
                  "india", "juliett", "kilo", "lima", "mike", "november", "oscar", "papa",
                  "quebec", "romeo", "sierra", "tango", "uniform", "victor", "whiskey", "xray",
@@ -64,6 +65,7 @@ def passkey_sample(tokenizer, haystack: Sequence[int], length: int, passkeys: in
 
     Returns (ids [length] int32, answer [length] bool: the question-and-answer tokens, whose
     hidden states the loss compares)."""
+    check_int("passkey_sample", "length", length)
     check_int("passkey_sample", "passkeys", passkeys)
     if passkeys > len(ORDINALS):
         raise ValueError(f"passkey_sample: need passkeys <= {len(ORDINALS)}, got {passkeys}")
@@ -91,9 +93,6 @@ def passkey_sample(tokenizer, haystack: Sequence[int], length: int, passkeys: in
     context += list(haystack[last:fill]) + closing
     ids = np.asarray(context + qa, np.int32)
     return ids, np.arange(length) >= len(context)
-
-
-PASSKEYS, WORDS = 5, 16  # per sample (the paper: 10 passkeys of 32 words in 1k-128k tokens)
 
 
 def passkey_samples(tokenizer, text_ids: Sequence[int], count: int, length: int,
