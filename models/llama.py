@@ -383,7 +383,7 @@ class Attention(nnx.Module):
                  stats: LayerStats | None = None, spec: StatsSpec = NO_STATS):
         """x [B*T, hidden] float32, positions [B, T] -> (output [B*T, hidden], cache, stats)."""
         b, t = positions.shape
-        h, kvh, d = self.shape
+        h, _, d = self.shape
         cfg = self.config
         q_pre, q, k, v = self.project(x, positions)
         k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KVH, T, D]
@@ -398,7 +398,6 @@ class Attention(nnx.Module):
         if stats is not None:
             stats = observe(spec, stats, q_pre, q, positions, x.reshape(b, t, -1))
         return self.o_proj(out.reshape(b * t, h * d)), cache, stats
-
 
     def project(self, x: jax.Array, positions: jax.Array):
         """x [B*T, hidden] float32, positions [B, T] -> (pre-RoPE queries q_pre [B, T, H, D],
