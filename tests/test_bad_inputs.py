@@ -320,7 +320,13 @@ def cli(capsys, *argv):
     (["calibrate", "--qfilters", "--samples", "0", "--out", "{tmp}/q.npz"],
      "--samples 0: must be an integer >= 1"),
     (["calibrate", "--qfilters", "--duo", "--out", "{tmp}/q.npz"],
-     "--duo, --qfilters, --lukv, --query-stats, --kvzap and --fastkvzip: give one"),
+     "--duo, --duo-train, --qfilters, --lukv, --query-stats, --kvzap and --fastkvzip: give one"),
+    (["calibrate", "--duo-train", "--passkeys", "11", "--out", "{tmp}/d.npz"],
+     "--passkeys 11: must be an integer >= 1 and <= 10"),
+    (["calibrate", "--duo-train", "--steps", "0", "--out", "{tmp}/d.npz"],
+     "--steps 0: must be an integer >= 1"),
+    (["calibrate", "--duo-train", "--words", "0", "--out", "{tmp}/d.npz"],
+     "--words 0: must be an integer >= 1"),
 ])
 def test_cli_rejects_bad_numbers_with_one_line(capsys, tmp_path, tiny_gguf, argv, message):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

@@ -36,7 +36,8 @@ def test_the_wheel_carries_code_and_data(tmp_path):
     want |= {f"experiments/notebooks/{p.name}"
              for p in (ROOT / "experiments/notebooks").glob("*.ipynb")}
     want |= {f"experiments/data/{p.name}" for p in (ROOT / "experiments/data").glob("*.txt")}
-    for folder in ("experiments/data/kvzap", "kvjax/policies/planner_controller"):  # orbax
+    for folder in ("experiments/data/kvzap", "experiments/data/duo",  # orbax; DuoAttention's
+                   "kvjax/policies/planner_controller"):  # trained patterns (.npz)
         want |= {str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*") if p.is_file()}
     want |= {"kvjax/core/cpu_kernels/decode_attention.cc", "kvjax/py.typed",
              "experiments/cli/main.py", "experiments/eval/harness.py", "models/sampler.py",
