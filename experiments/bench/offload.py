@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kvjax
+from experiments.eval.floor import median_seconds
 from kvjax.memory import tiers
 from kvjax.memory.paging import init_paged_cache, reserve
 from kvjax.memory.tiers import (coldest_pages, host_pages_in_use, init_tiered_cache, prefetch,
@@ -80,12 +81,7 @@ def _attend(q, qpos, layer):
 
 def _median_ms(fn, repeats):
     fn()  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(lambda: jax.block_until_ready(fn()), repeats)
 
 
 def measure(tokens: int, page_size: int, layers: int, fraction: float, repeats: int) -> dict:

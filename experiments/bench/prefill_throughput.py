@@ -25,18 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.eval.floor import matmul_gflops, prefill_flops
+from experiments.eval.floor import matmul_gflops, median_seconds, prefill_flops
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "kjv_genesis.txt"
-
-
-def median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def kvjax_prefill_seconds(model, ids, chunk: int, repeats: int) -> tuple[float, float]:

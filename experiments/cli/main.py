@@ -308,9 +308,8 @@ def cmd_calibrate_duo(args, model, tokenizer) -> dict:
 def cmd_calibrate_duo_train(args, model, tokenizer) -> dict:
     """`kvjax calibrate --duo-train`: gates trained on `--steps` multi-passkey samples of
     `--window` tokens whose haystacks come from the text's last `--tokens` tokens."""
-    from models.duo_training import check_trainable, passkey_samples, train_duo_gates
+    from models.duo_training import passkey_samples, train_duo_gates
 
-    check_trainable(model)
     ids = tokenizer.encode(read_text(args.text))[-args.tokens:]
     try:
         samples = passkey_samples(tokenizer, ids, args.steps, args.window, args.passkeys,

@@ -11,6 +11,20 @@ import jax
 import jax.numpy as jnp
 
 
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall seconds of `repeats` calls of `fn` (which blocks until its work is done).
+
+    >>> median_seconds(lambda: None, 3) >= 0
+    True
+    """
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 7) -> float:
     """Median GB/s of a jitted sum over a `nbytes` float32 array (one read pass).
 
@@ -20,12 +34,7 @@ def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 7) -> float:
     x = jnp.ones((nbytes // 4,), jnp.float32)
     total = jax.jit(jnp.sum)
     total(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return nbytes / statistics.median(times) / 1e9
+    return nbytes / median_seconds(lambda: total(x).block_until_ready(), repeats) / 1e9
 
 
 def matmul_gflops(rows: int, inner: int, cols: int, repeats: int = 5) -> float:
@@ -38,12 +47,8 @@ def matmul_gflops(rows: int, inner: int, cols: int, repeats: int = 5) -> float:
     b = jnp.ones((inner, cols), jnp.float32)
     product = jax.jit(jnp.matmul)
     product(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        product(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * rows * inner * cols / statistics.median(times) / 1e9
+    return 2 * rows * inner * cols / median_seconds(lambda: product(a, b).block_until_ready(),
+                                                    repeats) / 1e9
 
 
 def prefill_flops(cfg, tokens: int) -> dict:
