@@ -87,7 +87,8 @@ DEFAULT_SPECS = {
 method in `kvjax.METHODS`."""
 
 KVZIP_PLUS = "kvzip:ratio=0.5,prompt=bare,plus=true"  # KVzip+ normalization
-MORE = ["quantize:bits=4,axis=channel", "quantize:bits=2,residual=48", KVZIP_PLUS]
+MORE = ["quantize:bits=4,axis=channel", "quantize:bits=2,residual=48", KVZIP_PLUS,
+        "chunk:inner=tova,ratio=0.5,chunk_length=16"]  # each chunk's own last query
 CHAINS = ["snapkv:ratio=0.5+think:ratio=0.5",
           "snapkv:ratio=0.5+kivi:bits=4", "kivi:bits=2+snapkv:ratio=0.5",
           "h2o:ratio=0.5+quantize:bits=4,axis=channel"]
@@ -101,10 +102,9 @@ def registered_specs() -> list[str]:
 
 SPECS = registered_specs() + MORE + CHAINS
 PROMPT_ONLY = {DEFAULT_SPECS["kvzip"], DEFAULT_SPECS["kvgrad"], KVZIP_PLUS,
-               DEFAULT_SPECS["kvcompose"], DEFAULT_SPECS["fastkvzip"]}
+               DEFAULT_SPECS["kvcompose"]}
 """Methods that compress the prompt only (kvzip, kvgrad, kvcompose: their scores come from a pass
-after prefill; fastkvzip: kvpress's rule ranks a plain cache once): with `compress_every` they
-must refuse by name."""
+after prefill): with `compress_every` they must refuse by name."""
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,75 @@ def test_kept_tokens_are_the_best_scored_over_layers_and_heads(tiny_model, ratio
     assert len(counts) > 2
 
 
+def numpy_decode_keep(held: list[dict], scores: list[np.ndarray], budget, layerwise: bool,
+                      n_sink: int = 4, window_ratio: float = 0.02) -> list[dict]:
+    """The paper's decoding rule for one row in numpy: `held[l][h]` the positions layer l,
+    KV head h holds, `scores[l]` [KVH, P] the gate scores by position; sinks and the newest
+    `max(1, floor(T * window_ratio))` positions stay, and the lowest-scored go until the row
+    (`layerwise`: each layer) is back at `budget` (an int, or one per layer)."""
+    seen = 1 + max(p for layer in held for head in layer.values() for p in head)
+    window = seen - max(1, int(seen * window_ratio))
+    entries = [(layer, h, p) for layer, heads in enumerate(held) for h in sorted(heads)
+               for p in sorted(heads[h])]
+    score = lambda e: np.inf if e[2] < n_sink else 1.0 if e[2] >= window else \
+        float(scores[e[0]][e[1], e[2]])
+    groups = [[e for e in entries if e[0] == layer] for layer in range(len(held))] \
+        if layerwise else [entries]
+    budgets = budget if layerwise else [budget]
+    gone = set()
+    for group, b in zip(groups, budgets):
+        order = sorted(group, key=score)  # stable: ties to the earlier layer, head, position
+        gone |= set(order[:max(0, len(group) - b)])
+    return [{h: {p for p in heads[h] if (layer, h, p) not in gone} for h in heads}
+            for layer, heads in enumerate(held)]
+
+
+def held_positions(cache, b: int) -> list[dict]:
+    """Per layer {KV head: positions} row b holds (per-head or pooled rows)."""
+    return [{h: {int(p) for p in np.asarray(layer.pos[b, h]) if p != EMPTY}
+             for h in range(layer.pos.shape[1])} for layer in cache]
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_decoding_updates_evict_back_to_the_prompts_budget_by_gate_scores(tiny_model,
+                                                                         layerwise):
+    """The paper's decoding rule (`compress_every`): two prompts (30 and 45 tokens) compressed
+    at ratio 0.5, then 12 decode steps with an update every 4. At each update every row (or
+    layer) goes back to exactly what the prompt's compression left, and the positions kept
+    per layer and KV head are numpy's rule on the scores the model wrote as tokens entered;
+    `generate` with `compress_every` keeps that budget too."""
+    from models.sampler import generate
+    gates = gates_for(tiny_model, seed=4)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (30, 45)]
+    t = fastkvzip(ratio=0.5, gates=gates, layerwise=layerwise)
+    pre = prefill_batch(tiny_model, prompts, stats=t.stats, room=12)
+    cache, state = t.update(pre.cache, t.init(pre.cache), pre.stats)
+    stats, first = pre.stats, np.asarray(state.kept)  # [L, B]
+    assert (first >= 0).all() and first[:, 0].sum() < first[:, 1].sum()
+    pos = np.asarray(pre.next_pos)
+    for step in range(12):
+        tokens = jnp.asarray(rng.integers(3, 256, (2, 1)))
+        _, cache, stats = tiny_model.forward(tokens, jnp.asarray(pos + step)[:, None], cache,
+                                             stats, t.stats)
+        if step % 4 != 3:
+            continue
+        before = [held_positions(cache, b) for b in range(2)]
+        scores = [[np.asarray(s.position_scores[b]) for s in stats] for b in range(2)]
+        cache, state = t.update(cache, state, stats)
+        np.testing.assert_array_equal(np.asarray(state.kept), first)
+        for b in range(2):
+            budget = first[:, b].tolist() if layerwise else int(first[:, b].sum())
+            want = numpy_decode_keep(before[b], scores[b], budget, layerwise)
+            assert held_positions(cache, b) == want, (step, b)
+            got = [sum(map(len, layer.values())) for layer in want]
+            assert got == first[:, b].tolist() if layerwise else sum(got) == budget
+    out = generate(tiny_model, prompts, max_new_tokens=9, compress_every=4, transform=t)
+    held = np.stack([np.asarray(kvjax.num_valid(layer)) for layer in out.cache])  # [L, B, ...]
+    total = held.reshape(held.shape[0], 2, -1).sum(-1).sum(0)
+    assert (total <= first.sum(0) + 4).all(), (total, first.sum(0))
+
+
 def test_fit_gates_learns_a_teacher_gate():
     """Targets from a random teacher gate: after `fit_gates` the students' mean squared error
     on fresh inputs is under a third of the untrained gates' (same seed, same shapes)."""

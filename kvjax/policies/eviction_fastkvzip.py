@@ -18,6 +18,12 @@ prefill, the first `n_sink` tokens and the newest `max(1, floor(T * window_ratio
 tokens of all layers and KV heads together go (`layerwise`: per layer), exactly KVzip's
 selection (`eviction_kvzip.kvzip_keep`), so budgets differ by layer and head (pooled rows).
 
+The gates score decode tokens as they enter too, which is the paper's point (its decoding
+benchmarks, `math/method/compression/fastkvzip.py`): with `compress_every` every later
+update evicts the lowest-scored tokens of every layer and KV head until the row is back at
+the total the prompt's compression left (newest window and sinks kept), so the cache stays
+at its budget while it decodes. kvpress compresses the prompt only.
+
 The gates are a `FastKVzipGates`, saved and read with orbax. kvpress downloads the paper's
 (`Jang-Hyun/Fast-KVzip`, for a few large models); `kvjax calibrate --fastkvzip --out DIR`
 trains them for any model kvjax loads, as the paper does: KVzip's scores of real text as
@@ -40,19 +46,20 @@ import dataclasses
 import functools
 import math
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kvjax.core.cache import EMPTY, Cache
-from kvjax.core.layout import map_layers
-from kvjax.core.selection import init_budget
+from kvjax.core.layer import is_plain
+from kvjax.core.layout import compact, map_layers
 from kvjax.core.stats import StatsSpec
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import _check_bool, check_int, check_real
 from kvjax.policies.eviction_kvzap import LayerScorer, check_training_shapes, restore_arrays
-from kvjax.policies.eviction_kvzip import _evict, kvzip_keep, pass_scores
+from kvjax.policies.eviction_kvzip import _evict, drop_lowest, slot_scores
 
 FIELDS = ("q_proj", "q_bias", "k_proj", "q_norm", "k_norm", "k_base", "bias")
 LONG_CONTEXT = 32_000  # from this many tokens on, the protected window is `window_size`
@@ -174,44 +181,83 @@ def load_fastkvzip(path: str | os.PathLike) -> FastKVzipGates:
 
 def protect_window(scores: jax.Array, pos: jax.Array, window_size: int,
                    window_ratio: float) -> jax.Array:
-    """`scores` [L, B, KVH, C] with each row's newest `max(1, floor(T * window_ratio))` tokens
-    (T: the row's token count; from 32,000 tokens on, `window_size`) set to 1, the gate's
-    largest score (kvpress `FastKVzipPress._score_fast`).
+    """`scores` [L, B, KVH, C] with each row's newest `max(1, floor(T * window_ratio))`
+    positions (T: the row's tokens so far, its largest position + 1; from 32,000 tokens on,
+    `window_size`) set to 1, the gate's largest score (kvpress `FastKVzipPress._score_fast`).
 
     Example:
         >>> pos = jnp.arange(6).reshape(1, 1, 1, 6)
         >>> protect_window(jnp.zeros((1, 1, 1, 6)), pos, 4096, 0.34)[0, 0, 0].tolist()
         [0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     """
-    tokens = jnp.max(jnp.sum(pos != EMPTY, axis=-1), axis=(0, 2))  # [B]
+    tokens = jnp.max(pos, axis=(0, 2, 3)) + 1  # [B]
     short = jnp.maximum(1, jnp.floor(tokens * window_ratio).astype(jnp.int32))
     window = jnp.where(tokens < LONG_CONTEXT, short, window_size)
     newest = pos >= (tokens - window)[None, :, None, None]
     return jnp.where(newest & (pos != EMPTY), 1.0, scores)
 
 
+class FastKVzipState(NamedTuple):
+    """`fastkvzip`'s state: the ratio, and the budget the first update left."""
+
+    ratio: jax.Array  # [] float32 fraction of the prompt's tokens evicted
+    kept: jax.Array  # [L, B] int32 tokens of layer l, row b (all KV heads) after the first
+    #                  update; -1 before it
+
+
+def slot_scores_of(cache: Cache, stats) -> tuple[jax.Array, jax.Array]:
+    """(positions, gate scores) [L, B, KVH, C] of every slot, per-head or pooled rows (C the
+    widest layer's slots, the others' padded with EMPTY); a ValueError when the statistics hold no gate scores or a layer is not a token cache."""
+    if stats is None or any(s is None or s.scorer is None for s in stats):
+        raise ValueError("fastkvzip scores tokens as the model runs them (its gates, "
+                         "StatsSpec.token_scores): these statistics have no such scores; "
+                         "run it through the sampler (models.sampler)")
+    for i, layer in enumerate(cache):
+        if not is_plain(layer):
+            raise ValueError(f"fastkvzip: layer {i} is not a plain token cache (a codec's before "
+                             f"it in the chain); fastkvzip ranks the tokens themselves")
+    width = max(layer.pos.shape[-1] for layer in cache)  # layers may differ after a shrink
+    pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])),
+                                  constant_values=fill)
+    pos = jnp.stack([pad(layer.pos, EMPTY) for layer in cache])
+    return pos, jnp.stack([pad(slot_scores(s.position_scores, layer.pos), 0.0)
+                           for s, layer in zip(stats, cache)])
+
+
 @dataclasses.dataclass(frozen=True)
 class FastKVzipUpdate:
-    """`fastkvzip`'s update: the gates' scores, the window protected, ranked as KVzip's."""
+    """`fastkvzip`'s update: the gates' scores, the window protected, ranked as KVzip's.
+
+    First update (after prefill): the lowest `floor(N * ratio)` of the N tokens of every layer
+    and KV head go (kvpress's rule). Every later one (`compress_every`, the paper's decoding
+    rule): the tokens written since are scored by the gates as they entered, and the lowest go
+    until the row holds the first update's total again, over every layer and KV head
+    together (`layerwise`: each layer back to its own total)."""
 
     n_sink: int = 4
     layerwise: bool = False
     window_size: int = 4096
     window_ratio: float = 0.02
 
-    def __call__(self, cache: Cache, state, stats=None):
-        if stats is None or any(s is None or s.scorer is None for s in stats):
-            raise ValueError("fastkvzip scores tokens as the model runs them (its gates, "
-                             "StatsSpec.token_scores): these statistics have no such scores; "
-                             "run it through the sampler (models.sampler)")
-        if any(getattr(layer, "pooled", False) for layer in cache):
-            raise ValueError("fastkvzip ranks a plain cache once, after prefill (kvpress "
-                             "FastKVzipPress compresses the prompt only): not again during "
-                             "decoding (compress_every), nor after a head-wise policy in a chain")
-        pos, scores = pass_scores("fastkvzip", cache, stats)
+    def __call__(self, cache: Cache, state: FastKVzipState, stats=None):
+        pos, scores = slot_scores_of(cache, stats)
         scores = protect_window(scores, pos, self.window_size, self.window_ratio)
-        keep = kvzip_keep(scores, pos, state.ratio, self.n_sink, self.layerwise)
-        return map_layers(_evict, tuple(cache), tuple(keep)), state
+        scores = jnp.where(pos < self.n_sink, jnp.inf, scores)
+        valid = pos != EMPTY
+        held = jnp.sum(valid, axis=(2, 3))  # [L, B]
+        first = state.kept < 0  # [L, B]: no update yet
+        if not self.layerwise:
+            held, first, kept = held.sum(0), first[0], state.kept.sum(0)  # [B]
+        else:
+            kept = state.kept
+        by_ratio = jnp.floor(held.astype(jnp.float32) * state.ratio).astype(jnp.int32)
+        keep = drop_lowest(scores, valid, jnp.where(first, by_ratio,
+                                                    jnp.maximum(held - kept, 0)))
+        evict = lambda layer, k: compact(layer, k) if layer.pooled else _evict(layer, k)
+        keep = tuple(k[..., :layer.pos.shape[-1]] for k, layer in zip(keep, cache))
+        out = map_layers(evict, tuple(cache), keep)
+        now = jnp.stack([jnp.sum(k, axis=(1, 2)) for k in keep]).astype(jnp.int32)  # [L, B]
+        return out, state._replace(kept=jnp.where(state.kept < 0, now, state.kept))
 
 
 def fastkvzip(ratio: float | None = None,
@@ -223,10 +269,11 @@ def fastkvzip(ratio: float | None = None,
     `FastKVzipPress(compression_ratio=ratio, layerwise, n_sink, window_size, window_ratio)`.
 
     `gates`: a `FastKVzipGates` or the orbax directory `kvjax calibrate --fastkvzip --out DIR`
-    writes (made for the model it runs with: checked when the statistics are made). It
-    compresses the prompt once, after prefill, as kvpress does (`compress_every` is refused by
-    name: the paper's decoding-time use, a gate score for each new token against a growing
-    pooled cache, would need a rule for re-ranking budgets that kvpress does not define).
+    writes (made for the model it runs with: checked when the statistics are made). With
+    `compress_every` it also compresses while decoding, as the paper's decoding rule does
+    (kvpress compresses the prompt only): each new token is scored by the gates as it enters,
+    and every update evicts the lowest-scored tokens of all layers and KV heads until the
+    cache holds what the prompt's compression left (`FastKVzipUpdate`).
     """
     check_real("fastkvzip", "ratio", ratio, 0.0, 1.0, high_open=True)
     check_int("fastkvzip", "n_sink", n_sink, 0)
@@ -237,8 +284,9 @@ def fastkvzip(ratio: float | None = None,
         raise ValueError("fastkvzip: needs gates=DIR, the gates that `kvjax calibrate "
                          "--fastkvzip --out DIR` trains for the model")
     gates = gates if isinstance(gates, FastKVzipGates) else load_fastkvzip(gates)
-    return CacheTransform(functools.partial(init_budget, ratio, None, 0),
-                          FastKVzipUpdate(n_sink, layerwise, window_size, window_ratio),
+    init = lambda cache: FastKVzipState(jnp.float32(ratio),
+                                        jnp.full((len(cache), cache[0].batch), -1, jnp.int32))
+    return CacheTransform(init, FastKVzipUpdate(n_sink, layerwise, window_size, window_ratio),
                           StatsSpec(token_scores=gates))
 
 

@@ -215,18 +215,31 @@ def kvzip_keep(scores: jax.Array, pos: jax.Array, ratio: jax.Array, n_sink: int,
         >>> kvzip_keep(s, pos, jnp.float32(0.5), 1, False)[:, 0, 0].astype(int).tolist()
         [[1, 0, 0, 0], [1, 1, 0, 1]]
     """
-    num_layers, b, kvh, c = scores.shape
     valid = pos != EMPTY
     scores = jnp.where(pos < n_sink, jnp.inf, scores.astype(jnp.float32))
-    tokens = jnp.max(jnp.sum(valid, axis=-1), axis=(0, 2))  # [B] tokens per head
-    if layerwise:  # [L, B, KVH*C]: each layer alone
+    tokens = jnp.sum(valid, axis=(2, 3)).astype(jnp.float32)  # [L, B] every head's tokens
+    held = tokens if layerwise else tokens.sum(0)  # [L, B] or [B]
+    return drop_lowest(scores, valid, jnp.floor(held * ratio).astype(jnp.int32))
+
+
+def drop_lowest(scores: jax.Array, valid: jax.Array, n: jax.Array) -> jax.Array:
+    """[L, B, KVH, C] bool: the `valid` slots left when the `n` lowest `scores` go, `n` [B]
+    per row over every layer and KV head together, or `n` [L, B] per layer and row. Ties go
+    to the earlier layer, head and slot.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> s = jnp.array([[[[0.9, 0.1, 0.3]]], [[[0.5, 0.6, 0.05]]]])  # L=2, B=1, KVH=1, C=3
+        >>> drop_lowest(s, s > 0, jnp.array([2]))[:, 0, 0].astype(int).tolist()
+        [[1, 0, 1], [1, 1, 0]]
+    """
+    num_layers, b, kvh, c = scores.shape
+    if n.ndim == 2:  # [L, B, KVH*C]: each layer alone
         flat = lambda x: x.reshape(num_layers, b, kvh * c)
-        n = jnp.floor((kvh * tokens).astype(jnp.float32) * ratio).astype(jnp.int32)[None, :, None]
-        lowest = rank(-flat(scores), flat(valid)) < n
+        lowest = rank(-flat(scores), flat(valid)) < n[:, :, None]
     else:  # [B, L*KVH*C]: every layer together
         flat = lambda x: x.transpose(1, 0, 2, 3).reshape(b, num_layers * kvh * c)
-        n = jnp.floor((num_layers * kvh * tokens).astype(jnp.float32) * ratio)
-        lowest = rank(-flat(scores), flat(valid)) < n.astype(jnp.int32)[:, None]
+        lowest = rank(-flat(scores), flat(valid)) < n[:, None]
         lowest = lowest.reshape(b, num_layers, kvh, c).transpose(1, 0, 2, 3)
     return valid & ~lowest.reshape(scores.shape)
 
