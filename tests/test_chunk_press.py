@@ -1,5 +1,5 @@
 """ChunkPress (`chunk`, kvpress ChunkPress): each chunk of positions compressed on its own,
-against numpy on a tiny model (the kvpress parity on SmolLM2 is in
+against numpy and batch by batch on a tiny model (the kvpress parity on SmolLM2 is in
 tests/test_kvpress_zoo_third.py)."""
 
 import numpy as np
@@ -46,8 +46,38 @@ def test_each_chunk_keeps_its_smallest_keys(tiny_model, ratio, chunk_length):
                 assert set(got[got != EMPTY].tolist()) == want, (b, h)
 
 
+@pytest.mark.parametrize("inner", ["snapkv", "tova"])
+def test_window_scorers_see_each_chunks_own_window_in_a_padded_batch(tiny_model, inner):
+    """`chunk:inner=snapkv|tova,chunk_length=80`: a left-padded batch of 150 and 230 tokens
+    (chunks of 80, 70 and 80, 80, 70 positions) keeps, per row, exactly what the row keeps
+    alone (each chunk's window queries turned by the row's own length: the kvpress parity at
+    batch 1 is in tests/test_kvpress_zoo_third.py), and each chunk keeps its own share."""
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, 256, n).tolist() for n in (150, 230)]
+    t = kvjax.parse_method(f"chunk:inner={inner},ratio=0.3,chunk_length=80")
+    assert t.stats.chunk_length == 80
+
+    def kept(batch):
+        pre = prefill_batch(tiny_model, batch, stats=t.stats)
+        out, _ = t.update(pre.cache, t.init(pre.cache), pre.stats)
+        return [[[set(np.asarray(layer.pos[b, h])[np.asarray(layer.pos[b, h]) != EMPTY]
+                      .tolist()) for h in range(layer.kv_heads)] for layer in out]
+                for b in range(len(batch))]
+
+    together = kept(prompts)
+    for b, ids in enumerate(prompts):
+        assert together[b] == kept([ids])[0], b
+        for heads in together[b]:
+            for got in heads:
+                for lo in range(0, len(ids), 80):
+                    size = min(80, len(ids) - lo)
+                    assert len([p for p in got if lo <= p < lo + 80]) == int(size * 0.7)
+
+
 @pytest.mark.parametrize("spec, words", [
-    ("chunk:inner=snapkv,ratio=0.5", ["inner=snapkv", "statistics", "knorm"]),
+    ("chunk:inner=expected_attention,ratio=0.5", ["inner=expected_attention", "moments"]),
+    ("chunk:inner=h2o,ratio=0.5", ["inner=h2o", "attention mass"]),
+    ("chunk:inner=snapkv,ratio=0.5,chunk_length=64", ["inner=snapkv", "64", "chunk_length"]),
     ("chunk:inner=knorm,ratio=1.0", ["ratio", "1.0"]),
     ("chunk:inner=knorm", ["ratio", "None"]),
     ("chunk:inner=knorm,ratio=0.5,chunk_length=0", ["chunk_length", "0"]),

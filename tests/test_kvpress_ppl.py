@@ -18,7 +18,9 @@ prefix's keys on the kept channels, the 256 later keys whole in the exact part, 
 prunes the prefill only; 5e-7), and two presses given kvjax's artifacts in place of the hub's
 (LU-KV's budget curve: per-head counts, pooled; Q-Filters' filters), KVCompose (its
 second pass over the context, per-layer counts) and DuoAttention with the patterns kvjax
-trained (kvpress masks the streaming heads' middle tokens, kvjax evicts them).
+trained (kvpress masks the streaming heads' middle tokens, kvjax evicts them), and ChunkPress
+around SnapKV (each of three chunks scored by its own last 64 queries, which kvpress rotates at
+the prefix's last positions).
 `python -m experiments.eval.kvpress_ppl_parity` compares
 every row: 51 of 52 within 0.1%; the other is named in docs/DECISIONS.md (LagKV at r = 0.75
 on a 768-token prefix: 256 tokens tie at kvpress's top score for 192 places, and torch's
@@ -47,6 +49,7 @@ CASES = [("kjv_genesis", "full"), ("devils_dictionary", "full"),
          ("kjv_genesis", "fastkvzip:ratio=0.5,gates={repo}/experiments/data/fastkvzip/"
                          "SmolLM2-135M-Instruct"),
          ("devils_dictionary", "chunk:inner=knorm,ratio=0.75"),
+         ("kjv_genesis", "chunk:inner=snapkv,ratio=0.5,chunk_length=256"),
          ("devils_dictionary", "duo_attention:head_ratio=0.75,scores={repo}/experiments/data/"
                                "duo/SmolLM2-135M-Instruct.npz")]
 

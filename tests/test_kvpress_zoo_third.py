@@ -10,7 +10,8 @@ copy of that cache. QFilterPress runs with the golden's own filters in place of 
 same curve), KVComposePress after its own second pass (`kvcompose`), ExpectedAttentionStatsPress with
 seeded query statistics (`expected_attention_stats` with the same), KVzapPress (linear and
 MLP) with seeded surrogate weights (`kvzap` with the same, saved by orbax), FastKVzipPress with
-seeded gates (`fastkvzip` with the same, saved by orbax). RestoreKVPress has no golden: it needs
+seeded gates (`fastkvzip` with the same, saved by orbax); ChunkPress around key-only scorers and
+around SnapKV and TOVA (each chunk's own last queries, `chunk_window`). RestoreKVPress has no golden: it needs
 hub adapters kvpress cannot load here (docs/DECISIONS.md).
 """
 
@@ -383,3 +384,46 @@ def test_chunk_keeps_kvpress_positions(prefilled, golden, inner, ctx, ratio):
                     if ours[0, h, q] != ours[0, h, p]]
         gap = min(abs(norms[h, q] - norms[h, p]) for q in partners)
         assert gap <= 1e-5 * norms[h, p], (h, p, gap)
+
+
+@pytest.fixture(scope="module")
+def prefilled_chunk_windows(smollm2, golden):
+    """ctx -> the full cache and statistics with every 160-token chunk's last 64 queries."""
+    return prefill_contexts(smollm2[0], golden, kvjax.StatsSpec(window=64, chunk_length=160))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ratio", ["0.30", "0.75"])
+@pytest.mark.parametrize("ctx", ["ctx1", "ctx2"])
+@pytest.mark.parametrize("inner", ["snapkv", "tova"])
+def test_chunk_around_window_scorers_keeps_kvpress_positions(prefilled_chunk_windows, golden,
+                                                             inner, ctx, ratio):
+    """ChunkPress(press=SnapKV(r) | TOVA(r), chunk_length=160) and
+    `chunk:inner=...,chunk_length=160`: each chunk scored by its own last queries (kvpress
+    recomputes them from the chunk's hidden states and rotates them at the prompt's last
+    positions; kvjax keeps every chunk's window as the model runs and turns it by as many
+    positions): the same kept positions in every layer and KV head, on four whole chunks
+    (640 tokens) and on a whole chunk plus a partial one (300). But for a tie: where a chunk
+    keeps fewer than SnapKV's 64-query window (at r = 0.75, 40 of 160 and 35 of 140), every
+    kept token is a window token, all scored alike (the window's protected maximum), and
+    kvpress's `topk` picks among equal scores in an order of its own; there both engines keep
+    that many of the chunk's last 64 positions and nothing else."""
+    chunk_length, window = 160, 64 if inner == "snapkv" else 1
+    out, n = compress_context(prefilled_chunk_windows, ctx,
+                              f"chunk:inner={inner},ratio={float(ratio)},"
+                              f"chunk_length={chunk_length}")
+    ours = keep_by_position(out, n)
+    theirs = unpack(golden, f"{ctx}_chunk_{inner}_r{ratio}_keep", n)
+    tied = 0
+    for lo in range(0, n, chunk_length):
+        hi = min(lo + chunk_length, n)
+        kept = max(1, int((hi - lo) * (1 - float(ratio))))
+        if kept >= window:
+            np.testing.assert_array_equal(ours[..., lo:hi], theirs[..., lo:hi], err_msg=f"{lo}")
+            continue
+        tied += 1
+        for keep in (ours, theirs):
+            assert (keep[..., lo:hi].sum(-1) == kept).all()
+            assert not keep[..., lo:hi - window].any()
+    assert tied == (len(range(0, n, chunk_length)) if inner == "snapkv" and ratio == "0.75"
+                    else 0)

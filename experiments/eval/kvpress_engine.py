@@ -64,6 +64,8 @@ DECODING = ("decoding_ratio",)
 # the spec names instead: the spec's argument -> the press it feeds
 ARTIFACTS = {"filters": "QFilterPress", "curve": "LUKVPress", "weights": "KVzapPress",
              "gates": "FastKVzipPress", "scores": "DuoAttentionPress"}
+# arguments a spec may add that the press takes under the same name and meaning
+SAME_ARGUMENTS = ("chunk_length",)
 
 
 def _published(name: str) -> dict | None:
@@ -82,11 +84,14 @@ def _published(name: str) -> dict | None:
 def parse_press_spec(method: str) -> tuple[str, dict] | None:
     """(kvpress press name, its arguments) of a method kvpress can run; None for `full`.
     The arguments are the ratio (`compression_ratio`, or the press's own name for it) or
-    `press`, the inner press's (name, arguments); `snapkv:...,headwise=true` is AdaKVPress.
+    `press`, the inner press's (name, arguments), and any of `SAME_ARGUMENTS` the spec gives;
+    `snapkv:...,headwise=true` is AdaKVPress.
 
     Example:
         >>> parse_press_spec("chunkkv:inner=snapkv,ratio=0.5")
         ('ChunkKVPress', {'press': ('SnapKVPress', {'compression_ratio': 0.5})})
+        >>> parse_press_spec("chunk:inner=snapkv,ratio=0.5,chunk_length=256")[1]["chunk_length"]
+        256
     """
     from kvjax.policies.methods import METHOD_INFO, split_part
 
@@ -94,19 +99,22 @@ def parse_press_spec(method: str) -> tuple[str, dict] | None:
         return None
     name, kwargs = split_part(method)
     headwise = bool(kwargs.pop("headwise", False))
+    same = {k: int(kwargs.pop(k)) for k in SAME_ARGUMENTS if k in kwargs}
     published = _published(name)
     if "+" in method or published is None or set(kwargs) != set(published) or \
-            kwargs.get("inner") != published.get("inner") or (headwise and name != "snapkv"):
+            (headwise and name != "snapkv"):
         known = sorted(m for m in METHOD_INFO if _published(m) is not None)
         raise ValueError(f"no kvpress press for method {method!r}: compare runs `full` and, "
                          f"for a method in {known}, the spec `kvjax methods` publishes for it "
-                         f"with any ratio (and snapkv with headwise=true)")
+                         f"with any ratio, a wrapper with any inner method of these, "
+                         f"{', '.join(SAME_ARGUMENTS)} where the press takes it (and snapkv "
+                         f"with headwise=true)")
     ratio = float(next(kwargs[r] for r in RATIOS if r in kwargs))
     press = METHOD_INFO[name].kvpress
     if "inner" in kwargs:
-        return press, {"press": parse_press_spec(f"{kwargs['inner']}:ratio={ratio}")}
+        return press, {"press": parse_press_spec(f"{kwargs['inner']}:ratio={ratio}"), **same}
     artifact = {k: kwargs[k] for k in ARTIFACTS if k in kwargs}
-    spec = (press, {RATIO_ARGUMENT.get(press, "compression_ratio"): ratio, **artifact})
+    spec = (press, {RATIO_ARGUMENT.get(press, "compression_ratio"): ratio, **artifact, **same})
     return ("AdaKVPress", {"press": spec}) if headwise else spec
 
 

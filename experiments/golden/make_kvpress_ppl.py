@@ -52,16 +52,21 @@ ARTIFACT_FILES = {"qfilter": "{golden}/smollm2_qfilters.npz",
                   "duo_attention": "{repo}/experiments/data/duo/SmolLM2-135M-Instruct.npz"}
 
 
+# rows beyond each method's published spec: a wrapper around a scorer that reads its own
+# statistics of each part (ChunkPress around SnapKV: three chunks of the 768-token prefix)
+MORE_SPECS = ["chunk:inner=snapkv,ratio={r},chunk_length=256"]
+
+
 def methods(ratio: float) -> list[str]:
-    """`full` and each method kvpress runs here, as the spec `kvjax methods` publishes (its
-    PATH replaced by `ARTIFACT_FILES`'s; `resolve` makes the path real)."""
+    """`full`, each method kvpress runs here as the spec `kvjax methods` publishes (its PATH
+    replaced by `ARTIFACT_FILES`'s; `resolve` makes the path real), and `MORE_SPECS`."""
     from experiments.eval.kvpress_engine import _published
     from kvjax.policies.methods import METHOD_INFO
 
     specs = [METHOD_INFO[m].spec.format(r=ratio).replace("PATH", ARTIFACT_FILES.get(m, "PATH"))
              .replace("DIR", ARTIFACT_FILES.get(m, "DIR"))
              for m in sorted(METHOD_INFO) if _published(m) is not None]
-    return ["full"] + specs
+    return ["full"] + specs + [s.format(r=ratio) for s in MORE_SPECS]
 
 
 def resolve(spec: str) -> str:

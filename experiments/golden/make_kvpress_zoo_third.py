@@ -35,6 +35,10 @@ tokens of The Devil's Dictionary), batch 1, one prefill forward with
   chunk_length=128)``, r in 0.3, 0.75 (at 0.3 the chunks' kept counts, ``max(1, int(n_c
   0.7))``, sum to fewer than ``int(n 0.7)``: 208 against 210 in 300 tokens).
 
+* ``chunk_snapkv`` / ``chunk_tova``: ``ChunkPress(press=SnapKVPress(r) | TOVAPress(r),
+  chunk_length=160)``, r in 0.3, 0.75: each chunk scored by its own last queries (64 for
+  SnapKV, 1 for TOVA), which kvpress rotates at the prompt's last positions.
+
 * ``kvcompose``: ``KVComposePress(compression_ratio=r)`` at its defaults (structured), r in
   0.5, 0.75: its second pass over the context and its per-layer budgets, read off the cache it
   leaves (every kept key row matched to the uncompressed prefill's).
@@ -88,6 +92,7 @@ RATIOS = {"entropy_chunkkv_snapkv": (0.5, 0.75), "entropy_chunkkv_knorm": (0.5, 
           "kvzap_dms_mlp": (-0.5, 0.5),  # dms: thresholds, near the 30th/70th score percentiles
           "fastkvzip": (0.5, 0.75),
           "chunk_knorm": (0.3, 0.75), "chunk_keydiff": (0.3, 0.75),  # 0.3: floors that differ
+          "chunk_snapkv": (0.3, 0.75), "chunk_tova": (0.3, 0.75),
           "dms_knorm": (-17.8, -14.1), "dms_snapkv": (3e-5, 3e-4)}
 THIRD_PRESSES = list(RATIOS)
 
@@ -122,6 +127,9 @@ def kvzap_weights(kind: str, n_layers: int, hidden: int, kvh: int) -> dict[str, 
 
 
 CHUNK = 128  # ChunkPress's chunk_length in the golden (kvpress's default 1,024 is one chunk)
+# around SnapKV and TOVA: every chunk must be longer than SnapKV's 64-query window (kvpress
+# asserts it), so 160: four whole chunks of 640, and 160 + 140 of 300
+WINDOW_CHUNK = 160
 
 
 def fastkvzip_gates(n_layers: int, hidden: int, kvh: int, groups: int):
@@ -204,8 +212,10 @@ def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
     if name.startswith("kvzap_"):
         return given_kvzap(name[len("kvzap_"):], ratio, kvzap)
     if name.startswith("chunk_"):  # chunks of 128 tokens: five in 640, three in 300
-        press = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress}[name[6:]]
-        return kvpress.ChunkPress(press=press(compression_ratio=ratio), chunk_length=CHUNK)
+        press = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress,
+                 "snapkv": kvpress.SnapKVPress, "tova": kvpress.TOVAPress}[name[6:]]
+        length = WINDOW_CHUNK if name[6:] in ("snapkv", "tova") else CHUNK
+        return kvpress.ChunkPress(press=press(compression_ratio=ratio), chunk_length=length)
     if name == "fastkvzip":  # the hub download replaced by the golden's gates
         from experiments.eval.kvpress_engine import kvpress_fastkvzip_gates
 

@@ -9,6 +9,10 @@ decode step), so no statistic ever needs a `T x T` matrix:
 
 * `window`: the post-RoPE queries of the last `window` tokens and their
   positions (a rolling buffer).
+* `chunk_length` (with `window`): also the post-RoPE queries of the last
+  `window` positions of every whole chunk of `chunk_length` positions
+  (`LayerStats.chunk_queries`), for a method that scores each chunk by its
+  own window (ChunkPress around SnapKV or TOVA).
 * `query_moments`: running sums of the pre-RoPE queries and of their outer
   products, over tokens at positions `>= moments_skip`, with the model's RoPE
   frequencies (to rotate the statistics to future positions).
@@ -65,10 +69,16 @@ class StatsSpec:
     output_projection: bool = False  # each layer's W_o [H*D, hidden] rides along (CriticalKV)
     reconstruction: Any = None  # a hashable request for a pass after prefill (KVzip), or None
     token_scores: Any = None  # a hashable per-token scorer (`TokenScorer`), or None
+    chunk_length: int = 0  # also keep each whole chunk's last `window` queries (0: no)
 
     def __post_init__(self):
-        if self.window < 0 or self.moments_skip < 0:
-            raise ValueError(f"StatsSpec: window and moments_skip must be >= 0, got {self}")
+        if self.window < 0 or self.moments_skip < 0 or self.chunk_length < 0:
+            raise ValueError(f"StatsSpec: window, moments_skip and chunk_length must be >= 0, "
+                             f"got {self}")
+        if self.chunk_length and not 0 < self.window < self.chunk_length:
+            raise ValueError(f"StatsSpec: chunk_length={self.chunk_length} keeps each chunk's "
+                             f"last `window` queries: window must be in [1, chunk_length), "
+                             f"got {self.window}")
         if self.reconstruction is not None and self.token_scores is not None:
             raise ValueError("StatsSpec: a reconstruction pass (KVzip) and a token scorer "
                              "(KVzap) both write position_scores; a chain may use one of them")
@@ -91,6 +101,11 @@ class StatsSpec:
         if None not in (self.token_scores, other.token_scores) and \
                 self.token_scores != other.token_scores:
             raise ValueError("StatsSpec.merge: two policies want different token scorers")
+        if self.chunk_length and other.chunk_length and (
+                self.chunk_length, self.window) != (other.chunk_length, other.window):
+            raise ValueError("StatsSpec.merge: two policies want the windows of chunks of "
+                             f"{self.chunk_length} and {other.chunk_length} positions (windows "
+                             f"{self.window} and {other.window})")
         return StatsSpec(
             window=max(self.window, other.window),
             query_moments=self.query_moments or other.query_moments,
@@ -100,7 +115,8 @@ class StatsSpec:
             reconstruction=(self.reconstruction if self.reconstruction is not None
                             else other.reconstruction),
             token_scores=(self.token_scores if self.token_scores is not None
-                          else other.token_scores))
+                          else other.token_scores),
+            chunk_length=self.chunk_length or other.chunk_length)
 
 
 NO_STATS = StatsSpec()
@@ -119,6 +135,8 @@ class LayerStats(NamedTuple):
     position_scores: Any = None  # [B, KVH, P] float32 a reconstruction pass's or a token
     #                              scorer's score of the token at position p (< P), or None
     scorer: Any = None  # the token scorer's parameters for this layer (arrays), or None
+    chunk_queries: Any = None  # [B, P // N, W, H, D] float32 post-RoPE queries of positions
+    #                            c N + N - W + j of each whole chunk c of N = chunk_length, or None
 
 
 class TokenScorer(Protocol):
@@ -170,6 +188,10 @@ def init_stats(spec: StatsSpec, cache: Sequence[TokenCache], num_heads: int,
         out_proj=jnp.zeros((0, 0), jnp.float32))
     stats = [empty._replace(out_proj=w) for w in out_proj] if spec.output_projection else \
         [empty for _ in cache]
+    if spec.chunk_length:
+        chunks = max(layer.capacity for layer in cache) // spec.chunk_length
+        zeros = jnp.zeros((b, chunks, spec.window, num_heads, d), jnp.float32)
+        stats = [s._replace(chunk_queries=zeros) for s in stats]
     if spec.token_scores is not None:
         p = max(layer.capacity for layer in cache)
         zeros = jnp.zeros((b, layer.kv_heads, p), jnp.float32)
@@ -193,6 +215,9 @@ def observe(spec: StatsSpec, stats: LayerStats, q_pre: jax.Array, q: jax.Array,
         queries = jnp.concatenate([stats.queries, q.astype(jnp.float32)], axis=1)[:, -w:]
         query_pos = jnp.concatenate([stats.query_pos, pos], axis=1)[:, -w:]
         stats = stats._replace(queries=queries, query_pos=query_pos)
+    if spec.chunk_length:
+        stats = stats._replace(chunk_queries=observe_chunk_windows(
+            stats.chunk_queries, q, positions, spec.chunk_length))
     if spec.query_moments:
         use = (positions >= spec.moments_skip).astype(jnp.float32)  # [B, T]
         x = q_pre.astype(jnp.float32) * use[:, :, None, None]
@@ -210,6 +235,26 @@ def observe(spec: StatsSpec, stats: LayerStats, q_pre: jax.Array, q: jax.Array,
         stats = stats._replace(position_scores=scatter_by_position(
             stats.position_scores, scores.transpose(0, 2, 1), positions))
     return stats
+
+
+def observe_chunk_windows(table: jax.Array, q: jax.Array, positions: jax.Array,
+                          chunk_length: int) -> jax.Array:
+    """`table` [B, NC, W, H, D] with the queries `q` [B, T, H, D] of positions `positions`
+    [B, T] that are among the last W of their chunk of `chunk_length` written in (positions of
+    chunk NC and later, and padding, are dropped).
+
+    Example (chunks of 4 positions, the last 2 of each kept; position p's query is p):
+        >>> q = jnp.arange(10, dtype=jnp.float32).reshape(1, 10, 1, 1)
+        >>> t = observe_chunk_windows(jnp.zeros((1, 2, 2, 1, 1)), q, jnp.arange(10)[None], 4)
+        >>> t[0, :, :, 0, 0].tolist()   # chunk 0: positions 2, 3; chunk 1: 6, 7
+        [[2.0, 3.0], [6.0, 7.0]]
+    """
+    b, chunks, w = table.shape[:3]
+    chunk, offset = positions // chunk_length, positions % chunk_length - (chunk_length - w)
+    inside = (positions >= 0) & (offset >= 0)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], positions.shape)
+    return table.at[rows, jnp.where(inside, chunk, chunks), jnp.where(inside, offset, 0)].set(
+        q.astype(jnp.float32), mode="drop")
 
 
 def scatter_by_position(table: jax.Array, scores: jax.Array, positions: jax.Array) -> jax.Array:

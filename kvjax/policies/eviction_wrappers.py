@@ -244,6 +244,7 @@ def each_chunk_keep(inner: Scorer, layer, stats, key, ratio: jax.Array,
     pos = layer.pos
     valid = pos != EMPTY
     chunk = jnp.where(valid, pos // chunk_length, -1)
+    seen = jnp.max(pos, axis=(1, 2)) + 1  # [B] the row's tokens
 
     def one_chunk(c, keep):
         in_chunk = chunk == c
@@ -251,10 +252,32 @@ def each_chunk_keep(inner: Scorer, layer, stats, key, ratio: jax.Array,
         kept = jnp.where(n > 0, jnp.maximum(1, jnp.floor(n * (1 - ratio)).astype(jnp.int32)),
                          0)
         sub = layer.replace(pos=jnp.where(in_chunk, pos, EMPTY))
-        scores, protect = inner(sub, stats, jnp.max(kept, axis=1), key)
+        own = chunk_window(stats, c, seen, chunk_length)
+        scores, protect = inner(sub, own, jnp.max(kept, axis=1), key)
         return keep | _keep_best(scores, protect, in_chunk, kept)
 
     return jax.lax.fori_loop(0, jnp.max(chunk) + 1, one_chunk, jnp.zeros_like(valid))
+
+
+def chunk_window(stats, c: jax.Array, seen: jax.Array, chunk_length: int):
+    """`stats` with chunk `c`'s own window in `queries` / `query_pos`, as kvpress's ChunkPress
+    hands its inner press the chunk's hidden states: the queries of the chunk's last W
+    positions, RoPE-rotated at the sequence's last W positions (kvpress rotates every chunk's
+    window with the prompt's position embeddings, `cos[:, -W:]`), i.e. the post-RoPE queries
+    turned on by `seen - (c + 1) N` positions; the positions stay the queries' own (the causal
+    mask within the chunk). The row's last chunk (`seen` [B] tokens) is the rolling window
+    itself. Without `chunk_queries` (a key-only inner), `stats` as they are."""
+    if stats is None or stats.chunk_queries is None:
+        return stats
+    w = stats.queries.shape[1]
+    own = jax.lax.dynamic_index_in_dim(stats.chunk_queries, c, axis=1, keepdims=False)
+    shift = jnp.broadcast_to((seen - (c + 1) * chunk_length)[:, None, None], (own.shape[0], 1, w))
+    turned = rotate(own.transpose(0, 2, 1, 3), shift, rope_inv_freq(stats, "chunk"))
+    own_pos = c * chunk_length + chunk_length - w + jnp.arange(w, dtype=jnp.int32)
+    last = (c >= (seen - 1) // chunk_length)[:, None]  # [B, 1]
+    return stats._replace(
+        queries=jnp.where(last[:, :, None, None], stats.queries, turned.transpose(0, 2, 1, 3)),
+        query_pos=jnp.where(last, stats.query_pos, own_pos[None]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,23 +306,32 @@ def chunk(inner=knorm, ratio: float | None = None, chunk_length: int = 1024,
 
     As kvpress ChunkPress(press=INNER(compression_ratio=ratio), chunk_length): the inner
     method scores each chunk as if it were the whole context, and each chunk keeps its
-    `max(1, int(n_c (1 - ratio)))` best tokens per KV head. The inner method must need no
-    statistics of the prompt: kvpress recomputes them from each chunk's own hidden states
-    (SnapKV's window queries at the chunk's end), which kvjax collects for the whole prompt
-    only; such an inner method is refused by name.
+    `max(1, int(n_c (1 - ratio)))` best tokens per KV head. An inner method that reads the
+    last W queries (snapkv, pyramidkv, tova, leverage) gets each chunk's own, as kvpress
+    recomputes them from the chunk's hidden states (`chunk_window`: the model keeps every
+    chunk's last W queries, `StatsSpec.chunk_length`), so W must be below `chunk_length`.
+    Methods that read other statistics of the prompt (query moments, attention mass: cap,
+    expected_attention, h2o) or a window as long as the chunk (compactor, non_causal_attn)
+    are refused by name.
     """
     check_real("chunk", "ratio", ratio, 0.0, 1.0, high_open=True)
     check_int("chunk", "chunk_length", chunk_length, 1)
     check_int("chunk", "seed", seed, 0)
     scorer, stats = inner_scorer(inner, "chunk", ratio)
-    if stats.needed:
-        name = getattr(inner, "__name__", repr(inner))
-        raise ValueError(f"chunk: inner={name} reads statistics of the prompt (its queries), "
-                         f"which kvjax collects for the whole prompt, not for each chunk as "
-                         f"kvpress's ChunkPress recomputes them; use a key-only method "
-                         f"(knorm, keydiff, lagkv, cur, streaming_llm, random)")
+    name = getattr(inner, "__name__", repr(inner))
+    if stats.query_moments or stats.attention_mass:
+        raise ValueError(f"chunk: inner={name} reads statistics of the whole prompt (query "
+                         f"moments or attention mass), not of one chunk as kvpress's "
+                         f"ChunkPress recomputes them; use a method that reads keys or the "
+                         f"last queries (knorm, keydiff, lagkv, cur, snapkv, tova, ...)")
+    if stats.window >= chunk_length:
+        raise ValueError(f"chunk: inner={name} reads its last {stats.window} queries, a window "
+                         f"of a whole chunk or more; chunk_length must exceed it, got "
+                         f"{chunk_length}")
+    if stats.window:
+        stats = dataclasses.replace(stats, chunk_length=chunk_length)
     return CacheTransform(functools.partial(init_budget, ratio, None, seed),
-                          ChunkUpdate(scorer, chunk_length), NO_STATS)
+                          ChunkUpdate(scorer, chunk_length), stats)
 
 
 # ----------------------------------------------------------------------------- key re-rotation
