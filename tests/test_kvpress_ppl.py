@@ -22,7 +22,7 @@ trained (kvpress masks the streaming heads' middle tokens, kvjax evicts them), a
 around SnapKV (each of three chunks scored by its own last 64 queries, which kvpress rotates at
 the prefix's last positions).
 `python -m experiments.eval.kvpress_ppl_parity` compares
-every row: 51 of 52 within 0.1%; the other is named in docs/DECISIONS.md (LagKV at r = 0.75
+every row: 61 of 62 within 0.1%; the other is named in docs/DECISIONS.md (LagKV at r = 0.75
 on a 768-token prefix: 256 tokens tie at kvpress's top score for 192 places, and torch's
 `topk` drops the sinks where kvjax keeps the earliest).
 """
