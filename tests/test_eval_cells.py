@@ -123,11 +123,16 @@ def test_kvpress_specs_map_to_presses_or_fail_clearly(tmp_path):
         "AdaKVPress", {"press": ("SnapKVPress", {"compression_ratio": 0.5})})
     assert parse_press_spec("critical:inner=snapkv,ratio=0.75") == (
         "CriticalKVPress", {"press": ("SnapKVPress", {"compression_ratio": 0.75})})
+    assert parse_press_spec("chunk:inner=snapkv,ratio=0.5,chunk_length=256") == (
+        "ChunkPress", {"press": ("SnapKVPress", {"compression_ratio": 0.5}), "chunk_length": 256})
+    assert parse_press_spec("chunkkv:inner=knorm,ratio=0.5") == (  # any inner kvpress runs
+        "ChunkKVPress", {"press": ("KnormPress", {"compression_ratio": 0.5})})
     assert parse_press_spec("think:ratio=0.5") == (
         "ThinKPress", {"key_channel_compression_ratio": 0.5})
     for bad in ("snapkv:ratio=0.5+kivi:bits=4", "kivi:bits=4", "h2o:ratio=0.5",
                 "snapkv:ratio=0.5,window=32", "tova:ratio=0.5,headwise=true",
-                "chunkkv:inner=knorm,ratio=0.5", "finch:ratio=0.5,window=8",
+                "chunkkv:inner=kivi,ratio=0.5", "finch:ratio=0.5,window=8",
+                "chunk:inner=knorm,ratio=0.5,chunk_length=x",
                 "decoding_ratio:inner=knorm,ratio=0.5", "random:ratio=0.5", "keydiff"):
         with pytest.raises(ValueError, match="no kvpress press"):
             parse_press_spec(bad)

@@ -99,7 +99,11 @@ def parse_press_spec(method: str) -> tuple[str, dict] | None:
         return None
     name, kwargs = split_part(method)
     headwise = bool(kwargs.pop("headwise", False))
-    same = {k: int(kwargs.pop(k)) for k in SAME_ARGUMENTS if k in kwargs}
+    same = {k: kwargs.pop(k) for k in SAME_ARGUMENTS if k in kwargs}
+    for k, v in same.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"no kvpress press for method {method!r}: {k} must be an int >= 1, "
+                             f"got {v!r}")
     published = _published(name)
     if "+" in method or published is None or set(kwargs) != set(published) or \
             (headwise and name != "snapkv"):

@@ -207,7 +207,8 @@ class FastKVzipState(NamedTuple):
 
 def slot_scores_of(cache: Cache, stats) -> tuple[jax.Array, jax.Array]:
     """(positions, gate scores) [L, B, KVH, C] of every slot, per-head or pooled rows (C the
-    widest layer's slots, the others' padded with EMPTY); a ValueError when the statistics hold no gate scores or a layer is not a token cache."""
+    widest layer's slots, the others' padded with EMPTY); a ValueError when the statistics
+    hold no gate scores or a layer is not a plain token cache."""
     if stats is None or any(s is None or s.scorer is None for s in stats):
         raise ValueError("fastkvzip scores tokens as the model runs them (its gates, "
                          "StatsSpec.token_scores): these statistics have no such scores; "
