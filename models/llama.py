@@ -505,14 +505,25 @@ class Llama(nnx.Module):
         `stats` comes from `init_stats(spec, ...)` (None collects nothing);
         returns (hidden [B, T, hidden] float32, cache, stats).
         """
-        b, t = tokens.shape
-        if positions.shape != (b, t):
+        if positions.shape != tokens.shape:
             raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
+        return self.forward_embedded(self.embed_tokens(tokens), positions, cache, stats, spec,
+                                     impl=impl)
+
+    def forward_embedded(self, x: jax.Array, positions: jax.Array, cache: Cache,
+                         stats: tuple[LayerStats, ...] | None = None,
+                         spec: StatsSpec = NO_STATS, *, impl: str = "xla"
+                         ) -> tuple[jax.Array, Cache, tuple[LayerStats, ...] | None]:
+        """`forward` from the residual stream's start `x` [B*T, hidden] float32 (what
+        `embed_tokens` makes of tokens, or learned embeddings that stand for no token)."""
+        b, t = positions.shape
+        if x.shape != (b * t, self.config.hidden_size):
+            raise ValueError(f"x {x.shape} must be [B*T, hidden] = "
+                             f"{(b * t, self.config.hidden_size)} for positions {positions.shape}")
         kvjax.check_cache(cache, self.config.cache_spec, b)
         # The residual stream stays [B*T, hidden], the kernels' own shape: reshapes around
         # its adds would make XLA's reshape-mover sink them one add per simplification
         # round, ~2 rounds per layer (DECISIONS "Compile: the residual stream in 2-D").
-        x = self.embed_tokens(tokens)
         new_cache, new_stats = [], []
         block = _shared_block()
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
