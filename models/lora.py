@@ -33,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kvjax.tools import checkpoint
+
 # target name -> the projection's path inside a decoder layer
 TARGETS = {"q_proj": ("attn", "q_proj"), "k_proj": ("attn", "k_proj"),
            "v_proj": ("attn", "v_proj"), "o_proj": ("attn", "o_proj"),
@@ -111,25 +113,18 @@ class LoRA:
                                  f"model's is {list(want)}")
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the adapter as an orbax checkpoint at `path` (a new directory)."""
-        import orbax.checkpoint as ocp
-        arrays = {f"a.{t}": self.a[t] for t in self.a} | {f"b.{t}": self.b[t] for t in self.b}
-        with ocp.StandardCheckpointer() as ckpt:
-            ckpt.save(os.path.abspath(path), arrays | {"alpha": np.float64(self.alpha)})
+        """Write the adapter as a kvjax checkpoint at `path` (`kvjax.tools.checkpoint`)."""
+        checkpoint.save(path, dict(a=self.a, b=self.b), meta=dict(kind="lora", alpha=self.alpha))
 
 
 def load_lora(path: str | os.PathLike) -> LoRA:
-    """The `LoRA` saved at `path`; a ValueError naming the path when it is not one."""
-    import orbax.checkpoint as ocp
+    """The `LoRA` saved at `path`; a ValueError naming the path when it is not one (or is
+    damaged: `kvjax.tools.checkpoint.restore`)."""
     if not os.path.isdir(path):
         raise ValueError(f"LoRA: {str(path)!r} is not an orbax checkpoint directory")
-    with ocp.StandardCheckpointer() as ckpt:
-        raw = ckpt.restore(os.path.abspath(path))
-    targets = {k[2:] for k in raw if k.startswith("a.")}
-    if "alpha" not in raw or {f"b.{t}" for t in targets} != {k for k in raw if k.startswith("b.")}:
-        raise ValueError(f"LoRA: {str(path)!r} holds {sorted(raw)}, not a.T, b.T and alpha")
-    return LoRA({t: np.asarray(raw[f"a.{t}"], np.float32) for t in targets},
-                {t: np.asarray(raw[f"b.{t}"], np.float32) for t in targets}, float(raw["alpha"]))
+    tree, meta = checkpoint.restore(path, expect=dict(kind="lora"))
+    f32 = lambda arrays: {t: np.asarray(x, np.float32) for t, x in arrays.items()}
+    return LoRA(f32(tree["a"]), f32(tree["b"]), float(meta["alpha"]))
 
 
 def _kernel(layer, target: str):

@@ -92,6 +92,10 @@ def test_orbax_round_trip_and_refusals_by_name(tiny_model, tmp_path):
     back.check_model(tiny_model)
     with pytest.raises(ValueError, match="is not an orbax checkpoint directory"):
         load_lora(tmp_path / "missing")
+    from kvjax.tools import checkpoint
+    checkpoint.save(tmp_path / "other", {"w": np.zeros(3)}, meta=dict(kind="weights"))
+    with pytest.raises(ValueError, match="kind"):  # another kind of kvjax checkpoint
+        load_lora(tmp_path / "other")
     with pytest.raises(ValueError, match="targets must be among"):
         LoRA.initial(tiny_model, targets=("wq",))
     with pytest.raises(ValueError, match="rank must be an int >= 1"):

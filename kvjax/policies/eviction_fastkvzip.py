@@ -43,7 +43,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 from typing import NamedTuple

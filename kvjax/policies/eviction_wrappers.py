@@ -39,7 +39,7 @@ from kvjax.policies.eviction_geometry import keydiff
 from kvjax.policies.eviction_sequence import gather, in_sequence, to_slots
 from kvjax.core.layout import compact, pool_heads
 from kvjax.core.selection import BudgetState, init_budget, layer_budgets, rank
-from kvjax.core.stats import NO_STATS, StatsSpec, rope_inv_freq
+from kvjax.core.stats import StatsSpec, rope_inv_freq
 from kvjax.core.transforms import CacheTransform, EmptyState
 
 
