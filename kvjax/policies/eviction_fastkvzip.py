@@ -58,7 +58,7 @@ from kvjax.core.stats import StatsSpec
 from kvjax.core.transforms import CacheTransform
 from kvjax.policies.eviction import _check_bool, check_int, check_real
 from kvjax.policies.eviction_kvzap import LayerScorer, check_training_shapes, restore_arrays
-from kvjax.policies.eviction_kvzip import _evict, drop_lowest, slot_scores
+from kvjax.policies.eviction_kvzip import _evict, drop_lowest, stacked_slot_scores
 
 FIELDS = ("q_proj", "q_bias", "k_proj", "q_norm", "k_norm", "k_base", "bias")
 LONG_CONTEXT = 32_000  # from this many tokens on, the protected window is `window_size`
@@ -216,12 +216,7 @@ def slot_scores_of(cache: Cache, stats) -> tuple[jax.Array, jax.Array]:
         if not is_plain(layer):
             raise ValueError(f"fastkvzip: layer {i} is not a plain token cache (a codec's before "
                              f"it in the chain); fastkvzip ranks the tokens themselves")
-    width = max(layer.pos.shape[-1] for layer in cache)  # layers may differ after a shrink
-    pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])),
-                                  constant_values=fill)
-    pos = jnp.stack([pad(layer.pos, EMPTY) for layer in cache])
-    return pos, jnp.stack([pad(slot_scores(s.position_scores, layer.pos), 0.0)
-                           for s, layer in zip(stats, cache)])
+    return stacked_slot_scores(cache, stats)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -285,8 +285,17 @@ def pass_scores(name: str, cache: Cache, stats) -> tuple[jax.Array, jax.Array]:
             raise ValueError(f"{name}: layer {i} is not a plain per-head token cache (a "
                              f"codec's or a head-wise policy's before it in the chain); "
                              f"{name} ranks the tokens of a plain cache after prefill")
-    pos = jnp.stack([layer.pos for layer in cache])  # [L, B, KVH, C]
-    return pos, jnp.stack([slot_scores(s.position_scores, layer.pos)
+    return stacked_slot_scores(cache, stats)
+
+
+def stacked_slot_scores(cache: Cache, stats) -> tuple[jax.Array, jax.Array]:
+    """(positions, scores) [L, B, KVH, C] of every slot from each layer's `position_scores`,
+    C the widest layer's slots (the others padded with EMPTY slots scored 0)."""
+    width = max(layer.pos.shape[-1] for layer in cache)  # layers may differ after a shrink
+    pad = lambda x, fill: jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[-1])),
+                                  constant_values=fill)
+    pos = jnp.stack([pad(layer.pos, EMPTY) for layer in cache])
+    return pos, jnp.stack([pad(slot_scores(s.position_scores, layer.pos), 0.0)
                            for s, layer in zip(stats, cache)])
 
 
