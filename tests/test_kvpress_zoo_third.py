@@ -10,9 +10,9 @@ copy of that cache. QFilterPress runs with the golden's own filters in place of 
 same curve), KVComposePress after its own second pass (`kvcompose`), ExpectedAttentionStatsPress with
 seeded query statistics (`expected_attention_stats` with the same), KVzapPress (linear and
 MLP) with seeded surrogate weights (`kvzap` with the same, saved by orbax), FastKVzipPress with
-seeded gates (`fastkvzip` with the same, saved by orbax); ChunkPress around key-only scorers and
-around SnapKV and TOVA (each chunk's own last queries, `chunk_window`). RestoreKVPress has no golden: it needs
-hub adapters kvpress cannot load here (docs/DECISIONS.md).
+seeded gates (`fastkvzip` with the same, saved by orbax); ChunkPress around key-only scorers
+and around SnapKV and TOVA (each chunk's own last queries, `chunk_window`). RestoreKVPress has
+no golden: it needs hub adapters kvpress cannot load here (docs/DECISIONS.md).
 """
 
 import os

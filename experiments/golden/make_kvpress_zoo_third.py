@@ -211,7 +211,7 @@ def make_third_press(name: str, ratio: float, filters: np.ndarray | None = None,
         return kvpress.DMSPress(press=inner, threshold=ratio)
     if name.startswith("kvzap_"):
         return given_kvzap(name[len("kvzap_"):], ratio, kvzap)
-    if name.startswith("chunk_"):  # chunks of 128 tokens: five in 640, three in 300
+    if name.startswith("chunk_"):  # 128 tokens (five in 640, three in 300); 160 around a window
         press = {"knorm": kvpress.KnormPress, "keydiff": kvpress.KeyDiffPress,
                  "snapkv": kvpress.SnapKVPress, "tova": kvpress.TOVAPress}[name[6:]]
         length = WINDOW_CHUNK if name[6:] in ("snapkv", "tova") else CHUNK
