@@ -544,7 +544,13 @@ class Llama(nnx.Module):
         """tokens [B, T] -> their embeddings [B*T, hidden] float32, the residual stream's start
         (Gemma's scaled by sqrt(hidden) rounded to the weights' dtype)."""
         b, t = tokens.shape
-        x = jnp.take(self.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32)
+        return self.scale_embedded(
+            jnp.take(self.embed[...], tokens.reshape(b * t), axis=0).astype(jnp.float32))
+
+    def scale_embedded(self, x: jax.Array) -> jax.Array:
+        """Embeddings [N, hidden] float32 as the residual stream starts with them: Gemma's
+        times sqrt(hidden) rounded to the weights' dtype (transformers scales `inputs_embeds`
+        alike), anyone else's unchanged."""
         if self.config.scale_embeddings:
             x = x * jnp.asarray(self.config.hidden_size ** 0.5, self.embed.dtype).astype(jnp.float32)
         return x

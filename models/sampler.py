@@ -470,12 +470,25 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
     """
     run = RunOptions.taking(options, RunOptions.COMPRESS, "prefill_and_compress")
     transform = for_full_layers(model, transform or full())
-    pre = prefill_batch(model, prompts, stats=transform.stats, room=room,
-                        **run.only(RunOptions.PREFILL))
-    if transform.stats.reconstruction is not None:  # KVzip: its pass over the prefilled cache
+    rec = transform.stats.reconstruction
+    restore = None if rec is None else rec.restore  # RestoreKV's tokens, written before eviction
+    try:
+        pre = prefill_batch(model, prompts, stats=transform.stats,
+                            room=room + (0 if restore is None else restore.n),
+                            **run.only(RunOptions.PREFILL))
+    except ValueError as e:
+        if restore is None:
+            raise
+        raise ValueError(f"{e} (restorekv writes {restore.n} restore tokens after each prompt, "
+                         f"counted in them)") from None
+    if rec is not None:  # KVzip: its pass over the prefilled cache
         from models.reconstruction import reconstruct
         pre = pre._replace(stats=reconstruct(model, pre.cache, pre.stats, pre.next_pos, prompts,
-                                             transform.stats.reconstruction, run.impl))
+                                             rec, run.impl))
+    if restore is not None:
+        from models.restorekv import restore_pass
+        pre = pre._replace(cache=restore_pass(model, pre.cache, pre.next_pos, restore, run.impl),
+                           next_pos=pre.next_pos + restore.n)
     out = compress(pre, transform, room=room, max_write=max_write,
                    **run.only(RunOptions.SHRINK))
     windowed = windowed_layers(model)

@@ -320,7 +320,7 @@ def cli(capsys, *argv):
     (["calibrate", "--qfilters", "--samples", "0", "--out", "{tmp}/q.npz"],
      "--samples 0: must be an integer >= 1"),
     (["calibrate", "--qfilters", "--duo", "--out", "{tmp}/q.npz"],
-     "--duo, --duo-train, --qfilters, --lukv, --query-stats, --kvzap and --fastkvzip: give one"),
+     "--duo, --duo-train, --qfilters, --lukv, --query-stats, --kvzap, --fastkvzip and --restorekv: give one"),
     (["calibrate", "--duo-train", "--passkeys", "11", "--out", "{tmp}/d.npz"],
      "--passkeys 11: must be an integer >= 1 and <= 10"),
     (["calibrate", "--duo-train", "--steps", "0", "--out", "{tmp}/d.npz"],

@@ -43,6 +43,7 @@ SPECIAL = {
     "expected_attention_stats": "expected_attention_stats:ratio=0.5,stats={basis}",
     "kvzap": "kvzap:ratio=0.5,weights={basis}.kvzap",  # a random surrogate (orbax)
     "fastkvzip": "fastkvzip:ratio=0.5,gates={basis}.fastkvzip",  # random gates (orbax)
+    "restorekv": "restorekv:ratio=0.5,adapter={basis}.restorekv,prompt=bare",  # random (orbax)
     "dms": "dms:inner=knorm,threshold=-4,window=16",  # no ratio: a threshold
     "auto": "auto:budget=0.25",
 }

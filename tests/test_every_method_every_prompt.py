@@ -78,6 +78,8 @@ DEFAULT_SPECS = {
     "expected_attention_stats": f"expected_attention_stats:ratio=0.5,stats={BASIS}",
     "kvzap": f"kvzap:ratio=0.5,weights={BASIS}.kvzap",  # a random surrogate (orbax)
     "fastkvzip": f"fastkvzip:ratio=0.5,gates={BASIS}.fastkvzip",  # random gates (orbax)
+    # random restore embeddings and LoRA (orbax); the chunks without kvpress's prompt, as kvzip
+    "restorekv": f"restorekv:ratio=0.5,adapter={BASIS}.restorekv,prompt=bare",
     "kvcompose": "kvcompose:ratio=0.5",  # a pass over the context after prefill, as kvzip's
     "cam": "cam:ratio=0.5,merge_budget=4",  # merges only with compress_every (a decoding press)
     "decoding_ratio": "decoding_ratio:inner=knorm,ratio=0.5",
@@ -86,6 +88,7 @@ DEFAULT_SPECS = {
 """A spec with sensible parameters (the factory's defaults where it has them) for every
 method in `kvjax.METHODS`."""
 
+RESTORE_TOKENS = 4  # the random RestoreKV adapter's (`random_basis`)
 KVZIP_PLUS = "kvzip:ratio=0.5,prompt=bare,plus=true"  # KVzip+ normalization
 MORE = ["quantize:bits=4,axis=channel", "quantize:bits=2,residual=48", KVZIP_PLUS,
         "chunk:inner=tova,ratio=0.5,chunk_length=16"]  # each chunk's own last query
@@ -102,9 +105,9 @@ def registered_specs() -> list[str]:
 
 SPECS = registered_specs() + MORE + CHAINS
 PROMPT_ONLY = {DEFAULT_SPECS["kvzip"], DEFAULT_SPECS["kvgrad"], KVZIP_PLUS,
-               DEFAULT_SPECS["kvcompose"]}
-"""Methods that compress the prompt only (kvzip, kvgrad, kvcompose: their scores come from a pass
-after prefill): with `compress_every` they must refuse by name."""
+               DEFAULT_SPECS["kvcompose"], DEFAULT_SPECS["restorekv"]}
+"""Methods that compress the prompt only (kvzip, kvgrad, kvcompose, restorekv: their scores come
+from a pass after prefill): with `compress_every` they must refuse by name."""
 
 
 @pytest.fixture(scope="module")
@@ -117,9 +120,9 @@ def random_basis(path, layers: int, kv_heads: int, head_dim: int, heads: int | N
     """Save a random orthonormal basis per layer and KV head (what `kvjax calibrate` writes)
     at `path`, with random artifacts of the other calibrated methods (`heads`: query heads,
     default `kv_heads`, for the query statistics); returns the path as a string. With
-    `hidden`, also a random KVzap surrogate and random Fast KVzip gates (orbax directories) at
-    `path` + ".kvzap" and ".fastkvzip" for a model of `model_layers` layers (default
-    `layers`)."""
+    `hidden`, also a random KVzap surrogate, random Fast KVzip gates and random RestoreKV
+    tokens (orbax directories) at `path` + ".kvzap", ".fastkvzip" and ".restorekv" for a model
+    of `model_layers` layers (default `layers`)."""
     rng = np.random.default_rng(0)
     if hidden is not None:
         from tests.test_kvzap import random_surrogate
@@ -129,6 +132,9 @@ def random_basis(path, layers: int, kv_heads: int, head_dim: int, heads: int | N
         from tests.test_fastkvzip import random_gates
         random_gates(model_layers or layers, hidden, kv_heads,
                      (heads or kv_heads) // kv_heads).save(str(path) + ".fastkvzip")
+        from tests.test_restorekv import random_restore_tokens
+        random_restore_tokens(model_layers or layers, hidden, kv_heads, head_dim,
+                              RESTORE_TOKENS).save(str(path) + ".restorekv")
     shape = (layers, kv_heads, head_dim, head_dim)
     keys, values = (np.linalg.qr(rng.standard_normal(shape))[0].astype(np.float32)
                     for _ in range(2))
@@ -231,8 +237,9 @@ def run_and_check(model, spec, prompts, every, **options):
     return out
 
 
-def cases():
-    """(prompts, generate options): the lengths alone and all of them in one batch.
+def cases(extra: int = 0):
+    """(prompts, generate options): the lengths alone and all of them in one batch (`extra`:
+    slots the method writes beyond the tokens, RestoreKV's restore tokens).
 
     The short prompts alone share compiled programs: one capacity (134, the
     default of the 129-token prompt: below KIVI's window plus a group, so
@@ -242,7 +249,7 @@ def cases():
     issue-21 tests below take it for short prompts.
     """
     for n in LENGTHS[:-1]:
-        yield [prompt(n, n)], dict(capacity=max(LENGTHS[:-1]) + MAX_NEW, shrink=False)
+        yield [prompt(n, n)], dict(capacity=max(LENGTHS[:-1]) + MAX_NEW + extra, shrink=False)
     yield [prompt(LENGTHS[-1], 0)], {}
     yield [prompt(n, n) for n in LENGTHS], {}
 
@@ -263,7 +270,7 @@ def test_method_generates_on_every_prompt_length(model, basis_file, spec, every)
     prompt_only = spec in PROMPT_ONLY
     spec = spec.replace(BASIS, basis_file)
     failures = []
-    for prompts, options in cases():
+    for prompts, options in cases(RESTORE_TOKENS if spec.startswith("restorekv") else 0):
         if every and prompt_only:  # a clear refusal, never a silent other method
             with pytest.raises(ValueError, match="compress_every"):
                 run_and_check(model, spec, prompts, every, **options)

@@ -13,6 +13,7 @@
     kvjax calibrate --query-stats --out q.npz # then --method expected_attention_stats:ratio=0.5,stats=q.npz
     kvjax calibrate --kvzap linear --out kvzap # then --method kvzap:ratio=0.5,weights=kvzap
     kvjax calibrate --fastkvzip --out gates    # then --method fastkvzip:ratio=0.5,gates=gates
+    kvjax calibrate --restorekv --out restore  # then --method restorekv:ratio=0.5,adapter=restore
     kvjax train-state --out maps           # then --method snapkv:budget=192+fold:map=maps
     kvjax eval --config experiments/configs/smoke.toml --out results/smoke
     kvjax eval --config experiments/configs/results.toml --out docs/results/eval \
@@ -94,9 +95,9 @@ def check_args(args) -> None:
             raise _bad("prefix", args.prefix, f"must be in [0, --context {args.context})")
     if args.command == "calibrate" and \
             args.duo + args.duo_train + args.qfilters + args.lukv + args.query_stats + \
-            bool(args.kvzap) + args.fastkvzip > 1:
-        raise UsageError("--duo, --duo-train, --qfilters, --lukv, --query-stats, --kvzap and "
-                         "--fastkvzip: give one (each writes a different file)")
+            bool(args.kvzap) + args.fastkvzip + args.restorekv > 1:
+        raise UsageError("--duo, --duo-train, --qfilters, --lukv, --query-stats, --kvzap, "
+                         "--fastkvzip and --restorekv: give one (each writes a different file)")
     if args.command == "generate" and not args.prompt.strip() and not args.chat:
         raise _bad("prompt", repr(args.prompt), "must not be empty (or use --chat)")
     for option in ("text", "context_file", "config"):
@@ -107,7 +108,8 @@ def check_args(args) -> None:
                        else f"{kind} file not found")
     out = getattr(args, "out", None)
     trained = "--kvzap" if getattr(args, "kvzap", None) else \
-        "--fastkvzip" if getattr(args, "fastkvzip", False) else None
+        "--fastkvzip" if getattr(args, "fastkvzip", False) else \
+        "--restorekv" if getattr(args, "restorekv", False) else None
     if out is not None and trained:  # a checkpoint folder, made anew
         out = Path(out)
         if out.exists() and not (out / "_CHECKPOINT_METADATA").is_file():
@@ -229,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "and streaming attention, fitted with optax on multi-passkey samples "
                         "of --window tokens cut from the text")
     c.add_argument("--steps", type=int, default=100,
-                   help="--duo-train: optimizer steps, one new sample each (100)")
+                   help="--duo-train: optimizer steps, one new sample each; --restorekv: "
+                        "optimizer steps, one (window, ratio) pair each (100)")
     c.add_argument("--passkeys", type=int, default=5,
                    help="--duo-train: passkeys per sample (5; the paper: 10)")
     c.add_argument("--words", type=int, default=16,
@@ -255,6 +258,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory): per layer, a sink-attention gate from each token's "
                         "attention input to its KVzip score (binary cross-entropy, SGD with "
                         "momentum, optax); trained on 90%% of the windows, scored on the rest")
+    c.add_argument("--restorekv", action="store_true",
+                   help="RestoreKV restore embeddings and LoRA instead (for "
+                        "restorekv:adapter=OUT, an orbax directory): self-distilled from the "
+                        "full cache over each window's last quarter, KVzip at ratios 0.5 and "
+                        "0.75 (Adam, optax, --steps); the last window held out")
     c.add_argument("--samples", type=int, default=None,
                    help="--qfilters: queries drawn at random for each layer's SVD (3000); "
                         "--kvzap, --fastkvzip: tokens drawn from each window (256)")
@@ -421,6 +429,29 @@ def cmd_calibrate_token_scorer(args, model, tokenizer, ids) -> dict:
             "seconds": round(time.perf_counter() - start, 3)}
 
 
+def cmd_calibrate_restorekv(args, model, tokenizer, ids) -> dict:
+    """`kvjax calibrate --restorekv`: restore tokens trained on the windows of `ids`, each
+    window's first three quarters the context (the ppl cells' prefix), the last held out."""
+    import shutil
+
+    from models.reconstruction import chat_prompt
+    from models.restorekv import train_restorekv
+
+    windows = calibration_windows(args, ids)
+    if len(windows) < 2:
+        raise _bad("tokens", args.tokens, f"must hold at least two --window {args.window} "
+                                          "windows (one is held out)")
+    start = time.perf_counter()
+    out = train_restorekv(model, windows, chat_prompt(tokenizer), prefix=args.window * 3 // 4,
+                          steps=args.steps)
+    if Path(args.out).exists():
+        shutil.rmtree(args.out)
+    out.tokens.save(args.out)
+    return {"out": str(args.out), **out.config,
+            "loss": {"first": float(out.history[0]), "last": float(out.history[-1])},
+            "held_out_kl": out.held_out, "seconds": round(time.perf_counter() - start, 3)}
+
+
 def cmd_calibrate(args, model, tokenizer) -> dict:
     from models.calibration import calibrate_low_rank
 
@@ -437,6 +468,8 @@ def cmd_calibrate(args, model, tokenizer) -> dict:
         return cmd_calibrate_query_stats(args, model, ids)
     if args.kvzap or args.fastkvzip:
         return cmd_calibrate_token_scorer(args, model, tokenizer, ids)
+    if args.restorekv:
+        return cmd_calibrate_restorekv(args, model, tokenizer, ids)
     start = time.perf_counter()
     basis = calibrate_low_rank(model, ids, window=args.window)
     basis.save(args.out)
@@ -740,10 +773,13 @@ def main(argv: list[str] | None = None) -> int:
     elif args.command == "calibrate" and "head_scores_shape" in result:
         print(f"wrote {result['out']}: DuoAttention head scores {result['head_scores_shape']} "
               f"from {result['texts']} passages")
-    elif args.command == "calibrate":
+    elif args.command == "calibrate" and "energy_captured" in result:
         print(f"wrote {result['out']} from {result['tokens']} tokens; energy kept by rank "
               + ", ".join(f"{r}: keys {e['keys']:.3f} values {e['values']:.3f}"
                           for r, e in result["energy_captured"].items()))
+    elif args.command == "calibrate":  # the trained artifacts: what the fit reports
+        print(f"wrote {result['out']}: " + json.dumps(
+            {k: v for k, v in result.items() if k not in ("out", "model")}, allow_nan=False))
     else:
         print(f"perplexity {result['ppl']:.4f} over {result['tokens_scored']} tokens "
               f"(context {result['context']}, stride {result['stride']})")

@@ -48,9 +48,10 @@ from dataclasses import asdict
 
 from experiments.eval.grid import RETRIEVAL_TASKS, Cell
 
-# kvpress presses that read the compressed cache's length as the next position (their kept
-# keys are re-rotated to contiguous positions), as kvpress's pipeline does for them
-REROTATING = ("KeyRerotationPress", "FinchPress")
+# kvpress presses that read the compressed cache's length as the next position, as kvpress's
+# pipeline does for them: their kept keys are re-rotated to contiguous positions, or (RestoreKV)
+# the restore tokens sit after the context in a cache that masks, not drops
+REROTATING = ("KeyRerotationPress", "FinchPress", "RestoreKVPress")
 
 
 # the argument a press takes its ratio as (kvjax's `ratio`, or `head_ratio`, in the published
@@ -63,7 +64,8 @@ DECODING = ("decoding_ratio",)
 # a press whose artifact kvpress downloads from the hub (out of reach here) takes the file
 # the spec names instead: the spec's argument -> the press it feeds
 ARTIFACTS = {"filters": "QFilterPress", "curve": "LUKVPress", "weights": "KVzapPress",
-             "gates": "FastKVzipPress", "scores": "DuoAttentionPress"}
+             "gates": "FastKVzipPress", "scores": "DuoAttentionPress",
+             "adapter": "RestoreKVPress"}
 # arguments a spec may add that the press takes under the same name and meaning
 SAME_ARGUMENTS = ("chunk_length",)
 
@@ -177,14 +179,43 @@ def kvpress_fastkvzip_gates(gates) -> list:
     return modules
 
 
+def kvpress_restorekv(press, adapter: str):
+    """RestoreKVPress's `post_init_from_model` with kvjax's restore tokens at `adapter` in place
+    of the hub's: written in the hub's format (`models.restorekv.save_peft`: the embeddings'
+    safetensors and a PEFT LoRA adapter) to a scratch folder, the adapter loaded into the
+    model under the press's adapter name (replacing one loaded before) and disabled, as
+    kvpress's own loader leaves it."""
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from kvjax.policies.eviction_restorekv import load_restore_tokens
+    from models.restorekv import save_peft
+
+    folder = Path(tempfile.mkdtemp(prefix="kvjax-restorekv-"))
+    save_peft(load_restore_tokens(adapter), folder)
+
+    def post_init(model):
+        if press.adapter_name in (getattr(model, "peft_config", None) or {}):
+            model.delete_adapter(press.adapter_name)
+        model.load_adapter(str(folder), adapter_name=press.adapter_name)
+        model.disable_adapters()
+        press.restore_embeddings = load_file(str(folder / "restore_embeddings.safetensors"))[
+            "restore_embeddings"].to(model.device, dtype=model.dtype)
+        press.restore_model_name = str(folder)
+    return post_init
+
+
 def _given(press, artifact: dict):
     """`press` reading kvjax's artifact file in place of the hub's: QFilterPress its filters
     (`filters`, as `kvjax calibrate --qfilters` writes them), LUKVPress its budget curve
     (`curve`, as `kvjax calibrate --lukv` writes it), KVzapPress its surrogate (`weights`, as
     `kvjax calibrate --kvzap` writes it), FastKVzipPress its gates (`gates`, as `kvjax
     calibrate --fastkvzip` writes them), DuoAttentionPress its head pattern (`scores`, as
-    `kvjax calibrate --duo-train` or `--duo` writes it), each read by kvjax's checked
-    loaders."""
+    `kvjax calibrate --duo-train` or `--duo` writes it), RestoreKVPress its restore embeddings
+    and LoRA (`adapter`, as `kvjax calibrate --restorekv` writes them; `kvpress_restorekv`),
+    each read by kvjax's checked loaders."""
     if "weights" in artifact:
         from kvjax.policies.eviction_kvzap import load_kvzap
         surrogate = load_kvzap(artifact["weights"])
@@ -205,6 +236,8 @@ def _given(press, artifact: dict):
         from kvjax.policies.eviction_lukv import load_budget_curve
         curve = load_budget_curve(artifact["curve"])
         press._load_budget_curves = lambda model: curve
+    if "adapter" in artifact:
+        press.post_init_from_model = kvpress_restorekv(press, artifact["adapter"])
     if "scores" in artifact:  # in place of the patterns DuoAttention publishes for 6 models
         import numpy as np
 

@@ -94,7 +94,12 @@ def run_kvzip(model, tok, torch, ids: np.ndarray, kwargs: dict, ratio: float,
         def from_pretrained(*args, **kw):
             return tok
 
+    kwargs = dict(kwargs)
+    adapter = kwargs.pop("adapter", None)
     press = getattr(kvpress, press_class)(compression_ratio=ratio, **kwargs)
+    if adapter is not None:  # RestoreKVPress: kvjax's restore tokens in place of the hub's
+        from experiments.eval.kvpress_engine import kvpress_restorekv
+        press.post_init_from_model = kvpress_restorekv(press, adapter)
     stash = {}
     orig_post, orig_prepare = press.compress_post, press.prepare
 
@@ -125,6 +130,8 @@ def run_kvzip(model, tok, torch, ids: np.ndarray, kwargs: dict, ratio: float,
         keep[i, h, s] = False
         layer.self_attn.masked_key_indices = None
     scores = stash["scores"].astype(np.float64)
+    restore = getattr(press, "num_restore_tokens", 0)  # RestoreKV's: budget-matched
+    ratio = min(1.0, ratio + restore / t) if restore else ratio
     n_pruned = int(scores.size * ratio) if not kwargs.get("layerwise") else \
         int(kvh * t * ratio) * n_layers
     assert (~keep).sum() == n_pruned, ((~keep).sum(), n_pruned)

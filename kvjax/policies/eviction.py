@@ -108,6 +108,24 @@ class Scorer(Protocol):
                  key: jax.Array) -> tuple[jax.Array, jax.Array]: ...
 
 
+def _digest_into(h, value) -> None:
+    """Fold `value` into the hash `h`: an array by its shape and bytes, a dict by its sorted
+    items and a tuple or list by its elements (so arrays inside them count by content too),
+    anything else by its repr."""
+    if hasattr(value, "tobytes"):
+        h.update(str(value.shape).encode() + value.tobytes())
+    elif isinstance(value, dict):
+        for k in sorted(value):
+            h.update(repr(k).encode())
+            _digest_into(h, value[k])
+    elif isinstance(value, (tuple, list)):
+        h.update(f"{type(value).__name__}{len(value)}".encode())
+        for v in value:
+            _digest_into(h, v)
+    else:
+        h.update(repr(value).encode())
+
+
 class ByContent:
     """Hashed and compared by a digest of its dataclass fields, arrays by their bytes: a
     scorer or update holding calibrated arrays (filters, statistics, a curve) keys jit's cache
@@ -118,9 +136,8 @@ class ByContent:
     def digest(self) -> str:
         h = hashlib.sha256(type(self).__name__.encode())
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            h.update(f.name.encode() + (str(value.shape).encode() + value.tobytes()
-                                        if hasattr(value, "tobytes") else repr(value).encode()))
+            h.update(f.name.encode())
+            _digest_into(h, getattr(self, f.name))
         return h.hexdigest()
 
     def __hash__(self) -> int:

@@ -92,6 +92,7 @@ class Reconstruction:
     gradient: bool = False  # KVgrad: weigh by ||v W_o|| and the objective's gradient
     plus: bool = False  # KVzip+: weigh by ||v W_o|| / ||h|| (h: the query's attention input)
     group_mean: bool = False  # KVCompose: a query head's max over the pass, mean over its group
+    restore: object = None  # RestoreKV: its `RestoreTokens`, written after the pass, or None
 
 
 def reconstruction_inputs(context: Sequence[int], rec: Reconstruction
@@ -201,12 +202,18 @@ def value_output_norms(values: jax.Array, out_proj: jax.Array) -> jax.Array:
 
 
 def kvzip_keep(scores: jax.Array, pos: jax.Array, ratio: jax.Array, n_sink: int,
-               layerwise: bool) -> jax.Array:
+               layerwise: bool, restored: int = 0) -> jax.Array:
     """[L, B, KVH, C] bool: what KVzip keeps of `scores` [L, B, KVH, C] (slots at `pos`).
 
     The first `n_sink` positions always; then per row the lowest `floor(N * ratio)` scores
     go, N every layer's and KV head's tokens (or, `layerwise`, one layer's). Ties go to
     the earlier layer, head and slot.
+
+    `restored` (RestoreKV): each row's newest `restored` positions are restore tokens, kept
+    and not ranked, and as many more context tokens go as they fill (`N` counts the context
+    only): `floor(N * ratio) + R`, R the restore slots, at most N. kvpress evicts
+    `int(N * min(1, ratio + restored / T))` (T: the context's length), the same count in
+    exact arithmetic; its double product can land one below (DECISIONS "RestoreKVPress").
 
     Example:
         >>> import jax.numpy as jnp
@@ -216,10 +223,14 @@ def kvzip_keep(scores: jax.Array, pos: jax.Array, ratio: jax.Array, n_sink: int,
         [[1, 0, 0, 0], [1, 1, 0, 1]]
     """
     valid = pos != EMPTY
+    newest = jnp.max(pos, axis=(0, 2, 3))[None, :, None, None]  # [1, B, 1, 1]
+    reserved = valid & (pos > newest - restored)
+    context = valid & ~reserved
     scores = jnp.where(pos < n_sink, jnp.inf, scores.astype(jnp.float32))
-    tokens = jnp.sum(valid, axis=(2, 3)).astype(jnp.float32)  # [L, B] every head's tokens
-    held = tokens if layerwise else tokens.sum(0)  # [L, B] or [B]
-    return drop_lowest(scores, valid, jnp.floor(held * ratio).astype(jnp.int32))
+    count = lambda mask: jnp.sum(mask, axis=(2, 3)) if layerwise else jnp.sum(mask, (0, 2, 3))
+    held = count(context)  # [L, B] or [B]: the context's tokens, every head's
+    n = jnp.floor(held.astype(jnp.float32) * ratio).astype(jnp.int32) + count(reserved)
+    return drop_lowest(scores, context, jnp.minimum(n, held)) | reserved
 
 
 def drop_lowest(scores: jax.Array, valid: jax.Array, n: jax.Array) -> jax.Array:
@@ -305,18 +316,19 @@ class KVzipUpdate:
 
     n_sink: int = 4
     layerwise: bool = False
+    restored: int = 0  # RestoreKV: each row's newest positions its restore pass wrote
 
     def __call__(self, cache: Cache, state, stats=None):
         pos, scores = pass_scores("kvzip", cache, stats)
-        keep = kvzip_keep(scores, pos, state.ratio, self.n_sink, self.layerwise)
+        keep = kvzip_keep(scores, pos, state.ratio, self.n_sink, self.layerwise, self.restored)
         return map_layers(_evict, tuple(cache), tuple(keep)), state
 
 
 def reconstruction_policy(name: str, ratio: float | None, n_sink: int, layerwise: bool,
                           chunk_size: int, prompt: str, gradient: bool,
-                          plus: bool = False) -> CacheTransform:
-    """`kvzip` (gradient False; `plus`: KVzip+) or `kvgrad` (True), its arguments checked
-    under `name`."""
+                          plus: bool = False, restore=None) -> CacheTransform:
+    """`kvzip` (gradient False; `plus`: KVzip+), `kvgrad` (True) or, with `restore` (its
+    `RestoreTokens`), `restorekv`, its arguments checked under `name`."""
     check_real(name, "ratio", ratio, 0.0, 1.0, high_open=True)
     check_int(name, "n_sink", n_sink, 0)
     check_int(name, "chunk_size", chunk_size)
@@ -326,9 +338,10 @@ def reconstruction_policy(name: str, ratio: float | None, n_sink: int, layerwise
         raise ValueError(f"{name}: prompt must be one of {', '.join(PROMPTS)}, got {prompt!r}")
     rec = Reconstruction(chunk_size, n_sink,
                          prompt=ReconstructionPrompt() if prompt == "bare" else None,
-                         gradient=gradient, plus=plus)
+                         gradient=gradient, plus=plus, restore=restore)
     return CacheTransform(functools.partial(init_budget, ratio, None, 0),
-                          KVzipUpdate(n_sink, layerwise), StatsSpec(reconstruction=rec))
+                          KVzipUpdate(n_sink, layerwise, 0 if restore is None else restore.n),
+                          StatsSpec(reconstruction=rec))
 
 
 def kvzip(ratio: float | None = None, n_sink: int = 4, layerwise: bool = False,

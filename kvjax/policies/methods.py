@@ -37,6 +37,7 @@ from kvjax.policies import eviction_kvzip
 from kvjax.policies import eviction_lukv
 from kvjax.policies import eviction_compose
 from kvjax.policies import eviction_merging
+from kvjax.policies import eviction_restorekv
 from kvjax.policies import decoding
 from kvjax.core.transforms import CacheTransform, chain, full, on_layers
 
@@ -105,6 +106,7 @@ METHODS: dict[str, Callable[..., CacheTransform]] = {
     "kvgrad": eviction_kvzip.kvgrad,
     "kvzap": eviction_kvzap.kvzap,
     "fastkvzip": eviction_fastkvzip.fastkvzip,
+    "restorekv": eviction_restorekv.restorekv,
     "merging": _inner_by_name(eviction_merging.merging),
     "cam": _inner_by_name(eviction_cam.cam),
     "duo_attention": eviction_duo.duo_attention,
@@ -246,6 +248,12 @@ METHOD_INFO: dict[str, MethodInfo] = {
     "fastkvzip": MethodInfo("Kim et al. 2026, https://arxiv.org/abs/2601.17668",
                             "FastKVzipPress", "fastkvzip:ratio={r},gates=DIR",
                             "tests/test_kvpress_zoo_third.py"),
+    # DIR: restore embeddings and LoRA from `kvjax calibrate --restorekv` (kvpress downloads
+    # the paper's, for two 8B models); equal given the same adapter (kvpress run with the
+    # golden's, written in PEFT's format)
+    "restorekv": MethodInfo("RestoreKV 2026, https://arxiv.org/abs/2608.01247",
+                            "RestoreKVPress", "restorekv:ratio={r},adapter=DIR",
+                            "tests/test_restorekv.py"),
     "kvcompose": MethodInfo("Akulov et al. 2025, https://arxiv.org/abs/2509.05165",
                             "KVComposePress", "kvcompose:ratio={r}",
                             "tests/test_kvpress_zoo_third.py"),
