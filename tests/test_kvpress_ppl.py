@@ -18,11 +18,12 @@ prefix's keys on the kept channels, the 256 later keys whole in the exact part, 
 prunes the prefill only; 5e-7), and two presses given kvjax's artifacts in place of the hub's
 (LU-KV's budget curve: per-head counts, pooled; Q-Filters' filters), KVCompose (its
 second pass over the context, per-layer counts) and DuoAttention with the patterns kvjax
-trained (kvpress masks the streaming heads' middle tokens, kvjax evicts them), and ChunkPress
+trained (kvpress masks the streaming heads' middle tokens, kvjax evicts them), ChunkPress
 around SnapKV (each of three chunks scored by its own last 64 queries, which kvpress rotates at
-the prefix's last positions).
+the prefix's last positions), and RestoreKV with the adapter kvjax trained (kvpress loads it
+through PEFT; the continuation starts after the 8 restore tokens in both).
 `python -m experiments.eval.kvpress_ppl_parity` compares
-every row: 61 of 62 within 0.1%; the other is named in docs/DECISIONS.md (LagKV at r = 0.75
+every row: 63 of 64 within 0.1%; the other is named in docs/DECISIONS.md (LagKV at r = 0.75
 on a 768-token prefix: 256 tokens tie at kvpress's top score for 192 places, and torch's
 `topk` drops the sinks where kvjax keeps the earliest).
 """
@@ -51,7 +52,9 @@ CASES = [("kjv_genesis", "full"), ("devils_dictionary", "full"),
          ("devils_dictionary", "chunk:inner=knorm,ratio=0.75"),
          ("kjv_genesis", "chunk:inner=snapkv,ratio=0.5,chunk_length=256"),
          ("devils_dictionary", "duo_attention:head_ratio=0.75,scores={repo}/experiments/data/"
-                               "duo/SmolLM2-135M-Instruct.npz")]
+                               "duo/SmolLM2-135M-Instruct.npz"),
+         ("kjv_genesis", "restorekv:ratio=0.5,adapter={repo}/experiments/data/restorekv/"
+                         "SmolLM2-135M-Instruct")]
 
 
 def test_the_golden_covers_every_method_kvpress_runs():

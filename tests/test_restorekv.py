@@ -365,8 +365,7 @@ def restored_contexts(smollm2):
 def test_kept_positions_match_kvpress_given_the_same_adapter(restored_contexts, ctx, ratio):
     """kvpress's RestoreKVPress handed SmolLM2's committed adapter in PEFT's format
     (`experiments/golden/make_kvpress_restorekv.py`): the same context positions kept in
-    every layer and KV head, swaps allowed only inside kvpress's boundary band (scores within
-    a float32 rounding of the smallest kept one), and every restore slot kept."""
+    every layer and KV head, and every restore slot kept; the same count evicted."""
     from models.sampler import _compress
     from tests.test_kvpress_zoo_parity import unpack
 
@@ -384,6 +383,4 @@ def test_kept_positions_match_kvpress_given_the_same_adapter(restored_contexts, 
     layers, kvh = ours.shape[:2]
     assert (~theirs).sum() == int(layers * kvh * n * min(1.0, ratio + 8 / n))  # kvpress's count
     assert (~ours).sum() == math.floor(layers * kvh * n * ratio) + layers * kvh * 8
-    assert (~ours).sum() == (~theirs).sum()
-    band = unpack(golden, f"{key}_band", n)
-    assert not ((ours != theirs) & ~band).any(), np.argwhere(ours != theirs).tolist()
+    np.testing.assert_array_equal(ours, theirs)  # measured: no near-tie swaps in these four

@@ -7,7 +7,7 @@ function behind `kvjax ppl` and writes both, with the relative difference, to
 `docs/results/kvpress_ppl_parity.json` (the suite checks a subset:
 tests/test_kvpress_ppl.py).
 
-    python -m experiments.eval.kvpress_ppl_parity [--out PATH]
+    python -m experiments.eval.kvpress_ppl_parity [--out PATH] [--only NAMES]
 """
 
 from __future__ import annotations
@@ -47,14 +47,23 @@ def kvjax_ppl(model, tokenizer, golden: dict, text: str, spec: str) -> tuple[flo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--only", help="comma-separated method names (default: all); the other "
+                                   "rows of an existing --out file are kept")
     args = ap.parse_args(argv)
     from models.hub import find_smollm2
     from models.loading import load_model
 
     model, tokenizer = load_model(find_smollm2())
     golden, rows = golden_rows()
+    only = set(args.only.split(",")) if args.only else None
+    kept = {(r["text"], r["spec"]): r for r in json.loads(Path(args.out).read_text())["rows"]} \
+        if only and Path(args.out).exists() else {}
     out = []
     for (text, spec), want in rows.items():
+        if only and spec.split(":")[0] not in only:
+            if (text, spec) in kept:
+                out.append(kept[text, spec])
+            continue
         start = time.perf_counter()
         ppl, scored = kvjax_ppl(model, tokenizer, golden, text, spec)
         rel = ppl / want["ppl"] - 1

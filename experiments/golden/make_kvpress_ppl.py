@@ -15,8 +15,9 @@ scored and the perplexity.
 
 The methods: `full` and every method `experiments.eval.kvpress_engine.parse_press_spec`
 maps to a press (the spec `kvjax methods` publishes), at ratio 0.5 on KJV Genesis and 0.75
-on The Devil's Dictionary; QFilterPress and LUKVPress read the filters and the budget curve
-kvjax calibrated (`ARTIFACT_FILES`) in place of the hub's. LeverageScorePress (and CompactorPress, which contains one) gets
+on The Devil's Dictionary; QFilterPress, LUKVPress, KVzapPress, FastKVzipPress, DuoAttentionPress
+and RestoreKVPress read the artifact kvjax calibrated or trained (`ARTIFACT_FILES`) in place of
+the hub's. LeverageScorePress (and CompactorPress, which contains one) gets
 kvjax's Gaussian sketch instead of its own `torch.randn` draw (`kvjax_sketches`).
 
 How to run (the ``compare`` extra; about ten minutes on 2 busy CPU cores)::
@@ -49,7 +50,8 @@ ARTIFACT_FILES = {"qfilter": "{golden}/smollm2_qfilters.npz",
                   "lukv": "{golden}/smollm2_lukv_curve.npz",
                   "kvzap": "{repo}/experiments/data/kvzap/SmolLM2-135M-Instruct-linear",
                   "fastkvzip": "{repo}/experiments/data/fastkvzip/SmolLM2-135M-Instruct",
-                  "duo_attention": "{repo}/experiments/data/duo/SmolLM2-135M-Instruct.npz"}
+                  "duo_attention": "{repo}/experiments/data/duo/SmolLM2-135M-Instruct.npz",
+                  "restorekv": "{repo}/experiments/data/restorekv/SmolLM2-135M-Instruct"}
 
 
 # rows beyond each method's published spec: a wrapper around a scorer that reads its own
