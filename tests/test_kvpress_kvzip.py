@@ -258,12 +258,13 @@ def test_kvjax_methods_lists_kvzip():
 
 
 def test_eval_runs_kvzip_in_its_own_cell():
-    """`kvjax eval` never shares a kvzip/kvgrad cell's prefill (its pass needs the prompts):
-    such a cell runs alone, through the sampler that runs the pass."""
+    """`kvjax eval` never shares a kvzip/kvgrad/restorekv cell's prefill (its pass needs the
+    prompts): such a cell runs alone, through the sampler that runs the pass."""
     from experiments.eval.cells import shares_prefill
     from experiments.eval.grid import Cell
     assert shares_prefill(Cell("passkey", 256, "snapkv:ratio=0.5", 2))
-    for method in ("kvzip:ratio=0.5", "kvgrad:ratio=0.5", "kvzip:ratio=0.5+kivi:bits=4"):
+    for method in ("kvzip:ratio=0.5", "kvgrad:ratio=0.5", "kvzip:ratio=0.5+kivi:bits=4",
+                   "restorekv:ratio=0.5,adapter=DIR"):
         assert not shares_prefill(Cell("passkey", 256, method, 2)), method
 
 

@@ -149,13 +149,14 @@ def run_retrieval_cell(cell: Cell) -> dict:
     return retrieval_row(cell, prompts, texts, time.perf_counter() - start, **measured)
 
 
-RECONSTRUCTING = ("kvzip", "kvgrad")  # method parts that run a pass after prefill (own prefill)
+RECONSTRUCTING = ("kvzip", "kvgrad", "restorekv")  # parts that run a pass after prefill (own prefill)
 
 
 def shares_prefill(cell: Cell) -> bool:
     """True for a cell whose context prefill another method's cell can share: a kvjax
     retrieval cell, query-agnostic, untimed, on one device, compressed after its prefill with
-    no model pass of its own (kvzip's and kvgrad's reconstruction runs in their own cell)."""
+    no model pass of its own (kvzip's, kvgrad's and restorekv's reconstruction runs in their own
+    cell)."""
     return (cell.engine == "kvjax" and cell.task not in ("ppl", "speed", "memory")
             and not cell.query_aware and not cell.timed and not cell.mesh
             and not any(part.split(":")[0].strip() in RECONSTRUCTING
