@@ -127,6 +127,18 @@ def _check_list(value, name: str, item: str, allow_none: bool = False) -> list:
     return list(value)
 
 
+def parsed_method(method: "str | kvjax.Method | CacheTransform", tokenizer) -> kvjax.Method:
+    """`method` parsed once (a `Method` passes through, a transform becomes one named
+    "custom"), a reconstruction pass's prompt (kvzip, kvgrad, restorekv) bound to
+    `tokenizer`'s ids."""
+    from models.reconstruction import with_tokenizer
+
+    if isinstance(method, CacheTransform):
+        method = kvjax.Method("custom", method)
+    method = kvjax.Method.parse(method)
+    return method.with_transform(with_tokenizer(method.transform, tokenizer))
+
+
 def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
               contexts: Sequence[str | None] | None = None, *,
               method: str | kvjax.Method | CacheTransform = "full", answer_prefix: str = "",
@@ -149,9 +161,7 @@ def ask_batch(model: Llama, tokenizer, questions: Sequence[str],
     with_context = [c is not None for c in contexts]
     if any(with_context) and not all(with_context):
         raise ValueError("contexts: give a context for every question or for none")
-    if isinstance(method, CacheTransform):
-        method = kvjax.Method("custom", method)
-    method = kvjax.Method.parse(method)  # a spec is parsed here, once; a Method passes through
+    method = parsed_method(method, tokenizer)
     split = [chat_prompt(tokenizer, q, c, answer_prefix=answer_prefix, chat=chat)
              for q, c in zip(questions, contexts)]
     heads, ids = [h for h, _ in split], [i for _, i in split]
@@ -229,9 +239,7 @@ def ask_many(model: Llama, tokenizer, questions: Sequence[str], context: str | N
                          answer_prefix=answer_prefix, max_new_tokens=max_new_tokens, **options)
     _check_text(context, "context")
     chat = options.pop("chat", True)
-    if isinstance(method, CacheTransform):
-        method = kvjax.Method("custom", method)
-    method = kvjax.Method.parse(method)
+    method = parsed_method(method, tokenizer)
     split = [chat_prompt(tokenizer, q, context, answer_prefix=answer_prefix, chat=chat)
              for q in questions]
     head, ids = split[0][0], [i for _, i in split]

@@ -232,6 +232,46 @@ def test_restorekv_keeps_kvzips_budget_and_decodes_after_the_restore_tokens(mode
         generate(model, prompts, max_new_tokens=3, transform=t, compress_every=2)
 
 
+@pytest.mark.parametrize("codec", ["quantize:bits=4,group=16", "quantize:bits=2,group=16", "fp8",
+                                   "kivi:bits=4"])
+def test_chains_with_codecs_shrink_the_restored_cache_further(model, codec):
+    """Per-token codecs after it shrink the cache further; a per-channel one (KIVI) is refused
+    by name: KVzip's budgets differ by KV head, so its rows are pooled (as every head-wise
+    eviction's)."""
+    tokens = tokens_for(model, ("v_proj",), n=4)
+    prompts = [list(range(3, 45)), list(range(60, 85))]
+    alone = restorekv(0.5, tokens, prompt="bare")
+    chained = kvjax.chain(alone, kvjax.parse_method(codec))
+    a = prefill_and_compress(model, prompts, transform=alone, room=4)
+    if codec.startswith("kivi"):
+        with pytest.raises(ValueError, match="per-channel and low-rank codecs need per-head"):
+            prefill_and_compress(model, prompts, transform=chained, room=4)
+        return
+    b = prefill_and_compress(model, prompts, transform=chained, room=4)
+    np.testing.assert_array_equal(a.next_pos, b.next_pos)
+    assert kvjax.nbytes(b.cache) < kvjax.nbytes(a.cache)
+    out = generate(model, prompts, max_new_tokens=3, transform=chained)
+    assert out.tokens.shape == (2, 3)
+
+
+def test_ask_answers_from_a_restored_cache(tiny_gguf, tmp_path):
+    """`ask` with several questions: the context compressed once (KVzip's prompt bound from
+    the tokenizer, which has no chat template here), each answer equal to asking alone."""
+    from models.loading import load_model
+    from models.pipeline import ask
+    model, tokenizer = load_model(tiny_gguf)
+    cfg = model.config
+    random_restore_tokens(cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, 4
+                          ).save(tmp_path / "adapter")
+    method = f"restorekv:ratio=0.5,adapter={tmp_path / 'adapter'}"
+    context = "a b c d e f g h i j k l m n o p q r s t u v w x y z " * 2
+    both = ask(model, tokenizer, questions=["a b", "c d"], context=context, method=method,
+               max_new_tokens=3, chat=False)
+    one = ask(model, tokenizer, "c d", context=context, method=method, max_new_tokens=3,
+              chat=False)
+    assert both[1].tokens == one.tokens
+
+
 # ----------------------------------------------------------------------------- training
 
 
