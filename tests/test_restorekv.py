@@ -232,6 +232,19 @@ def test_restorekv_keeps_kvzips_budget_and_decodes_after_the_restore_tokens(mode
         generate(model, prompts, max_new_tokens=3, transform=t, compress_every=2)
 
 
+def test_a_second_parse_of_the_same_adapter_compiles_nothing(model, tmp_path, count_traces):
+    """The restore tokens are hashed by content: two parses of one directory (two loads, two
+    objects) share every compiled program, the restore pass's included."""
+    tokens_for(model, ("v_proj", "o_proj")).save(tmp_path / "adapter")
+    spec = f"restorekv:ratio=0.5,adapter={tmp_path / 'adapter'},prompt=bare"
+    prompts = [list(range(3, 40))]
+    first = prefill_and_compress(model, prompts, transform=kvjax.parse_method(spec), room=2)
+    with count_traces() as t:
+        again = prefill_and_compress(model, prompts, transform=kvjax.parse_method(spec), room=2)
+    assert t.count == 0
+    np.testing.assert_array_equal(np.asarray(first.cache[1].pos), np.asarray(again.cache[1].pos))
+
+
 @pytest.mark.parametrize("codec", ["quantize:bits=4,group=16", "quantize:bits=2,group=16", "fp8",
                                    "kivi:bits=4"])
 def test_chains_with_codecs_shrink_the_restored_cache_further(model, codec):
