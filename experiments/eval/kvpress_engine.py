@@ -51,7 +51,7 @@ from experiments.eval.grid import RETRIEVAL_TASKS, Cell
 # kvpress presses that read the compressed cache's length as the next position, as kvpress's
 # pipeline does for them: their kept keys are re-rotated to contiguous positions, or (RestoreKV)
 # the restore tokens sit after the context in a cache that masks, not drops
-REROTATING = ("KeyRerotationPress", "FinchPress", "RestoreKVPress")
+NEXT_AT_CACHE_LENGTH = ("KeyRerotationPress", "FinchPress", "RestoreKVPress")
 
 
 # the argument a press takes its ratio as (kvjax's `ratio`, or `head_ratio`, in the published
@@ -284,7 +284,8 @@ def continuation_nll(model, tokenizer, press, window: list[int],
     with torch.inference_mode(), given_tokenizer(tokenizer):
         with press(model) if press is not None else contextlib.nullcontext():
             first = model(input_ids=ids[:, :prefix], past_key_values=cache, logits_to_keep=1)
-        start = cache.get_seq_length() if type(press).__name__ in REROTATING else prefix
+        start = cache.get_seq_length() if type(press).__name__ in NEXT_AT_CACHE_LENGTH \
+            else prefix
         positions = torch.arange(start, start + cont.shape[1])[None]
         uneven = len({cache.get_seq_length(i) for i in range(len(cache))}) > 1
         step = 1 if uneven else cont.shape[1]
