@@ -219,7 +219,8 @@ def test_committed_patterns_report_is_what_the_script_computes(monkeypatch):
     `experiments/eval/duo_patterns.py`'s report of the committed score files."""
     from pathlib import Path
 
-    from experiments.eval.duo_patterns import report, spearman
+    from experiments.eval.duo_patterns import report
+    from experiments.eval.rank_stats import spearman
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)  # the report names the score files relative to the repository
     committed = json.loads((root / "docs/results/duo/patterns.json").read_text())

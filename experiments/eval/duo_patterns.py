@@ -20,20 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.eval.rank_stats import spearman
+
 RATIOS = (0.25, 0.5, 0.75)
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    """Rank correlation of two equal-size arrays (average ranks for ties)."""
-    def ranks(x):
-        order = np.argsort(x, kind="stable")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x))
-        for value in np.unique(x):  # ties share their mean rank
-            r[x == value] = r[x == value].mean()
-        return r
-    ra, rb = ranks(a.ravel()), ranks(b.ravel())
-    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def report(trained_path: str, on_the_fly_path: str) -> dict:

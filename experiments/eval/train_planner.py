@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from experiments.eval.rank_stats import spearman
 from kvjax.policies import planner
 
 
@@ -54,11 +55,6 @@ def fit(signals: np.ndarray, target: np.ndarray, *, hidden: int = 16, steps: int
     for _ in range(steps):
         trainable, state, loss = step(trainable, state)
     return {k: np.asarray(v) for k, v in (trainable | frozen).items()}
-
-
-def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
-    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def main(argv=None) -> int:
