@@ -337,11 +337,15 @@ def cmd_calibrate_duo_train(args, model, tokenizer) -> dict:
             "seconds": round(time.perf_counter() - start, 3)}
 
 
-def calibration_windows(args, ids) -> list:
-    """`ids` cut into consecutive windows of `--window` tokens (a shorter tail dropped)."""
+def calibration_windows(args, ids, held_out: bool = False) -> list:
+    """`ids` cut into consecutive windows of `--window` tokens (a shorter tail dropped); at
+    least two when one is to be `held_out`."""
     windows = [ids[i:i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
     if not windows:
         raise _bad("tokens", len(ids), f"must give at least one window of {args.window} tokens")
+    if held_out and len(windows) < 2:
+        raise _bad("tokens", args.tokens, f"must hold at least two --window {args.window} "
+                                          "windows (one is held out)")
     return windows
 
 
@@ -404,10 +408,7 @@ def cmd_calibrate_token_scorer(args, model, tokenizer, ids) -> dict:
     from models.reconstruction import chat_prompt
 
     out = Path(args.out)  # checked by `check_args`: new, or a checkpoint this command wrote
-    windows = calibration_windows(args, ids)
-    if len(windows) < 2:
-        raise _bad("tokens", args.tokens, f"must hold at least two --window {args.window} "
-                                          "windows (one is held out)")
+    windows = calibration_windows(args, ids, held_out=True)
     held = max(1, len(windows) // 10)
     start = time.perf_counter()
     data = kvzap_training_data if args.kvzap else kvzip_training_data
@@ -437,10 +438,7 @@ def cmd_calibrate_restorekv(args, model, tokenizer, ids) -> dict:
     from models.reconstruction import chat_prompt
     from models.restorekv import train_restorekv
 
-    windows = calibration_windows(args, ids)
-    if len(windows) < 2:
-        raise _bad("tokens", args.tokens, f"must hold at least two --window {args.window} "
-                                          "windows (one is held out)")
+    windows = calibration_windows(args, ids, held_out=True)
     start = time.perf_counter()
     out = train_restorekv(model, windows, chat_prompt(tokenizer), prefix=args.window * 3 // 4,
                           steps=args.steps)
