@@ -110,6 +110,17 @@ def kivi_layer(n, residual=8, group=4, capacity=64):
     return enc, k, v
 
 
+def test_per_channel_store_past_its_int16_group_ids_is_refused_by_capacity():
+    """KIVI's group ids are int16: 32,767 groups of 32 fit, one slot more is refused naming
+    the capacity, the group and the most slots it holds (shapes only: nothing allocated)."""
+    limit = (2 ** 15 - 1) * 32
+    shapes = jax.eval_shape(lambda: PackedChannels.empty(1, limit, D, 4, 32))
+    assert shapes.scale.shape[1] == 2 ** 15 - 1
+    with pytest.raises(ValueError, match=f"capacity {limit + 1}: .* groups of 32 tokens holds "
+                                         f"at most {limit} slots"):
+        PackedChannels.empty(1, limit + 1, D, 4, 32)
+
+
 def test_kivi_stores_keys_per_channel_and_values_per_token():
     layer, _, _ = kivi_layer(24)
     assert isinstance(layer, ResidualCache)

@@ -2,9 +2,11 @@
 for v5e:2x4 and v6e:2x4 (issue 54).
 
     python -m experiments.bench.tpu_verdicts --out docs/bench/tpu_verdicts.json   # ~30-60 min
+    python -m experiments.bench.tpu_verdicts --only 1x1047552     # one case; other rows kept
 
-Each row is one deviceless `kvjax compile --steps decode` of all 32 layers on a data=2 x
-model=4 mesh with `--impl pallas`, bf16: whether the decode program fits a chip's HBM (the
+Each row is one deviceless `kvjax compile --steps decode` of all 32 layers with `--impl
+pallas`, bf16, on a data=2 x model=4 mesh (batch 1 at a million tokens: model=8, the 8B
+shape with 2**20 positions, `llama3-8b-1m`): whether the decode program fits a chip's HBM (the
 compiler's peak per chip, or what it needs), the cache and weight bytes per chip from the
 shardings, the Pallas kernel calls and the layers that attend through XLA instead, and a
 roofline *estimate* of one decode step: the cache and weight bytes per chip over the chip's
@@ -17,23 +19,40 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 from experiments.bench.kivi_tpu_temporaries import run_compile
 
 HBM_GBPS = {"v5e": 819.0, "v6e": 1640.0}  # per chip, the published HBM bandwidths
-SHAPES = ((64, 32256), (8, 130560))  # (batch, prompt tokens); + 512 new tokens
 METHODS = ("full", "kivi:bits=4", "snapkv:ratio=0.5+kivi:bits=4", "auto:budget=0.25")
+
+
+class Case(NamedTuple):
+    batch: int
+    context: int  # prompt tokens; + 512 new tokens
+    model: str
+    mesh: str
+    methods: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"{self.batch}x{self.context}"
+
+
+CASES = (Case(64, 32256, "llama3-8b", "data=2,model=4", METHODS),
+         Case(8, 130560, "llama3-8b", "data=2,model=4", METHODS),
+         Case(1, 1047552, "llama3-8b-1m", "data=1,model=8", ("snapkv:ratio=0.5+kivi:bits=4",)))
 TOPOLOGIES = ("v5e:2x4", "v6e:2x4")
 
 
-def verdict_row(topology: str, method: str, batch: int, context: int) -> dict:
+def verdict_row(topology: str, method: str, case: Case) -> dict:
     """One compiled decode step of the 32-layer 8B shape -> its verdict, bytes and estimate."""
-    out, line = run_compile("--topology", topology, "--mesh", "data=2,model=4", "--model",
-                            "llama3-8b", "--method", method, "--context", str(context),
-                            "--new-tokens", "512", "--batch", str(batch), "--impl", "pallas",
-                            "--steps", "decode")
-    row = dict(topology=topology, method=method, batch=batch, context=context, new_tokens=512,
-               command=line)
+    out, line = run_compile("--topology", topology, "--mesh", case.mesh, "--model", case.model,
+                            "--method", method, "--context", str(case.context),
+                            "--new-tokens", "512", "--batch", str(case.batch), "--impl",
+                            "pallas", "--steps", "decode")
+    row = dict(topology=topology, method=method, batch=case.batch, context=case.context,
+               new_tokens=512, model=case.model, mesh=case.mesh, command=line)
     if "error" in out:
         return dict(row, error=out["error"])
     step = out["decode"]
@@ -52,12 +71,17 @@ def verdict_row(topology: str, method: str, batch: int, context: int) -> dict:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/bench/tpu_verdicts.json"))
+    parser.add_argument("--only", choices=[case.name for case in CASES],
+                        help="compile one case (BATCHxCONTEXT); the file's other rows stay")
     args = parser.parse_args(argv)
-    rows = []
-    for batch, context in SHAPES:
-        for method in METHODS:
+    cases = [case for case in CASES if args.only in (None, case.name)]
+    rows = [] if args.only is None or not args.out.exists() else [
+        row for row in json.loads(args.out.read_text())["rows"]
+        if f"{row['batch']}x{row['context']}" != args.only]
+    for case in cases:
+        for method in case.methods:
             for topology in TOPOLOGIES:
-                rows.append(verdict_row(topology, method, batch, context))
+                rows.append(verdict_row(topology, method, case))
                 print(json.dumps(rows[-1]), flush=True)
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(dict(hbm_gbps=HBM_GBPS, rows=rows), indent=1)

@@ -18,7 +18,8 @@ method, all layers otherwise; random keys, zero statistics: budgets depend only 
 lengths), shrinking it as `generate` does, and repeating those rows abstractly for
 the batch and the KV heads.
 
-Models by shape: `smollm2` (SmolLM2-135M), `llama3-8b`, `llama3-70b`, or a
+Models by shape: `smollm2` (SmolLM2-135M), `llama3-8b`, `llama3-70b`, `llama3-8b-1m`
+(the 8B shape with 1,048,576 positions, as its 1M-context finetunes extend it), or a
 model path / repo id (its config only).
 """
 
@@ -39,14 +40,14 @@ TOPOLOGY = re.compile(r"^(v5e|v6e):(\d+)x(\d+)$")
 STEPS = ("prefill", "compress", "decode")
 
 
-def llama3_shape(size: str):
+def llama3_shape(size: str, max_position: int = 131072):
     """A Llama-3-8B / 70B-shaped `LlamaConfig` (bf16 planning; weights never built)."""
     from models.llama import LlamaConfig, RopeScaling
 
     dims = {"8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32),
             "70b": dict(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64)}
     return LlamaConfig(vocab_size=128256, num_kv_heads=8, head_dim=128, rope_theta=500_000.0,
-                       rope_scaling=RopeScaling(), tie_embeddings=False, max_position=131072,
+                       rope_scaling=RopeScaling(), tie_embeddings=False, max_position=max_position,
                        bos_id=128000, eos_ids=(128009,), **dims[size])
 
 
@@ -57,6 +58,8 @@ def model_shape(name: str):
         return LlamaConfig.smollm2_135m()
     if name in ("llama3-8b", "llama3-70b"):
         return llama3_shape(name.split("-")[1])
+    if name == "llama3-8b-1m":  # the 8B shape at 2**20 positions, as its 1M-context finetunes
+        return llama3_shape("8b", max_position=1 << 20)  # (shapes only: RoPE is not planned)
     from models.loading import model_config
     return model_config(name)
 
@@ -377,7 +380,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", required=True, help="TPU slice, e.g. v5e:2x4 or v6e:2x4")
     p.add_argument("--mesh", required=True, help="e.g. data=2,model=4 (product = chips)")
     p.add_argument("--model", default="smollm2",
-                   help="smollm2 | llama3-8b | llama3-70b (by shape) | a model path or repo id")
+                   help="smollm2 | llama3-8b | llama3-70b | llama3-8b-1m (by shape) | a model "
+                        "path or repo id")
     p.add_argument("--layers", type=int, default=0,
                    help="compile only the first N decoder layers (0 = all; memory grows "
                         "linearly with layers, compile time too)")

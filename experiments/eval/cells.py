@@ -215,9 +215,10 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
     groups = prefill_groups(transforms)
     texts = [[] for _ in cells]
     cache_bytes = [[] for _ in cells]
-    seconds, last = [0.0] * len(cells), [None] * len(cells)
+    seconds, monitors = [0.0] * len(cells), [None] * len(cells)
     prefill_s = 0.0
     windowed = windowed_layers(model)
+    last_batch = (base.trials - 1) // base.batch * base.batch
     for b in range(0, base.trials, base.batch):
         contexts = prompts.contexts[b:b + base.batch]
         questions = prompts.questions[b:b + base.batch]
@@ -244,14 +245,18 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
                 texts[i] += [tokenizer.decode(row[:n].tolist())
                              for row, n in zip(gen.tokens, gen.num_tokens)]
                 cache_bytes[i].append(nbytes(gen.cache) / len(gen.tokens))
-                last[i] = gen
+                if b == last_batch and cells[i].method != "full":
+                    from kvjax.tools.monitor import find_monitor, refresh, summary
+                    # summarized now: holding every method's last cache until the end took
+                    # one cache per method (a 4k x 5 grid group passed 12 GB)
+                    monitors[i] = summary(refresh(find_monitor(gen.transform_state), gen.cache))
+                del out, gen
+            del pre  # before the next group's prefill: one prefilled cache at a time
     rows = []
     for i, cell in enumerate(cells):
         measured = dict(cache_bytes_per_seq=max(cache_bytes[i]))
-        if cell.method != "full":
-            from kvjax.tools.monitor import find_monitor, refresh, summary
-            measured["monitor"] = summary(refresh(find_monitor(last[i].transform_state),
-                                                  last[i].cache))
+        if monitors[i] is not None:
+            measured["monitor"] = monitors[i]
         share = prefill_s / len(cells)
         rows.append(retrieval_row(cell, prompts, texts[i], seconds[i] + share,
                                   shared_prefill_seconds=round(prefill_s, 2),

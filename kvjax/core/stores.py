@@ -239,8 +239,10 @@ class PackedChannels(Store):
               symmetric: bool = False, param_dtype=jnp.float16) -> "PackedChannels":
         _check_group(dim, 1, bits)
         table_rows = -(-capacity // group)
-        if table_rows >= 2 ** 15:
-            raise ValueError(f"{table_rows} token groups exceed the int16 group ids")
+        if table_rows >= 2 ** 15:  # the ids are int16, as the kernels' page windows read them
+            raise ValueError(f"capacity {capacity}: a per-channel (KIVI) store of groups of "
+                             f"{group} tokens holds at most {(2 ** 15 - 1) * group} slots "
+                             f"({2 ** 15 - 1} groups), it needs {table_rows}")
         params = jnp.zeros((rows, table_rows, dim), param_dtype)
         return cls(words=jnp.zeros((rows, capacity, dim * bits // 32), jnp.uint32),
                    group_id=jnp.zeros((rows, capacity), jnp.int16), scale=params,
