@@ -240,6 +240,20 @@ def test_side_by_side_cells_stay_out_of_the_quality_tables(tmp_path):
     assert "| `full` | 0.30 |" in text and "0.90" not in text
 
 
+def test_a_task_asked_for_two_answer_budgets_gets_a_table_for_each(tmp_path):
+    """ruler_long.toml asks niah_single_2 for 128 new tokens in the grid and 32 beside kvpress:
+    each budget has its own table and map, neither row hides the other."""
+    long = Cell("niah_single_2", 3840, "full", trials=5, max_new_tokens=128)
+    short = dataclasses.replace(long, max_new_tokens=32)
+    _write_rows(tmp_path, [_row(long, score=0.8, scores=[0.8] * 5),
+                           _row(short, score=0.4, scores=[0.4] * 5)])
+    text = report.report(tmp_path)
+    tables = text.split("#### niah_single_2 (score, 5 trials per cell, ")
+    assert [t.split(")")[0] for t in tables[1:]] == ["128 new tokens", "32 new tokens"]
+    assert "| `full` | 0.80 |" in tables[1] and "| `full` | 0.40 |" in tables[2]
+    assert all((tmp_path / f"niah_single_2_{n}_tokens.png").exists() for n in (128, 32))
+
+
 def test_the_kvjax_engine_refuses_a_kvpress_cell():
     """The engine is picked by `harness.run_cell`; the kvjax engine never runs another's cell."""
     from experiments.eval.cells import run_kvjax_cell

@@ -73,17 +73,23 @@ def retrieval_section(rows: list[dict], out: Path, images: str) -> list[str]:
     """Score tables (method x length) and a heatmap per retrieval task, kvjax engine."""
     lines = []
     mine = [r for r in rows if r["task"] in RETRIEVAL_TASKS and _plain(r)]
-    for task in dict.fromkeys(r["task"] for r in mine):
-        sub = [r for r in mine if r["task"] == task]
+    budgets = {}  # task -> its answer budgets (a grid may ask one task for 128 and 32 tokens)
+    for r in mine:
+        budgets.setdefault(r["task"], {})[r.get("max_new_tokens")] = None
+    for task, new in dict.fromkeys((r["task"], r.get("max_new_tokens")) for r in mine):
+        sub = [r for r in mine if r["task"] == task and r.get("max_new_tokens") == new]
         lengths = sorted({r["length"] for r in sub})
         methods = list(dict.fromkeys(label(r) for r in sub))
         cell = {(label(r), r["length"]): r for r in sub}  # a later batch size wins
         body = [[f"`{m}`"] + [_score_text(cell.get((m, n))) for n in lengths] for m in methods]
         trials = sorted({r["trials"] for r in sub})
-        lines += [f"#### {task} (score, {'/'.join(map(str, trials))} trials per cell)", ""]
+        several = len(budgets[task]) > 1
+        name = f"{task}_{new}_tokens" if several else task
+        lines += [f"#### {task} (score, {'/'.join(map(str, trials))} trials per cell"
+                  + (f", {new} new tokens)" if several else ")"), ""]
         lines += _table(["method"] + [str(n) for n in lengths], body)
-        _score_heatmap(task, methods, lengths, cell, out / f"{task}.png")
-        lines += [f"![{task}]({images}{task}.png)", ""]
+        _score_heatmap(task, methods, lengths, cell, out / f"{name}.png")
+        lines += [f"![{task}]({images}{name}.png)", ""]
     return lines
 
 
