@@ -28,6 +28,11 @@ def hungry_cell(cell: Cell) -> dict:
     return dict(asdict(cell), status="ok", score=float(len(blocks)))
 
 
+def env_cell(cell: Cell) -> dict:
+    import os
+    return dict(asdict(cell), status="ok", mmap=os.environ.get("MALLOC_MMAP_THRESHOLD_"))
+
+
 def failing_cell(cell: Cell) -> dict:
     raise ValueError("no such thing")
 
@@ -252,6 +257,19 @@ def test_a_task_asked_for_two_answer_budgets_gets_a_table_for_each(tmp_path):
     assert [t.split(")")[0] for t in tables[1:]] == ["128 new tokens", "32 new tokens"]
     assert "| `full` | 0.80 |" in tables[1] and "| `full` | 0.40 |" in tables[2]
     assert all((tmp_path / f"niah_single_2_{n}_tokens.png").exists() for n in (128, 32))
+
+
+def test_untimed_workers_map_large_blocks_and_timed_workers_keep_the_default(monkeypatch):
+    """glibc's mmap threshold is fixed at 1 MB in untimed workers (a 4k RULER group held 4 GB
+    less), not in timed ones, and not in the parent after the start; a user's value wins."""
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    untimed = harness.run_in_worker(env_cell, Cell("passkey", 512, "full", trials=1), limit_gb=4)
+    timed = harness.run_in_worker(env_cell, Cell("speed", 512, "full", trials=1), limit_gb=4)
+    assert (untimed["mmap"], timed["mmap"]) == (str(1 << 20), None)
+    assert "MALLOC_MMAP_THRESHOLD_" not in __import__("os").environ
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    mine = harness.run_in_worker(env_cell, Cell("passkey", 512, "full", trials=1), limit_gb=4)
+    assert mine["mmap"] == "65536"
 
 
 def test_the_kvjax_engine_refuses_a_kvpress_cell():
