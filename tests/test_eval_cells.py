@@ -5,6 +5,7 @@ kvpress press mapping."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,21 @@ def test_passkey_trials_take_depths_round_robin(smollm2):
     assert prompts.depths == list(cells.PASSKEY_DEPTHS) + list(cells.PASSKEY_DEPTHS[:2])
     assert len(prompts.contexts) == len(prompts.questions) == 7
     assert all(250 <= len(c) <= 256 for c in prompts.contexts)
+
+
+@pytest.mark.slow
+def test_a_full_cache_kvpress_cell_answers_as_kvjax_does():
+    """The kvpress engine's `full` cell (no press: kvpress's pipeline must still be registered;
+    it was not, and ruler_long's first kvpress cell failed) gives kvjax's answers."""
+    pytest.importorskip("kvpress", reason="[optional] kvpress is in the `compare` extra, not "
+                                          "installed")
+    from experiments.eval.kvpress_engine import run_kvpress_cell
+    from experiments.eval.report import _normalized
+    cell = Cell("niah_single_2", 256, "full", trials=2, batch=1, max_new_tokens=8)
+    theirs = run_kvpress_cell(replace(cell, engine="kvpress"))
+    ours = cells.run_retrieval_cell(cell)
+    assert theirs["status"] == "ok"
+    assert list(map(_normalized, theirs["outputs"])) == list(map(_normalized, ours["outputs"]))
 
 
 def test_kvpress_specs_map_to_presses_or_fail_clearly(tmp_path):

@@ -332,6 +332,7 @@ def run_kvpress_ppl_cell(cell: Cell) -> dict:
 
 def run_kvpress_cell(cell: Cell) -> dict:
     """The cell's retrieval trials through kvpress, batch 1; scored like kvjax's."""
+    import kvpress  # noqa: F401  registers the "kv-press-text-generation" pipeline (`full` builds no press)
     import torch
     from transformers import pipeline
 
