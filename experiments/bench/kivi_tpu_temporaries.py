@@ -32,6 +32,8 @@ def run_compile(*args: str) -> tuple[dict, str]:
            *args, "--json"]
     run = subprocess.run(cmd, capture_output=True, text=True)
     line = " ".join(["kvjax", *cmd[3:]])
+    if run.returncode < 0:  # e.g. the OOM killer: stderr's last line is some library's noise
+        return dict(error=[f"killed by signal {-run.returncode}"]), line
     if not run.stdout.strip():
         return dict(error=run.stderr.strip().splitlines()[-1:]), line
     return json.loads(run.stdout), line
