@@ -359,3 +359,53 @@ def test_the_results_table_is_the_committed_rows():
         assert full == f"{by[task, 'full']['score']:.2f}"
         other = by.get((task, "snapkv:ratio=0.5"))
         assert snapkv == ("-" if other is None else f"{other['score']:.2f}")
+
+
+def _markdown_table(text: str, header_start: str) -> list[list[str]]:
+    """The body rows of the Markdown table whose header line starts with `header_start`,
+    cells stripped of spaces and backquotes (the header first)."""
+    lines = text.split(header_start, 1)[1].split("\n\n", 1)[0].splitlines()
+    cells = lambda line: [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+    return [cells(header_start + lines[0])] + [cells(line) for line in lines[2:]]
+
+
+def test_the_4k_tables_are_the_committed_rows():
+    """docs/RESULTS.md's 4k tables of the RULER set are `docs/results/ruler_long/cells.jsonl`:
+    every row a cell of `ruler_long.toml`; every finished 4k cell at RULER's answer budget is
+    in the score table with its score; every kvjax/kvpress pair is in the side-by-side table
+    with both scores and its count of identical answers (special tokens and spacing aside, as
+    the report counts them)."""
+    import dataclasses
+    import json
+
+    from experiments.eval.grid import cell_of, read_config
+    from experiments.eval.report import _normalized
+    rows = [json.loads(line) for line in
+            (ROOT / "docs/results/ruler_long/cells.jsonl").read_text().splitlines()]
+    config = {c.key for c in read_config(ROOT / "experiments/configs/ruler_long.toml").cells}
+    assert all(cell_of(r).key in config for r in rows)
+    ok = [r for r in rows if r["status"] == "ok" and r["length"] == 3840]
+    grid = {(r["task"], r["method"]): r for r in ok if r["engine"] == "kvjax"
+            and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]}
+    text = (ROOT / "docs/RESULTS.md").read_text().split("## RULER's task set (issue 52)", 1)[1]
+    header, *body = _markdown_table(text, "| method (4k) |")
+    shown = set()
+    for method, *scores in body:
+        for task, score in zip(header[1:], scores):
+            if score == "":
+                assert (task, method) not in grid
+                continue
+            assert score == f"{grid[task, method]['score']:.2f}", (task, method)
+            shown.add((task, method))
+    assert shown == set(grid)
+    press = {cell_of(r).key: r for r in ok if r["engine"] == "kvpress"}
+    mine = {cell_of(r).key: r for r in ok if r["engine"] == "kvjax"}
+    _, *pairs = _markdown_table(text, "| task (4k, kvjax beside kvpress) |")
+    assert len(pairs) == len(press)
+    for task, method, kvjax_score, kvpress_score, same in pairs:
+        theirs = next(r for r in press.values() if (r["task"], r["method"]) == (task, method))
+        ours = mine[dataclasses.replace(cell_of(theirs), engine="kvjax").key]
+        n = sum(_normalized(a) == _normalized(b)
+                for a, b in zip(ours["outputs"], theirs["outputs"]))
+        assert (kvjax_score, kvpress_score, same) == (
+            f"{ours['score']:.2f}", f"{theirs['score']:.2f}", f"{n}/{theirs['trials']}")
