@@ -54,22 +54,25 @@ def test_compiler_read_kernel_table_is_its_json_rows():
     assert checked == 10, f"{checked} rows of the table matched its pattern"
 
 
+def section_matches(heading: str, row: re.Pattern) -> list[re.Match]:
+    """The lines of BENCHMARKS.md's section `heading` (to the next ### heading) that `row`
+    matches."""
+    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
+    lines = text[text.index(heading):].splitlines()[1:]
+    end = next((i for i, line in enumerate(lines) if line.startswith("### ")), len(lines))
+    return [m for m in map(row.match, lines[:end]) if m]
+
+
 def test_step_bytes_table_is_its_json_rows():
     """"Bytes one decode step moves, per cache kind": every row is its method's row of
     docs/bench/tpu_step_bytes.json (GB to two places, ratio and excess to three)."""
-    text = (ROOT / "docs" / "BENCHMARKS.md").read_text()
-    section = text[text.index("### Bytes one decode step moves, per cache kind"):]
     rows = {r["method"]: r for r in
             json.loads((ROOT / "docs" / "bench" / "tpu_step_bytes.json").read_text())["rows"]}
     row = re.compile(r"^\| `([^`]+)` \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
                      r"(-?[\d.]+) \| (\d+) \|$")
     seen = []
-    for line in section.splitlines()[1:]:
-        if line.startswith("### "):
-            break
-        m = row.match(line)
-        if not m:
-            continue
+    for m in section_matches("### Bytes one decode step moves, per cache kind", row):
+        line = m[0]
         r = rows[m[1]]
         gb = lambda key: f"{r[key] / 1e9:.2f}"
         assert (m[2], m[3], m[4]) == (gb("cache_bytes"), gb("step_bytes"),
@@ -79,3 +82,40 @@ def test_step_bytes_table_is_its_json_rows():
         assert r["ratio"] == round(r["step_bytes"] / (r["cache_bytes"] + r["weight_bytes"]), 3)
         seen.append(m[1])
     assert sorted(seen) == sorted(rows), seen
+
+
+HBM_GIB = {"v5e": 15.75, "v6e": 31.25}  # a chip's HBM as the compiler reports it
+
+
+def _verdict(r: dict) -> str:
+    """A tpu_verdicts row's verdict as BENCHMARKS words it (GiB to two places)."""
+    gib = lambda n: f"{n / 2**30:.2f}"
+    if r["fits"]:
+        return f"fits: peak {gib(r['peak'])} of {HBM_GIB[r['topology'][:3]]:.2f} GiB"
+    return f"does not fit: needs {gib(r['needs'])} GiB, has {gib(r['has'])}"
+
+
+def test_whole_step_verdicts_table_is_its_json_rows():
+    """"Whole-step verdicts": every row is its (batch, tokens, method, chip) row of
+    docs/bench/tpu_verdicts.json -- the compiler's verdict, bytes per chip, Mosaic calls and the
+    roofline estimate (cache + weights per chip over the chip's bandwidth), and every JSON row
+    has its line."""
+    data = json.loads((ROOT / "docs" / "bench" / "tpu_verdicts.json").read_text())
+    rows = {(r["batch"], r["context"] + r["new_tokens"], r["method"], r["topology"]): r
+            for r in data["rows"]}
+    row = re.compile(r"^\| (\d+) x ([\d,]+) \| `([^`]+)` \| (v[56]e:\dx\d) \| ([^|]+) \| "
+                     r"([\d.]+) GiB \| ([\d.]+) GiB \| (\d+|-) \| ([\d.]+) \|$")
+    seen = []
+    for m in section_matches("### Whole-step verdicts", row):
+        line = m[0]
+        key = (int(m[1]), int(m[2].replace(",", "")), m[3], m[4])
+        r = rows[key]
+        gib = lambda n: f"{n / 2**30:.2f}"
+        assert m[5].strip() == _verdict(r), line
+        assert (m[6], m[7]) == (gib(r["cache_bytes_per_chip"]), gib(r["weight_bytes_per_chip"]))
+        assert m[8] == (str(r["kernel_calls"]) if r["fits"] else "-"), line
+        gbps = data["hbm_gbps"][m[4].split(":")[0]]
+        floor = (r["cache_bytes_per_chip"] + r["weight_bytes_per_chip"]) / gbps / 1e6
+        assert float(m[9]) == r["floor_ms_per_step"] == round(floor, 3), line
+        seen.append(key)
+    assert sorted(seen) == sorted(rows), sorted(set(rows) - set(seen))
