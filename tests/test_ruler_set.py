@@ -337,6 +337,14 @@ def test_the_length_search_finds_the_largest_fit_from_any_guess():
     assert len(calls) <= 12  # a close guess: a few probes, not 17 bisection steps
 
 
+def _markdown_table(text: str, header_start: str) -> list[list[str]]:
+    """The body rows of the Markdown table whose header line starts with `header_start`,
+    cells stripped of spaces and backquotes (the header first)."""
+    lines = text.split(header_start, 1)[1].split("\n\n", 1)[0].splitlines()
+    cells = lambda line: [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+    return [cells(header_start + lines[0])] + [cells(line) for line in lines[2:]]
+
+
 def test_the_results_table_is_the_committed_rows():
     """docs/RESULTS.md's 1k table of the RULER set is `docs/results/ruler_smoke/cells.jsonl`,
     cell by cell, and every row is a cell of `ruler_smoke.toml`."""
@@ -351,22 +359,14 @@ def test_the_results_table_is_the_committed_rows():
     for r in rows:  # each score is the mean of its trials' RULER scores
         assert len(r["scores"]) == 5 and r["score"] == pytest.approx(sum(r["scores"]) / 5)
     text = (ROOT / "docs/RESULTS.md").read_text().split("## RULER's task set (issue 52)", 1)[1]
-    table = text.split("| task | metric |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
-    assert [line.split("`")[1] for line in table] == list(RULER_TASKS)
+    _, *table = _markdown_table(text, "| task | metric |")
+    assert [row[0] for row in table] == list(RULER_TASKS)
     for line in table:
-        task, metric, full, snapkv = [c.strip().strip("`") for c in line.strip("|").split("|")]
+        task, metric, full, snapkv = line
         assert metric == METRIC[task].removeprefix("string_match_")
         assert full == f"{by[task, 'full']['score']:.2f}"
         other = by.get((task, "snapkv:ratio=0.5"))
         assert snapkv == ("-" if other is None else f"{other['score']:.2f}")
-
-
-def _markdown_table(text: str, header_start: str) -> list[list[str]]:
-    """The body rows of the Markdown table whose header line starts with `header_start`,
-    cells stripped of spaces and backquotes (the header first)."""
-    lines = text.split(header_start, 1)[1].split("\n\n", 1)[0].splitlines()
-    cells = lambda line: [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
-    return [cells(header_start + lines[0])] + [cells(line) for line in lines[2:]]
 
 
 def test_the_4k_tables_are_the_committed_rows():
@@ -375,11 +375,10 @@ def test_the_4k_tables_are_the_committed_rows():
     in the score table with its score; every kvjax/kvpress pair is in the side-by-side table
     with both scores and its count of identical answers (special tokens and spacing aside, as
     the report counts them)."""
-    import dataclasses
     import json
 
     from experiments.eval.grid import cell_of, read_config
-    from experiments.eval.report import _normalized
+    from experiments.eval.report import _normalized, _pairs
     rows = [json.loads(line) for line in
             (ROOT / "docs/results/ruler_long/cells.jsonl").read_text().splitlines()]
     config = {c.key for c in read_config(ROOT / "experiments/configs/ruler_long.toml").cells}
@@ -398,13 +397,12 @@ def test_the_4k_tables_are_the_committed_rows():
             assert score == f"{grid[task, method]['score']:.2f}", (task, method)
             shown.add((task, method))
     assert shown == set(grid)
-    press = {cell_of(r).key: r for r in ok if r["engine"] == "kvpress"}
-    mine = {cell_of(r).key: r for r in ok if r["engine"] == "kvjax"}
-    _, *pairs = _markdown_table(text, "| task (4k, kvjax beside kvpress) |")
-    assert len(pairs) == len(press)
-    for task, method, kvjax_score, kvpress_score, same in pairs:
-        theirs = next(r for r in press.values() if (r["task"], r["method"]) == (task, method))
-        ours = mine[dataclasses.replace(cell_of(theirs), engine="kvjax").key]
+    pairs = {(t["task"], t["method"]): (m, t) for m, t in _pairs(ok, ppl=False)}
+    assert len(pairs) == sum(r["engine"] == "kvpress" for r in ok)  # every kvpress row paired
+    _, *table = _markdown_table(text, "| task (4k, kvjax beside kvpress) |")
+    assert len(table) == len(pairs)
+    for task, method, kvjax_score, kvpress_score, same in table:
+        ours, theirs = pairs[task, method]
         n = sum(_normalized(a) == _normalized(b)
                 for a, b in zip(ours["outputs"], theirs["outputs"]))
         assert (kvjax_score, kvpress_score, same) == (
