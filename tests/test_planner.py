@@ -424,3 +424,20 @@ def test_pareto_rows_count_dense_eviction_as_bf16_storage(tiny_model):
     assert fraction(row) == full_bf16_bytes(tiny_model, 16) / full_bf16_bytes(tiny_model, 32)
     assert dense_bf16_bytes({"method": "knorm:ratio=0.5+kivi:bits=4", "cache_bytes": 1.0},
                             c.num_layers, c.head_dim) is None
+
+
+def test_results_planner_table_is_the_report_of_its_rows():
+    """docs/RESULTS.md's `auto` table is `planner_pareto.summary` of the committed rows, so a
+    changed row, an edited cell or a bold `auto` that is not below its rival fails; every
+    `auto` row stays within its budget."""
+    from pathlib import Path
+
+    from experiments.eval.planner_pareto import _rows, fraction, summary
+    root = Path(__file__).parents[1]
+    rows = _rows(root / "docs/results/planner/rows.jsonl")
+    assert summary(rows) in (root / "docs/RESULTS.md").read_text()
+    for r in rows:
+        if r["method"].startswith("auto:budget="):
+            budget = float(r["method"].split(",")[0].split("=")[1])
+            assert r["cache_bytes"] <= budget * r["full_bf16_bytes"], r["method"]
+    assert fraction({"bf16_bytes": None, "cache_bytes": 1.0, "full_bf16_bytes": 4.0}) == 0.25

@@ -44,14 +44,14 @@ def run(out: Path, methods: list[str], texts: list[str], context: int, prefix: i
 
     from experiments.eval.planner_view import plan_summary
     from experiments.eval.ppl import perplexity
-    from kvjax import parse_method
     from models.loading import load_model
+    from models.pipeline import parsed_method
 
     rows_path = out / "rows.jsonl"
     done = {(r["method"], r["text"]) for r in _rows(rows_path)}
     model, tokenizer = load_model("smollm2")
     for method in methods:
-        transform = parse_method(method)
+        transform = parsed_method(method, tokenizer).transform  # kvzip's prompt: these ids
         for text in texts:
             name = Path(text).name + (f" from token {offset}" if offset else "")
             if (method, name) in done:
