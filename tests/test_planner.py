@@ -410,32 +410,45 @@ def test_inspect_and_eval_rows_carry_the_plan_on_smollm2(smollm2, tmp_path, caps
 
 
 def test_pareto_rows_count_dense_eviction_as_bf16_storage(tiny_model):
-    """A dense eviction row's `bf16_bytes` equals `nbytes` of the same kept tokens in a
-    bfloat16 cache; a codec row has none (its bytes are what it stores)."""
-    from experiments.eval.planner_pareto import dense_bf16_bytes, fraction
+    """An eviction row's `bf16_bytes` (`Perplexity.cache_bf16_bytes`) equals `nbytes` of the
+    same kept tokens in a bfloat16 cache, per-head or pooled head-wise alike; a codec row has
+    none (its bytes are what it stores)."""
+    from experiments.eval.planner_pareto import eviction_only, fraction
     from experiments.eval.ppl import full_bf16_bytes, perplexity
     c = tiny_model.config
     ids = np.arange(3, 3 + 48) % c.vocab_size
-    r = perplexity(tiny_model, ids, context=48, prefix=32, transform=kvjax.knorm(ratio=0.5))
-    row = {"method": "knorm:ratio=0.5", "cache_bytes": r.cache_bytes,
-           "full_bf16_bytes": r.full_bf16_bytes}
-    row["bf16_bytes"] = dense_bf16_bytes(row, c.num_layers, c.head_dim)
-    assert row["bf16_bytes"] == full_bf16_bytes(tiny_model, 16)  # 16 of 32 tokens, in bf16
-    assert fraction(row) == full_bf16_bytes(tiny_model, 16) / full_bf16_bytes(tiny_model, 32)
-    assert dense_bf16_bytes({"method": "knorm:ratio=0.5+kivi:bits=4", "cache_bytes": 1.0},
-                            c.num_layers, c.head_dim) is None
+    for spec in ("knorm:ratio=0.5", "snapkv:ratio=0.5,headwise=true"):
+        r = perplexity(tiny_model, ids, context=48, prefix=32, transform=parse_method(spec))
+        assert eviction_only(spec), spec  # k, v halve; int32 positions and cursors do not
+        assert r.cache_bytes / 2 < r.cache_bf16_bytes < r.cache_bytes, spec
+        if spec.startswith("knorm"):  # per head: 16 of 32 tokens, exactly a bf16 cache's
+            assert r.cache_bf16_bytes == full_bf16_bytes(tiny_model, 16)
+        row = {"bf16_bytes": r.cache_bf16_bytes, "cache_bytes": r.cache_bytes,
+               "full_bf16_bytes": r.full_bf16_bytes}
+        assert fraction(row) == r.cache_bf16_bytes / full_bf16_bytes(tiny_model, 32)
+    assert not eviction_only("knorm:ratio=0.5+kivi:bits=4")
 
 
 def test_results_planner_table_is_the_report_of_its_rows():
-    """docs/RESULTS.md's `auto` table is `planner_pareto.summary` of the committed rows, so a
-    changed row, an edited cell or a bold `auto` that is not below its rival fails; every
-    `auto` row stays within its budget."""
+    """docs/RESULTS.md's `auto` tables are `planner_pareto.summary` and `press_table` of the
+    committed rows, so a changed row, an edited cell or a bold `auto` that is not below its
+    rival fails; every `auto` row stays within its budget; kvpress's rows equal kvjax's."""
     from pathlib import Path
 
-    from experiments.eval.planner_pareto import _rows, fraction, summary
+    from experiments.eval.planner_pareto import _rows, fraction, press_table, summary
     root = Path(__file__).parents[1]
     rows = _rows(root / "docs/results/planner/rows.jsonl")
-    assert summary(rows) in (root / "docs/RESULTS.md").read_text()
+    theirs = _rows(root / "docs/results/planner/kvpress_rows.jsonl")
+    results = (root / "docs/RESULTS.md").read_text()
+    assert summary(rows) in results
+    assert press_table(rows, theirs) in results
+    cells = summary(rows).splitlines()[2:]  # the reading counts the bold `auto` cells
+    wins = sum("| **" in line for line in cells)
+    assert f"`auto` is below the best fixed method or chain with no more bytes in {wins} of " \
+        f"{len(cells)} cells" in " ".join(results.split())
+    ours = {(r["method"], r["text"]): r["ppl"] for r in rows}
+    for r in theirs:  # kvpress's press on the same windows as kvjax's row: within 0.1%
+        assert abs(ours[r["method"], r["text"]] / r["ppl"] - 1) < 1e-3, r
     for r in rows:
         if r["method"].startswith("auto:budget="):
             budget = float(r["method"].split(",")[0].split("=")[1])

@@ -5,13 +5,16 @@ and a markdown table.
 
     python experiments/eval/planner_pareto.py --out docs/results/planner \\
         --methods full fp8 "snapkv:ratio=0.5+kivi:bits=4" auto:budget=0.125
+    python experiments/eval/planner_pareto.py --out docs/results/planner --kvpress \\
+        --methods kvgrad:ratio=0.5      # kvpress's own press on the same windows
     python experiments/eval/planner_pareto.py --out docs/results/planner --report
 
 Bytes are `kvjax ppl --json`'s: `cache_bytes` is the compressed prefix as the run stores it
 (a float32 cache for the fixed methods, so an eviction-only method's kept tokens are
 float32), `full_bf16_bytes` the same prefix as an uncompressed bfloat16 cache. For a method
-that stores dense tokens, `bf16_bytes` is what its kept tokens take in a bfloat16 cache
-(each head-slot 4 D + 4 bytes instead of 8 D + 4): the fair comparison with a bf16 budget.
+that stores dense tokens (`eviction_only`), `bf16_bytes` is what its kept tokens take in a
+bfloat16 cache (`kvjax.nbytes(cache, float_dtype=bfloat16)`, pooled head-wise layouts
+included): the fair comparison with a bf16 budget.
 """
 
 from __future__ import annotations
@@ -27,15 +30,20 @@ DENSE = ("full", "snapkv", "expected_attention", "h2o", "streaming_llm", "tova",
          "pyramidkv")
 
 
-def dense_bf16_bytes(row: dict, num_layers: int, head_dim: int) -> float | None:
-    """The kept tokens' bytes in a bfloat16 cache, for a method storing dense per-head slots
-    (no codec, no head-wise pooling); None for others."""
-    parts = [p.split(":")[0] for p in row["method"].split("+")]
-    if any(p not in DENSE for p in parts) or "headwise" in row["method"]:
-        return None
-    cursors = num_layers * 4
-    head_slots = (row["cache_bytes"] - cursors) / (8 * head_dim + 4)
-    return head_slots * (4 * head_dim + 4) + cursors
+def eviction_only(method: str) -> bool:
+    """True if every part of `method` keeps dense tokens (eviction, a kvpress press, `full`):
+    no codec, so its bytes as a bfloat16 cache would store them are its fair bytes.
+
+    Example:
+        >>> eviction_only("snapkv:ratio=0.5"), eviction_only("kvzip:ratio=0.5")
+        (True, True)
+        >>> eviction_only("snapkv:ratio=0.5+kivi:bits=4")
+        False
+    """
+    from kvjax.policies.methods import METHOD_INFO
+    parts = [p.split(":")[0] for p in method.split("+")]
+    return all(p in DENSE or (p in METHOD_INFO and METHOD_INFO[p].kvpress is not None)
+               for p in parts)
 
 
 def run(out: Path, methods: list[str], texts: list[str], context: int, prefix: int,
@@ -53,11 +61,9 @@ def run(out: Path, methods: list[str], texts: list[str], context: int, prefix: i
     for method in methods:
         transform = parsed_method(method, tokenizer).transform  # kvzip's prompt: these ids
         for text in texts:
-            name = Path(text).name + (f" from token {offset}" if offset else "")
+            name, ids = _slice(tokenizer, text, offset, context * windows)
             if (method, name) in done:
                 continue
-            ids = tokenizer.encode(Path(text).read_text(encoding="utf-8"))[
-                offset:offset + context * windows]
             start = time.perf_counter()
             r = perplexity(model, ids, context, prefix=prefix, transform=transform,
                            batch_size=windows)
@@ -65,8 +71,7 @@ def run(out: Path, methods: list[str], texts: list[str], context: int, prefix: i
                    "tokens_scored": r.tokens_scored, "cache_bytes": r.cache_bytes,
                    "full_bf16_bytes": r.full_bf16_bytes, "context": context, "prefix": prefix,
                    "windows": windows, "seconds": round(time.perf_counter() - start, 1)}
-            row["bf16_bytes"] = dense_bf16_bytes(row, model.config.num_layers,
-                                                 model.config.head_dim)
+            row["bf16_bytes"] = r.cache_bf16_bytes if eviction_only(method) else None
             row["plan"] = plan_summary(method, model)
             assert np.isfinite(row["ppl"])
             with rows_path.open("a") as f:
@@ -74,6 +79,61 @@ def run(out: Path, methods: list[str], texts: list[str], context: int, prefix: i
             print(f"{method} {row['text']}: ppl {r.ppl:.4f}, "
                   f"{r.cache_bytes / r.full_bf16_bytes:.4f} of bf16, {row['seconds']} s",
                   flush=True)
+
+
+def run_kvpress(out: Path, methods: list[str], texts: list[str], context: int, prefix: int,
+                windows: int, offset: int = 0) -> None:
+    """kvpress's own presses on the windows `run` scores (the same token ids, transformers in
+    float32, batch 1): rows to `kvpress_rows.jsonl`, beside kvjax's rows of the same method
+    (the presses kvjax equals; their bytes are kvjax's row's)."""
+    import importlib.util
+    import math
+
+    import numpy as np
+
+    from experiments.eval.kvpress_engine import continuation_nll, parse_press_spec, press_for
+    for method in methods:  # a method kvpress has no press for fails before any model loads
+        parse_press_spec(method)
+    if importlib.util.find_spec("kvpress") is None:
+        raise SystemExit("planner_pareto --kvpress needs kvpress: pip install -e '.[compare]'")
+    import torch
+
+    from experiments.eval.hf_reference import load_hf_reference
+    from experiments.eval.ppl import sliding_windows
+    from models.loading import load_model, resolve_model_path
+
+    rows_path = out / "kvpress_rows.jsonl"
+    done = {(r["method"], r["text"]) for r in _rows(rows_path)}
+    _, tokenizer = load_model("smollm2")  # kvjax's tokenizer: the ids `run` scored
+    model, hf_tokenizer, _ = load_hf_reference(resolve_model_path("smollm2"),
+                                               dtype=torch.float32, attn_implementation="sdpa")
+    for method in methods:
+        for text in texts:
+            name, ids = _slice(tokenizer, text, offset, context * windows)
+            if (method, name) in done:
+                continue
+            start = time.perf_counter()
+            nll, scored = 0.0, 0
+            for w in sliding_windows(len(ids), context, None):
+                n, k = continuation_nll(model, hf_tokenizer, press_for(method),
+                                        list(ids[w.start:w.end]), prefix)
+                nll, scored = nll + n, scored + k
+            assert np.isfinite(nll)
+            row = {"method": method, "text": name, "ppl": math.exp(nll / scored),
+                   "tokens_scored": scored, "engine": "kvpress", "context": context,
+                   "prefix": prefix, "windows": windows,
+                   "seconds": round(time.perf_counter() - start, 1)}
+            with rows_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"kvpress {method} {name}: ppl {row['ppl']:.4f}, {row['seconds']} s",
+                  flush=True)
+
+
+def _slice(tokenizer, text: str, offset: int, tokens: int) -> tuple[str, list[int]]:
+    """(the rows' name for a slice of a text, its `tokens` token ids from `offset`)."""
+    name = Path(text).name + (f" from token {offset}" if offset else "")
+    ids = tokenizer.encode(Path(text).read_text(encoding="utf-8"))[offset:offset + tokens]
+    return name, ids
 
 
 def _rows(path: Path) -> list[dict]:
@@ -115,6 +175,29 @@ def summary(rows: list[dict]) -> str:
                 if rival else "none"
             lines.append(f"| {text} | 1/{round(1 / b)} | {best} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def press_table(rows: list[dict], kvpress_rows: list[dict], budget: float = 0.125) -> str:
+    """Markdown: per text with single presses at ratio 0.5 (half the tokens, bf16: half the
+    bf16 full cache's bytes), `auto` at `budget` against each press by kvjax's perplexity,
+    with kvpress's own where it ran on the same windows (`--kvpress`); "" if none."""
+    theirs = {(r["method"], r["text"]): r["ppl"] for r in kvpress_rows}
+    by = {(r["text"], r["method"]): r for r in rows}
+    lines = ["| text | `auto` at 1/%d | press at ratio 0.5 | kvjax ppl | kvpress ppl | "
+             "`auto` / press - 1 |" % round(1 / budget), "|---|---|---|---|---|---|"]
+    for text in sorted({r["text"] for r in rows}):
+        ours = by.get((text, f"auto:budget={budget:g}"))
+        presses = sorted((r for r in rows if r["text"] == text and "+" not in r["method"]
+                          and r["method"].split(":")[-1].split(",")[-1] == "ratio=0.5"),
+                         key=lambda r: r["ppl"])
+        if ours is None or not presses:
+            continue
+        for r in presses:
+            kp = theirs.get((r["method"], text))
+            lines.append(f"| {text} | {ours['ppl']:.3f} | `{r['method']}` | {r['ppl']:.3f} | "
+                         f"{'' if kp is None else f'{kp:.3f}'} | "
+                         f"{100 * (ours['ppl'] / r['ppl'] - 1):+.1f}% |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def report(out: Path) -> str:
@@ -165,7 +248,8 @@ def report(out: Path) -> str:
         ax.set_title(text)
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=120)
-    table = summary(rows) + "\n\n" + "\n".join(lines)
+    presses = press_table(rows, _rows(out / "kvpress_rows.jsonl"))
+    table = "\n\n".join(t for t in (summary(rows), presses, "\n".join(lines)) if t)
     (out / "table.md").write_text(table + "\n")
     return table
 
@@ -179,12 +263,18 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", type=int, default=768)
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--offset", type=int, default=0, help="skip this many tokens of the text")
+    ap.add_argument("--kvpress", action="store_true",
+                    help="run --methods through kvpress's presses instead (kvpress_rows.jsonl)")
     ap.add_argument("--report", action="store_true")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.methods:
-        run(args.out, args.methods, args.texts, args.context, args.prefix, args.windows,
-            args.offset)
+        runner = run_kvpress if args.kvpress else run
+        try:
+            runner(args.out, args.methods, args.texts, args.context, args.prefix,
+                   args.windows, args.offset)
+        except ValueError as e:  # a method spec or press refused before any row is written
+            ap.error(str(e))
     if args.report:
         print(report(args.out))
     return 0

@@ -45,6 +45,7 @@ class Perplexity(NamedTuple):
     tokens_scored: int
     cache_bytes: float = 0.0  # the (compressed) prefix's cache per window, `kvjax.nbytes`, mean
     full_bf16_bytes: float = 0.0  # the same prefix as an uncompressed bfloat16 cache, per window
+    cache_bf16_bytes: float = 0.0  # the compressed prefix's float leaves at 2 bytes, per window
 
 
 def full_bf16_bytes(model: Llama, tokens: int) -> int:
@@ -187,10 +188,12 @@ def _continuation_perplexity(model, ids, context, stride, batch_size, chunk, pre
     windows = [w for w in sliding_windows(len(ids), context, stride) if w.end - w.start > prefix]
     if not windows:
         raise ValueError(f"no window is longer than the prefix {prefix} tokens")
+    import jax.numpy as jnp
+
     import kvjax
     from models.sampler import prefill_and_compress
 
-    nll, scored, kept_bytes = 0.0, 0, 0
+    nll, scored, kept_bytes, kept_bf16 = 0.0, 0, 0, 0
     for i in _batches(len(windows), batch_size, show):
         group = windows[i:i + batch_size]
         prefixes = [ids[w.start:w.start + prefix].tolist() for w in group]
@@ -199,11 +202,13 @@ def _continuation_perplexity(model, ids, context, stride, batch_size, chunk, pre
         pre = prefill_and_compress(model, prefixes, transform=transform, chunk=chunk,
                                    room=_padded_width(conts, chunk),
                                    place_cache=place_cache)
-        kept_bytes += kvjax.nbytes(kvjax.shrink(pre.cache, 0))  # the prefix alone, no room
+        kept = kvjax.shrink(pre.cache, 0)  # the prefix alone, no room
+        kept_bytes += kvjax.nbytes(kept)
+        kept_bf16 += kvjax.nbytes(kept, float_dtype=jnp.bfloat16)  # as a bf16 run stores it
         lps = score_continuations(model, pre, conts, chunk=chunk)
         for w, lp in zip(group, lps):
             first = max(w.first_scored, w.start + prefix) - (w.start + prefix)
             nll -= float(np.sum(lp[first:], dtype=np.float64))
             scored += len(lp) - first
     return Perplexity(math.exp(nll / scored), nll, scored, kept_bytes / len(windows),
-                      float(full_bf16_bytes(model, prefix)))
+                      float(full_bf16_bytes(model, prefix)), kept_bf16 / len(windows))
