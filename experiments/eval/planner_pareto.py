@@ -215,8 +215,13 @@ def report(out: Path) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     texts = sorted({r["text"] for r in rows})
-    fig, axes = plt.subplots(1, len(texts), figsize=(6 * len(texts), 4.5), squeeze=False)
-    for ax, text in zip(axes[0], texts):
+    cols = min(2, len(texts))  # two panels a row
+    rows_of_panels = -(-len(texts) // cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(8 * cols, 5.5 * rows_of_panels),
+                             squeeze=False)
+    for ax in axes.flat[len(texts):]:
+        ax.set_visible(False)
+    for ax, text in zip(axes.flat, texts):
         group = sorted((r for r in rows if r["text"] == text), key=fraction)
         full = next((r["ppl"] for r in group if r["method"] == "full"), None)
         lines += [f"#### {text} ({group[0]['windows']} windows of {group[0]['context']} tokens, "
