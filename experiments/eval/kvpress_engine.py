@@ -297,12 +297,25 @@ def continuation_nll(model, tokenizer, press, window: list[int],
     return -float(lp.sum()), int(cont.shape[1])
 
 
+def windows_nll(model, tokenizer, press, windows, prefix: int) -> tuple[float, int]:
+    """(summed NLL in nats, tokens scored) of every window's tokens after its first `prefix`,
+    each window prefilled under `press` (`continuation_nll`); raises on a non-finite sum."""
+    import numpy as np
+
+    nll, scored = 0.0, 0
+    for window in windows:
+        n, k = continuation_nll(model, tokenizer, press, list(window), prefix)
+        nll, scored = nll + n, scored + k
+    if not np.isfinite(nll):
+        raise FloatingPointError(f"the summed NLL of {scored} tokens is {nll}")
+    return nll, scored
+
+
 def run_kvpress_ppl_cell(cell: Cell) -> dict:
     """The cell's ppl windows through kvpress, batch 1: the row `run_ppl_cell` writes, less
     the cache bytes (kvpress keeps a torch cache kvjax does not measure)."""
     import math
 
-    import numpy as np
     import torch
 
     from experiments.eval.cells import PPL_PREFIX, text_of
@@ -319,12 +332,7 @@ def run_kvpress_ppl_cell(cell: Cell) -> dict:
     text = text_of(cell)
     windows = window_ids(load_tokenizer(path), text, cell.length, cell.trials)
     start = time.perf_counter()
-    nll, scored = 0.0, 0
-    for window in windows:
-        n, k = continuation_nll(model, hf_tokenizer, press, window, prefix)
-        nll, scored = nll + n, scored + k
-    if not np.isfinite(nll):
-        raise FloatingPointError(f"the summed NLL of {scored} tokens is {nll}")
+    nll, scored = windows_nll(model, hf_tokenizer, press, windows, prefix)
     return dict(asdict(cell), status="ok", score=math.exp(nll / scored), nll=nll,
                 tokens_scored=scored, prefix=prefix, text=text.name,
                 seconds=round(time.perf_counter() - start, 2))

@@ -58,10 +58,11 @@ def run(out: Path, methods: list[str], texts: list[str], context: int, prefix: i
     rows_path = out / "rows.jsonl"
     done = {(r["method"], r["text"]) for r in _rows(rows_path)}
     model, tokenizer = load_model("smollm2")
-    for method in methods:
-        transform = parsed_method(method, tokenizer).transform  # kvzip's prompt: these ids
-        for text in texts:
-            name, ids = _slice(tokenizer, text, offset, context * windows)
+    # every spec parsed before any row is written; kvzip's prompt bound to these ids
+    transforms = {m: parsed_method(m, tokenizer).transform for m in methods}
+    slices = [_slice(tokenizer, text, offset, context * windows) for text in texts]
+    for method, transform in transforms.items():
+        for name, ids in slices:
             if (method, name) in done:
                 continue
             start = time.perf_counter()
@@ -89,9 +90,7 @@ def run_kvpress(out: Path, methods: list[str], texts: list[str], context: int, p
     import importlib.util
     import math
 
-    import numpy as np
-
-    from experiments.eval.kvpress_engine import continuation_nll, parse_press_spec, press_for
+    from experiments.eval.kvpress_engine import parse_press_spec, press_for, windows_nll
     for method in methods:  # a method kvpress has no press for fails before any model loads
         parse_press_spec(method)
     if importlib.util.find_spec("kvpress") is None:
@@ -107,18 +106,16 @@ def run_kvpress(out: Path, methods: list[str], texts: list[str], context: int, p
     _, tokenizer = load_model("smollm2")  # kvjax's tokenizer: the ids `run` scored
     model, hf_tokenizer, _ = load_hf_reference(resolve_model_path("smollm2"),
                                                dtype=torch.float32, attn_implementation="sdpa")
+    slices = [_slice(tokenizer, text, offset, context * windows) for text in texts]
     for method in methods:
-        for text in texts:
-            name, ids = _slice(tokenizer, text, offset, context * windows)
+        press = press_for(method)
+        for name, ids in slices:
             if (method, name) in done:
                 continue
             start = time.perf_counter()
-            nll, scored = 0.0, 0
-            for w in sliding_windows(len(ids), context, None):
-                n, k = continuation_nll(model, hf_tokenizer, press_for(method),
-                                        list(ids[w.start:w.end]), prefix)
-                nll, scored = nll + n, scored + k
-            assert np.isfinite(nll)
+            nll, scored = windows_nll(model, hf_tokenizer, press,
+                                      (ids[w.start:w.end] for w in
+                                       sliding_windows(len(ids), context, None)), prefix)
             row = {"method": method, "text": name, "ppl": math.exp(nll / scored),
                    "tokens_scored": scored, "engine": "kvpress", "context": context,
                    "prefix": prefix, "windows": windows,
@@ -181,6 +178,8 @@ def press_table(rows: list[dict], kvpress_rows: list[dict], budget: float = 0.12
     """Markdown: per text with single presses at ratio 0.5 (half the tokens, bf16: half the
     bf16 full cache's bytes), `auto` at `budget` against each press by kvjax's perplexity,
     with kvpress's own where it ran on the same windows (`--kvpress`); "" if none."""
+    from kvjax.policies.methods import split_part
+
     theirs = {(r["method"], r["text"]): r["ppl"] for r in kvpress_rows}
     by = {(r["text"], r["method"]): r for r in rows}
     lines = ["| text | `auto` at 1/%d | press at ratio 0.5 | kvjax ppl | kvpress ppl | "
@@ -188,7 +187,7 @@ def press_table(rows: list[dict], kvpress_rows: list[dict], budget: float = 0.12
     for text in sorted({r["text"] for r in rows}):
         ours = by.get((text, f"auto:budget={budget:g}"))
         presses = sorted((r for r in rows if r["text"] == text and "+" not in r["method"]
-                          and r["method"].split(":")[-1].split(",")[-1] == "ratio=0.5"),
+                          and split_part(r["method"])[1].get("ratio") == 0.5),
                          key=lambda r: r["ppl"])
         if ours is None or not presses:
             continue
