@@ -1,0 +1,114 @@
+"""docs/RESULTS.md's RULER tables from the long grid's rows, one pair of tables per length.
+
+For each context length of `ruler_long.toml` (3840 and 7936 tokens: RULER's 4k and 8k), a
+score table (a method per row, a task per column, kvjax's cells at RULER's answer budget) and
+a table of kvjax beside kvpress (both scores and the count of identical answers, special tokens
+and spacing aside, as `experiments/eval/report.py` counts them). The prose around them is
+written by hand; this rewrites the tables in place:
+
+    PYTHONPATH=. python -m experiments.eval.ruler_tables        # after `kvjax eval --config ruler_long`
+
+`tests/test_ruler_set.py::test_results_ruler_tables_are_the_committed_rows` checks RESULTS
+against the rows independently of this code.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from experiments.eval import ruler
+from experiments.eval.grid import read_config
+from experiments.eval.report import _normalized, _pairs
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = ROOT / "docs/results/ruler_long/cells.jsonl"
+CONFIG = ROOT / "experiments/configs/ruler_long.toml"
+RESULTS = ROOT / "docs/RESULTS.md"
+SECTION = "## RULER's task set (issue 52)"
+LENGTHS = {3840: "4k", 7936: "8k"}
+"""Context tokens -> RULER's name for the length (question and answer fill the rest)."""
+
+
+def score_header(length: int) -> str:
+    return f"| method ({LENGTHS[length]}) |"
+
+
+def beside_header(length: int) -> str:
+    return f"| task ({LENGTHS[length]}, kvjax beside kvpress) |"
+
+
+def _config_order() -> tuple[list[str], list[str]]:
+    """(methods, tasks) in the order `ruler_long.toml` lists them."""
+    methods, tasks = [], []
+    for cell in read_config(CONFIG).cells:
+        methods += [cell.method] if cell.method not in methods else []
+        tasks += [cell.task] if cell.task not in tasks else []
+    return methods, [t for t in ruler.RULER_TASKS if t in tasks]
+
+
+def _finished(rows: list[dict], length: int) -> list[dict]:
+    return [r for r in rows if r["status"] == "ok" and r["length"] == length]
+
+
+def score_table(rows: list[dict], length: int) -> list[str]:
+    """Markdown lines: kvjax's score per method (row) and task (column) at `length`, for the
+    cells run at the task's RULER answer budget; a blank where a cell has not run."""
+    grid = {(r["task"], r["method"]): r["score"] for r in _finished(rows, length)
+            if r["engine"] == "kvjax" and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]}
+    methods, tasks = _config_order()
+    tasks = [t for t in tasks if any((t, m) in grid for m in methods)]
+    methods = [m for m in methods if any((t, m) in grid for t in tasks)]
+    lines = [score_header(length) + " " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
+    for m in methods:
+        cells = (f"{grid[t, m]:.2f}" if (t, m) in grid else "" for t in tasks)
+        lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    return lines
+
+
+def same_answers(ours: dict, theirs: dict) -> int:
+    """Trials of a kvjax/kvpress pair whose outputs are identical, as the report counts them."""
+    return sum(_normalized(a) == _normalized(b) for a, b in zip(ours["outputs"], theirs["outputs"]))
+
+
+def beside_table(rows: list[dict], length: int) -> list[str]:
+    """Markdown lines: every kvjax/kvpress pair at `length`, by task and method order."""
+    methods, tasks = _config_order()
+    pairs = sorted(_pairs(_finished(rows, length), ppl=False),
+                   key=lambda p: (tasks.index(p[1]["task"]), methods.index(p[1]["method"])))
+    lines = [beside_header(length) + " method | kvjax score | kvpress score | same answer |",
+             "|---|---|---|---|---|"]
+    for ours, theirs in pairs:
+        lines.append(f"| {theirs['task']} | `{theirs['method']}` | {ours['score']:.2f} | "
+                     f"{theirs['score']:.2f} | {same_answers(ours, theirs)}/{theirs['trials']} |")
+    return lines
+
+
+def rewrite(text: str, rows: list[dict]) -> str:
+    """`text` (RESULTS.md) with every RULER table of a length that has finished rows replaced
+    by the rows' table. A length with rows needs its table headers in the text already (the
+    prose around a table is written by hand): a missing one raises."""
+    head, section = text.split(SECTION, 1)
+    for length in LENGTHS:
+        finished = _finished(rows, length)
+        tables = [(score_header(length), score_table(rows, length))]
+        if any(r["engine"] == "kvpress" for r in finished):
+            tables.append((beside_header(length), beside_table(rows, length)))
+        for header, lines in tables if finished else ():
+            if header not in section:
+                raise ValueError(f"docs/RESULTS.md has no table starting {header!r} in "
+                                 f"{SECTION!r}: write its prose and header first")
+            start = section.index(header)
+            end = section.index("\n\n", start)
+            section = section[:start] + "\n".join(lines) + section[end:]
+    return head + SECTION + section
+
+
+def main() -> None:
+    rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
+    RESULTS.write_text(rewrite(RESULTS.read_text(), rows))
+    print(f"rewrote the RULER tables of {RESULTS.relative_to(ROOT)} from {len(rows)} rows")
+
+
+if __name__ == "__main__":
+    main()
