@@ -225,10 +225,30 @@ def test_channel_keep_adds_exact_tokens_to_a_coded_body():
 
 def test_score_choice_and_its_statistics():
     assert planner.auto(budget=0.25, score="attention").stats == StatsSpec(window=32)
-    ea = planner.auto(budget=0.25)
-    assert ea.update.score == "expected_attention" and ea.stats.query_moments
+    default = planner.auto(budget=0.25)
+    assert default.update.score == "mixed" and default.stats.query_moments
+    assert planner.auto(budget=0.25, score="expected_attention").stats == default.stats
     with pytest.raises(ValueError, match="score='h2o'"):
         planner.auto(budget=0.25, score="h2o")
+
+
+def test_mixed_scores_are_the_mean_of_expected_and_window_attention(tiny_model):
+    """`score="mixed"` ranks a head's tokens by the mean of its expected-attention and its
+    window-attention distributions, each normalised to sum to 1 over the head's tokens."""
+    from kvjax.core.cache import view
+    from models.sampler import prefill_batch
+    ids = np.random.default_rng(7).integers(3, 256, 96).tolist()
+    stats_spec = planner.auto(budget=0.25).stats
+    pre = prefill_batch(tiny_model, [ids], stats=stats_spec)
+    layer, stats = view(pre.cache[1]), pre.stats[1]
+    signal = {s: planner.head_signals(layer, stats, 32, s)[0] for s in planner.SCORES}
+    valid = np.asarray(layer.pos != kvjax.EMPTY)
+    for p in signal.values():  # [B, KVH, C]: a distribution per head over its written slots
+        np.testing.assert_allclose(np.asarray(p).sum(-1), 1.0, rtol=1e-5)
+        assert not np.asarray(p)[~valid].any()
+    expected = 0.5 * (np.asarray(signal["expected_attention"]) + np.asarray(signal["attention"]))
+    np.testing.assert_allclose(signal["mixed"], expected, rtol=1e-6, atol=1e-9)
+    assert not np.allclose(signal["expected_attention"], signal["attention"], atol=1e-3)
 
 
 def test_repeated_updates_track_a_growing_context():
@@ -359,7 +379,7 @@ def test_config_damage_ranks_codecs_and_keep_shares(tiny_model):
     prefix = layer.replace(pos=jnp.where(layer.pos >= 144, kvjax.EMPTY, layer.pos))
     select = stats._replace(queries=stats.queries[:, :32], query_pos=stats.query_pos[:, :32])
     q, q_pos = stats.queries[:, 32:], stats.query_pos[:, 32:]
-    err = {(k, b): float(planner.config_damage(prefix, select, q, q_pos, k, b, 32))
+    err = {(k, b): float(planner.config_damage(prefix, select, q, q_pos, k, b, window=32))
            for k, b in [(1.0, 8), (1.0, 4), (1.0, 2), (0.5, 8), (0.125, 8)]}
     assert err[(1.0, 8)] < 1e-3
     assert err[(1.0, 8)] < err[(1.0, 4)] < err[(1.0, 2)]

@@ -26,27 +26,32 @@ import numpy as np
 import kvjax
 from kvjax.core.stats import StatsSpec
 from kvjax.policies import planner
+from kvjax.policies.eviction import ExpectedAttentionScorer
 
 
 def damage_table(model, tokenizer, text: Path, windows: int, prefix: int, probe: int,
-                 window: int) -> tuple[np.ndarray, np.ndarray]:
+                 window: int, score: str = "attention") -> tuple[np.ndarray, np.ndarray]:
     """([L, len(CONFIGS)] mean relative attention-output error per layer and config,
-    [L, len(CONFIGS), len(SIGNALS)] the controller's signals, mean over the windows)."""
+    [L, len(CONFIGS), len(SIGNALS)] the controller's signals, mean over the windows).
+
+    The selection sees only the prefix: its cache and statistics come from a prefill of the
+    prefix alone (its last `window` queries and, for `score`s that read them, its query
+    moments); the `probe` queries after it come from a prefill of prefix + probe."""
     from experiments.eval.ppl import window_ids
     from models.sampler import prefill_batch
 
+    moments = score != "attention"
+    select_spec = StatsSpec(window=window, query_moments=moments,
+                            moments_skip=ExpectedAttentionScorer.sinks if moments else 0)
     total, total_signals = None, None
     for ids in window_ids(tokenizer, text, prefix + probe, windows):
-        pre = prefill_batch(model, [ids], stats=StatsSpec(window=window + probe))
+        pre = prefill_batch(model, [ids[:prefix]], stats=select_spec)
+        after = prefill_batch(model, [ids], stats=StatsSpec(window=probe))
         rows, signals = [], []
-        for layer, stats in zip(pre.cache, pre.stats):
-            prefix_layer = layer.replace(pos=jnp.where(layer.pos >= prefix, kvjax.EMPTY,
-                                                       layer.pos))
-            select = stats._replace(queries=stats.queries[:, :window],
-                                    query_pos=stats.query_pos[:, :window])
-            eval_q, eval_pos = stats.queries[:, window:], stats.query_pos[:, window:]
+        for prefix_layer, select, probed in zip(pre.cache, pre.stats, after.stats):
+            eval_q, eval_pos = probed.queries, probed.query_pos
             rows.append([float(planner.config_damage(prefix_layer, select, eval_q, eval_pos,
-                                                     keep, bits, keys, window))
+                                                     keep, bits, keys, window, score))
                          for keep, bits, keys in planner.CONFIGS])
             signals.append([np.asarray(planner.config_signals(prefix_layer, select, keep, bits,
                                                               keys, window))
@@ -65,15 +70,17 @@ def main(argv=None) -> int:
     ap.add_argument("--prefix", type=int, default=768)
     ap.add_argument("--probe", type=int, default=32)
     ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--score", choices=planner.SCORES, default="attention",
+                    help="what ranks the tokens while measuring (auto's `score`)")
     ap.add_argument("--out", type=Path, default=planner.CALIBRATION)
     args = ap.parse_args(argv)
     from models.loading import load_model
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
-    table, signals = damage_table(model, tokenizer, args.text, args.windows, args.prefix, args.probe,
-                         args.window)
+    table, signals = damage_table(model, tokenizer, args.text, args.windows, args.prefix,
+                                  args.probe, args.window, args.score)
     out = {"source": f"{args.model} on {args.text.name}, {args.windows} windows of "
-                     f"{args.prefix}+{args.probe} tokens",
+                     f"{args.prefix}+{args.probe} tokens, tokens ranked by {args.score}",
            "configs": [list(c) for c in planner.CONFIGS],
            "damage": np.round(table, 6).tolist(),
            "signal_names": list(planner.SIGNALS),

@@ -143,11 +143,15 @@ def fraction(row: dict) -> float:
     return b / row["full_bf16_bytes"]
 
 
-VARIANTS = (("", "`auto`"), (",table=learned", "learned controller"),
-            (",table=prior", "prior"), (",score=attention", "window scores"),
+VARIANTS = (("", "`auto`"),
+            (",score=expected_attention", "expected-attention scores"),
+            (",table=learned,score=expected_attention", "learned controller (EA scores)"),
+            (",table=prior,score=expected_attention", "prior (EA scores)"),
+            (",score=attention", "window scores"),
             (",table=learned,keys=token,score=attention", "per-token keys only"))
-"""`auto` variants of the summary: spec suffix, column name (the last: the planner's previous
-choices, per-token keys and window-attention scores)."""
+"""`auto` variants of the summary: spec suffix, column name. The second is the default before
+2026-12-06 (expected-attention scores alone); the last the planner's choices before that
+(per-token keys, window-attention scores, the controller)."""
 
 
 def summary(rows: list[dict]) -> str:

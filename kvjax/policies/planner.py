@@ -22,9 +22,10 @@ How it decides (`docs/DECISIONS.md`, "auto: the budget planner"):
 2. **Per layer, traced**: the head-slots from the bytes. With `fixed_l + slot_l x T_l` bytes
    for `T_l` coded head-slots (measured once from shapes with `nbytes`),
    `T_l = floor(share_l x X)` with the largest X that fits; floors make `nbytes <= budget`.
-3. **Per KV head, traced, from the prompt**: tokens ranked by `score` (default the attention
-   future queries are expected to pay, ExpectedAttention's; or the last `window` queries'),
-   each head's scores normalised to sum to 1; the first `sinks` and last `recent` tokens of
+3. **Per KV head, traced, from the prompt**: tokens ranked by `score` (default the mean of
+   the attention future queries are expected to pay, ExpectedAttention's, and the attention
+   the last `window` queries paid, SnapKV's; or either alone), each head's scores
+   normalised to sum to 1; the first `sinks` and last `recent` tokens of
    every head outrank the rest. A per-token layer is pooled (head-wise, as Ada-KV in kvjax)
    and its `T_l` slots go to the best (head, token) pairs, every head keeping at least
    `alpha x T_l / KVH`: a head whose attention is concentrated gets fewer. A per-channel
@@ -336,25 +337,38 @@ def _init_state(cache: Cache) -> AutoState:
                      jnp.zeros((n, b, kvh), jnp.float32), jnp.zeros((), jnp.float32))
 
 
-SCORES = ("attention", "expected_attention")
-"""What ranks a layer's tokens: the last `window` queries' attention (SnapKV's), or the
-attention expected of future queries (ExpectedAttention's, from the prompt's query moments)."""
+SCORES = ("mixed", "expected_attention", "attention")
+"""What ranks a layer's tokens: the attention expected of future queries (ExpectedAttention's,
+from the prompt's query moments), the last `window` queries' attention (SnapKV's), or the mean
+of the two distributions ("mixed", the default: docs/DECISIONS.md, "auto ranks tokens by
+expected and observed attention together")."""
 
 
 def head_signals(layer: TokenCache, stats, window: int,
                  score: str = "attention") -> tuple[jax.Array, jax.Array]:
     """(scores [B, KVH, C], entropy [B, KVH]) of a dense view of a layer (pooled or per
-    head): each head's `score` (window attention or expected attention, mean over its query
-    heads), normalised to sum to 1 over its own tokens, and that distribution's entropy."""
-    if score == "expected_attention":
-        sinks = min(ExpectedAttentionScorer.sinks, layer.pos.shape[-1])  # a prompt may be shorter
-        attn, _ = ExpectedAttentionScorer(sinks=sinks)(layer, stats, None, None)  # [B, KVH, C]
-    else:
-        attn = window_attention(layer, stats, window).mean(axis=2)  # [B, KVH, C]
+    head): each head's `score` (window attention, expected attention, or the mean of the two
+    after normalising each; mean over its query heads), normalised to sum to 1 over its own
+    tokens, and that distribution's entropy."""
     valid = layer.pos != EMPTY
-    attn = jnp.where(valid, attn, 0.0)
-    total = attn.sum(axis=-1, keepdims=True)
-    p = attn / jnp.maximum(total, 1e-30)
+
+    def normalised(attn):
+        attn = jnp.where(valid, attn, 0.0)
+        return attn / jnp.maximum(attn.sum(axis=-1, keepdims=True), 1e-30)
+
+    def expected():
+        sinks = min(ExpectedAttentionScorer.sinks, layer.pos.shape[-1])  # a prompt may be shorter
+        return normalised(ExpectedAttentionScorer(sinks=sinks)(layer, stats, None, None)[0])
+
+    def observed():
+        return normalised(window_attention(layer, stats, window).mean(axis=2))  # [B, KVH, C]
+
+    if score == "expected_attention":
+        p = expected()
+    elif score == "mixed":
+        p = 0.5 * (expected() + observed())
+    else:
+        p = observed()
     entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.maximum(p, 1e-30)), 0.0), axis=-1)
     return p, entropy
 
@@ -393,7 +407,7 @@ class AutoUpdate:
     alpha: float = 0.2
     table: str = "auto"
     keys: str = "auto"
-    score: str = "expected_attention"
+    score: str = "mixed"
 
     def plan_fraction(self, num_layers: int, kv_heads: int, head_dim: int) -> float:
         """The fraction the static (codec) plan is made for: F, or N over the bf16 bytes
@@ -495,14 +509,17 @@ def channel_keep(scores: jax.Array, valid: jax.Array, allowed: jax.Array, ratio:
 # ----------------------------------------------------------------------------- calibration
 
 
-@functools.partial(jax.jit, static_argnames=("keep", "bits", "keys", "window"))
+@functools.partial(jax.jit, static_argnames=("keep", "bits", "keys", "window", "score"))
 def config_damage(layer: TokenCache, select_stats, eval_q: jax.Array, eval_pos: jax.Array,
-                  keep: float, bits: int, keys: str = "token", window: int = 32) -> jax.Array:
+                  keep: float, bits: int, keys: str = "token", window: int = 32,
+                  score: str = "attention") -> jax.Array:
     """[] relative squared error of a layer's attention output when `auto` stores it with
-    (`keep` share of its tokens, `bits`, `keys`), for queries the selection never saw.
+    (`keep` share of its tokens, `bits`, `keys`), tokens ranked by `score`, for queries the
+    selection never saw.
 
     `layer`: a dense layer (the prefix); `select_stats`: its statistics with the last
-    `window` queries of the prefix (what `auto` selects with); `eval_q` [B, T, H, D],
+    `window` queries of the prefix (what `auto` selects with; with the prefix's query moments
+    for the scores that read them); `eval_q` [B, T, H, D],
     `eval_pos` [B, T]: later queries (the continuation's), which score the damage:
     `|o_auto - o_full|^2 / |o_full|^2` summed over them. What
     `experiments/eval/calibrate_planner.py` measures per layer and config on calibration text.
@@ -510,7 +527,7 @@ def config_damage(layer: TokenCache, select_stats, eval_q: jax.Array, eval_pos: 
     from kvjax.core.attention import attend_reference
     n = jnp.max(jnp.sum(layer.pos != EMPTY, axis=-1))
     slots = jnp.floor(keep * layer.kv_heads * n).astype(jnp.int32)
-    update = AutoUpdate(1.0, None, window=window, score="attention")  # as calibrated
+    update = AutoUpdate(1.0, None, window=window, score=score)
     small, _, _ = update._layer(layer, select_stats, slots, LayerChoice(keep, bits, keys))
     full_out = attend_reference(eval_q, eval_pos, layer)
     out = attend_reference(eval_q, eval_pos, small)
@@ -576,7 +593,7 @@ def load_controller(path: str) -> dict | None:
 def auto(budget: float | None = None, bytes: int | None = None, context: int = 1024,
          window: int = 32, sinks: int = 4, recent: int = 8, alpha: float = 0.2,
          table: str = "auto", keys: str = "auto",
-         score: str = "expected_attention") -> CacheTransform:
+         score: str = "mixed") -> CacheTransform:
     """A cache that fits a memory budget: eviction and codes planned per layer and KV head.
 
     Args:
@@ -592,10 +609,10 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
       keys: the key codings a layer may use: "auto" (each layer chooses), "token" (per-token
         codes, heads sharing the layer's slots unevenly) or "channel" (KIVI's per-channel
         keys, the same count per head).
-      score: what ranks the tokens (`SCORES`): "expected_attention" (future queries'
-        expected attention from the prompt's query moments; the first 4 tokens kept; chosen
-        on calibration text, docs/results/planner/scores) or "attention" (the last `window`
-        queries').
+      score: what ranks the tokens (`SCORES`): "mixed" (the mean of the two below, each
+        normalised per head; chosen on calibration text, docs/results/planner/dev),
+        "expected_attention" (future queries' expected attention from the prompt's query
+        moments; the first 4 tokens kept) or "attention" (the last `window` queries').
 
     Example:
         >>> auto(bytes=0)
@@ -633,6 +650,6 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
     update = AutoUpdate(None if budget is None else float(budget), bytes, context,
                         window, sinks, recent, float(alpha), table, keys, score)
     stats = StatsSpec(window=window)
-    if score == "expected_attention":
+    if score in ("expected_attention", "mixed"):
         stats = stats.merge(StatsSpec(query_moments=True, moments_skip=ExpectedAttentionScorer.sinks))
     return CacheTransform(_init_state, update, stats)
