@@ -1,11 +1,13 @@
 """Measure `auto`'s per-layer damage table on calibration text; write it where `auto` reads it.
 
-For each window of the calibration text, the model prefills `prefix + probe` tokens,
-collecting the last `2 x probe` queries. Per layer and candidate config (keep share, bits,
-key coding) of `kvjax.policies.planner.CONFIGS`, the prefix's cache is compressed as `auto` would
-(selected by the `probe` queries before the prefix's end) and the attention output of the
-`probe` queries *after* it (the continuation's, never seen by the selection) is compared
-with the full prefix's (`planner.config_damage`). The table is the mean over windows.
+For each window of the calibration text, the model prefills the `prefix` tokens alone
+(collecting its last `window` queries and, for `--score`s that read them, its query moments)
+and `prefix + probe` (collecting the last `probe` queries). Per layer and candidate config
+(keep share, bits, key coding) of `kvjax.policies.planner.CONFIGS`, the prefix's cache is
+compressed as `auto` would, tokens ranked by `--score` from the prefix's statistics only, and
+the attention output of the `probe` queries *after* it (the continuation's, never seen by
+the selection) is compared with the full prefix's (`planner.config_damage`). The table is
+the mean over windows.
 
     python experiments/eval/calibrate_planner.py --text experiments/data/devils_dictionary.txt \\
         --windows 2 --prefix 768 --out kvjax/policies/planner_calibration.json
@@ -20,10 +22,8 @@ import json
 import time
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 
-import kvjax
 from kvjax.core.stats import StatsSpec
 from kvjax.policies import planner
 from kvjax.policies.eviction import ExpectedAttentionScorer
