@@ -451,11 +451,17 @@ def compare_ppl_section(rows: list[dict]) -> list[str]:
                       "kvjax / kvpress - 1", "kvjax bytes/token (bf16)"], body))
 
 
+def same_answers(ours: dict, theirs: dict) -> int:
+    """Trials of a kvjax/kvpress pair whose outputs are identical, special tokens and spacing
+    aside."""
+    return sum(_normalized(a) == _normalized(b) for a, b in zip(ours["outputs"], theirs["outputs"]))
+
+
 def compare_section(rows: list[dict]) -> list[str]:
     """kvjax beside kvpress on the same cells: scores, same answers, seconds per trial."""
     body = []
     for m, t in _pairs(rows, ppl=False):
-        same = sum(_normalized(a) == _normalized(b) for a, b in zip(m["outputs"], t["outputs"]))
+        same = same_answers(m, t)
         body.append([t["task"], t["length"], f"`{t['method']}`", f"{m['score']:.2f}",
                      f"{t['score']:.2f}", f"{same}/{t['trials']}",
                      f"{m['seconds_per_trial']:.2f} (batch {m['batch']})",

@@ -14,12 +14,13 @@ against the rows independently of this code.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 from experiments.eval import ruler
 from experiments.eval.grid import read_config
-from experiments.eval.report import _normalized, _pairs
+from experiments.eval.report import _pairs, _table, same_answers
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ROOT / "docs/results/ruler_long/cells.jsonl"
@@ -38,6 +39,7 @@ def beside_header(length: int) -> str:
     return f"| task ({LENGTHS[length]}, kvjax beside kvpress) |"
 
 
+@functools.cache
 def _config_order() -> tuple[list[str], list[str]]:
     """(methods, tasks) in the order `ruler_long.toml` lists them."""
     methods, tasks = [], []
@@ -59,16 +61,9 @@ def score_table(rows: list[dict], length: int) -> list[str]:
     methods, tasks = _config_order()
     tasks = [t for t in tasks if any((t, m) in grid for m in methods)]
     methods = [m for m in methods if any((t, m) in grid for t in tasks)]
-    lines = [score_header(length) + " " + " | ".join(tasks) + " |", "|---|" + "---|" * len(tasks)]
-    for m in methods:
-        cells = (f"{grid[t, m]:.2f}" if (t, m) in grid else "" for t in tasks)
-        lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
-    return lines
-
-
-def same_answers(ours: dict, theirs: dict) -> int:
-    """Trials of a kvjax/kvpress pair whose outputs are identical, as the report counts them."""
-    return sum(_normalized(a) == _normalized(b) for a, b in zip(ours["outputs"], theirs["outputs"]))
+    body = [[f"`{m}`"] + [f"{grid[t, m]:.2f}" if (t, m) in grid else "" for t in tasks]
+            for m in methods]
+    return _table([f"method ({LENGTHS[length]})"] + tasks, body)[:-1]
 
 
 def beside_table(rows: list[dict], length: int) -> list[str]:
@@ -76,12 +71,11 @@ def beside_table(rows: list[dict], length: int) -> list[str]:
     methods, tasks = _config_order()
     pairs = sorted(_pairs(_finished(rows, length), ppl=False),
                    key=lambda p: (tasks.index(p[1]["task"]), methods.index(p[1]["method"])))
-    lines = [beside_header(length) + " method | kvjax score | kvpress score | same answer |",
-             "|---|---|---|---|---|"]
-    for ours, theirs in pairs:
-        lines.append(f"| {theirs['task']} | `{theirs['method']}` | {ours['score']:.2f} | "
-                     f"{theirs['score']:.2f} | {same_answers(ours, theirs)}/{theirs['trials']} |")
-    return lines
+    body = [[theirs["task"], f"`{theirs['method']}`", f"{ours['score']:.2f}",
+             f"{theirs['score']:.2f}", f"{same_answers(ours, theirs)}/{theirs['trials']}"]
+            for ours, theirs in pairs]
+    return _table([f"task ({LENGTHS[length]}, kvjax beside kvpress)", "method", "kvjax score",
+                   "kvpress score", "same answer"], body)[:-1]
 
 
 def rewrite(text: str, rows: list[dict]) -> str:
