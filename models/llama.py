@@ -557,8 +557,7 @@ class Llama(nnx.Module):
 
     def init_stats(self, spec: StatsSpec, cache: Cache) -> tuple[LayerStats, ...] | None:
         """Empty statistics for `spec` (None when the spec needs nothing per step)."""
-        if not (spec.window or spec.query_moments or spec.output_projection
-                or spec.token_scores is not None):
+        if not spec.per_step:
             return None
         if spec.token_scores is not None:
             cfg = self.config

@@ -17,7 +17,8 @@ from experiments.eval.cells import (Setup, prefill_groups,
 from experiments.eval.grid import Cell
 
 METHODS = ["full", "snapkv:ratio=0.5", "streaming_llm:sinks=4,window=16",
-           "snapkv:ratio=0.5+kivi:bits=4,group=16", "h2o:ratio=0.5"]
+           "snapkv:ratio=0.5+kivi:bits=4,group=16", "h2o:ratio=0.5", "tova:ratio=0.5",
+           "expected_attention:ratio=0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +53,19 @@ def test_grid_rows_equal_separate_cells_exactly(tiny_setup, monkeypatch):
             assert many.get(field) == one.get(field), (one["method"], field)
         assert many["prefill_shared_by"] == len(cells) and many["shared_prefill_seconds"] > 0
     context_width = max(w[1] for w in widths)
-    # 2 batches (3 trials by 2) x 3 prefill groups: {full, streaming_llm} (no statistics),
-    # {snapkv, snapkv+kivi} (window queries), {h2o} (a cache that tracks attention mass)
-    assert sum(w[1] == context_width for w in widths) == 2 * 3, widths
+    # 2 batches (3 trials by 2) x 2 prefills: one collecting SnapKV's 64 window queries and
+    # ExpectedAttention's moments, each method given its own cut (full and StreamingLLM none,
+    # TOVA the last query), and H2O's (a cache that tracks attention mass)
+    assert sum(w[1] == context_width for w in widths) == 2 * 2, widths
 
 
 def test_groups_and_exceptions():
     import kvjax
     transforms = [kvjax.parse_method(m) for m in METHODS]
-    assert prefill_groups(transforms) == [[0, 2], [1, 3], [4]]
+    groups = prefill_groups(transforms)
+    assert [members for _, members in groups] == [[0, 1, 2, 3, 5, 6], [4]]
+    assert groups[0][0] == kvjax.StatsSpec(window=64, query_moments=True, moments_skip=4)
+    assert groups[1][0] == transforms[4].stats
     cell = _cells()[0]
     assert shares_prefill(cell)
     assert not shares_prefill(replace(cell, query_aware=True))

@@ -40,9 +40,12 @@ import statistics
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 from experiments.eval.grid import Cell
+
+if TYPE_CHECKING:
+    from kvjax.core.stats import StatsSpec
 
 DATA = Path(__file__).parents[1] / "data"
 PPL_TEXT = DATA / "kjv_genesis.txt"
@@ -163,38 +166,50 @@ def shares_prefill(cell: Cell) -> bool:
                         for part in cell.method.split("+")))
 
 
-def prefill_groups(transforms: list) -> list[list[int]]:
-    """Indices of `transforms` that share one prefill: those asking for the same statistics
-    (`transform.stats`, which also fixes the cache layout: H2O's tracks attention mass).
-    Equal, not merged: a monitor measures with whatever statistics it is given (SnapKV's
-    window queries would give StreamingLLM's row a retained mass its own cell lacks), and
-    rows must equal separate cells exactly.
+def prefill_groups(transforms: list) -> list[tuple[StatsSpec, list[int]]]:
+    """Which of `transforms` share one prefill, and what it collects: (statistics, indices)
+    per prefill, each the union of its members' `transform.stats` from which every member's
+    own can be cut (`kvjax.core.stats.covering`; `project_stats` cuts them, so a monitor or a
+    policy sees only what its own prefill would have made). What shapes the cache or a later
+    pass keeps a prefill apart: H2O's cache tracks attention mass.
 
     Example:
         >>> import kvjax
-        >>> prefill_groups([kvjax.full(), kvjax.parse_method("snapkv:ratio=0.5"),
-        ...                 kvjax.parse_method("streaming_llm:sinks=4,window=16"),
-        ...                 kvjax.parse_method("snapkv:ratio=0.25+kivi:bits=4")])
-        [[0, 2], [1, 3]]
+        >>> groups = prefill_groups([kvjax.full(), kvjax.parse_method("snapkv:ratio=0.5"),
+        ...                          kvjax.parse_method("h2o:ratio=0.5"),
+        ...                          kvjax.parse_method("expected_attention:ratio=0.5")])
+        >>> [(spec.window, spec.query_moments, spec.attention_mass, members)
+        ...  for spec, members in groups]
+        [(64, True, False, [0, 1, 3]), (0, False, True, [2])]
     """
-    groups: dict[object, list[int]] = {}
+    from kvjax.core.stats import can_project, covering
+    groups: list[tuple[StatsSpec, list[int]]] = []
     for i, transform in enumerate(transforms):
-        groups.setdefault(transform.stats, []).append(i)
-    return list(groups.values())
+        for g, (collected, members) in enumerate(groups):
+            union = covering(collected, transform.stats)
+            if union is not None and all(can_project(union, transforms[j].stats)
+                                         for j in members):
+                groups[g] = (union, members + [i])
+                break
+        else:
+            groups.append((transform.stats, [i]))
+    return groups
 
 
 def run_retrieval_group(cells: list[Cell]) -> list[dict]:
     """The rows of retrieval cells that differ only in method, each context prefilled once.
 
     Per batch of trials, the contexts are prefilled once per `prefill_groups` group (the
-    methods asking for the same statistics: full and StreamingLLM one, SnapKV at every ratio
-    and its chains another, ...) and each method compresses a copy (`compress(..., keep_input=True)`), then
+    union of what its methods' statistics need: full, SnapKV, TOVA, ExpectedAttention and
+    `auto` one, H2O's attention-mass cache another), and each method compresses a copy
+    (`compress(..., keep_input=True)`) with its own statistics cut from the union, then
     its questions are appended and answered as `run_retrieval_cell` does: the same tokens,
     scores and monitor summaries as one cell per method (tests/test_prefill_once.py). A row's
     `seconds` is its own compression and decoding plus an equal share of the prefills
     (`shared_prefill_seconds`, the group's prefill time, and `prefill_shared_by` beside it).
     """
     from kvjax import Method, nbytes
+    from kvjax.core.stats import project_stats
     from models.sampler import (_padded_width, compress, decode, extend, for_full_layers,
                                 prefill_batch, windowed_layers)
 
@@ -224,15 +239,17 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
         questions = prompts.questions[b:b + base.batch]
         suffix_room = _padded_width(questions, 256)
         room = suffix_room + base.max_new_tokens
-        for members in groups:
-            stats = transforms[members[0]].stats
+        for collected, members in groups:
             start = time.perf_counter()
-            pre = prefill_batch(model, contexts, stats=stats, room=room, place_cache=place_cache)
+            pre = prefill_batch(model, contexts, stats=collected, room=room,
+                                place_cache=place_cache)
             jax_block(pre.cache)
             prefill_s += time.perf_counter() - start
             for i in members:
                 start = time.perf_counter()
-                out = compress(pre, transforms[i], room=room, keep_input=True,
+                own = pre._replace(stats=project_stats(pre.stats, collected,
+                                                       transforms[i].stats))
+                out = compress(own, transforms[i], room=room, keep_input=True,
                                max_write=max(suffix_room, 1))
                 if windowed and out.cache is not pre.cache:  # as prefill_and_compress keeps
                     out = out._replace(cache=tuple(

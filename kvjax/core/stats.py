@@ -119,7 +119,88 @@ class StatsSpec:
             chunk_length=self.chunk_length or other.chunk_length)
 
 
+    @property
+    def per_step(self) -> bool:
+        """True when the model fills `LayerStats` for this spec (attention mass lives in the
+        cache and a reconstruction pass runs after prefill: neither needs them)."""
+        return bool(self.window or self.query_moments or self.output_projection
+                    or self.token_scores is not None)
+
+
 NO_STATS = StatsSpec()
+
+
+def can_project(collected: StatsSpec, spec: StatsSpec) -> bool:
+    """True when `project_stats` can cut the statistics of `spec` from those a run collecting
+    `collected` made: `spec`'s window no longer, its moments skipping alike, and everything
+    that shapes the cache or a later pass (attention mass, reconstruction, token scorer,
+    chunk windows) the same in both.
+
+    Example:
+        >>> can_project(StatsSpec(window=64, query_moments=True), StatsSpec(window=1))
+        True
+        >>> can_project(StatsSpec(window=64), StatsSpec(attention_mass=True))  # H2O's cache
+        False
+    """
+    return (spec.window <= collected.window
+            and (not spec.query_moments or (collected.query_moments
+                                            and collected.moments_skip == spec.moments_skip))
+            and (not spec.output_projection or collected.output_projection)
+            and (spec.attention_mass, spec.reconstruction, spec.token_scores, spec.chunk_length)
+            == (collected.attention_mass, collected.reconstruction, collected.token_scores,
+                collected.chunk_length)
+            and (not spec.chunk_length or spec.window == collected.window))
+
+
+def covering(a: StatsSpec, b: StatsSpec) -> StatsSpec | None:
+    """The union of `a` and `b` when the statistics of both can be cut from it
+    (`can_project`), else None: one prefill collecting it serves both."""
+    try:
+        union = a.merge(b)
+    except ValueError:
+        return None
+    return union if can_project(union, a) and can_project(union, b) else None
+
+
+def project_stats(stats: Sequence[LayerStats] | None, collected: StatsSpec,
+                  spec: StatsSpec) -> tuple[LayerStats, ...] | None:
+    """The statistics a run collecting `spec` would hold, cut from `stats`, which a run
+    collecting `collected` made (`can_project(collected, spec)`): the last `spec.window` of
+    the window queries (the buffer keeps the latest last), the moments only if `spec` asks
+    for them, W_o only if it does. The same values, not recomputed: one prefill collecting
+    the union of several policies' needs serves each as its own would
+    (`experiments/eval/cells.py` prefills a grid's contexts once so).
+
+    Example:
+        >>> from kvjax.core.cache import init_cache
+        >>> layer = init_stats(StatsSpec(window=4, query_moments=True),
+        ...                    [init_cache(1, 2, 16, 8)], 2, np.ones(4))[0]   # 2 query heads
+        >>> cut, = project_stats([layer], StatsSpec(window=4, query_moments=True),
+        ...                      StatsSpec(window=1))
+        >>> cut.queries.shape, cut.q_sum.shape   # [B, 1, H, D]; no moments
+        ((1, 1, 2, 8), (1, 2, 0))
+    """
+    if not can_project(collected, spec):
+        raise ValueError(f"project_stats: the statistics of {spec} cannot be cut from those "
+                         f"collected for {collected} (can_project)")
+    if not spec.per_step:
+        return None
+    if spec == collected:
+        return tuple(stats)
+
+    def cut(layer: LayerStats) -> LayerStats:
+        b, h = layer.q_sum.shape[:2]
+        start = collected.window - spec.window
+        layer = layer._replace(queries=layer.queries[:, start:],
+                               query_pos=layer.query_pos[:, start:])
+        if not spec.query_moments:
+            layer = layer._replace(q_sum=jnp.zeros((b, h, 0), jnp.float32),
+                                   q_outer=jnp.zeros((b, h, 0, 0), jnp.float32),
+                                   q_count=jnp.zeros((b,), jnp.float32))
+        if not spec.output_projection:
+            layer = layer._replace(out_proj=jnp.zeros((0, 0), jnp.float32))
+        return layer
+    return tuple(map(cut, stats))
 
 
 class LayerStats(NamedTuple):
