@@ -450,18 +450,21 @@ def test_pareto_rows_count_dense_eviction_as_bf16_storage(tiny_model):
 
 
 def test_results_planner_table_is_the_report_of_its_rows():
-    """docs/RESULTS.md's `auto` tables are `planner_pareto.summary` and `press_table` of the
-    committed rows, so a changed row, an edited cell or a bold `auto` that is not below its
-    rival fails; every `auto` row stays within its budget; kvpress's rows equal kvjax's."""
+    """docs/RESULTS.md's `auto` tables are `planner_pareto.summary`, `press_table` and
+    `per_text_tables` of the committed rows, so a changed row, an edited cell or a bold `auto`
+    that is not below its rival fails; every `auto` row stays within its budget; kvpress's
+    rows equal kvjax's."""
     from pathlib import Path
 
-    from experiments.eval.planner_pareto import _rows, fraction, press_table, summary
+    from experiments.eval.planner_pareto import (_rows, fraction, per_text_tables, press_table,
+                                                 summary)
     root = Path(__file__).parents[1]
     rows = _rows(root / "docs/results/planner/rows.jsonl")
     theirs = _rows(root / "docs/results/planner/kvpress_rows.jsonl")
     results = (root / "docs/RESULTS.md").read_text()
     assert summary(rows) in results
     assert press_table(rows, theirs) in results
+    assert per_text_tables(rows) in results
     cells = summary(rows).splitlines()[2:]  # the reading counts the bold `auto` cells
     wins = sum("| **" in line for line in cells)
     assert f"`auto` is below the best fixed method or chain with no more bytes in {wins} of " \

@@ -203,28 +203,11 @@ def press_table(rows: list[dict], kvpress_rows: list[dict], budget: float = 0.12
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
-def report(out: Path) -> str:
-    """CSV, PNG, a summary and a markdown table (returned) of every row, per text."""
-    rows = _rows(out / "rows.jsonl")
-    with (out / "rows.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, ["text", "method", "ppl", "fraction_of_bf16", "cache_bytes",
-                               "bf16_bytes", "full_bf16_bytes", "seconds"])
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: r.get(k) for k in w.fieldnames} | {"fraction_of_bf16": fraction(r)})
+def per_text_tables(rows: list[dict]) -> str:
+    """A markdown table per text of every row, cheapest first, each beside the best fixed
+    method or chain with no more bytes (`auto` rows in bold; RESULTS.md holds these)."""
     lines = []
-    import numpy as np
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    texts = sorted({r["text"] for r in rows})
-    cols = min(2, len(texts))  # two panels a row
-    rows_of_panels = -(-len(texts) // cols)
-    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(8 * cols, 5.5 * rows_of_panels),
-                             squeeze=False)
-    for ax in axes.flat[len(texts):]:
-        ax.set_visible(False)
-    for ax, text in zip(axes.flat, texts):
+    for text in sorted({r["text"] for r in rows}):
         group = sorted((r for r in rows if r["text"] == text), key=fraction)
         full = next((r["ppl"] for r in group if r["method"] == "full"), None)
         lines += [f"#### {text} ({group[0]['windows']} windows of {group[0]['context']} tokens, "
@@ -241,6 +224,32 @@ def report(out: Path) -> str:
             best = f"`{rival['method']}` {rival['ppl']:.3f}" if rival else "none"
             lines.append(f"| {name} | {r['ppl']:.3f} | {vs} | {f:.3f} | {best} |")
         lines.append("")
+    return "\n".join(lines)
+
+
+def report(out: Path) -> str:
+    """CSV, PNG, a summary and a markdown table (returned) of every row, per text."""
+    rows = _rows(out / "rows.jsonl")
+    with (out / "rows.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, ["text", "method", "ppl", "fraction_of_bf16", "cache_bytes",
+                               "bf16_bytes", "full_bf16_bytes", "seconds"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in w.fieldnames} | {"fraction_of_bf16": fraction(r)})
+    import numpy as np
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    texts = sorted({r["text"] for r in rows})
+    cols = min(2, len(texts))  # two panels a row
+    rows_of_panels = -(-len(texts) // cols)
+    fig, axes = plt.subplots(rows_of_panels, cols, figsize=(8 * cols, 5.5 * rows_of_panels),
+                             squeeze=False)
+    for ax in axes.flat[len(texts):]:
+        ax.set_visible(False)
+    for ax, text in zip(axes.flat, texts):
+        group = sorted((r for r in rows if r["text"] == text), key=fraction)
+        full = next((r["ppl"] for r in group if r["method"] == "full"), None)
         for r in group:
             is_auto = r["method"].startswith("auto")
             ax.scatter(fraction(r), r["ppl"], c="C3" if is_auto else "C0",
@@ -257,7 +266,7 @@ def report(out: Path) -> str:
     fig.tight_layout()
     fig.savefig(out / "pareto.png", dpi=120)
     presses = press_table(rows, _rows(out / "kvpress_rows.jsonl"))
-    table = "\n\n".join(t for t in (summary(rows), presses, "\n".join(lines)) if t)
+    table = "\n\n".join(t for t in (summary(rows), presses, per_text_tables(rows)) if t)
     (out / "table.md").write_text(table + "\n")
     return table
 
