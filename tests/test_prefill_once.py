@@ -53,19 +53,21 @@ def test_grid_rows_equal_separate_cells_exactly(tiny_setup, monkeypatch):
             assert many.get(field) == one.get(field), (one["method"], field)
         assert many["prefill_shared_by"] == len(cells) and many["shared_prefill_seconds"] > 0
     context_width = max(w[1] for w in widths)
-    # 2 batches (3 trials by 2) x 2 prefills: one collecting SnapKV's 64 window queries and
-    # ExpectedAttention's moments, each method given its own cut (full and StreamingLLM none,
-    # TOVA the last query), and H2O's (a cache that tracks attention mass)
-    assert sum(w[1] == context_width for w in widths) == 2 * 2, widths
+    # 2 batches (3 trials by 2) x 1 prefill collecting SnapKV's 64 window queries,
+    # ExpectedAttention's moments and H2O's attention mass, each method given its own cut
+    # (full and StreamingLLM nothing, TOVA the last query, only H2O the mass)
+    assert sum(w[1] == context_width for w in widths) == 2, widths
 
 
 def test_groups_and_exceptions():
     import kvjax
     transforms = [kvjax.parse_method(m) for m in METHODS]
     groups = prefill_groups(transforms)
-    assert [members for _, members in groups] == [[0, 1, 2, 3, 5, 6], [4]]
-    assert groups[0][0] == kvjax.StatsSpec(window=64, query_moments=True, moments_skip=4)
-    assert groups[1][0] == transforms[4].stats
+    assert [members for _, members in groups] == [list(range(len(METHODS)))]
+    assert groups[0][0] == kvjax.StatsSpec(window=64, query_moments=True, moments_skip=4,
+                                           attention_mass=True)
+    kvzip = kvjax.parse_method("kvzip:ratio=0.5")  # a reconstruction pass: a prefill of its own
+    assert [m for _, m in prefill_groups([transforms[0], kvzip])] == [[0], [1]]
     cell = _cells()[0]
     assert shares_prefill(cell)
     assert not shares_prefill(replace(cell, query_aware=True))

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.core.stats import (can_project, covering, mean_rotation, project_stats,
-                              query_mean_cov)
+from kvjax.core.stats import (can_project, covering, mean_rotation, project_cache,
+                              project_stats, query_mean_cov)
 from models.llama import apply_rope, rope_frequencies
 from models.sampler import prefill_batch
 
@@ -63,34 +63,39 @@ def test_chunked_statistics_equal_whole_prompt_statistics(tiny_model):
 
 def test_statistics_cut_from_a_union_prefill_equal_each_policys_own_prefill(tiny_model):
     """One prefill collecting the union of several policies' statistics serves each: the cache
-    and the statistics `project_stats` cuts for a policy are bit for bit those of a prefill
-    collecting only its own (the same float32 values, not recomputed)."""
+    (`project_cache`: H2O's attention mass dropped for the others), the logits and the
+    statistics `project_stats` cuts for a policy are bit for bit those of a prefill collecting
+    only its own (the same float32 values, not recomputed)."""
     import jax
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 256, 37).tolist(), rng.integers(3, 256, 22).tolist()]
     own_specs = [kvjax.StatsSpec(), kvjax.StatsSpec(window=1), kvjax.StatsSpec(window=6),
                  kvjax.StatsSpec(query_moments=True, moments_skip=4),
-                 kvjax.StatsSpec(window=3, query_moments=True, moments_skip=4)]
+                 kvjax.StatsSpec(window=3, query_moments=True, moments_skip=4),
+                 kvjax.StatsSpec(attention_mass=True)]
     union = own_specs[0]
     for spec in own_specs[1:]:
         union = covering(union, spec)
-    assert union == kvjax.StatsSpec(window=6, query_moments=True, moments_skip=4)
+    assert union == kvjax.StatsSpec(window=6, query_moments=True, moments_skip=4,
+                                    attention_mass=True)
     shared = prefill_batch(tiny_model, prompts, stats=union, chunk=8, room=4)
     for spec in own_specs:
         alone = prefill_batch(tiny_model, prompts, stats=spec, chunk=8, room=4)
-        cut = project_stats(shared.stats, union, spec)
-        assert jax.tree_util.tree_structure(cut) == jax.tree_util.tree_structure(alone.stats)
-        for a, b in zip(jax.tree_util.tree_leaves((shared.cache, shared.logits, cut)),
-                        jax.tree_util.tree_leaves((alone.cache, alone.logits, alone.stats))):
+        cut = (project_cache(shared.cache, union, spec), shared.logits,
+               project_stats(shared.stats, union, spec))
+        want = (alone.cache, alone.logits, alone.stats)
+        assert jax.tree_util.tree_structure(cut) == jax.tree_util.tree_structure(want), spec
+        for a, b in zip(jax.tree_util.tree_leaves(cut), jax.tree_util.tree_leaves(want)):
             assert a.shape == b.shape and a.dtype == b.dtype, spec
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(spec))
-    # what a union cannot serve: another cache layout, moments skipping otherwise, a longer window
-    mass = kvjax.StatsSpec(attention_mass=True)
-    assert covering(union, mass) is None and not can_project(union, mass)
+    # what a union cannot serve: moments skipping otherwise, a longer window, mass not tracked
     assert covering(union, kvjax.StatsSpec(query_moments=True, moments_skip=1)) is None
     assert not can_project(kvjax.StatsSpec(window=2), kvjax.StatsSpec(window=3))
+    assert not can_project(kvjax.StatsSpec(window=6), kvjax.StatsSpec(attention_mass=True))
     with pytest.raises(ValueError, match="cannot be cut from those collected"):
         project_stats(shared.stats, union, kvjax.StatsSpec(window=7))
+    with pytest.raises(ValueError, match="cannot serve"):
+        project_cache(alone.cache, kvjax.StatsSpec(), kvjax.StatsSpec(attention_mass=True))
 
 
 def test_mean_rotation_is_the_average_rope_matrix():

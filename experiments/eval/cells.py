@@ -169,9 +169,11 @@ def shares_prefill(cell: Cell) -> bool:
 def prefill_groups(transforms: list) -> list[tuple[StatsSpec, list[int]]]:
     """Which of `transforms` share one prefill, and what it collects: (statistics, indices)
     per prefill, each the union of its members' `transform.stats` from which every member's
-    own can be cut (`kvjax.core.stats.covering`; `project_stats` cuts them, so a monitor or a
-    policy sees only what its own prefill would have made). What shapes the cache or a later
-    pass keeps a prefill apart: H2O's cache tracks attention mass.
+    own can be cut (`kvjax.core.stats.covering`; `project_stats` and `project_cache` cut them,
+    so a monitor or a policy sees only what its own prefill would have made: H2O's attention
+    mass is dropped from the others' copies). What only a pass of its own gives (moments
+    skipping otherwise, KVzip's reconstruction, a token scorer, chunk windows) keeps a
+    prefill apart.
 
     Example:
         >>> import kvjax
@@ -180,7 +182,7 @@ def prefill_groups(transforms: list) -> list[tuple[StatsSpec, list[int]]]:
         ...                          kvjax.parse_method("expected_attention:ratio=0.5")])
         >>> [(spec.window, spec.query_moments, spec.attention_mass, members)
         ...  for spec, members in groups]
-        [(64, True, False, [0, 1, 3]), (0, False, True, [2])]
+        [(64, True, True, [0, 1, 2, 3])]
     """
     from kvjax.core.stats import can_project, covering
     groups: list[tuple[StatsSpec, list[int]]] = []
@@ -200,16 +202,16 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
     """The rows of retrieval cells that differ only in method, each context prefilled once.
 
     Per batch of trials, the contexts are prefilled once per `prefill_groups` group (the
-    union of what its methods' statistics need: full, SnapKV, TOVA, ExpectedAttention and
-    `auto` one, H2O's attention-mass cache another), and each method compresses a copy
-    (`compress(..., keep_input=True)`) with its own statistics cut from the union, then
+    union of what its methods' statistics need: full, SnapKV, TOVA, ExpectedAttention, H2O
+    and `auto` one), and each method compresses a copy (`compress(..., keep_input=True)`)
+    with its own statistics and cache cut from the union's, then
     its questions are appended and answered as `run_retrieval_cell` does: the same tokens,
     scores and monitor summaries as one cell per method (tests/test_prefill_once.py). A row's
     `seconds` is its own compression and decoding plus an equal share of the prefills
     (`shared_prefill_seconds`, the group's prefill time, and `prefill_shared_by` beside it).
     """
     from kvjax import Method, nbytes
-    from kvjax.core.stats import project_stats
+    from kvjax.core.stats import project_cache, project_stats
     from models.sampler import (_padded_width, compress, decode, extend, for_full_layers,
                                 prefill_batch, windowed_layers)
 
@@ -247,13 +249,14 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
             prefill_s += time.perf_counter() - start
             for i in members:
                 start = time.perf_counter()
-                own = pre._replace(stats=project_stats(pre.stats, collected,
-                                                       transforms[i].stats))
+                spec = transforms[i].stats
+                own = pre._replace(cache=project_cache(pre.cache, collected, spec),
+                                   stats=project_stats(pre.stats, collected, spec))
                 out = compress(own, transforms[i], room=room, keep_input=True,
                                max_write=max(suffix_room, 1))
-                if windowed and out.cache is not pre.cache:  # as prefill_and_compress keeps
+                if windowed and out.cache is not own.cache:  # as prefill_and_compress keeps
                     out = out._replace(cache=tuple(
-                        pre.cache[j] if j in windowed else layer
+                        own.cache[j] if j in windowed else layer
                         for j, layer in enumerate(out.cache)))
                 out = extend(model, out, questions, transform=transforms[i])
                 gen = decode(model, out, max_new_tokens=base.max_new_tokens,

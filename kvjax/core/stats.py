@@ -131,25 +131,41 @@ NO_STATS = StatsSpec()
 
 
 def can_project(collected: StatsSpec, spec: StatsSpec) -> bool:
-    """True when `project_stats` can cut the statistics of `spec` from those a run collecting
-    `collected` made: `spec`'s window no longer, its moments skipping alike, and everything
-    that shapes the cache or a later pass (attention mass, reconstruction, token scorer,
+    """True when `project_stats` and `project_cache` can cut what a run collecting `spec` holds
+    from what a run collecting `collected` made: `spec`'s window no longer, its moments
+    skipping alike, attention mass only if tracked (the cache's `mass`, dropped for a method
+    that does not ask), and a later pass or per-token scorer (reconstruction, token scorer,
     chunk windows) the same in both.
 
     Example:
         >>> can_project(StatsSpec(window=64, query_moments=True), StatsSpec(window=1))
         True
-        >>> can_project(StatsSpec(window=64), StatsSpec(attention_mass=True))  # H2O's cache
+        >>> can_project(StatsSpec(window=64, attention_mass=True), StatsSpec())  # mass dropped
+        True
+        >>> can_project(StatsSpec(window=64), StatsSpec(attention_mass=True))  # H2O's mass
         False
     """
     return (spec.window <= collected.window
             and (not spec.query_moments or (collected.query_moments
                                             and collected.moments_skip == spec.moments_skip))
             and (not spec.output_projection or collected.output_projection)
-            and (spec.attention_mass, spec.reconstruction, spec.token_scores, spec.chunk_length)
-            == (collected.attention_mass, collected.reconstruction, collected.token_scores,
-                collected.chunk_length)
+            and (not spec.attention_mass or collected.attention_mass)
+            and (spec.reconstruction, spec.token_scores, spec.chunk_length)
+            == (collected.reconstruction, collected.token_scores, collected.chunk_length)
             and (not spec.chunk_length or spec.window == collected.window))
+
+
+def project_cache(cache: Sequence[Layer], collected: StatsSpec, spec: StatsSpec) -> tuple:
+    """A prefilled cache as a run collecting `spec` would hold it, from one collecting
+    `collected` (`can_project`): the attention mass dropped unless `spec` tracks it. Keys,
+    values and positions are the same arrays (tracking mass adds a sum beside attention and
+    changes neither: `tests/test_stats.py`)."""
+    if not can_project(collected, spec):
+        raise ValueError(f"project_cache: a cache collected for {collected} cannot serve "
+                         f"{spec} (can_project)")
+    if spec.attention_mass or not collected.attention_mass:
+        return tuple(cache)
+    return tuple(layer.map_parts(lambda part: part.replace(mass=None)) for layer in cache)
 
 
 def covering(a: StatsSpec, b: StatsSpec) -> StatsSpec | None:
