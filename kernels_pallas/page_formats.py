@@ -501,72 +501,82 @@ class PackedTokens(_PerTokenCodes):
 
 @dataclasses.dataclass(frozen=True)
 class PackedTokenRows(_PerTokenCodes):
-    """Per-token codes as two slot-last arrays: the layout a `kvjax.core.stores.PackedTokens` holds.
+    """Per-token codes as slot-last arrays: the layout a `kvjax.core.stores.PackedTokens` holds.
 
     Arrays: words `[P, W, S]` uint32 (W = D*bits/32: a store's `[R, C, W]` words
     seen as `[R, W, C]`, which is how XLA:TPU lays them out, so the view is
-    free) and params `[P, NW, S]` uint32 (scale, then offset rows, by
-    `pack_rows`). Decodes exactly as `PackedTokens` does. With the kernel's
-    `row_pages` the codes are read straight out of the cache; only the
-    parameters (2 or 4 bytes per group) are repacked by XLA, because Mosaic
-    takes no float16 arguments.
+    free), then the scale and, unless symmetric, the offset, each `[P, NG, S]`
+    (NG = D / group): a store's `[R, C, NG]` parameters seen slot-last, as they
+    are for bfloat16 and float32 (free views on TPU: nothing is copied per
+    call), as their bits in uint16 for float16 (Mosaic takes no float16
+    arguments; the kernel widens the bits to float32 exactly, `half_to_f32`).
+    XLA:TPU compiles that bitcast as a copy of the parameters, so float16
+    parameters still cost one pass over them per call (docs/DECISIONS.md
+    "Per-token parameters as the kernel reads them"). Decodes exactly as
+    `PackedTokens` does.
     """
 
     def arity(self) -> int:
-        return 2
+        return 2 if self.symmetric else 3
+
+    def param_bits(self):
+        """The dtype the parameters travel in: their own, uint16 (their bits) for float16."""
+        return jnp.uint16 if self.param_dtype == "float16" else jnp.dtype(self.param_dtype)
 
     def check(self, arrays, head_dim: int) -> None:
-        if len(arrays) != 2:
-            raise ValueError(f"{self} takes words and params, got {len(arrays)} arrays")
+        if len(arrays) != self.arity():
+            raise ValueError(f"{self} takes words, scale{'' if self.symmetric else ' and offset'}"
+                             f", got {len(arrays)} arrays")
         if self.bits not in (2, 4, 8):
             raise ValueError(f"packed pages hold 2, 4 or 8-bit codes, got bits={self.bits}")
         if self.group < 1 or head_dim % self.group:
             raise ValueError(f"group {self.group} must divide head_dim {head_dim}")
-        words, params = arrays
-        w, nw = head_dim * self.bits // 32, self.param_words(head_dim)
+        words, *params = arrays
+        w = head_dim * self.bits // 32
         if words.ndim != 3 or words.shape[1] != w or words.dtype != jnp.uint32:
             raise ValueError(f"per-token word pages must be uint32 [P, {w}, S], got "
                              f"{words.dtype} {words.shape}")
-        want = (words.shape[0], nw, words.shape[2])
-        if params.shape != want or params.dtype != jnp.uint32:
-            raise ValueError(f"per-token parameter pages must be uint32 {want}, got "
-                             f"{params.dtype} {params.shape}")
+        want = (words.shape[0], head_dim // self.group, words.shape[2])
+        bits = jnp.dtype(self.param_bits()).name
+        for name, x in zip(("scale", "offset"), params):
+            if x.shape != want or x.dtype != self.param_bits():
+                raise ValueError(f"per-token {name} pages must be {bits} {want} (the "
+                                 f"{self.param_dtype} parameters), got {x.dtype} {x.shape}")
 
     def page_size(self, arrays, head_dim: int) -> int:
         return arrays[0].shape[2]
 
     def shapes(self, n_pages: int, page_size: int, head_dim: int, dtype=None):
         """The pool's arrays as `jax.ShapeDtypeStruct`s."""
-        return (jax.ShapeDtypeStruct((n_pages, head_dim * self.bits // 32, page_size), jnp.uint32),
-                jax.ShapeDtypeStruct((n_pages, self.param_words(head_dim), page_size), jnp.uint32))
+        param = jax.ShapeDtypeStruct((n_pages, head_dim // self.group, page_size),
+                                     self.param_bits())
+        words = jax.ShapeDtypeStruct((n_pages, head_dim * self.bits // 32, page_size), jnp.uint32)
+        return (words, param) if self.symmetric else (words, param, param)
 
     def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array | None):
-        """kvjax.core.stores layout [R, C, ...] -> (words [R, W, C], params [R, NW, C]) uint32.
+        """kvjax.core.stores layout [R, C, ...] -> (words [R, W, C], scale [R, NG, C], offset
+        [R, NG, C] unless symmetric): slot-last views, free on TPU where the store keeps these
+        arrays slot-minor (`kvjax.core.stores.slot_minor_on_tpu`); float16 as its bits."""
+        def carried(x):
+            x = _slots_last(x.astype(self.param_dtype))
+            return (jax.lax.bitcast_convert_type(x, jnp.uint16)
+                    if self.param_dtype == "float16" else x)
+        params = (scale,) if self.symmetric else (scale, offset)
+        return (_slots_last(words), *map(carried, params))
 
-        The words' view is free on TPU; the parameters are repacked (a copy of them only,
-        one XLA fusion: 16-bit asymmetric word g is scale g | offset g << 16, which is
-        `pack_rows` of [scale; offset] without materialising the concatenation).
-        """
-        if self.param_dtype == "float32":
-            params = scale if self.symmetric else jnp.concatenate([scale, offset], axis=-1)
-            return _slots_last(words), pack_rows(_slots_last(params), self.param_dtype)
-        bits16 = lambda x: jax.lax.bitcast_convert_type(
-            _slots_last(x.astype(self.param_dtype)), jnp.uint16).astype(jnp.uint32)
-        if not self.symmetric:
-            return _slots_last(words), bits16(scale) | (bits16(offset) << 16)
-        # word i = groups i | i + ceil(NG/2) << 16, sliced before widening (one fusion)
-        ng = scale.shape[-1]
-        half = -(-ng // 2)
-        hi = jnp.pad(scale[..., half:], ((0, 0), (0, 0), (0, 2 * half - ng)))
-        return _slots_last(words), bits16(scale[..., :half]) | (bits16(hi) << 16)
+    def _param(self, block, ops: Ops) -> jax.Array:
+        """[NG, S] float32 from a block of the parameters (float16's bits widened exactly)."""
+        x = ops.load(block, True)
+        if self.param_dtype == "float16":
+            return half_to_f32(x.astype(jnp.int32), "float16")
+        return x.astype(jnp.float32)
 
     def _params(self, blocks, ops: Ops, head_dim: int):
-        n, ng = self.n_params(head_dim), head_dim // self.group
-        params = unpack_rows(ops.load(blocks[1], True), n, self.param_dtype)  # [n, S]
-        return params[:ng], (None if self.symmetric else params[ng:])
+        scale = self._param(blocks[1], ops)
+        return scale, (None if self.symmetric else self._param(blocks[2], ops))
 
     def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
-        """blocks: (words [W, S], params [NW, S]) -> [D, S] in `dtype`."""
+        """blocks: (words [W, S], scale [NG, S], offset [NG, S]) -> [D, S] in `dtype`."""
         codes = unpack_planes(ops.load(blocks[0], True), self.bits)  # [D, S]
         scale, offset = self._params(blocks, ops, head_dim)
         scale = expand_groups(scale, self.group)

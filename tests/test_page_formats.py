@@ -160,9 +160,9 @@ def test_kernel_pages_of_a_cache_decode_to_what_the_store_reads(method):
 
 @pytest.mark.parametrize("bits,group,symmetric,param_dtype", TOKEN_CASES)
 def test_per_token_row_pages_decode_like_numpy(bits, group, symmetric, param_dtype):
-    """`PackedTokenRows` (words [P, W, S] and params [P, NW, S]: a store's own words, slot-last)
-    decodes like the numpy dequantization, and its `from_store` (one fused repack of the
-    parameters) builds the parameter words `numpy_pairs` builds."""
+    """`PackedTokenRows` (words [P, W, S], scale and offset [P, NG, S]: a store's own arrays,
+    slot-last) decodes like the numpy dequantization, and its `from_store` gives the words and
+    the parameters as they are (float16 as its bits in uint16: Mosaic takes no float16)."""
     rng = np.random.default_rng(bits * 5 + group)
     p, s, d = 3, 16, 64
     codes = rng.integers(0, 2 ** bits, size=(p, s, d))
@@ -172,16 +172,22 @@ def test_per_token_row_pages_decode_like_numpy(bits, group, symmetric, param_dty
     per_ch = lambda x: np.repeat(x, group, axis=-1)
     lo = -(2.0 ** (bits - 1)) * per_ch(scale) if symmetric else per_ch(offset)
     want = codes * per_ch(scale) + lo
-    params = scale if symmetric else np.concatenate([scale, offset], axis=-1)
-    numpy_arrays = (numpy_words(codes, bits), numpy_pairs(np.swapaxes(params, 1, 2), param_dtype))
+    dt = NP_DTYPES[param_dtype]
+    as_bits = lambda x: np.ascontiguousarray(np.swapaxes(x.astype(dt), 1, 2)).view(
+        np.uint16 if param_dtype == "float16" else dt)
+    params = (scale,) if symmetric else (scale, offset)
+    numpy_arrays = (numpy_words(codes, bits), *map(as_bits, params))
     fmt = pf.PackedTokenRows(bits, group, symmetric, param_dtype)
     store_words = jnp.asarray(np.swapaxes(numpy_arrays[0], 1, 2))  # a store's [P, S, W]
-    dt = NP_DTYPES[param_dtype]
     arrays = fmt.from_store(store_words, jnp.asarray(scale.astype(dt)),
                             None if symmetric else jnp.asarray(offset.astype(dt)))
+    assert len(arrays) == len(numpy_arrays) == fmt.arity()
     for got, ref in zip(arrays, numpy_arrays):
+        assert got.dtype == ref.dtype
         np.testing.assert_array_equal(np.asarray(got), ref)
     fmt.check(arrays, d)
+    with pytest.raises(ValueError, match="per-token scale pages must be"):
+        fmt.check((arrays[0], arrays[1].astype(jnp.int32), *arrays[2:]), d)
     f32_close(decode_pages(fmt, arrays, d), want)
 
 

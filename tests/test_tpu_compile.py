@@ -415,7 +415,7 @@ def test_packed_token_cache_step_reads_codes_in_place(chip, bits, group, symmetr
     """attend(impl="pallas") over a PackedTokens TokenCache (batch 64, 32k slots) compiles with the
     code words read in place (`PackedTokenRows` row pools: no XLA op writes an array as large
     as the code words); the whole step moves at most 2.2x the kernel's own bytes (measured 1.5-2.0x:
-    the float16 parameters' repack into uint32 words, as Mosaic takes no float16 arguments, a
+    the float16 parameters' copy as uint16 bits, as Mosaic takes no float16 arguments, a
     layout copy of the positions and XLA's prefetches of small arrays into VMEM; before: 11-13x,
     a converted copy of the whole cache, docs/drafts/kernels.md). g = D covers scales applied
     on the scores."""
@@ -434,6 +434,33 @@ def test_packed_token_cache_step_reads_codes_in_place(chip, bits, group, symmetr
               f"D{d} C{c}: whole step {whole / 2**20:.1f} MiB, kernel {est / 2**20:.1f} MiB "
               f"({whole / est:.2f}x), f16 params {params / 2**20:.1f} MiB")
     assert whole <= 2.2 * est
+
+
+def test_bfloat16_token_parameters_are_read_in_place(capsys):
+    """A per-token int4 TokenCache (Llama-3-8B's attention shape, batch 64, 32k slots, v5e)
+    with bfloat16 parameters goes to the kernel with nothing copied: no XLA op writes as many
+    elements as one parameter array, and the whole step moves at most 10% more than the
+    kernel's own bytes (measured 7%: a layout copy of the slot positions). (SmolLM2's shape has parameter arrays of 25 MB, which XLA prefetches
+    into VMEM whole before the call: a copy by the count, not extra HBM traffic.) With float16
+    parameters the uint16 view of their bits is a copy (XLA:TPU compiles the bitcast as a
+    fusion; Mosaic takes no float16 arguments): docs/DECISIONS.md "Per-token parameters as
+    the kernel reads them"."""
+    from kvjax.core import stores
+
+    b, c, d, kvh, heads = 64, 32768, 128, 8, 32
+    n_params = b * kvh * c * (d // 32)
+    moved = {}
+    for dtype in (jnp.bfloat16, jnp.float16):
+        store = lambda: stores.PackedTokens.empty(b * kvh, c, d, 4, 32, param_dtype=dtype)
+        whole, est, _, hlo = _token_cache_step_bytes("v5e", store, b, kvh, heads, d, c, hlo=True)
+        moved[jnp.dtype(dtype).name] = (whole, est, _written_at_least(hlo, n_params))
+    whole, est, writes = moved["bfloat16"]
+    assert writes == [] and whole <= 1.1 * est, (whole / est, writes)
+    assert moved["float16"][2], "float16 parameters reached the kernel without a copy: update " \
+        "PackedTokenRows' docstring and DECISIONS"
+    with capsys.disabled():
+        print("\nint4 TokenCache b64 x 32k: whole step / kernel bytes "
+              + ", ".join(f"{k} {w / e:.3f}x" for k, (w, e, _) in moved.items()))
 
 
 @pytest.mark.parametrize("chip,bits,param_dtype,d,t", [
