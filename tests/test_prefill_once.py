@@ -59,6 +59,29 @@ def test_grid_rows_equal_separate_cells_exactly(tiny_setup, monkeypatch):
     assert sum(w[1] == context_width for w in widths) == 2, widths
 
 
+def test_grid_rows_on_a_model_with_sliding_layers_equal_separate_cells(monkeypatch,
+                                                                       smollm2_tokenizer):
+    """A model whose every other layer slides (its cache holds the window, no method compresses
+    it): each method decodes from its own copy of those layers, so the prefill still serves the
+    next method (decoding donates its cache; reusing the prefill's window layers failed with
+    "Buffer has been deleted or donated") and the rows equal separate cells."""
+    from dataclasses import replace as with_fields
+
+    from flax import nnx
+    from kvjax import Method
+    from models.llama import Llama, LlamaConfig
+    config = LlamaConfig.tiny(vocab_size=49152, max_position=1024)
+    config = with_fields(config, sliding_window=64, layer_types=tuple(
+        "sliding" if i % 2 == 0 else "full" for i in range(config.num_layers)))
+    model = Llama(config, rngs=nnx.Rngs(2))
+    monkeypatch.setattr(cells_module, "_setup", lambda cell: Setup(
+        model, smollm2_tokenizer, Method.parse(cell.method), None))
+    cells = [Cell("niah_single_2", 256, m, trials=2, batch=2, max_new_tokens=6)
+             for m in ("full", "snapkv:ratio=0.5", "knorm:ratio=0.5")]
+    for one, many in zip(map(run_retrieval_cell, cells), run_retrieval_group(cells)):
+        assert many["outputs"] == one["outputs"] and many["score"] == one["score"], one["method"]
+
+
 def test_groups_and_exceptions():
     import kvjax
     transforms = [kvjax.parse_method(m) for m in METHODS]

@@ -210,6 +210,9 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
     `seconds` is its own compression and decoding plus an equal share of the prefills
     (`shared_prefill_seconds`, the group's prefill time, and `prefill_shared_by` beside it).
     """
+    import jax
+    import jax.numpy as jnp
+
     from kvjax import Method, nbytes
     from kvjax.core.stats import project_cache, project_stats
     from models.sampler import (_padded_width, compress, decode, extend, for_full_layers,
@@ -221,15 +224,16 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
         raise ValueError("run_retrieval_group: cells must be kvjax retrieval cells that differ "
                          "only in method (shares_prefill)")
     model, tokenizer, _, place_cache = _setup(base)
-    transforms = []
+    transforms = []  # as decoding takes them; compressing takes them on the full layers
     for cell in cells:
         transform = Method.parse(cell.method).transform
         if cell.method != "full":
             from kvjax.tools.monitor import monitored
             transform = monitored(transform)
-        transforms.append(for_full_layers(model, transform))
+        transforms.append(transform)
+    on_full_layers = [for_full_layers(model, t) for t in transforms]
     prompts = make_prompts(base, tokenizer)
-    groups = prefill_groups(transforms)
+    groups = prefill_groups(on_full_layers)
     texts = [[] for _ in cells]
     cache_bytes = [[] for _ in cells]
     seconds, monitors = [0.0] * len(cells), [None] * len(cells)
@@ -249,14 +253,16 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
             prefill_s += time.perf_counter() - start
             for i in members:
                 start = time.perf_counter()
-                spec = transforms[i].stats
+                spec = on_full_layers[i].stats
                 own = pre._replace(cache=project_cache(pre.cache, collected, spec),
                                    stats=project_stats(pre.stats, collected, spec))
-                out = compress(own, transforms[i], room=room, keep_input=True,
+                out = compress(own, on_full_layers[i], room=room, keep_input=True,
                                max_write=max(suffix_room, 1))
                 if windowed and out.cache is not own.cache:  # as prefill_and_compress keeps
+                    # the window layers, copied: decoding donates them, and the prefill
+                    # serves the next method
                     out = out._replace(cache=tuple(
-                        own.cache[j] if j in windowed else layer
+                        jax.tree.map(jnp.copy, own.cache[j]) if j in windowed else layer
                         for j, layer in enumerate(out.cache)))
                 out = extend(model, out, questions, transform=transforms[i])
                 gen = decode(model, out, max_new_tokens=base.max_new_tokens,
