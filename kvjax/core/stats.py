@@ -118,7 +118,6 @@ class StatsSpec:
                           else other.token_scores),
             chunk_length=self.chunk_length or other.chunk_length)
 
-
     @property
     def per_step(self) -> bool:
         """True when the model fills `LayerStats` for this spec (attention mass lives in the
