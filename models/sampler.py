@@ -491,11 +491,21 @@ def prefill_and_compress(model: Llama, prompts: Sequence[Sequence[int]], *,
                            next_pos=pre.next_pos + restore.n)
     out = compress(pre, transform, room=room, max_write=max_write,
                    **run.only(RunOptions.SHRINK))
+    return out._replace(cache=keep_window_layers(model, out.cache, pre.cache))
+
+
+def keep_window_layers(model: Llama, compressed: Cache, prefilled: Cache,
+                       copy: bool = False) -> Cache:
+    """`compressed` with the model's sliding-window layers as `prefilled` holds them: `shrink`
+    cuts every layer, and a window layer's cache is its window, never compressed. `copy`
+    gives them buffers of their own (decoding donates its cache; a prefill that serves
+    another method must keep its own)."""
     windowed = windowed_layers(model)
-    if windowed and out.cache is not pre.cache:  # `shrink` cut every layer: windows stay
-        out = out._replace(cache=tuple(pre.cache[i] if i in windowed else layer
-                                       for i, layer in enumerate(out.cache)))
-    return out
+    if not windowed or compressed is prefilled:
+        return compressed
+    take = (lambda layer: jax.tree_util.tree_map(jnp.copy, layer)) if copy else (lambda x: x)
+    return tuple(take(prefilled[i]) if i in windowed else layer
+                 for i, layer in enumerate(compressed))
 
 
 def extend(model: Llama, pre: Prefilled, suffixes: Sequence[Sequence[int]], *,

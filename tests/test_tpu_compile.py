@@ -440,8 +440,9 @@ def test_bfloat16_token_parameters_are_read_in_place(capsys):
     """A per-token int4 TokenCache (Llama-3-8B's attention shape, batch 64, 32k slots, v5e)
     with bfloat16 parameters goes to the kernel with nothing copied: no XLA op writes as many
     elements as one parameter array, and the whole step moves at most 10% more than the
-    kernel's own bytes (measured 7%: a layout copy of the slot positions). (SmolLM2's shape has parameter arrays of 25 MB, which XLA prefetches
-    into VMEM whole before the call: a copy by the count, not extra HBM traffic.) With float16
+    kernel's own bytes (measured 7%: a layout copy of the slot positions). (SmolLM2's shape
+    has parameter arrays of 25 MB, which XLA prefetches into VMEM whole before the call: a
+    copy by the count, not extra HBM traffic.) With float16
     parameters the uint16 view of their bits is a copy (XLA:TPU compiles the bitcast as a
     fusion; Mosaic takes no float16 arguments): docs/DECISIONS.md "Per-token parameters as
     the kernel reads them"."""

@@ -210,13 +210,10 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
     `seconds` is its own compression and decoding plus an equal share of the prefills
     (`shared_prefill_seconds`, the group's prefill time, and `prefill_shared_by` beside it).
     """
-    import jax
-    import jax.numpy as jnp
-
     from kvjax import Method, nbytes
     from kvjax.core.stats import project_cache, project_stats
     from models.sampler import (_padded_width, compress, decode, extend, for_full_layers,
-                                prefill_batch, windowed_layers)
+                                keep_window_layers, prefill_batch)
 
     base = cells[0]
     if any(replace(c, method=base.method) != base for c in cells) or \
@@ -238,7 +235,6 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
     cache_bytes = [[] for _ in cells]
     seconds, monitors = [0.0] * len(cells), [None] * len(cells)
     prefill_s = 0.0
-    windowed = windowed_layers(model)
     last_batch = (base.trials - 1) // base.batch * base.batch
     for b in range(0, base.trials, base.batch):
         contexts = prompts.contexts[b:b + base.batch]
@@ -258,12 +254,9 @@ def run_retrieval_group(cells: list[Cell]) -> list[dict]:
                                    stats=project_stats(pre.stats, collected, spec))
                 out = compress(own, on_full_layers[i], room=room, keep_input=True,
                                max_write=max(suffix_room, 1))
-                if windowed and out.cache is not own.cache:  # as prefill_and_compress keeps
-                    # the window layers, copied: decoding donates them, and the prefill
-                    # serves the next method
-                    out = out._replace(cache=tuple(
-                        jax.tree.map(jnp.copy, own.cache[j]) if j in windowed else layer
-                        for j, layer in enumerate(out.cache)))
+                # the window layers copied: decoding donates them, the prefill serves on
+                out = out._replace(cache=keep_window_layers(model, out.cache, own.cache,
+                                                            copy=True))
                 out = extend(model, out, questions, transform=transforms[i])
                 gen = decode(model, out, max_new_tokens=base.max_new_tokens,
                              transform=transforms[i])

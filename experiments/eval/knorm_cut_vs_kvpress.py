@@ -46,8 +46,9 @@ def cut_differences(task: str, trial: int, ratio: float, length: int = 3840) -> 
         k_ours = np.asarray(layer.k, np.float32)[:, :n]  # [KVH, n, D], batch 1
         norm_ours = np.linalg.norm(k_ours, axis=-1)
         norm_theirs = np.linalg.norm(theirs.layers[i].keys[0].numpy(), axis=-1)
+        kept_pos = np.asarray(ours.cache[i].pos)[0]  # [KVH, C]
         for h in range(k_ours.shape[0]):
-            pos = np.asarray(ours.cache[i].pos)[0, h]
+            pos = kept_pos[h]
             swapped = len(set(pos[pos >= 0].tolist()) ^ top(norm_theirs[h])) // 2
             rule = len(top(norm_ours[h]) ^ top(norm_theirs[h])) // 2
             if swapped or rule:

@@ -284,8 +284,8 @@ def row_pool(store: Any):
     array slot-minor, so the view is free), row-major [R, C, D] otherwise.
     `PackedTokens`: words as [R, W, C] (free, as for dense) and the scale and
     offset as [R, NG, C] (free for bfloat16 and float32; float16 as its bits in
-    uint16, which XLA:TPU copies: Mosaic takes no float16 arguments). KIVI keys: None here (`channel_rows`
-    reads them, with the page size their table windows need).
+    uint16, which XLA:TPU copies: Mosaic takes no float16 arguments). KIVI keys:
+    None here (`channel_rows` reads them, with the page size their table windows need).
     """
     if is_dense(store):
         if store.shape[-1] % 128:
