@@ -48,19 +48,27 @@ def tpu_device(chip: str):
     return topo.devices[0]
 
 
-def _sharding(device):
+def _sharding(device, memory_kind: str | None = None):
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
-    return NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec())
+    return NamedSharding(Mesh(np.array([device]), ("x",)), PartitionSpec(),
+                         memory_kind=memory_kind)
 
 
-def abstract(shape, dtype, device) -> jax.ShapeDtypeStruct:
-    """An argument of `shape`/`dtype` placed on `device`."""
-    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=_sharding(device))
+def abstract(shape, dtype, device, memory_kind: str | None = None) -> jax.ShapeDtypeStruct:
+    """An argument of `shape`/`dtype` placed on `device` (in its `memory_kind`, e.g.
+    "pinned_host"; default: device memory)."""
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=_sharding(device, memory_kind))
+
+
+def _host_kind(x: Any) -> str | None:
+    kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+    return kind if kind in ("pinned_host", "unpinned_host") else None
 
 
 def abstract_like(tree: Any, device) -> Any:
-    """Every array leaf of `tree` (concrete or abstract) as an abstract argument on `device`."""
-    return jax.tree.map(lambda x: abstract(x.shape, x.dtype, device), tree)
+    """Every array leaf of `tree` (concrete or abstract) as an abstract argument on `device`;
+    a leaf in host memory (a tiered cache's host pages) stays in host memory."""
+    return jax.tree.map(lambda x: abstract(x.shape, x.dtype, device, _host_kind(x)), tree)
 
 
 def compile_for(device, fn: Callable, *args, **kwargs):

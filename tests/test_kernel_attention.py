@@ -296,6 +296,62 @@ def test_shared_table_paged_layer_equals_the_per_head_pool(bits):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
+@pytest.mark.parametrize("backend,bits,staged", [("tpu", None, True), ("tpu", 4, True),
+                                                  ("tpu", 4, False), ("gpu", None, True)])
+def test_tiered_layer_reads_both_tiers_through_the_kernel(backend, bits, staged):
+    """A tiered layer (pages spilled to host memory, `kvjax.memory.tiers`) attends through the
+    kernel as two page pools, its device pages and its stage (`tier_views`), merged: equal to
+    the reference over both tiers. With a host page not staged (a prefetch miss) the step
+    reads XLA's view, which fetches it; the kernel alone would have missed that page, so its
+    result differs there (the fallback is what made it right)."""
+    from kvjax.core.branches import usual_branches_only
+    from kvjax.memory import tiers
+    from kvjax.memory.paging import reserve
+    if compiled() and device_backend() != backend:
+        pytest.skip("[optional] compiled mode: only the present chip's kernel")
+    rng = np.random.default_rng(11)
+    b, kvh, s, d = 2, 2, 16, 64
+    pool, layers = tiers.init_tiered_cache(20, 8, s, b, kvh, 4, d, num_layers=1, bits=bits)
+    pool, layers = reserve(pool, layers, jnp.array([40, 29]))
+    k = jnp.asarray(rng.normal(size=(b, kvh, 40, d)), jnp.float32)
+    pos = jnp.broadcast_to(jnp.arange(40), (b, 40)).at[1, 29:].set(-1)
+    layers = (layers[0].write(k, -k, pos),)
+    pool, layers = tiers.spill(pool, layers, tiers.coldest_pages(
+        layers[0], tiers.recency_scores(layers[0]), 5))
+    host = tiers.host_pages_in_use(layers[0])  # [5 ids], some possibly past the end
+    layers = tiers.prefetch(layers, host if staged else host.at[0].set(-1))
+    (layer,) = layers
+    assert ka.supports_pallas(layer, backend)
+    device, stage = ka.tier_views(layer)
+    misses = int(tiers.stage_misses(layer).sum())
+    assert (misses == 0) == staged
+    np.testing.assert_array_equal(  # every page in use is listed once, in one pool or missed
+        np.asarray(device.num_pages_used + stage.num_pages_used + tiers.stage_misses(
+            layer).sum(-1)), np.asarray(layer.num_pages_used))
+    q = jnp.asarray(rng.normal(size=(b, 1, 3 * kvh, d)), jnp.float32)
+    q_pos = jnp.array([[40], [29]], jnp.int32)
+    backend, interpret = mode(backend)
+    run = lambda: ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret,
+                                   window=33)
+    want = kvjax.attend(q, q_pos, layer, impl="reference", window=33)
+    np.testing.assert_allclose(np.asarray(run()), np.asarray(want), **TOL)
+    with usual_branches_only():  # the two kernel calls alone
+        kernel_only = np.asarray(run())
+    if staged:
+        np.testing.assert_allclose(kernel_only, np.asarray(want), **TOL)
+    else:
+        assert not np.allclose(kernel_only, np.asarray(want), **TOL)
+    if backend == "tpu" and bits is None:  # host pages are not split over a mesh: XLA's path
+        from kvjax.backends.sharded import PallasOnMesh
+        assert ka.has_host_tier(layer)
+        mesh = jax.make_mesh((1, 1), ("batch", "kv"))
+        on_mesh = kvjax.attend(q, q_pos, layer, impl=PallasOnMesh(mesh, backend="tpu",
+                                                                   interpret=interpret),
+                               window=33)
+        np.testing.assert_array_equal(np.asarray(on_mesh), np.asarray(
+            kvjax.attend(q, q_pos, layer, impl="xla", window=33)))
+
+
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_long_query_blocks_are_split_into_calls_within_the_row_limit(backend, monkeypatch):
     """A prefill chunk of 50 query tokens x 3 query heads per KV head (150 rows) is attended in

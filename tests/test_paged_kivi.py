@@ -172,8 +172,8 @@ def test_paged_kivi_attends_through_the_tpu_kernel(param_dtype):
     """A paged KIVI layer goes to the TPU kernel part by part (its body's pages, keys read as
     the pool keeps them in `PackedChannelPages`, then the exact part; TPU interpret mode here)
     and gives the reference's attention, with and without a window, before and after a write
-    that flushes groups into new pages. The GPU kernel does not take the format (the layer
-    attends through XLA there), nor does either kernel read a tiered body (host pages)."""
+    that flushes groups into new pages, and with a tiered body (pages spilled to host memory and
+    staged). The GPU kernel does not take the format (the layer attends through XLA there)."""
     from kernels_pallas import page_formats as pf
     from kvjax.backends import pallas as ka
     t = kvjax.kivi(bits=4, group=G, residual=RES, param_dtype=param_dtype)
@@ -199,5 +199,20 @@ def test_paged_kivi_attends_through_the_tpu_kernel(param_dtype):
         pos = q_pos + jnp.arange(12)
         layers = (layers[0].write(k, v, pos),)
     assert int(jnp.max(layers[0].body.lengths)) > int(jnp.max(layer.body.lengths))
-    _, tiered = from_residual(unpaged, max_pages=8, device_pages=40, host_pages=8)
-    assert not ka.supports_pallas(tiered[0], "tpu")
+    # a tiered body: its device pages and its stage, two kernel calls (tier_views)
+    pool, tiered = from_residual(unpaged, max_pages=8, device_pages=40, host_pages=8)
+    for step in range(2):  # groups flushed into more pages: the older ones can spill
+        pool, b = reserve(pool, bodies(tiered), flush_tokens(tiered))
+        tiered = with_bodies(tiered, b)
+        new_pos = jnp.broadcast_to(40 + 12 * step + jnp.arange(12), (B, 12))
+        tiered = (tiered[0].write(k, v, new_pos),)
+    pool, b = tiers.spill(pool, bodies(tiered), tiers.coldest_pages(
+        tiered[0].body, tiers.recency_scores(tiered[0].body), 4))
+    b = tiers.prefetch(b, tiers.host_pages_in_use(b[0]))
+    (layer,) = with_bodies(tiered, b)
+    assert int(tiers.tier_counts(pool, layer.body)["host"]) > 0
+    assert ka.supports_pallas(layer, "tpu") and not ka.supports_pallas(layer, "gpu")
+    q_pos = jnp.full((B, 1), int(jnp.max(layer.view().pos)) + 1, jnp.int32)
+    got = ka.attend_pallas(q, q_pos, layer, backend="tpu", interpret=True)
+    want = kvjax.attend(q, q_pos, layer, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=3e-5, atol=3e-5)

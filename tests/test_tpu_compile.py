@@ -500,6 +500,36 @@ def test_kivi_token_cache_keys_compile_read_in_place(chip, bits, param_dtype, d,
 
 
 @pytest.mark.parametrize("chip", tc.CHIPS)
+def test_tiered_layer_compiles_through_the_kernel(chip, capsys):
+    """attend(impl="pallas") over a tiered layer (int4 pages, some in host memory, staged)
+    compiles with Mosaic for the chip: two kernel calls, its device pages and its stage; the
+    prefetch-miss branch (XLA's view of both tiers) has none."""
+    import kvjax
+    from kvjax.backends import pallas as ka
+    from kvjax.memory import tiers
+    from kvjax.memory.paging import reserve
+
+    b, kvh, heads, d, s, n = 8, 8, 32, 128, 128, 1000
+    pool, layers = tiers.init_tiered_cache(b * kvh * 8 + 1, 64, s, b, kvh, 8, d, num_layers=1,
+                                           bits=4)
+    pool, layers = reserve(pool, layers, jnp.full((b,), n))
+    k = jnp.ones((b, kvh, n, d), jnp.float32)
+    layers = (layers[0].write(k, k, jnp.broadcast_to(jnp.arange(n), (b, n))),)
+    pool, layers = tiers.spill(pool, layers, tiers.coldest_pages(
+        layers[0], tiers.recency_scores(layers[0]), 64))
+    (layer,) = tiers.prefetch(layers, tiers.host_pages_in_use(layers[0]))
+    device = tc.tpu_device(chip)
+    q, q_pos = tc.abstract((b, 1, heads, d), BF16, device), tc.abstract((b, 1), jnp.int32, device)
+    step = functools.partial(ka.attend_pallas, backend="tpu")
+    hlo = tc.compile_for(device, step, q, q_pos, tc.abstract_like(layer, device)).as_text()
+    calls = kernel_calls(hlo)
+    with capsys.disabled():
+        print(f"\n{chip} tiered int4 layer b{b} x {n} tokens, 64 pages on host: {calls} Mosaic "
+              f"calls")
+    assert calls == 2
+
+
+@pytest.mark.parametrize("chip", tc.CHIPS)
 def test_paged_kivi_layer_compiles_through_the_kernel(chip, capsys):
     """attend(impl="pallas") over a paged KIVI layer (keys one group per page,
     `PackedChannelPages`; int4 values; the exact part dense) compiles with Mosaic for the chip:

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.core.layer import CacheLayer
-from kvjax.backends.pallas import TILE_SLOTS, attend_pallas, pallas_backend, supports_pallas
+from kvjax.backends.pallas import (TILE_SLOTS, attend_pallas, has_host_tier, pallas_backend,
+                                    supports_pallas)
 from kvjax.backends.sharded import PallasOnMesh, attend_on_mesh
 
 IMPLS = ("xla", "reference", "pallas")
@@ -46,12 +47,13 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xl
     `attend_reference`, the plain definition tests compare against;
     `"pallas"` runs the paged attention kernel on TPU or GPU
     (`kvjax.backends.pallas`) and falls back to `"xla"` on CPU and for
-    layouts the kernel does not read (pooled, low-rank, tiered; `kernel_refusal`
+    layouts the kernel does not read (pooled, low-rank; `kernel_refusal`
     says why; `kvjax compile` reports the kernel calls). Every other path is the
     layer's own `attend` (`kvjax.core.layer.CacheLayer`: a `PagedLayer` gathers a dense
     view, a recurrent layer reads its state).
     `PallasOnMesh(mesh)` (kvjax.backends.sharded) runs that kernel under
     `jax.shard_map`, per shard of a cache split over `mesh` by `shard_cache`.
+    A layer with pages in host memory (`has_host_tier`) takes XLA's path under a mesh.
 
     Example:
         >>> from kvjax import init_cache, write
@@ -65,10 +67,12 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xl
     """
     if isinstance(impl, PallasOnMesh):  # the kernel per shard of a mesh-split cache
         backend = impl.backend or pallas_backend()
-        if backend is not None and supports_pallas(cache, backend):
+        if backend is not None and supports_pallas(cache, backend) and not has_host_tier(cache):
             return attend_on_mesh(q, q_pos, cache, impl._replace(backend=backend),
                                   window=window, softcap=softcap)
-        impl = "pallas"  # no kernel here or for this layout: as plain "pallas" (falls back)
+        # no kernel here or for this layout: as plain "pallas" (falls back); host pages
+        # are not split over the mesh: XLA
+        impl = "xla" if has_host_tier(cache) else "pallas"
     if impl not in IMPLS:
         raise ValueError(f"attend: unknown impl {impl!r}; available: {IMPLS} or a "
                          f"kvjax.backends.sharded.PallasOnMesh")

@@ -24,6 +24,10 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
   kernel calls whose softmax states are merged. A paged KIVI layer
   (`PagedKivi`) the same way, its body's pages read as the pool keeps them
   (keys `pf.PackedChannelPages`: one group per page; TPU only).
+- `TieredLayer` (pages in host memory, staged copies on the device): two kernel calls,
+  merged, over its device pages and over its stage, each with a block table that lists the
+  row's pages in that pool (`tier_views`). A host page read unstaged (a prefetch miss) sends
+  the step through XLA's view of both tiers instead, which fetches it (`rare_cond`).
 
 Dense (float32/bf16/fp8), `PackedTokens` and `PackedChannels` stores are
 decoded inside the kernel. Pooled (head-wise budget) and low-rank layers are
@@ -44,6 +48,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -54,14 +60,15 @@ from kvjax.core.branches import rare_cond
 from kvjax.core.attention import blockwise_state
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
-from kvjax.memory.paging import PagedLayer
+from kvjax.memory.paging import PagedLayer, _in_use
+from kvjax.memory.tiers import TieredLayer, stage_misses, tiered_view
 from kvjax.core.stores import PackedChannels, PackedTokens, is_dense, map_slot_leaves
 
 KERNEL_LAYOUTS = {TokenCache: "rows", ResidualCache: "parts", PagedKivi: "parts",
-                  PagedLayer: "pages"}
-"""The layer kinds the kernel reads, by exact type (a subclass, e.g. a tiered layer, attends
-itself): a per-head `TokenCache`'s rows cut in pages, a residual layer (or a paged KIVI
-layer: its body's pages, then its exact part) part by part, pages."""
+                  PagedLayer: "pages", TieredLayer: "tiers"}
+"""The layer kinds the kernel reads, by exact type (a subclass attends itself): a per-head
+`TokenCache`'s rows cut in pages, a residual layer (or a paged KIVI layer: its body's pages,
+then its exact part) part by part, pages, and a tiered layer's device pages and stage."""
 
 
 def kernel_layout(layer: Any) -> str | None:
@@ -326,6 +333,8 @@ def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
         return None if part is None else f"a {name}'s part: {part}"
     if kernel_layout(layer) is None:
         return f"no kernel layout for a {name} (it attends itself)"
+    if kernel_layout(layer) == "tiers":  # its pools are of one kind: as its device pages
+        return kernel_refusal(_as_paged(layer), backend)
     if kernel_layout(layer) == "pages":
         if backend == "gpu" and isinstance(layer.k, ChannelPages):
             return "paged KIVI keys are read by the TPU kernel only"
@@ -347,13 +356,82 @@ def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
     return None
 
 
+def has_host_tier(layer: Any) -> bool:
+    """True for a layer with pages in host memory (a tiered layer, or a paged KIVI layer whose
+    body is one): the kernel reads it on one device, not per shard of a mesh."""
+    if kernel_layout(layer) == "parts":
+        return kernel_layout(layer.body) == "tiers"
+    return kernel_layout(layer) == "tiers"
+
+
+def _as_paged(layer: TieredLayer, **changes) -> PagedLayer:
+    """The `PagedLayer` fields of a tiered layer, with `changes`, as a plain `PagedLayer`."""
+    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(PagedLayer)}
+    return PagedLayer(**{**fields, **changes})
+
+
+def tier_views(layer: TieredLayer) -> tuple[PagedLayer, PagedLayer]:
+    """A tiered layer as the two page pools the kernel reads: (its device pages, its stage).
+
+    Each has a block table per row listing the row's in-use pages in that pool first (its
+    host pages by their stage slot), then page 0, unread (`num_pages` counts the listed
+    ones): attention does not depend on the order of a row's pages, the mask reads their
+    positions. A host page that no stage slot holds (a prefetch miss) is in neither pool
+    (`stage_misses`; `attend_partial` reads the layer through XLA then).
+
+    Example (page 1 of 3 spilled to host page id 6 and staged in slot 0):
+        >>> from kvjax.memory import tiers
+        >>> from kvjax.memory.paging import reserve
+        >>> pool, layers = tiers.init_tiered_cache(6, 4, 4, 1, 1, 8, 2, 1)
+        >>> pool, layers = reserve(pool, layers, jnp.array([10]))
+        >>> k = jnp.arange(20.).reshape(1, 1, 10, 2)
+        >>> layers = [l.write(k, -k, jnp.arange(10)[None]) for l in layers]
+        >>> pool, layers = tiers.spill(pool, layers, jnp.array([1]))
+        >>> layers = tiers.prefetch(layers, tiers.host_pages_in_use(layers[0]))
+        >>> device, stage = tier_views(layers[0])
+        >>> device.tables[0, 0, :3].tolist(), device.num_pages_used.tolist()
+        ([2, 3, 0], [[2]])
+        >>> stage.tables[0, 0, :1].tolist(), stage.num_pages_used.tolist()
+        ([0], [[1]])
+    """
+    pd, s = layer.device_pages, layer.page_size
+    used, tables = _in_use(layer), layer.tables  # [B, KVH, NP]
+    match = tables[..., None] == layer.stage_ids  # [B, KVH, NP, M]
+    slot = jnp.argmax(match, axis=-1).astype(jnp.int32)
+
+    def listed_first(keep, ids):  # -> (the kept ids first, then 0; how many per row)
+        order = jnp.argsort(~keep, axis=-1, stable=True)
+        return (jnp.take_along_axis(jnp.where(keep, ids, 0), order, axis=-1),
+                jnp.sum(keep, axis=-1, dtype=jnp.int32))
+
+    dev_tables, dev_count = listed_first(used & (tables < pd), tables)
+    stage_tables, stage_count = listed_first(used & (tables >= pd) & match.any(-1), slot)
+    held = (layer.stage_ids >= 0)[:, None, None]
+    stage_pos = jnp.where(held, layer.pos[jnp.maximum(layer.stage_ids, 0)], EMPTY)  # [M, 1, S]
+    device = _as_paged(layer, pos=layer.pos[:pd], tables=dev_tables, lengths=dev_count * s,
+                       shared=layer.shared[:pd], shared_tables=False)
+    stage = _as_paged(layer, k=layer.stage_k, v=layer.stage_v, pos=stage_pos,
+                      tables=stage_tables, lengths=stage_count * s,
+                      shared=jnp.zeros(stage_pos.shape[0], bool), shared_tables=False)
+    return device, stage
+
+
 def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
-    """The kernel's softmax state of `q` over one layer (both parts of a residual layer)."""
+    """The kernel's softmax state of `q` over one layer (both parts of a residual layer,
+    both tiers of a tiered one)."""
     if kernel_layout(layer) == "parts":
         if layer.body.capacity == 0:
             return attend_partial(q, q_pos, layer.recent, **kwargs)
         return merge(attend_partial(q, q_pos, layer.body, **kwargs),
                      attend_partial(q, q_pos, layer.recent, **kwargs))
+    if kernel_layout(layer) == "tiers":
+        device, stage = tier_views(layer)
+        kernel = lambda: merge(attend_partial(q, q_pos, device, **kwargs),
+                               attend_partial(q, q_pos, stage, **kwargs))
+        xla = lambda: _blockwise_partial(q, q_pos, tiered_view(layer), jax.eval_shape(kernel),
+                                         window=kwargs.get("window"),
+                                         softcap=kwargs.get("softcap"))
+        return rare_cond(jnp.any(stage_misses(layer)), xla, kernel)
     backend = kwargs.get("backend", "tpu")
     layer = padded_to_tile(layer, backend)
     refusal = kernel_refusal(layer, backend)
