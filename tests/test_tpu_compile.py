@@ -500,10 +500,12 @@ def test_kivi_token_cache_keys_compile_read_in_place(chip, bits, param_dtype, d,
 
 
 @pytest.mark.parametrize("chip", tc.CHIPS)
-def test_tiered_layer_compiles_through_the_kernel(chip, capsys):
+@pytest.mark.parametrize("t", [1, 100], ids=["decode", "prefill"])
+def test_tiered_layer_compiles_through_the_kernel(chip, t, capsys):
     """attend(impl="pallas") over a tiered layer (int4 pages, some in host memory, staged)
-    compiles with Mosaic for the chip: two kernel calls, its device pages and its stage; the
-    prefetch-miss branch (XLA's view of both tiers) has none."""
+    compiles with Mosaic for the chip: two kernel calls per query block, its device pages and
+    its stage (a 100-token chunk of 4 query heads per KV head is two blocks of <= 256 rows);
+    the prefetch-miss branch (XLA's view of both tiers) has none."""
     import kvjax
     from kvjax.backends import pallas as ka
     from kvjax.memory import tiers
@@ -519,14 +521,15 @@ def test_tiered_layer_compiles_through_the_kernel(chip, capsys):
         layers[0], tiers.recency_scores(layers[0]), 64))
     (layer,) = tiers.prefetch(layers, tiers.host_pages_in_use(layers[0]))
     device = tc.tpu_device(chip)
-    q, q_pos = tc.abstract((b, 1, heads, d), BF16, device), tc.abstract((b, 1), jnp.int32, device)
+    q = tc.abstract((b, t, heads, d), BF16, device)
+    q_pos = tc.abstract((b, t), jnp.int32, device)
     step = functools.partial(ka.attend_pallas, backend="tpu")
     hlo = tc.compile_for(device, step, q, q_pos, tc.abstract_like(layer, device)).as_text()
     calls = kernel_calls(hlo)
     with capsys.disabled():
-        print(f"\n{chip} tiered int4 layer b{b} x {n} tokens, 64 pages on host: {calls} Mosaic "
-              f"calls")
-    assert calls == 2
+        print(f"\n{chip} tiered int4 layer b{b} x {n} tokens, 64 pages on host, {t} query "
+              f"tokens: {calls} Mosaic calls")
+    assert calls == 2 * -(-t * heads // kvh // MAX_QUERY_ROWS["tpu"])
 
 
 @pytest.mark.parametrize("chip", tc.CHIPS)
