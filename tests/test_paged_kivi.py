@@ -129,6 +129,44 @@ def test_eviction_after_kivi_cannot_be_paged():
         from_residual(cache, max_pages=8, device_pages=40)
 
 
+def test_shared_tables_hold_what_per_head_tables_hold_and_the_kernel_reads_one_table():
+    """`from_residual(shared_tables=True)`: after the same flushes into new pages the pool
+    passes its audit (aligned groups of KV heads), the body's groups equal the per-head pool's
+    bit for bit, the TPU kernel gets one [B, NP] table (head_stride 1) and its attention equals
+    the per-head pool's and the reference (interpret mode). Host pages refuse shared tables."""
+    from kvjax.backends import pallas as ka
+    t = kvjax.kivi(bits=4, group=G, residual=RES)
+    unpaged, _ = t.update(prompt_cache(4), t.init(prompt_cache(4)), None)
+    runs = {}
+    for shared in (False, True):
+        pool, layers = from_residual(unpaged, max_pages=CAP // G, device_pages=40,
+                                     shared_tables=shared)
+        for step in range(2):
+            pool, b = reserve(pool, bodies(layers), flush_tokens(layers))
+            layers = with_bodies(layers, b)
+            k, v = jax.random.normal(jax.random.key(60 + step), (2, B, KVH, 12, D))
+            layers = (layers[0].write(k, v, jnp.broadcast_to(30 + 12 * step + jnp.arange(12),
+                                                             (B, 12))),)
+        check_pool(pool, bodies(layers))
+        runs[shared] = layers[0]
+    per_head, shared = runs[False], runs[True]
+    assert shared.body.shared_tables and int(jnp.max(shared.body.lengths)) == 3 * G
+    for name, x in groups_of(per_head).items():
+        np.testing.assert_array_equal(np.asarray(groups_of(shared)[name]), np.asarray(x),
+                                      err_msg=name)
+    inputs = ka.kernel_inputs(shared.body, backend="tpu")
+    assert inputs["head_stride"] == 1 and inputs["block_tables"].shape == (B, CAP // G)
+    q = jax.random.normal(jax.random.key(7), (B, 1, 3 * KVH, D))
+    q_pos = jnp.full((B, 1), 54, jnp.int32)
+    run = lambda layer: np.asarray(ka.attend_pallas(q, q_pos, layer, backend="tpu",
+                                                    interpret=True))
+    want = np.asarray(kvjax.attend(q, q_pos, shared, impl="reference"))
+    np.testing.assert_allclose(run(shared), want, rtol=3e-5, atol=3e-5)
+    np.testing.assert_array_equal(run(shared), run(per_head))
+    with pytest.raises(ValueError, match="shared_tables needs host_pages=0"):
+        from_residual(unpaged, max_pages=8, device_pages=40, host_pages=8, shared_tables=True)
+
+
 def test_pages_released_by_one_sequence_are_never_read_by_the_other():
     """Sequence 0's KIVI pages go to the host and are staged, then it releases them; sequence
     1 keeps decoding, its flushes and spills reuse the freed ids. The stage forgets the freed

@@ -342,6 +342,46 @@ def test_shared_table_paged_layer_fits_smem_where_per_head_tables_do_not(capsys)
               f"{b * n_table * 4 // 1024} KiB compile")
 
 
+def test_paged_kivi_with_shared_tables_fits_smem_at_64_x_32k(capsys):
+    """A paged KIVI layer (one 32-token group a page) of batch 64 x 32k tokens x 8 KV heads,
+    Llama-3-8B's head dim, through attend(impl="pallas") on v5e: per-head [B, KVH, NP] tables
+    are 2 MiB, twice SMEM, and Mosaic rejects the kernel; with the pages allocated as
+    `from_residual(shared_tables=True)` allocates them the kernel reads one [B, NP] table
+    (256 KiB) and the step compiles (two calls: the body's pages and the exact part). The
+    layer is built abstractly as `from_residual` builds it (its copy needs concrete tokens)."""
+    from kvjax.backends import pallas as ka
+    from kvjax.core.stores import PackedTokens
+    from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
+    from kvjax.memory.paging import init_paged_cache
+    import kvjax
+
+    b, kvh, heads, d, g, ctx, res = 64, 8, 32, 128, 32, 32768, 128
+    n_table = ctx // g
+
+    def layer(shared_tables):
+        n_pages = (b * n_table + 1) * kvh
+        _, (body,) = init_paged_cache(n_pages, g, b, kvh, n_table, d, 1,
+                                      shared_tables=shared_tables)
+        body = body.replace(k=ChannelPages.empty(n_pages, g, d, 4, jnp.float16),
+                            v=PackedTokens.empty(n_pages, g, d, 4, 32, False, jnp.float16))
+        return PagedKivi(body=body, recent=kvjax.init_cache(b, kvh, res + g, d), residual=res)
+
+    device = tc.tpu_device("v5e")
+    q = tc.abstract((b, 1, heads, d), BF16, device)
+    q_pos = tc.abstract((b, 1), jnp.int32, device)
+    step = functools.partial(ka.attend_pallas, backend="tpu")
+    compile_with = lambda shared: tc.compile_for(device, step, q, q_pos, tc.abstract_like(
+        jax.eval_shape(lambda: layer(shared)), device))
+    with pytest.raises(Exception, match="(?i)smem"):
+        compile_with(False)
+    calls = kernel_calls(compile_with(True).as_text())
+    with capsys.disabled():
+        print(f"\nv5e paged KIVI-4 batch 64 x 32k x 8 KV heads, pages of {g}: per-head tables "
+              f"{b * kvh * n_table * 4 // 1024} KiB overflow SMEM; shared_tables "
+              f"{b * n_table * 4 // 1024} KiB compile ({calls} Mosaic calls)")
+    assert calls == 2
+
+
 def _written_at_least(hlo: str, n: int) -> list[str]:
     """HLO ops whose result has >= n elements: a copy of the cache. Parameters, bitcasts and
     the ops that pass a value along without writing it (tuples, loops, conditionals) are not

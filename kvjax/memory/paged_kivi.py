@@ -374,15 +374,23 @@ def _check_unpaged(cache: Sequence[Any]) -> None:
 
 
 def from_residual(cache: Sequence[ResidualCache], *, max_pages: int, device_pages: int,
-                  host_pages: int = 0, stage_pages: int | None = None):
+                  host_pages: int = 0, stage_pages: int | None = None,
+                  shared_tables: bool = False):
     """(pool, layers): a paged KIVI cache holding exactly the tokens of an unpaged KIVI cache.
 
     Codes and parameters are copied (bit for bit); the exact part is kept as it is.
     `max_pages` is the block-table length (body tokens per row / group, with room to grow);
     `device_pages` (null page included) and `host_pages` size the pool: `host_pages=0` gives
     plain `PagedLayer` bodies, else `kvjax.memory.tiers.TieredLayer` bodies with a stage of
-    `stage_pages` (default `host_pages`)."""
+    `stage_pages` (default `host_pages`). `shared_tables` (plain bodies only) allocates a
+    sequence's pages for all its KV heads at once (`init_paged_cache`), so the TPU kernel
+    reads one `[B, NP]` table: pages are one group, 32 tokens by default, and at 64 x 32k x 8
+    KV heads per-head tables would need 2 MiB of SMEM."""
     from kvjax.memory.paging import reserve  # the pool functions take the bodies
+    if shared_tables and host_pages:
+        raise ValueError(f"from_residual: shared_tables needs host_pages=0 (a spill moves single "
+                         f"pages, a shared table whole groups of kv_heads), got host_pages="
+                         f"{host_pages}")
     _check_unpaged(cache)
     first = cache[0]
     g, ks, vs = first.block, first.body.k, first.body.v
@@ -392,7 +400,7 @@ def from_residual(cache: Sequence[ResidualCache], *, max_pages: int, device_page
         from kvjax.memory.tiers import init_tiered_cache
         pool, plain = init_tiered_cache(device_pages, host_pages, *args, stage_pages=stage_pages)
     else:
-        pool, plain = init_paged_cache(device_pages, *args)
+        pool, plain = init_paged_cache(device_pages, *args, shared_tables=shared_tables)
     key = lambda n: ChannelPages.empty(n, g, d, ks.bits, ks.scale.dtype)
     value = lambda n: PackedTokens.empty(n, g, d, vs.bits, vs.group, vs.offset is None,
                                          vs.scale.dtype)
