@@ -539,6 +539,18 @@ def test_kivi_token_cache_keys_compile_read_in_place(chip, bits, param_dtype, d,
               f"compiled in {time.time() - start:.0f} s, codes read in place")
 
 
+def _attend_kernel_calls(chip: str, layer, q_shape) -> int:
+    """Mosaic calls in `attend_pallas` over `layer` compiled for `chip`, bfloat16 queries of
+    `q_shape` [B, T, H, D]."""
+    from kvjax.backends import pallas as ka
+    device = tc.tpu_device(chip)
+    q = tc.abstract(q_shape, BF16, device)
+    q_pos = tc.abstract(q_shape[:2], jnp.int32, device)
+    step = functools.partial(ka.attend_pallas, backend="tpu")
+    return kernel_calls(tc.compile_for(device, step, q, q_pos,
+                                       tc.abstract_like(layer, device)).as_text())
+
+
 @pytest.mark.parametrize("chip", tc.CHIPS)
 @pytest.mark.parametrize("t", [1, 100], ids=["decode", "prefill"])
 def test_tiered_layer_compiles_through_the_kernel(chip, t, capsys):
@@ -546,8 +558,6 @@ def test_tiered_layer_compiles_through_the_kernel(chip, t, capsys):
     compiles with Mosaic for the chip: two kernel calls per query block, its device pages and
     its stage (a 100-token chunk of 4 query heads per KV head is two blocks of <= 256 rows);
     the prefetch-miss branch (XLA's view of both tiers) has none."""
-    import kvjax
-    from kvjax.backends import pallas as ka
     from kvjax.memory import tiers
     from kvjax.memory.paging import reserve
 
@@ -560,12 +570,7 @@ def test_tiered_layer_compiles_through_the_kernel(chip, t, capsys):
     pool, layers = tiers.spill(pool, layers, tiers.coldest_pages(
         layers[0], tiers.recency_scores(layers[0]), 64))
     (layer,) = tiers.prefetch(layers, tiers.host_pages_in_use(layers[0]))
-    device = tc.tpu_device(chip)
-    q = tc.abstract((b, t, heads, d), BF16, device)
-    q_pos = tc.abstract((b, t), jnp.int32, device)
-    step = functools.partial(ka.attend_pallas, backend="tpu")
-    hlo = tc.compile_for(device, step, q, q_pos, tc.abstract_like(layer, device)).as_text()
-    calls = kernel_calls(hlo)
+    calls = _attend_kernel_calls(chip, layer, (b, t, heads, d))
     with capsys.disabled():
         print(f"\n{chip} tiered int4 layer b{b} x {n} tokens, 64 pages on host, {t} query "
               f"tokens: {calls} Mosaic calls")
@@ -578,7 +583,6 @@ def test_paged_kivi_layer_compiles_through_the_kernel(chip, capsys):
     `PackedChannelPages`; int4 values; the exact part dense) compiles with Mosaic for the chip:
     two kernel calls, its body's pages and its exact part."""
     import kvjax
-    from kvjax.backends import pallas as ka
     from kvjax.memory.paged_kivi import from_residual
 
     b, kvh, heads, d, n = 8, 8, 32, 128, 2000
@@ -588,11 +592,7 @@ def test_paged_kivi_layer_compiles_through_the_kernel(chip, capsys):
     t = kvjax.kivi(bits=4, group=32, residual=32)
     unpaged, _ = t.update(cache, t.init(cache), None)
     _, (layer,) = from_residual(unpaged, max_pages=64, device_pages=b * kvh * 64)
-    device = tc.tpu_device(chip)
-    q, q_pos = tc.abstract((b, 1, heads, d), BF16, device), tc.abstract((b, 1), jnp.int32, device)
-    step = functools.partial(ka.attend_pallas, backend="tpu")
-    hlo = tc.compile_for(device, step, q, q_pos, tc.abstract_like(layer, device)).as_text()
-    calls = kernel_calls(hlo)
+    calls = _attend_kernel_calls(chip, layer, (b, 1, heads, d))
     with capsys.disabled():
         print(f"\n{chip} paged KIVI-4 layer b{b} x {n} tokens, 8 KV heads, D{d}: {calls} Mosaic "
               f"calls")
