@@ -824,16 +824,19 @@ class PackedChannelRows:
         lanes = self.group_words() * d
         a = self.row_align(lanes)
         n_table = -(-max(ng, self.window) // a) * a  # padded only when ng is not aligned
-        ids = group_id.astype(jnp.int32).reshape(r, c // page_size, page_size)
-        ok = valid.reshape(ids.shape)
-        first = jnp.min(jnp.where(ok, ids, jnp.iinfo(jnp.int32).max), axis=2)  # [R, n]
-        start = jnp.clip(first // a * a, 0, n_table - self.window)
-        local = jnp.where(ok, ids - start[..., None], 0)
-        fits = jnp.all(~ok | ((local >= 0) & (local < self.window)))
+        pages = lambda x: x.reshape(r, c // page_size, page_size)
+        # a page's first and last table rows, reduced in the ids' own 16 bits (one pass over
+        # them; the int32 form of every slot, reshaped, cost XLA:TPU three more copies)
+        valid = valid.reshape(r, c)
+        first = jnp.min(pages(jnp.where(valid, group_id, jnp.iinfo(group_id.dtype).max)), axis=2)
+        last = jnp.max(pages(jnp.where(valid, group_id, -1)), axis=2).astype(jnp.int32)
+        start = jnp.clip(first.astype(jnp.int32) // a * a, 0, n_table - self.window)  # [R, n]
+        fits = jnp.all(last < start + self.window)  # a page of no valid slot: last = -1
+        local = jnp.where(valid, group_id.astype(jnp.int32) - jnp.repeat(start, page_size, 1), 0)
         table = self.pack_table(scale, offset)
         if n_table > ng:
             table = jnp.pad(table, ((0, 0), (0, n_table - ng), (0, 0)))
-        arrays = (_slots_last(words), local.reshape(r, 1, c).astype(jnp.uint32),
+        arrays = (_slots_last(words), local.astype(jnp.uint32).reshape(r, 1, c),
                   table.reshape(r, 1, n_table * lanes))
         return arrays, pack_pairs(start.reshape(-1)), fits
 
