@@ -60,7 +60,7 @@ from kvjax.core.branches import rare_cond
 from kvjax.core.attention import blockwise_state
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
-from kvjax.memory.paging import PagedLayer, _in_use
+from kvjax.memory.paging import PagedLayer
 from kvjax.memory.tiers import TieredLayer, stage_misses, tiered_view
 from kvjax.core.stores import PackedChannels, PackedTokens, is_dense, map_slot_leaves
 
@@ -378,24 +378,10 @@ def tier_views(layer: TieredLayer) -> tuple[PagedLayer, PagedLayer]:
     ones): attention does not depend on the order of a row's pages, the mask reads their
     positions. A host page that no stage slot holds (a prefetch miss) is in neither pool
     (`stage_misses`; `attend_partial` reads the layer through XLA then).
-
-    Example (page 1 of 3 spilled to host page id 6 and staged in slot 0):
-        >>> from kvjax.memory import tiers
-        >>> from kvjax.memory.paging import reserve
-        >>> pool, layers = tiers.init_tiered_cache(6, 4, 4, 1, 1, 8, 2, 1)
-        >>> pool, layers = reserve(pool, layers, jnp.array([10]))
-        >>> k = jnp.arange(20.).reshape(1, 1, 10, 2)
-        >>> layers = [l.write(k, -k, jnp.arange(10)[None]) for l in layers]
-        >>> pool, layers = tiers.spill(pool, layers, jnp.array([1]))
-        >>> layers = tiers.prefetch(layers, tiers.host_pages_in_use(layers[0]))
-        >>> device, stage = tier_views(layers[0])
-        >>> device.tables[0, 0, :3].tolist(), device.num_pages_used.tolist()
-        ([2, 3, 0], [[2]])
-        >>> stage.tables[0, 0, :1].tolist(), stage.num_pages_used.tolist()
-        ([0], [[1]])
     """
     pd, s = layer.device_pages, layer.page_size
-    used, tables = _in_use(layer), layer.tables  # [B, KVH, NP]
+    tables = layer.tables  # [B, KVH, NP]
+    used = jnp.arange(tables.shape[-1]) < layer.num_pages_used[..., None]  # in use
     match = tables[..., None] == layer.stage_ids  # [B, KVH, NP, M]
     slot = jnp.argmax(match, axis=-1).astype(jnp.int32)
 
