@@ -84,6 +84,24 @@ def test_step_bytes_table_is_its_json_rows():
     assert sorted(seen) == sorted(rows), seen
 
 
+def test_paged_bytes_table_is_its_json_rows():
+    """"Bytes one attention call over a page pool moves": every row is its (layer, page,
+    codes, parameters) row of docs/bench/tpu_paged_bytes.json (GB to two places, ratio to
+    three), and the ratio is the row's own step / layer bytes."""
+    rows = {(r["kind"], str(r["page"]), r["codes"], r["param_dtype"] or "-"): r for r in
+            json.loads((ROOT / "docs" / "bench" / "tpu_paged_bytes.json").read_text())["rows"]}
+    row = re.compile(r"^\| (\w+) \| (\d+) \| (\w+) \| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| "
+                     r"([\d.]+) \| (\d+) \|$")
+    seen = []
+    for m in section_matches("### Bytes one attention call over a page pool moves", row):
+        r = rows[m.groups()[:4]]
+        assert (m[5], m[6]) == (f"{r['layer_bytes'] / 1e9:.2f}", f"{r['step_bytes'] / 1e9:.2f}")
+        assert (float(m[7]), int(m[8])) == (r["ratio"], r["kernel_calls"]), m[0]
+        assert r["ratio"] == round(r["step_bytes"] / r["layer_bytes"], 3)
+        seen.append(m.groups()[:4])
+    assert sorted(seen) == sorted(rows), seen
+
+
 HBM_GIB = {"v5e": 15.75, "v6e": 31.25}  # a chip's HBM as the compiler reports it
 
 

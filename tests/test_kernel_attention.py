@@ -210,17 +210,27 @@ def test_packed_token_cache_codes_are_read_in_place(method):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
-def test_packed_paged_layer_reads_like_the_reference():
+@pytest.mark.parametrize("param_dtype", ["float16", "bfloat16"])
+def test_packed_paged_layer_reads_like_the_reference(param_dtype):
     """A PagedLayer of PackedTokens pages goes to the TPU kernel as `PackedTokenRows` page pools
-    (the store's words as [P, W, S]) and gives the reference's attention over its dense view."""
+    (the store's words as [P, W, S]; bfloat16 scales and offsets as the pool keeps them, float16
+    ones as their bits) and gives the reference's attention over its dense view. A param_dtype
+    no kernel reads is refused when the pool is made."""
     from kvjax.memory.paging import dense_view, init_paged_cache, reserve
     rng = np.random.default_rng(8)
-    pool, layers = init_paged_cache(12, 16, 2, 2, 4, 64, num_layers=1, bits=4, group=32)
+    pool, layers = init_paged_cache(12, 16, 2, 2, 4, 64, num_layers=1, bits=4, group=32,
+                                    param_dtype=param_dtype)
     pool, (layer,) = reserve(pool, layers, jnp.array([40, 29]))
     k = jnp.asarray(rng.normal(size=(2, 2, 40, 64)), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(40), (2, 40)).at[1, 29:].set(-1)
     layer = layer.write(k, -k, pos)
-    assert isinstance(ka.kernel_inputs(layer, backend="tpu")["k_format"], pf.PackedTokenRows)
+    assert layer.k.scale.dtype == param_dtype and layer.v.offset.dtype == param_dtype
+    inputs = ka.kernel_inputs(layer, backend="tpu")
+    assert isinstance(inputs["k_format"], pf.PackedTokenRows)
+    assert inputs["k_format"].param_dtype == param_dtype
+    with pytest.raises(ValueError, match="param_dtype must be float16, bfloat16 or float32, "
+                                         "got int8"):
+        init_paged_cache(12, 16, 2, 2, 4, 64, num_layers=1, bits=4, param_dtype=jnp.int8)
     if compiled() and device_backend() != "tpu":
         pytest.skip("[optional] compiled mode: the TPU kernel needs a TPU")
     q = jnp.asarray(rng.normal(size=(2, 1, 6, 64)), jnp.float32)

@@ -360,16 +360,26 @@ def _first_error(*records: jax.Array) -> jax.Array:
     return out
 
 
+def _dtype_name(dtype) -> str:
+    try:
+        return jnp.dtype(dtype).name
+    except TypeError:
+        return repr(dtype)
+
+
 def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, max_pages: int,
                      head_dim: int, num_layers: int, dtype=jnp.float32, bits: int | None = None,
-                     group: int = 32, shared_tables: bool = False
+                     group: int = 32, shared_tables: bool = False, param_dtype=jnp.float16
                      ) -> tuple[PagePool, tuple[PagedLayer, ...]]:
     """An empty pool of `num_pages` pages (one of them the null page) and its layers.
 
     `max_pages` is the block-table length: one row holds at most
     `max_pages * page_size` tokens. `bits` stores keys and values as
     per-token `bits`-bit codes in groups of `group` channels (kernels read
-    them packed); otherwise pages are dense `dtype`. `shared_tables`: pages
+    them packed), with scales and offsets in `param_dtype` (float16, bfloat16 or float32;
+    the TPU kernel reads bfloat16 and float32 ones in place, float16 ones as a copy of
+    their bits: Mosaic takes no float16 arguments); otherwise pages are dense `dtype`.
+    `shared_tables`: pages
     are allocated `kv_heads` at a time, one aligned group of ids per
     (sequence, block) (group 0 holds the null page and is never used, nor
     are the `num_pages % kv_heads` last ids), so the kernel reads a `[B, NP]`
@@ -386,6 +396,9 @@ def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, 
     if shared_tables and num_pages // kv_heads < 2:
         raise ValueError(f"init_paged_cache: shared_tables needs num_pages >= 2 * kv_heads "
                          f"(= {2 * kv_heads}; page group 0 holds the null page), got {num_pages}")
+    if bits is not None and _dtype_name(param_dtype) not in ("float16", "bfloat16", "float32"):
+        raise ValueError(f"init_paged_cache: param_dtype must be float16, bfloat16 or float32, "
+                         f"got {_dtype_name(param_dtype)}")
     if max_pages * page_size >= 2 ** 30:
         raise ValueError(f"init_paged_cache: max_pages * page_size = {max_pages * page_size} "
                          f"slots per row; must be below 2**30 (int32 lengths)")
@@ -393,7 +406,8 @@ def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, 
     def pages():
         if bits is None:
             return jnp.zeros((num_pages, page_size, head_dim), dtype)
-        return PackedTokens.empty(num_pages, page_size, head_dim, bits, group)
+        return PackedTokens.empty(num_pages, page_size, head_dim, bits, group,
+                                  param_dtype=param_dtype)
 
     def layer():  # every array its own buffer, so a jitted step may donate the cache
         return PagedLayer(k=pages(), v=pages(),

@@ -204,7 +204,8 @@ def tiered_view(layer: TieredLayer) -> TokenCache:
 def init_tiered_cache(device_pages: int, host_pages: int, page_size: int, batch: int,
                       kv_heads: int, max_pages: int, head_dim: int, num_layers: int,
                       stage_pages: int | None = None, dtype=jnp.float32, bits: int | None = None,
-                      group: int = 32) -> tuple[PagePool, tuple[TieredLayer, ...]]:
+                      group: int = 32, param_dtype=jnp.float16
+                      ) -> tuple[PagePool, tuple[TieredLayer, ...]]:
     """An empty pool of `device_pages` device pages (the null page among them) and
     `host_pages` host pages, and its layers; `stage_pages` (default: `host_pages`) is the
     size of each layer's prefetch stage. Other arguments as `init_paged_cache`."""
@@ -217,9 +218,9 @@ def init_tiered_cache(device_pages: int, host_pages: int, page_size: int, batch:
     stage_pages = host_pages if stage_pages is None else stage_pages
     total = device_pages + host_pages
     pool, plain = init_paged_cache(total, page_size, batch, kv_heads, max_pages, head_dim,
-                                   num_layers, dtype, bits, group)
+                                   num_layers, dtype, bits, group, param_dtype=param_dtype)
     _, small = init_paged_cache(max(host_pages, stage_pages), page_size, 1, 1, 1, head_dim, 1,
-                                dtype, bits, group)
+                                dtype, bits, group, param_dtype=param_dtype)
     take = lambda store, n: map_slot_leaves(store, lambda x: x[:n])
     layers = []
     for layer in plain:
