@@ -46,9 +46,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
-
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
