@@ -597,3 +597,74 @@ def test_paged_kivi_layer_compiles_through_the_kernel(chip, capsys):
         print(f"\n{chip} paged KIVI-4 layer b{b} x {n} tokens, 8 KV heads, D{d}: {calls} Mosaic "
               f"calls")
     assert calls == 2
+
+
+def _cache_kinds() -> dict:
+    """One small concrete layer of every cache kind the kernel reads (batch 2, 2 KV heads,
+    D 128, 400 tokens written), by name."""
+    import kvjax
+    from kvjax.memory import tiers
+    from kvjax.memory.paged_kivi import from_residual
+    from kvjax.memory.paging import init_paged_cache, reserve
+
+    b, kvh, d, n = 2, 2, 128, 400
+    k = jnp.linspace(-1, 1, b * kvh * n * d, dtype=jnp.float32).reshape(b, kvh, n, d)
+    pos = jnp.broadcast_to(jnp.arange(n), (b, n))
+    token = kvjax.write(kvjax.init_cache(b, kvh, 512, d), k, -k, pos)
+
+    def method(m):
+        (out,), _ = kvjax.parse_method(m).update((token,), (), None)
+        return out
+
+    def paged(init, **kw):
+        pool, layers = init(b, kvh, 4, d, num_layers=1, bits=4, **kw)
+        pool, layers = reserve(pool, layers, jnp.full((b,), n))
+        return pool, (layers[0].write(k, -k, pos),)
+
+    kinds = {m: method(m) for m in ("full", "fp8", "quantize:bits=8", "quantize:bits=4",
+                                    "quantize:bits=4,axis=channel", "kivi:bits=4",
+                                    "snapkv:ratio=0.5+kivi:bits=2")}
+    kinds["PagedLayer int4"] = paged(lambda *a, **kw: init_paged_cache(
+        b * kvh * 4 + 1, 128, *a, **kw), shared_tables=False)[1][0]
+    pool, layers = paged(lambda *a, **kw: tiers.init_tiered_cache(b * kvh * 4 + 1, 4, 128, *a,
+                                                                  **kw))
+    pool, layers = tiers.spill(pool, layers, tiers.coldest_pages(
+        layers[0], tiers.recency_scores(layers[0]), 2))
+    kinds["TieredLayer int4"] = tiers.prefetch(layers, tiers.host_pages_in_use(layers[0]))[0]
+    kivi = kvjax.kivi(bits=4, group=32, residual=32)
+    unpaged, _ = kivi.update((token,), kivi.init((token,)), None)
+    kinds["PagedKivi"] = from_residual(unpaged, max_pages=16, device_pages=b * kvh * 16 + 1)[1][0]
+    return kinds
+
+
+@pytest.mark.parametrize("chip", tc.CHIPS)
+def test_every_cache_kind_compiles_through_the_kernel_for_decode_and_prefill(chip, capsys):
+    """Every layer kind `attend(impl="pallas")` reads -- `TokenCache` with dense, fp8, int8,
+    int4, per-channel int4 and KIVI stores (a residual layer, also after SnapKV), a paged
+    layer, a tiered one (host pages staged) and a paged KIVI one -- compiles with Mosaic for
+    the chip, for a decode step (1 query token) and a prefill chunk (100 tokens of 4 query
+    heads per KV head: two query blocks), with a Mosaic call per part and block and no XLA
+    fallback. The kinds no kernel reads are named by `kernel_refusal`: pooled (head-wise
+    budget) and low-rank layers."""
+    import numpy as np
+    import kvjax
+    from kvjax.backends import pallas as ka
+    from kvjax.policies.low_rank import LowRankBasis, low_rank
+
+    for name, layer in _cache_kinds().items():
+        assert ka.kernel_refusal(layer, "tpu") is None, name
+        parts = 2 if ka.kernel_layout(layer) in ("parts", "tiers") else 1
+        for t in (1, 100):
+            calls = _attend_kernel_calls(chip, layer, (2, t, 8, 128))
+            assert calls == parts * -(-t * 4 // MAX_QUERY_ROWS["tpu"]), (name, t, calls)
+        with capsys.disabled():
+            print(f"\n{chip} {name}: decode and prefill through the kernel")
+    small = (kvjax.write(kvjax.init_cache(1, 2, 64, 64), jnp.ones((1, 2, 40, 64)),
+                         jnp.ones((1, 2, 40, 64)), jnp.arange(40)[None]),)
+    eye = np.broadcast_to(np.eye(64, dtype=np.float32), (1, 2, 64, 64))
+    energy = np.ones((1, 2, 64), np.float32)
+    for t, why in ((kvjax.parse_method("knorm:ratio=0.5,headwise=true"), "pooled"),
+                   (low_rank(LowRankBasis(eye, eye, energy, energy, tokens=1), rank=16),
+                    "no format for Latent")):
+        (layer,), _ = t.update(small, t.init(small), None)
+        assert why in ka.kernel_refusal(layer, "tpu"), ka.kernel_refusal(layer, "tpu")
