@@ -265,16 +265,20 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref
             idx = first(blk) + i
             entry = table_row * table_len + jnp.minimum(idx, table_len - 1)
             page = tables_ref[entry] + head_offset
-            n_pages = pools[0].shape[0] * (row_pages or 1)
+            n_pages = pools[1].shape[0] * (row_pages or 1)  # pages (rows) of the key pool
             page = jnp.clip(page, 0, n_pages - 1)
             if row_pages is None:
                 srcs = [pool.at[page] for pool in pools]
             else:  # a page is a slice of its row: the cache's own layout, no conversion
                 r, c = jax.lax.div(page, row_pages), jax.lax.rem(page, row_pages)
                 cols = pl.ds(pl.multiple_of(c * page_size, page_size), page_size)
-                srcs = [pool.at[r, :, cols] if axis == 2 else pool.at[r, cols, :] if axis == 1
-                        else pool.at[r, :, window_lanes(page, fmt, buf)]
-                        for pool, axis, fmt, buf in zip(pools, slot_axes, formats, bufs)]
+                n = pools[0].shape[1]  # positions [R / n, n, C]: row r is [r // n, r % n]
+                pos = pools[0].at[jax.lax.div(r, n), pl.ds(jax.lax.rem(r, n), 1), cols]
+                srcs = [pos] + [
+                    pool.at[r, :, cols] if axis == 2 else pool.at[r, cols, :] if axis == 1
+                    else pool.at[r, :, window_lanes(page, fmt, buf)]
+                    for pool, axis, fmt, buf in zip(pools[1:], slot_axes[1:], formats[1:],
+                                                    bufs[1:])]
             out.append((idx < count, [pltpu.make_async_copy(src, buf.at[slot, i], sem.at[slot])
                                       for src, buf in zip(srcs, bufs)]))
         return out
@@ -725,11 +729,13 @@ def _row_pools(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int,
                              f"PackedChannelRows row pools only; {name} are in format {fmt}")
     pools = (pos_rows, *k_arrays, *v_arrays)
     axes = _slot_axes(k_format, k_arrays, v_format, v_arrays)
-    if pos_rows.ndim != 3 or pos_rows.shape[1] != 1:
-        raise ValueError(f"paged_attention: with row_pages, pos_pages must be [R, 1, C], got "
-                         f"{pos_rows.shape}")
-    r, c = pos_rows.shape[0], pos_rows.shape[2]
-    for x, axis in zip(pools, axes):
+    r = k_arrays[0].shape[0]
+    if pos_rows.ndim != 3 or pos_rows.shape[0] * pos_rows.shape[1] != r:
+        raise ValueError(f"paged_attention: with row_pages, pos_pages must be [R / n, n, C] "
+                         f"for the pools' R = {r} rows (row r at [r // n, r % n]: [B, KVH, C] "
+                         f"or [R, 1, C]), got {pos_rows.shape}")
+    c = pos_rows.shape[2]
+    for x, axis in zip(pools[1:], axes[1:]):
         if x.ndim != 3 or x.shape[0] != r or (axis and x.shape[axis] != c):
             raise ValueError(f"paged_attention: row pools must all be [R={r}, ..., C={c}] along "
                              f"the slot axis {axis}; got {x.shape}")
@@ -772,6 +778,7 @@ def rows_as_pages(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: i
 
     axes = _slot_axes(k_format, k_arrays, v_format, v_arrays)
     formats = (None, *[k_format] * len(k_arrays), *[v_format] * len(v_arrays))
+    pos_rows = pos_rows.reshape(-1, 1, pos_rows.shape[-1])  # [B, KVH, C] -> [R, 1, C]
     out = [pages(x, a, f) for x, a, f in zip((pos_rows, *k_arrays, *v_arrays), axes, formats)]
     nk = len(k_arrays)
     return out[0], tuple(out[1:1 + nk]), tuple(out[1 + nk:])
@@ -800,7 +807,8 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       launch: GPU only, (num_warps, num_stages) of the Triton program (static; default
         `gpu_launch`'s choice), for tuning.
       row_pages: (static) the pools are *row pools*, a cache's own rows: pos
-        [R, 1, C], dense keys/values [R, C, D] (or [R, D, C] slot-last), page
+        [R / n, n, C] (row r at [r // n, r % n]: a cache's own [B, KVH, C] positions, read
+        in place, or [R, 1, C]), dense keys/values [R, C, D] (or [R, D, C] slot-last), page
         r * row_pages + i being slots [i*S, (i+1)*S) of row r (S = C /
         row_pages; `PackedTokenRows` arrays [R, X, C]; `PackedChannelRows`
         words and ids [R, X, C] and a table [R, 1, N]). The TPU kernel DMAs

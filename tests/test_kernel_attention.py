@@ -169,13 +169,15 @@ def test_gpu_kernel_takes_power_of_two_shapes_only():
 def test_dense_token_cache_is_read_in_place(d, dtype):
     """A dense TokenCache whose pages are lane-aligned (S = 256 here) goes to the TPU kernel as its
     own rows (`row_pages`: no page pool is built; [R, D, C] slot-last below 128 lanes, [R, C, D]
-    otherwise) and the kernel's pages, DMA'd out of the rows, give the reference's attention."""
+    otherwise; positions as the cache's [B, KVH, C]) and the kernel's pages, DMA'd out of the
+    rows, give the reference's attention."""
     layer, q, q_pos = filled(6, 300, capacity=512, kvh=2, d=d)
     layer = layer.replace(k=layer.k.astype(dtype), v=layer.v.astype(dtype))
     inputs = ka.kernel_inputs(layer, backend="tpu")
     assert inputs["row_pages"] == 2 and inputs["head_stride"] == 2
     rows = (4, d, 512) if d % 128 else (4, 512, d)
-    assert inputs["k_pages"][0].shape == rows and inputs["pos_pages"].shape == (4, 1, 512)
+    assert inputs["k_pages"][0].shape == rows
+    assert inputs["pos_pages"] is layer.pos  # [B, KVH, C] as the cache holds them
     assert "row_pages" not in ka.kernel_inputs(layer, backend="gpu")  # GPU: page pools
     backend, interpret = mode("tpu")
     if compiled() and device_backend() != "tpu":

@@ -517,7 +517,8 @@ def test_mixed_prefill_and_decode_rows_in_one_call(backend):
 def test_row_pools_equal_the_page_pools_they_stand_for():
     """Row pools (`row_pages`: a cache's own rows, pages DMA'd out of them) give exactly what the
     same data cut into a page pool gives, for dense slot-last, dense row-major and
-    PackedTokenRows; bad row pools raise."""
+    PackedTokenRows, with positions as [R, 1, C] or as a cache's [B, KVH, C]; bad row pools
+    raise."""
     from kernels_pallas.paged_attention import rows_as_pages
     rng = np.random.default_rng(41)
     b, kvh, c, s, d = 2, 2, 256, 128, 64
@@ -542,6 +543,13 @@ def test_row_pools_equal_the_page_pools_they_stand_for():
         want = paged_attention(q, q_pos, p_k, p_v, p_pos, tables, counts, backend=backend,
                                interpret=interp, **kw)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+        # positions as a cache holds them, [B, KVH, C]: row r read at [r // KVH, r % KVH]
+        by_head = paged_attention(q, q_pos, k_rows, v_rows, pos.reshape(b, kvh, c), tables,
+                                  counts, backend=backend, interpret=interp, row_pages=n, **kw)
+        np.testing.assert_array_equal(np.asarray(by_head), np.asarray(got))
+    with pytest.raises(ValueError, match=r"pos_pages must be \[R / n, n, C\]"):
+        paged_attention(q, q_pos, x[0], x[1], pos.reshape(1, 1, -1), tables, counts,
+                        head_stride=n, row_pages=n)
     with pytest.raises(ValueError, match="row_pages 3 must divide"):
         paged_attention(q, q_pos, x[0], x[1], pos, tables, counts, head_stride=n, row_pages=3)
     with pytest.raises(ValueError, match="row_pages reads Dense, PackedTokenRows and PackedChannelRows"):

@@ -272,7 +272,7 @@ def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict 
             k_rows = row_pool(layer.k)
         v_rows = row_pool(layer.v)
         return dict(k_pages=k_rows[1], v_pages=v_rows[1], k_format=k_rows[0],
-                    v_format=v_rows[0], pos_pages=layer.pos.reshape(b * kvh, 1, c),
+                    v_format=v_rows[0], pos_pages=layer.pos,  # [B, KVH, C], in place
                     row_pages=per_row, **shared, **windows)
     valid = (layer.pos != EMPTY).reshape(-1, page)
     k, v = (_store_pages(layer.k, page, valid, wide, backend),
