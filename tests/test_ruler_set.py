@@ -418,3 +418,31 @@ def test_results_ruler_tables_are_the_committed_rows(length):
             assert (kvjax_score, kvpress_score, same) == (
                 f"{ours['score']:.2f}", f"{theirs['score']:.2f}", f"{n}/{theirs['trials']}")
     assert rewrite(results, rows) == results  # the generator writes what is committed
+
+
+def test_results_mean_scores_are_the_rows_means():
+    """The "Over all twelve tasks" means in docs/RESULTS.md are each method's mean kvjax score
+    over every task of `ruler_long.toml` at RULER's answer budget, recomputed here from the
+    rows (not through `ruler_tables.mean_scores`, which draws the summary plot); the plot is
+    committed beside the rows."""
+    import json
+    import re
+    rows = [json.loads(line) for line in
+            (ROOT / "docs/results/ruler_long/cells.jsonl").read_text().splitlines()]
+    text = " ".join((ROOT / "docs/RESULTS.md").read_text().split())
+    line = text[text.index("**Over all twelve tasks**"):text.index("![RULER at 4k and 8k]")]
+    names = {"the full cache": "full", "KIVI-4": "kivi:bits=4", "TOVA-0.5": "tova:ratio=0.5",
+             "H2O-0.5 + KIVI-4": "h2o:ratio=0.5+kivi:bits=4", "SnapKV-0.5": "snapkv:ratio=0.5",
+             "`auto:budget=0.25`": "auto:budget=0.25"}
+    for name, method in names.items():
+        got = re.search(re.escape(name) + r" (\d\.\d+)(?: at 4k)? and (\d\.\d+)", line)
+        assert got, name
+        for length, quoted in zip((3840, 7936), got.groups()):
+            by_task = {r["task"]: r["score"] for r in rows  # a task's cell, as the table shows it
+                       if r["status"] == "ok" and r["length"] == length
+                       and r["engine"] == "kvjax" and r["method"] == method
+                       and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]}
+            assert sorted(by_task) == sorted(ruler.RULER_TASKS), (method, length)
+            scores = list(by_task.values())
+            assert quoted == f"{sum(scores) / len(scores):.3f}", (name, length, quoted)
+    assert (ROOT / "docs/results/ruler_long/summary.png").stat().st_size > 10_000

@@ -3,8 +3,9 @@
 For each context length of `ruler_long.toml` (3840 and 7936 tokens: RULER's 4k and 8k), a
 score table (a method per row, a task per column, kvjax's cells at RULER's answer budget) and
 a table of kvjax beside kvpress (both scores and the count of identical answers, special tokens
-and spacing aside, as `experiments/eval/report.py` counts them). The prose around them is
-written by hand; this rewrites the tables in place:
+and spacing aside, as `experiments/eval/report.py` counts them), and a summary plot (each
+method's mean score over the tasks, at both lengths: `docs/results/ruler_long/summary.png`).
+The prose around them is written by hand; this rewrites the tables in place:
 
     PYTHONPATH=. python -m experiments.eval.ruler_tables        # after `kvjax eval --config ruler_long`
 
@@ -98,10 +99,47 @@ def rewrite(text: str, rows: list[dict]) -> str:
     return head + SECTION + section
 
 
+PLOT = ROWS.with_name("summary.png")
+
+
+def mean_scores(rows: list[dict], length: int) -> dict[str, float]:
+    """{method: its mean score over every task of the config} at `length`, for the methods
+    that have run them all, in the config's method order (the score table's rows, averaged)."""
+    grid = {(r["task"], r["method"]): r["score"] for r in _finished(rows, length)
+            if r["engine"] == "kvjax" and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]}
+    methods, tasks = _config_order()
+    return {m: sum(grid[t, m] for t in tasks) / len(tasks) for m in methods
+            if all((t, m) in grid for t in tasks)}
+
+
+def plot(rows: list[dict], path: Path = PLOT) -> None:
+    """A bar per method and length: its mean score over the tasks (RESULTS' summary plot)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    means = {length: mean_scores(rows, length) for length in LENGTHS}
+    methods = [m for m in _config_order()[0] if all(m in means[n] for n in LENGTHS)]
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    width = 0.8 / len(LENGTHS)
+    for i, length in enumerate(LENGTHS):
+        ax.bar([j + i * width for j in range(len(methods))],
+               [means[length][m] for m in methods], width, label=f"{LENGTHS[length]} tokens")
+    ax.set_xticks([j + width * (len(LENGTHS) - 1) / 2 for j in range(len(methods))])
+    ax.set_xticklabels(methods, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel(f"mean score over RULER's {len(_config_order()[1])} tasks")
+    ax.set_title("RULER (SmolLM2-135M-Instruct, 5 trials a cell): kvjax's methods at 4k and 8k")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()]
     RESULTS.write_text(rewrite(RESULTS.read_text(), rows))
-    print(f"rewrote the RULER tables of {RESULTS.relative_to(ROOT)} from {len(rows)} rows")
+    plot(rows)
+    print(f"rewrote the RULER tables of {RESULTS.relative_to(ROOT)} from {len(rows)} rows, "
+          f"and {PLOT.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
