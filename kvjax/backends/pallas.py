@@ -59,7 +59,7 @@ from kvjax.core.branches import rare_cond
 from kvjax.core.attention import blockwise_state
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
-from kvjax.memory.paging import PagedLayer
+from kvjax.memory.paging import PagedLayer, kept_first
 from kvjax.memory.tiers import TieredLayer, stage_misses, tiered_view
 from kvjax.core.stores import PackedChannels, PackedTokens, is_dense, map_slot_leaves
 
@@ -373,8 +373,8 @@ def tier_views(layer: TieredLayer) -> tuple[PagedLayer, PagedLayer]:
     """A tiered layer as the two page pools the kernel reads: (its device pages, its stage).
 
     Each has a block table per row listing the row's in-use pages in that pool first (its
-    host pages by their stage slot), then page 0, unread (`num_pages` counts the listed
-    ones): attention does not depend on the order of a row's pages, the mask reads their
+    host pages by their stage slot), then the null page, unread (`num_pages` counts the
+    listed ones; `kept_first`): attention does not depend on the order of a row's pages, the mask reads their
     positions. A host page that no stage slot holds (a prefetch miss) is in neither pool
     (`stage_misses`; `attend_partial` reads the layer through XLA then).
     """
@@ -383,20 +383,15 @@ def tier_views(layer: TieredLayer) -> tuple[PagedLayer, PagedLayer]:
     used = jnp.arange(tables.shape[-1]) < layer.num_pages_used[..., None]  # in use
     match = tables[..., None] == layer.stage_ids  # [B, KVH, NP, M]
     slot = jnp.argmax(match, axis=-1).astype(jnp.int32)
-
-    def listed_first(keep, ids):  # -> (the kept ids first, then 0; how many per row)
-        order = jnp.argsort(~keep, axis=-1, stable=True)
-        return (jnp.take_along_axis(jnp.where(keep, ids, 0), order, axis=-1),
-                jnp.sum(keep, axis=-1, dtype=jnp.int32))
-
-    dev_tables, dev_count = listed_first(used & (tables < pd), tables)
-    stage_tables, stage_count = listed_first(used & (tables >= pd) & match.any(-1), slot)
+    on_device, staged = used & (tables < pd), used & (tables >= pd) & match.any(-1)
+    count = lambda keep: jnp.sum(keep, axis=-1, dtype=jnp.int32)
     held = (layer.stage_ids >= 0)[:, None, None]
     stage_pos = jnp.where(held, layer.pos[jnp.maximum(layer.stage_ids, 0)], EMPTY)  # [M, 1, S]
-    device = _as_paged(layer, pos=layer.pos[:pd], tables=dev_tables, lengths=dev_count * s,
-                       shared=layer.shared[:pd], shared_tables=False)
+    device = _as_paged(layer, pos=layer.pos[:pd], tables=kept_first(on_device, tables),
+                       lengths=count(on_device) * s, shared=layer.shared[:pd],
+                       shared_tables=False)
     stage = _as_paged(layer, k=layer.stage_k, v=layer.stage_v, pos=stage_pos,
-                      tables=stage_tables, lengths=stage_count * s,
+                      tables=kept_first(staged, slot), lengths=count(staged) * s,
                       shared=jnp.zeros(stage_pos.shape[0], bool), shared_tables=False)
     return device, stage
 

@@ -672,12 +672,22 @@ def _evict_pages(pool: PagePool, layers: Sequence[PagedLayer], drop: jax.Array):
         drop = jnp.broadcast_to(jnp.all(drop, axis=1, keepdims=True), drop.shape)
     drop = drop & _in_use(layer) & _held(layer) & ~_last_page(layer)
     refcount = pool.refcount - _count_refs(layer.tables, drop, pool.num_pages)
-    keep = _held(layer) & ~drop
-    order = jnp.argsort(~keep, axis=-1, stable=True)  # kept pages first, in order
-    tables = jnp.where(jnp.take_along_axis(keep, order, -1),
-                       jnp.take_along_axis(layer.tables, order, -1), NULL_PAGE)
+    tables = kept_first(_held(layer) & ~drop, layer.tables)
     lengths = layer.lengths - drop.sum(-1, dtype=jnp.int32) * pool.page_size
     return _finish(pool, layers, refcount, tables, lengths, pool.error)
+
+
+def kept_first(keep: jax.Array, tables: jax.Array) -> jax.Array:
+    """[..., NP] block tables with the entries `keep` marks first, in their order, then
+    NULL_PAGE (a row's pages compacted: `evict_pages`, a tiered layer's pools).
+
+    Example:
+        >>> kept_first(jnp.array([False, True, True]), jnp.array([4, 7, 9])).tolist()
+        [7, 9, 0]
+    """
+    order = jnp.argsort(~keep, axis=-1, stable=True)
+    return jnp.where(jnp.take_along_axis(keep, order, -1),
+                     jnp.take_along_axis(tables, order, -1), NULL_PAGE)
 
 
 def page_scores(layer: PagedLayer, slot_scores: jax.Array) -> jax.Array:
