@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 BITS = (1, 2, 4, 8)
+PARAM_DTYPES = ("float16", "bfloat16", "float32")  # a packed store's scales and offsets
 
 
 def _check_bits(bits: int) -> None:

@@ -68,6 +68,7 @@ import numpy as np
 from kvjax.core.branches import rare_cond
 from kvjax.core.cache import EMPTY, TokenCache, check_sizes
 from kvjax.core.layer import register_layer
+from kvjax.core.quant import PARAM_DTYPES
 from kvjax.core.stores import PackedTokens, encode_dense, is_dense, map_slot_leaves, read
 
 NULL_PAGE = 0
@@ -396,7 +397,7 @@ def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, 
     if shared_tables and num_pages // kv_heads < 2:
         raise ValueError(f"init_paged_cache: shared_tables needs num_pages >= 2 * kv_heads "
                          f"(= {2 * kv_heads}; page group 0 holds the null page), got {num_pages}")
-    if bits is not None and _dtype_name(param_dtype) not in ("float16", "bfloat16", "float32"):
+    if bits is not None and _dtype_name(param_dtype) not in PARAM_DTYPES:
         raise ValueError(f"init_paged_cache: param_dtype must be float16, bfloat16 or float32, "
                          f"got {_dtype_name(param_dtype)}")
     if max_pages * page_size >= 2 ** 30:

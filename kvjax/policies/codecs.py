@@ -43,11 +43,10 @@ from kvjax.core.cache import EMPTY, Cache, ResidualCache, TokenCache, flush_resi
 from kvjax.core.layer import has_exact_part
 from kvjax.core.layout import map_layers
 from kvjax.core.stores import Latent, PackedChannels, PackedTokens, is_dense, is_encoded, put
-from kvjax.core.quant import FP8
+from kvjax.core.quant import FP8, PARAM_DTYPES
 from kvjax.core.transforms import CacheTransform, EmptyState
 
 AXES = ("token", "channel")
-PARAM_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
