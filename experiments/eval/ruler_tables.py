@@ -54,11 +54,16 @@ def _finished(rows: list[dict], length: int) -> list[dict]:
     return [r for r in rows if r["status"] == "ok" and r["length"] == length]
 
 
+def _score_grid(rows: list[dict], length: int) -> dict[tuple[str, str], float]:
+    """{(task, method): score} of kvjax's finished cells at `length` at RULER's answer budget."""
+    return {(r["task"], r["method"]): r["score"] for r in _finished(rows, length)
+            if r["engine"] == "kvjax" and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]}
+
+
 def score_table(rows: list[dict], length: int) -> list[str]:
     """Markdown lines: kvjax's score per method (row) and task (column) at `length`, for the
     cells run at the task's RULER answer budget; a blank where a cell has not run."""
-    grid = {(r["task"], r["method"]): r["score"] for r in _finished(rows, length)
-            if r["engine"] == "kvjax" and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]}
+    grid = _score_grid(rows, length)
     methods, tasks = _config_order()
     tasks = [t for t in tasks if any((t, m) in grid for m in methods)]
     methods = [m for m in methods if any((t, m) in grid for t in tasks)]
@@ -105,8 +110,7 @@ PLOT = ROWS.with_name("summary.png")
 def mean_scores(rows: list[dict], length: int) -> dict[str, float]:
     """{method: its mean score over every task of the config} at `length`, for the methods
     that have run them all, in the config's method order (the score table's rows, averaged)."""
-    grid = {(r["task"], r["method"]): r["score"] for r in _finished(rows, length)
-            if r["engine"] == "kvjax" and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]}
+    grid = _score_grid(rows, length)
     methods, tasks = _config_order()
     return {m: sum(grid[t, m] for t in tasks) / len(tasks) for m in methods
             if all((t, m) in grid for t in tasks)}
