@@ -115,6 +115,19 @@ def pack_pairs(x: jax.Array) -> jax.Array:
     return x[:, 0] | (x[:, 1] << 16)
 
 
+def row_tile(rows: int) -> int:
+    """Rows a 32-bit `[R, N]` array keeps in one TPU tile (8 sublanes), so that its view
+    `[R / n, n, N]` is free and the kernel copies row r as the one-sublane slice
+    `[r // n, r % n]`: 8 when it divides R, else 1 (`[R, 1, N]`, which XLA:TPU lays out a row
+    a tile: one copy of the array, as every call made before).
+
+    Example:
+        >>> row_tile(512), row_tile(3)
+        (8, 1)
+    """
+    return 8 if rows % 8 == 0 else 1
+
+
 def unpack_pairs(words: jax.Array, n: int) -> jax.Array:
     """Inverse of `pack_pairs`: [ceil(n/2)] int32 -> [n] int32."""
     both = jnp.stack([words & 0xFFFF, jax.lax.shift_right_logical(words, 16) & 0xFFFF], axis=1)
@@ -735,18 +748,19 @@ class PackedChannelRows:
 
     Arrays (row pools, the TPU kernel's `row_pages`; R rows of C slots):
     words `[R, W, C]` uint32 (the store's `[R, C, W]` words seen slot-last, a
-    free view on TPU), ids `[R, 1, C]` uint32 (each slot's table row minus its
-    page's window start) and the table `[R, 1, NT * L]` uint32, lane-flat,
-    one row of `L = K * D` lanes per group (`K = group_words()`: a 16-bit
-    scale and offset share a word; float32 asymmetric takes two). A page of
-    S slots reads `window` table rows from the row's table, starting at its
+    free view on TPU), ids `[R / n, n, C]` uint32 (each slot's table row minus
+    its page's window start; row r at `[r // n, r % n]`, `n = row_tile(R)`, as
+    the kernel reads positions) and the table `[R / n, n, NT * L]` uint32, the
+    store's lane-flat table (`kvjax.core.stores.pack_params`: one row of
+    `L = K * D` lanes per group, `K = group_words()`: a 16-bit scale and offset
+    share a word; float32 asymmetric takes two), read in place. A page of
+    S slots reads `window` table rows from its row's table, starting at its
     page's `start` (a multiple of `row_align(L)` rows, so the copy starts on a
     multiple of 128 lanes), given to the kernel as the page's first table row
-    (`table_windows`, two 16-bit rows per word: `pack_pairs`). Only the
-    parameters (a quarter of the codes' bytes for 4-bit codes in groups of 32
-    tokens) and the ids are built per call; the codes are read in place.
-    The page view (`rows_as_pages`, the reference) is words `[P, W, S]`,
-    ids `[P, 1, S]` and each page's window `[P, 1, window * L]`.
+    (`table_windows`, two 16-bit rows per word: `pack_pairs`). Only the ids
+    (4 bytes a slot) are built per call. The page view (`rows_as_pages`, the
+    reference) is words `[P, W, S]`, ids `[P, 1, S]` and each page's window
+    `[P, 1, window * L]`.
     """
 
     bits: int
@@ -755,7 +769,9 @@ class PackedChannelRows:
     param_dtype: str = "float16"
 
     slots_last = True
-    row_axes = (2, 2, 0)  # words, ids along the slots; the table by its window start (0)
+    # words along the slots (2); ids one sublane a row, along the slots (3); the table one
+    # sublane a row, by its window start (0)
+    row_axes = (2, 3, 0)
 
     def __post_init__(self):
         _check_param_dtype(self.param_dtype)
@@ -808,20 +824,20 @@ class PackedChannelRows:
         """Lanes of one page's table window, from the words array [., W, .] (W = D*bits/32)."""
         return self.window * self.group_words() * words.shape[1] * 32 // self.bits
 
-    def from_store(self, words, group_id, valid, scale, offset, page_size: int):
+    def from_store(self, words, group_id, valid, table, page_size: int):
         """A store's rows -> (arrays, table_windows, fits [] bool).
 
         table_windows: each page's first table row, `pack_pairs`ed ([ceil(R * C/S / 2)] int32;
         rows < 2**15, as the store's int16 group ids are).
 
-        words [R, C, W] uint32, group_id [R, C] int, valid [R, C] bool, scale/offset
-        [R, NG, D]. `fits` is False when some page's valid slots span more table rows than
-        its window holds (eviction can spread a page's groups); the arrays are then wrong
-        for that page and the caller must not use them.
+        words [R, C, W] uint32, group_id [R, C] int, valid [R, C] bool, table [R, NG * L]
+        uint32 (`pack_table`, lane-flat). `fits` is False when some page's valid slots span
+        more table rows than its window holds (eviction can spread a page's groups); the
+        arrays are then wrong for that page and the caller must not use them.
         """
         r, c = group_id.shape
-        ng, d = scale.shape[1:]
-        lanes = self.group_words() * d
+        lanes = self.group_words() * words.shape[2] * 32 // self.bits
+        ng = table.shape[1] // lanes
         a = self.row_align(lanes)
         n_table = -(-max(ng, self.window) // a) * a  # padded only when ng is not aligned
         pages = lambda x: x.reshape(r, c // page_size, page_size)
@@ -832,16 +848,19 @@ class PackedChannelRows:
         last = jnp.max(pages(jnp.where(valid, group_id, -1)), axis=2).astype(jnp.int32)
         start = jnp.clip(first.astype(jnp.int32) // a * a, 0, n_table - self.window)  # [R, n]
         fits = jnp.all(last < start + self.window)  # a page of no valid slot: last = -1
-        local = jnp.where(valid, group_id.astype(jnp.int32) - jnp.repeat(start, page_size, 1), 0)
-        table = self.pack_table(scale, offset)
+        # each slot's row in its window; an empty slot's is never read (its position masks it)
+        local = pages(group_id.astype(jnp.int32)) - start[:, :, None]
         if n_table > ng:
-            table = jnp.pad(table, ((0, 0), (0, n_table - ng), (0, 0)))
-        arrays = (_slots_last(words), local.astype(jnp.uint32).reshape(r, 1, c),
-                  table.reshape(r, 1, n_table * lanes))
+            table = jnp.pad(table, ((0, 0), (0, (n_table - ng) * lanes)))
+        n = row_tile(r)
+        arrays = (_slots_last(words), local.astype(jnp.uint32).reshape(r // n, n, c),
+                  table.reshape(r // n, n, n_table * lanes))
         return arrays, pack_pairs(start.reshape(-1)), fits
 
     def pack_table(self, scale, offset):
-        """[R, NG, D] scale (and offset) -> [R, NG, K * D] uint32 words, one row per group."""
+        """[R, NG, D] scale (and offset) -> [R, NG, K * D] uint32 words, one row per group (a
+        `PackedChannels` store's table holds them so, but for 16-bit symmetric scales, which
+        it keeps in their own dtype: `kvjax.backends.pallas.kernel_table`)."""
         if self.param_dtype == "float32":
             params = scale if self.symmetric else jnp.concatenate([scale, offset], axis=-1)
             return jax.lax.bitcast_convert_type(params.astype(jnp.float32), jnp.uint32)

@@ -234,7 +234,8 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref
     # qpos_ref [GT, 1], q_ref [GT, D] (VMEM blocks of this (b, h));
     # refs: the pools in HBM (pos [P, 1, S], then each format array [P, ...]; or, with
     # `row_pages`, row pools [R, X, C] / [R, C, X] whose page p is row p // row_pages's slots
-    # (p % row_pages) * S + [0, S) along `slot_axes`; axis 0: a table [R, 1, N] whose page p
+    # (p % row_pages) * S + [0, S) along `slot_axes`; axis 3: [R / n, n, C], row r one
+    # sublane at [r // n, r % n], as positions; axis 0: a table [R / n, n, N] so, whose page p
     # reads its window from its first table row, `windows_ref`), the outputs,
     # a VMEM double buffer [2, NPB, ...] per pool, DMA semaphores [2], softmax state.
     nk, nv = k_format.arity(), v_format.arity()
@@ -272,11 +273,15 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref
             else:  # a page is a slice of its row: the cache's own layout, no conversion
                 r, c = jax.lax.div(page, row_pages), jax.lax.rem(page, row_pages)
                 cols = pl.ds(pl.multiple_of(c * page_size, page_size), page_size)
-                n = pools[0].shape[1]  # positions [R / n, n, C]: row r is [r // n, r % n]
-                pos = pools[0].at[jax.lax.div(r, n), pl.ds(jax.lax.rem(r, n), 1), cols]
-                srcs = [pos] + [
+
+                def sublane(pool, lanes):  # [R / n, n, X]: row r is [r // n, r % n]
+                    n = pool.shape[1]
+                    return pool.at[jax.lax.div(r, n), pl.ds(jax.lax.rem(r, n), 1), lanes]
+
+                srcs = [sublane(pools[0], cols)] + [
                     pool.at[r, :, cols] if axis == 2 else pool.at[r, cols, :] if axis == 1
-                    else pool.at[r, :, window_lanes(page, fmt, buf)]
+                    else sublane(pool, cols) if axis == 3
+                    else sublane(pool, window_lanes(page, fmt, buf))
                     for pool, axis, fmt, buf in zip(pools[1:], slot_axes[1:], formats[1:],
                                                     bufs[1:])]
             out.append((idx < count, [pltpu.make_async_copy(src, buf.at[slot, i], sem.at[slot])
@@ -710,7 +715,8 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
 
 def _slot_axes(k_format, k_arrays, v_format, v_arrays) -> tuple[int, ...]:
     """The slot axis of each row pool (pos first): 2 for slot-last arrays, 1 for [R, C, D],
-    0 for a table read in per-page windows (`PackedChannelRows`)."""
+    3 for [R / n, n, C] (a row a sublane, as positions), 0 for a table so laid out and read in
+    per-page windows (`PackedChannelRows`)."""
     axes = lambda fmt, n: getattr(fmt, "row_axes", None) or (2 if fmt.slots_last else 1,) * n
     return (2, *axes(k_format, len(k_arrays)), *axes(v_format, len(v_arrays)))
 
@@ -736,9 +742,12 @@ def _row_pools(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: int,
                          f"or [R, 1, C]), got {pos_rows.shape}")
     c = pos_rows.shape[2]
     for x, axis in zip(pools[1:], axes[1:]):
-        if x.ndim != 3 or x.shape[0] != r or (axis and x.shape[axis] != c):
-            raise ValueError(f"paged_attention: row pools must all be [R={r}, ..., C={c}] along "
-                             f"the slot axis {axis}; got {x.shape}")
+        sublanes = axis in (0, 3)  # [R / n, n, X]
+        rows = x.shape[0] * x.shape[1] if sublanes and x.ndim == 3 else x.shape[0]
+        if x.ndim != 3 or rows != r or (axis and x.shape[min(axis, 2)] != c):
+            raise ValueError(f"paged_attention: row pools must all be [R={r}, ..., C={c}] "
+                             f"([R / n, n, ...] for ids and tables) along the slot axis "
+                             f"{axis}; got {x.shape}")
     if c % row_pages:
         raise ValueError(f"paged_attention: row_pages {row_pages} must divide the rows' "
                          f"{c} slots")
@@ -760,11 +769,13 @@ def rows_as_pages(pos_rows, k_arrays, v_arrays, k_format, v_format, row_pages: i
     """Row pools [R, X, C] ([R, C, D] for row-major dense) -> page pools of C / row_pages slots.
 
     Page r * row_pages + i is slots [i*S, (i+1)*S) of row r; a table read in windows
-    ([R, 1, N], slot axis 0) gives page p its window from its first table row
+    ([R / n, n, N], slot axis 0) gives page p its window from its first table row
     (`table_windows`, `pack_pairs`). A copy
     in XLA (the reference and GPU paths read these); the TPU kernel reads the rows in place.
     """
     def pages(x, axis, fmt):
+        if axis in (0, 3):  # [R / n, n, X] -> [R, 1, X]
+            x, axis = x.reshape(-1, 1, x.shape[2]), axis and 2
         r, s = x.shape[0], x.shape[axis] // row_pages
         if axis == 0:  # [R, 1, N] -> [R*n, 1, width]: each page's window
             width = fmt.window_lanes(k_arrays[0] if fmt is k_format else v_arrays[0])

@@ -115,7 +115,7 @@ def test_per_channel_store_past_its_int16_group_ids_is_refused_by_capacity():
     the capacity, the group and the most slots it holds (shapes only: nothing allocated)."""
     limit = (2 ** 15 - 1) * 32
     shapes = jax.eval_shape(lambda: PackedChannels.empty(1, limit, D, 4, 32))
-    assert shapes.scale.shape[1] == 2 ** 15 - 1
+    assert shapes.table_rows == 2 ** 15 - 1 and shapes.table.shape == (1, (2 ** 15 - 1) * D)
     with pytest.raises(ValueError, match=f"capacity {limit + 1}: .* groups of 32 tokens holds "
                                          f"at most {limit} slots"):
         PackedChannels.empty(1, limit + 1, D, 4, 32)

@@ -19,6 +19,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -247,6 +248,39 @@ def _rewrite_manifest(copy: Path, edit) -> Path:
     record["manifest/metadata"] = path.stat().st_size
     sizes.write_text(json.dumps(record))
     return path
+
+
+def _as_first_kivi_layout(serialized: bytes) -> bytes:
+    """An exported pytree as the first KIVI store layout named it (`kvjax.PackedChannels`,
+    before the lane-flat table): the flatbuffer string's length and terminator rewritten."""
+    import struct
+    data, name = bytearray(serialized), b"kvjax.PackedChannels.v2"
+    i = data.index(name)
+    assert struct.unpack("<I", data[i - 4:i]) == (len(name),)
+    data[i - 4:i] = struct.pack("<I", len(name) - 3)
+    data[i + len(name) - 3] = 0
+    return bytes(data)
+
+
+def test_a_checkpoint_of_the_first_kivi_layout_is_refused_by_name(tmp_path):
+    """A cache saved before KIVI's table became lane-flat (its store serialized as
+    `kvjax.PackedChannels`) is refused naming the layout and what to do, not reported as
+    damaged; this version's KIVI cache round-trips bit for bit."""
+    import base64
+    k = jax.random.normal(jax.random.key(0), (1, 2, 64, 64))
+    pos = jax.numpy.broadcast_to(jax.numpy.arange(64, dtype=jax.numpy.int32), (1, 64))
+    cache = (kvjax.write(kvjax.init_cache(1, 2, 64, 64), k, k, pos),)
+    t = kvjax.kivi(bits=4, group=32, residual=32)
+    cache, _ = t.update(cache, t.init(cache), None)
+    checkpoint.save(tmp_path, cache)
+    back, _ = checkpoint.restore(tmp_path)
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _rewrite_manifest(tmp_path, lambda m: m.update(structure=base64.b64encode(
+        _as_first_kivi_layout(base64.b64decode(m["structure"]))).decode()))
+    with pytest.raises(ValueError, match=r"checkpoint .*KIVI \(PackedChannels\) key store in "
+                                         r"the layout kvjax used before .* save it again"):
+        checkpoint.restore(tmp_path)
 
 
 CHECKPOINT_EDITS = {

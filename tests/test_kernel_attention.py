@@ -27,6 +27,16 @@ def filled(seed, n, capacity, batch=2, kvh=2, d=64):
     return layer, q, jnp.full((batch, 1), n, jnp.int32)
 
 
+def ops_feeding_the_output(jaxpr) -> set[str]:
+    """Names of the primitives the outputs of a (flat) jaxpr depend on."""
+    needed, names = set(jaxpr.outvars), set()
+    for eqn in reversed(jaxpr.eqns):
+        if any(v in needed for v in eqn.outvars):
+            names.add(eqn.primitive.name)
+            needed.update(v for v in eqn.invars if not hasattr(v, "val"))  # not literals
+    return names
+
+
 def encode(layer, method):
     (out,), _ = kvjax.parse_method(method).update((layer,), (), None)
     return out
@@ -395,17 +405,25 @@ def test_long_query_blocks_are_split_into_calls_within_the_row_limit(backend, mo
                                     "kivi:bits=4,group=32,residual=32,param_dtype=float32"])
 def test_kivi_keys_are_read_in_place(method):
     """A KIVI body with pages of 128 slots goes to the TPU kernel as its own rows: the key codes
-    are the store's words (`PackedChannelRows`, no page pool; only the ids and the parameter
-    table are built per call) and the attention equals the reference's, with and without a
-    window. A body whose groups eviction spread past a page's window takes XLA's loop (still
-    the reference's numbers)."""
-    layer, q, q_pos = filled(9, 600, capacity=640, kvh=2, d=64)
+    and the lane-flat parameter table are the store's own arrays (`PackedChannelRows`, no page
+    pool; the table reaches the kernel through a reshape alone, or a bitcast for float32;
+    only the ids are built per call) and the attention equals the reference's, with and
+    without a window. 8 rows: ids and table are read a row a sublane (`pf.row_tile`). A body
+    whose groups eviction spread past a page's window takes XLA's loop (still the reference's
+    numbers)."""
+    layer, q, q_pos = filled(9, 600, capacity=640, batch=4, kvh=2, d=64)
     layer = encode(layer, method)
     body = layer.body
     inputs = ka.kernel_inputs(body, backend="tpu")
     assert isinstance(inputs["k_format"], pf.PackedChannelRows)
-    assert inputs["k_pages"][0].shape == (4, 64 * body.k.bits // 32, body.capacity)
-    assert inputs["table_windows"].shape == (2 * inputs["row_pages"],)  # two per word
+    assert inputs["k_pages"][0].shape == (8, 64 * body.k.bits // 32, body.capacity)
+    table_in = jax.make_jaxpr(lambda b: ka.kernel_inputs(b, backend="tpu")["k_pages"][2])(body)
+    assert ops_feeding_the_output(table_in.jaxpr) <= {"reshape", "bitcast_convert_type"}
+    np.testing.assert_array_equal(
+        np.asarray(inputs["k_pages"][2]).reshape(8, -1),
+        np.asarray(ka.kernel_table(body.k)))
+    assert inputs["k_pages"][1].shape == (1, 8, body.capacity)  # ids, [R / 8, 8, C]
+    assert inputs["table_windows"].shape == (8 * inputs["row_pages"] // 2,)  # two per word
     assert bool(ka._windows_fit(body, ka.page_size_for(body.capacity), "tpu"))
     if compiled() and device_backend() != "tpu":
         pytest.skip("[optional] compiled mode: the TPU kernel needs a TPU")

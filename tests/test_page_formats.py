@@ -219,7 +219,7 @@ def test_row_pools_of_a_cache_decode_to_what_the_store_reads(method):
     (8, True, "float32", 64), (2, False, "bfloat16", 128)])
 def test_per_channel_row_pools_decode_like_numpy(bits, symmetric, param_dtype, d):
     """`PackedChannelRows` (KIVI keys read where the store keeps them: its words, each slot's
-    row in its page's table window, the table repacked as one uint32 row per group) decodes
+    row in its page's table window, the lane-flat table of one uint32 row per group) decodes
     every valid slot like the numpy dequantization of the store; the window starts are
     multiples of `row_align` rows (128-lane aligned copies); a page whose groups spread wider
     than its window is reported (`fits` False)."""
@@ -242,11 +242,13 @@ def test_per_channel_row_pools_decode_like_numpy(bits, symmetric, param_dtype, d
     fmt = pf.PackedChannelRows(bits, pf.PackedChannelRows.window_rows(page, group, lanes),
                                symmetric, param_dtype)
     dt = NP_DTYPES[param_dtype]
+    table = fmt.pack_table(jnp.asarray(scale.astype(dt)),
+                           None if symmetric else jnp.asarray(offset.astype(dt))).reshape(r, -1)
     arrays, starts, fits = fmt.from_store(
-        jnp.asarray(words), jnp.asarray(ids, jnp.int16), jnp.asarray(valid),
-        jnp.asarray(scale.astype(dt)), None if symmetric else jnp.asarray(offset.astype(dt)),
-        page)
+        jnp.asarray(words), jnp.asarray(ids, jnp.int16), jnp.asarray(valid), table, page)
     assert bool(fits)
+    # ids and table as the kernel reads positions: a row a sublane, [R / n, n, ...]
+    assert arrays[1].shape == (r, 1, c) and arrays[2].shape == (r, 1, ng * lanes)
     first = np.asarray(pf.unpack_pairs(starts, r * c // page))  # each page's first table row
     assert starts.shape == (r * c // page // 2,) and np.all(first * lanes % 128 == 0)
     window = lambda p, i: ids[p // (c // page), (p % (c // page)) * page + i]
@@ -259,9 +261,7 @@ def test_per_channel_row_pools_decode_like_numpy(bits, symmetric, param_dtype, d
     spread = ids.copy()
     spread[0, 1] = ng - 1  # one slot of page 0 in the last group
     assert not bool(fmt.from_store(jnp.asarray(words), jnp.asarray(spread, jnp.int16),
-                                   jnp.asarray(valid), jnp.asarray(scale.astype(dt)),
-                                   None if symmetric else jnp.asarray(offset.astype(dt)),
-                                   page)[2])
+                                   jnp.asarray(valid), table, page)[2])
 
 
 @pytest.mark.parametrize("method", ["kivi:bits=4,group=32,residual=32",

@@ -105,7 +105,21 @@ def page_size_for(capacity: int) -> int | None:
 
 
 def _param_dtype(store) -> str:
+    if isinstance(store, PackedChannels):
+        return store.param_dtype
     return jnp.dtype(store.scale.dtype).name
+
+
+def kernel_table(store: PackedChannels) -> jax.Array:
+    """A KIVI key store's lane-flat table as the TPU kernel's uint32 words `[R, NG * L]`
+    (`pf.PackedChannelRows.pack_table`): the store's own array, or its free bitcast (float32);
+    only 16-bit symmetric scales, kept in their own dtype, are widened per call."""
+    table = store.table
+    if table.dtype == jnp.uint32:
+        return table
+    if table.dtype == jnp.float32:
+        return jax.lax.bitcast_convert_type(table, jnp.uint32)
+    return jax.lax.bitcast_convert_type(table, jnp.uint16).astype(jnp.uint32)
 
 
 def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False,
@@ -154,7 +168,7 @@ def channel_format(store: PackedChannels, page: int, wide: bool = False,
     """
     window = (pf.window_for(store.table_rows * store.group, store.group, store.table_rows)
               if wide else pf.window_for(page, store.group, store.table_rows))
-    return pf.PackedChannels(store.bits, window, symmetric=store.offset is None,
+    return pf.PackedChannels(store.bits, window, symmetric=store.symmetric,
                              param_dtype=_param_dtype(store))
 
 
@@ -220,20 +234,18 @@ def padded_to_tile(layer: Any, backend: str) -> Any:
 def channel_rows(layer: TokenCache, page: int):
     """A KIVI key store read in place by the TPU kernel: (format, arrays, fits, table_windows).
 
-    The codes are the store's own words; per call only each slot's row in its page's window
-    (4 bytes a slot) and the parameter table repacked as uint32 words are built
-    (`pf.PackedChannelRows`). `fits` is False when eviction spread some page's groups wider
-    than its window.
+    The codes and the lane-flat parameter table are the store's own arrays; per call only
+    each slot's row in its page's window (4 bytes a slot) is built (`pf.PackedChannelRows`).
+    `fits` is False when eviction spread some page's groups wider than its window.
     """
     store = layer.k
     r = layer.pos.shape[0] * layer.pos.shape[1]
-    params = dict(symmetric=store.offset is None, param_dtype=_param_dtype(store))
-    lanes = pf.PackedChannelRows(store.bits, 1, **params).group_words() * store.dim
+    params = dict(symmetric=store.symmetric, param_dtype=store.param_dtype)
     fmt = pf.PackedChannelRows(store.bits, pf.PackedChannelRows.window_rows(page, store.group,
-                                                                            lanes), **params)
+                                                                            store.lanes), **params)
     arrays, windows, fits = fmt.from_store(store.words, store.group_id,
-                                           (layer.pos != EMPTY).reshape(r, -1), store.scale,
-                                           store.offset, page)
+                                           (layer.pos != EMPTY).reshape(r, -1),
+                                           kernel_table(store), page)
     return fmt, arrays, fits, windows
 
 

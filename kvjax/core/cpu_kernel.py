@@ -304,16 +304,27 @@ def _format(store) -> dict | None:
             return None
         return dict(format=0, bits=0, group=0, symmetric=False,
                     arrays=(store, None, None, None))
-    params_ok = lambda s: s.scale.dtype in (jnp.float16, jnp.bfloat16, jnp.float32)
     # kvjax.core.stores marks its packed stores (PackedTokens 1, PackedChannels 2): read by attribute,
     # since the stores call this module's quantization (an import either way would be a cycle)
     kind = getattr(store, "kernel_format", None)
-    if kind in (1, 2) and params_ok(store):
+    if kind == 1 and store.scale.dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
         return dict(format=kind, bits=store.bits, group=store.group,
                     symmetric=store.offset is None,
-                    arrays=(store.words, store.group_id if kind == 2 else None, store.scale,
-                            store.offset))
+                    arrays=(store.words, None, store.scale, store.offset))
+    if kind == 2:
+        return dict(format=kind, bits=store.bits, group=store.group, symmetric=store.symmetric,
+                    arrays=(store.words, store.group_id, _channel_table(store), None))
     return None
+
+
+def _channel_table(store):
+    """A `PackedChannels` table as the kernel reads it (a free view on the CPU): [R, NG, L] in
+    the parameters' dtype, or [R, NG, D, 2] where a 16-bit scale and offset share a word (scale
+    first: the word's low half, little-endian)."""
+    table = store.table_by_group()
+    if table.dtype != jnp.uint32:
+        return table
+    return jax.lax.bitcast_convert_type(table, jnp.dtype(store.param_dtype))
 
 
 def usable(part) -> bool:

@@ -212,6 +212,38 @@ class PackedTokens(Store):
         return dequantize(Quantized(codes, scale, offset), self.group, axis=-1)
 
 
+def table_lanes(dim: int, param_dtype, symmetric: bool) -> int:
+    """Entries of one `PackedChannels` table row: `2 * dim` for float32 scales and offsets,
+    `dim` otherwise (a 16-bit scale and offset share a uint32 word; symmetric: scales only)."""
+    return 2 * dim if jnp.dtype(param_dtype) == jnp.float32 and not symmetric else dim
+
+
+def pack_params(scale: jax.Array, offset: jax.Array | None, param_dtype) -> jax.Array:
+    """Per-channel parameters [..., D] -> table rows [..., L] (`table_lanes`) as stored.
+
+    16-bit asymmetric: uint32 words, the scale's bits low, the offset's high;
+    float32 asymmetric: the D scales then the D offsets; symmetric: the scales.
+    """
+    dtype = jnp.dtype(param_dtype)
+    if offset is None:
+        return scale.astype(dtype)
+    if dtype == jnp.float32:
+        return jnp.concatenate([scale, offset], axis=-1).astype(dtype)
+    bits16 = lambda x: jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16).astype(jnp.uint32)
+    return bits16(scale) | (bits16(offset) << 16)
+
+
+def unpack_params(rows: jax.Array, dim: int, param_dtype, symmetric: bool):
+    """Table rows [..., L] -> (scale, offset) [..., D] float32 (offset None if symmetric)."""
+    dtype = jnp.dtype(param_dtype)
+    if symmetric:
+        return rows.astype(jnp.float32), None
+    if dtype == jnp.float32:
+        return rows[..., :dim], rows[..., dim:]
+    half = lambda w: jax.lax.bitcast_convert_type(w.astype(jnp.uint16), dtype).astype(jnp.float32)
+    return half(rows & 0xFFFF), half(rows >> 16)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedChannels(Store):
@@ -220,16 +252,25 @@ class PackedChannels(Store):
     A group's scale/offset per channel lives in a table row; `group_id`
     maps every slot to its row, so compaction moves only codes and ids.
     New groups are appended at the table cursor `groups`.
+
+    The table is lane-flat, `[R, NG * L]`, group g's row at entries
+    `[g * L, (g + 1) * L)` (`pack_params`): the layout the TPU kernel reads
+    in place, in windows of whole rows. A 3-D `[R, NG, D]` table was laid out
+    by shape on TPU (table rows major-most) and repacked on every attention
+    call, 1.5 GiB a step at 64 x 32k for the 8B shape (docs/DECISIONS.md,
+    "KIVI's table in the kernel's layout"). `scale` and `offset` give it as
+    `[R, NG, D]` arrays.
     """
 
     words: jax.Array  # [R, C, D*bits/32] uint32
     group_id: jax.Array  # [R, C] int16 table row of each slot's group
-    scale: jax.Array  # [R, NG, D] param dtype
-    offset: jax.Array | None  # [R, NG, D] or None (symmetric)
+    table: jax.Array  # [R, NG * L] (`pack_params`): uint32, or float32 / the scales' dtype
     groups: jax.Array  # [] int32 table rows used
     bits: int = dataclasses.field(metadata=_static)
     group: int = dataclasses.field(metadata=_static)
     dim: int = dataclasses.field(metadata=_static)
+    param_dtype: str = dataclasses.field(default="float16", metadata=_static)
+    symmetric: bool = dataclasses.field(default=False, metadata=_static)
 
     slot_fields = ("words", "group_id")
     kernel_format = 2  # the CPU attention kernel's name for this layout (kvjax.core.cpu_kernel)
@@ -243,35 +284,77 @@ class PackedChannels(Store):
             raise ValueError(f"capacity {capacity}: a per-channel (KIVI) store of groups of "
                              f"{group} tokens holds at most {(2 ** 15 - 1) * group} slots "
                              f"({2 ** 15 - 1} groups), it needs {table_rows}")
-        params = jnp.zeros((rows, table_rows, dim), param_dtype)
+        name = jnp.dtype(param_dtype).name
+        zeros = jnp.zeros((rows, 1, dim), param_dtype)
+        dtype = pack_params(zeros, None if symmetric else zeros, name).dtype
         return cls(words=jnp.zeros((rows, capacity, dim * bits // 32), jnp.uint32),
-                   group_id=jnp.zeros((rows, capacity), jnp.int16), scale=params,
-                   offset=None if symmetric else params, groups=jnp.zeros((), jnp.int32),
-                   bits=bits, group=group, dim=dim)
+                   group_id=jnp.zeros((rows, capacity), jnp.int16),
+                   table=jnp.zeros((rows, table_rows * table_lanes(dim, name, symmetric)), dtype),
+                   groups=jnp.zeros((), jnp.int32), bits=bits, group=group, dim=dim,
+                   param_dtype=name, symmetric=symmetric)
+
+    @classmethod
+    def from_params(cls, words, group_id, scale, offset, groups, bits: int, group: int,
+                    dim: int) -> "PackedChannels":
+        """A store from its parameters as `[R, NG, D]` arrays (offset None: symmetric)."""
+        name = jnp.dtype(scale.dtype).name
+        table = pack_params(scale, offset, name)
+        return cls(words=words, group_id=group_id, table=table.reshape(table.shape[0], -1),
+                   groups=groups, bits=bits, group=group, dim=dim, param_dtype=name,
+                   symmetric=offset is None)
+
+    @property
+    def lanes(self) -> int:
+        """Entries of one table row (`table_lanes`)."""
+        return table_lanes(self.dim, self.param_dtype, self.symmetric)
+
+    @property
+    def table_rows(self) -> int:
+        return self.table.shape[1] // self.lanes
+
+    def table_by_group(self) -> jax.Array:
+        """The table as `[R, NG, L]`, one row per group."""
+        return self.table.reshape(self.table.shape[0], self.table_rows, self.lanes)
+
+    def _params(self, which: int) -> jax.Array | None:
+        rows = unpack_params(self.table_by_group(), self.dim, self.param_dtype, self.symmetric)
+        return None if rows[which] is None else rows[which].astype(self.param_dtype)
+
+    @property
+    def scale(self) -> jax.Array:
+        """[R, NG, D] each group's per-channel scales, in `param_dtype`."""
+        return self._params(0)
+
+    @property
+    def offset(self) -> jax.Array | None:
+        """[R, NG, D] each group's per-channel offsets, or None (symmetric)."""
+        return self._params(1)
 
     def table_rows_of_slots(self, table: jax.Array) -> jax.Array:
-        """[R, NG, D] table -> [R, C, D]: each slot's row, gathered as whole rows of D.
+        """[R, NG, L] table -> [R, C, L]: each slot's row, gathered as whole rows of L.
 
-        One gather index per slot (slice `[1, D]`), not one per element: on
+        One gather index per slot (slice `[1, L]`), not one per element: on
         XLA:CPU an element-wise `take_along_axis` of the table cost ~50 ns per
         element, 60x a row gather (docs/DECISIONS.md). Batched over R (vmap), not
-        a take from the flattened [R*NG, D] table: a row-sharded cache then gathers
+        a take from the flattened [R*NG, L] table: a row-sharded cache then gathers
         on its own device, where the flat index made XLA all-gather the table
         (tests/test_sharding.py); same speed on XLA:CPU.
         """
-        take = lambda t, i: jnp.take(t, i, axis=0, mode="clip")  # [NG, D], [C] -> [C, D]
-        return jax.vmap(take)(table, self.group_id.astype(jnp.int32))  # [R, C, D]
+        take = lambda t, i: jnp.take(t, i, axis=0, mode="clip")  # [NG, L], [C] -> [C, L]
+        return jax.vmap(take)(table, self.group_id.astype(jnp.int32))  # [R, C, L]
 
     def read(self) -> jax.Array:
         return self._dequantize(self.words, self.table_rows_of_slots)
 
     def _dequantize(self, words: jax.Array, rows_of) -> jax.Array:
-        """codes * scale + offset, float32 [R, S, D]; `rows_of(table)` gives each slot's row."""
+        """codes * scale + offset, float32 [R, S, D]; `rows_of(table)` gives each slot's row
+        of the `[R, NG, L]` table."""
         codes = unpack(words, self.bits, self.dim).astype(jnp.float32)  # [R, S, D]
-        scale = rows_of(self.scale).astype(jnp.float32)
-        if self.offset is None:
+        scale, offset = unpack_params(rows_of(self.table_by_group()), self.dim,
+                                      self.param_dtype, self.symmetric)
+        if offset is None:
             return codes * scale - (2 ** (self.bits - 1)) * scale
-        return codes * scale + rows_of(self.offset).astype(jnp.float32)
+        return codes * scale + offset
 
     def read_slots(self, start, size: int, length=None) -> jax.Array:
         """`read()[:, start:start + size]` decoding only those slots (traced `start`).
@@ -291,7 +374,7 @@ class PackedChannels(Store):
             in_order |= (slots >= length)[None]
         in_order = jnp.all(in_order)
 
-        def by_group(table):  # [R, NG, D] -> [R, size, D], rows start//g ... repeated g times
+        def by_group(table):  # [R, NG, L] -> [R, size, L], rows start//g ... repeated g times
             if ng < n:
                 table = jnp.pad(table, ((0, 0), (0, n - ng), (0, 0)))
             first = jnp.minimum(start // g, table.shape[1] - n)
@@ -311,22 +394,17 @@ class PackedChannels(Store):
         r, t, d = x.shape
         if t % self.group:
             raise ValueError(f"channel groups take {self.group} tokens at a time, got {t}")
-        symmetric = self.offset is None
-        words, scale, offset = _quantize_packed(x, self.bits, self.group, 1, symmetric,
-                                                self.scale.dtype,
+        words, scale, offset = _quantize_packed(x, self.bits, self.group, 1, self.symmetric,
+                                                jnp.dtype(self.param_dtype),
                                                 jnp.broadcast_to(valid, (r, t)).astype(bool))
         ids = (self.groups + jnp.arange(t) // self.group).astype(jnp.int16)
-        n_groups = None if count is None else count // self.group
+        rows = pack_params(scale, offset, self.param_dtype).reshape(r, -1)  # [R, T/G * L]
+        n_lanes = None if count is None else count // self.group * self.lanes
         return self.replace(
             words=_put_rows(self.words, words, at, count, codes=True),
             group_id=_put_rows(self.group_id, jnp.broadcast_to(ids, (r, t)), at, count),
-            scale=_put_rows(self.scale, scale, self.groups, n_groups),
-            offset=None if symmetric else _put_rows(self.offset, offset, self.groups, n_groups),
+            table=_put_rows(self.table, rows, self.groups * self.lanes, n_lanes),
             groups=self.groups + (t if count is None else count) // self.group)
-
-    @property
-    def table_rows(self) -> int:
-        return self.scale.shape[1]
 
     def used_groups(self, valid: jax.Array) -> jax.Array:
         """[R, NG] bool: table rows that some valid slot (`valid` [R, C]) refers to."""
@@ -348,10 +426,10 @@ class PackedChannels(Store):
         if n > used.shape[1]:
             order = jnp.pad(order, ((0, 0), (0, n - used.shape[1])))
         order = order[:, :n]
-        table = lambda t: None if t is None else jnp.take_along_axis(t, order[..., None], axis=1)
+        table = jnp.take_along_axis(self.table_by_group(), order[..., None], axis=1)
         ids = jnp.take_along_axis(new_id, self.group_id.astype(jnp.int32), axis=1)
         return self.replace(group_id=jnp.where(valid, ids, 0).astype(jnp.int16),
-                            scale=table(self.scale), offset=table(self.offset),
+                            table=table.reshape(table.shape[0], -1),
                             groups=jnp.max(count_true(used, 1)))
 
 
@@ -401,17 +479,44 @@ class Latent(Store):
         return self.lift(self.z)
 
 
-def register_export(cls: type) -> type:
-    """Let `jax.export` serialize a dataclass pytree whose static fields are ints."""
+def register_export(cls: type, name: str | None = None) -> type:
+    """Let `jax.export` serialize a dataclass pytree whose static fields are JSON values
+    (ints, strings, bools), under `name` (default `kvjax.<class name>`)."""
     jax.export.register_pytree_node_serialization(
-        cls, serialized_name=f"kvjax.{cls.__name__}",
+        cls, serialized_name=name or f"kvjax.{cls.__name__}",
         serialize_auxdata=lambda aux: json.dumps(list(aux)).encode(),
         deserialize_auxdata=lambda data: tuple(json.loads(data)))
     return cls
 
 
-for _cls in (PackedTokens, PackedChannels, Latent):
+for _cls in (PackedTokens, Latent):
     register_export(_cls)
+# version 2: the lane-flat table (`table`, `param_dtype`, `symmetric`) in place of [R, NG, D]
+# `scale` / `offset` arrays; an artifact or checkpoint of the first layout is refused by name
+register_export(PackedChannels, "kvjax.PackedChannels.v2")
+
+
+@jax.tree_util.register_static
+class _PackedChannelsV1:
+    """The name artifacts and checkpoints written before the lane-flat table gave
+    `PackedChannels`: reading one raises, naming what to do."""
+
+
+class StoreFormatError(ValueError):
+    """A serialized store (an exported artifact's or a checkpoint's pytree) in a layout this
+    kvjax no longer reads."""
+
+
+def _refuse_v1(_data: bytes):
+    raise StoreFormatError("this artifact or checkpoint holds a KIVI (PackedChannels) key store in the "
+                     "layout kvjax used before 2026-12-06 ([R, NG, D] scale and offset tables); "
+                     "this kvjax stores the table lane-flat. Export or save it again with this "
+                     "version.")
+
+
+jax.export.register_pytree_node_serialization(
+    _PackedChannelsV1, serialized_name="kvjax.PackedChannels",
+    serialize_auxdata=lambda aux: b"", deserialize_auxdata=_refuse_v1)
 
 
 # ----------------------------------------------------------------------------- store ops

@@ -352,7 +352,7 @@ def flush_residual(layer: PagedKivi) -> PagedKivi:
 def _check_unpaged(cache: Sequence[Any]) -> None:
     for i, layer in enumerate(cache):
         ok = (has_exact_part(layer) and isinstance(layer.body.k, PackedChannels)
-              and isinstance(layer.body.v, PackedTokens) and layer.body.k.offset is not None
+              and isinstance(layer.body.v, PackedTokens) and not layer.body.k.symmetric
               and layer.block == layer.body.k.group and not layer.pooled
               and layer.recent.mass is None)
         if not ok:
@@ -401,7 +401,7 @@ def from_residual(cache: Sequence[ResidualCache], *, max_pages: int, device_page
         pool, plain = init_tiered_cache(device_pages, host_pages, *args, stage_pages=stage_pages)
     else:
         pool, plain = init_paged_cache(device_pages, *args, shared_tables=shared_tables)
-    key = lambda n: ChannelPages.empty(n, g, d, ks.bits, ks.scale.dtype)
+    key = lambda n: ChannelPages.empty(n, g, d, ks.bits, jnp.dtype(ks.param_dtype))
     value = lambda n: PackedTokens.empty(n, g, d, vs.bits, vs.group, vs.offset is None,
                                          vs.scale.dtype)
     stores = {"k": key, "v": value, "host_k": key, "host_v": value, "stage_k": key,
@@ -438,8 +438,9 @@ def _load(body: PagedLayer, layer: ResidualCache) -> PagedKivi:
     valid = pos != EMPTY
     table = lambda t: jax.lax.slice_in_dim(jnp.pad(t, ((0, 0), (0, max(0, nb - t.shape[1])),
                                                        (0, 0))), 0, nb, axis=1)[:, :, None]
+    scale, offset = src.k.scale, src.k.offset  # [R, NG, D] each, in the parameters' dtype
     keys = dict(words=jnp.where(valid[..., None], split(src.k.words), 0),
-                scale=table(src.k.scale), offset=table(src.k.offset), live=valid)
+                scale=table(scale), offset=table(offset), live=valid)
     values = {f: split(getattr(src.v, f)) for f in src.v.slot_fields
               if getattr(src.v, f) is not None}
     values = {f: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 3)), x, 0)

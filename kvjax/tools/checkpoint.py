@@ -33,6 +33,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from kvjax.core.stores import StoreFormatError
+
 FORMAT = 1
 """Version of the manifest layout; a newer one is refused with a clear error."""
 
@@ -241,7 +243,7 @@ def restore(directory: str | Path, *, expect: Mapping[str, Any] | None = None,
     try:
         abstract = _abstract_tree(manifest["structure"], manifest["namedtuples"])
     except ValueError as e:
-        if "checkpoint names type" in str(e):
+        if "checkpoint names type" in str(e) or isinstance(e, StoreFormatError):
             raise ValueError(f"checkpoint {where}: {e}") from None
         raise _damaged(where, e) from None
     except Exception as e:  # a structure that is not a serialized pytree

@@ -211,12 +211,19 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Parameters (scale/offset) as float32, whatever their stored dtype.
+// Parameters (scale/offset) as float32, whatever their stored dtype. `stride` > 1: element i
+// is entry i * stride (a PackedChannels table whose 16-bit scale and offset share a word: the
+// scales are every other half, the offsets the halves after them).
 struct Params {
   const void* data = nullptr;
   ffi::DataType type = ffi::DataType::F32;
+  int64_t stride = 1;
   // Elements [start, start + n) to out, one dtype branch for the run.
   void load(int64_t start, int64_t n, float* __restrict out) const {
+    if (stride != 1) {
+      for (int64_t i = 0; i < n; ++i) out[i] = at(start + i);
+      return;
+    }
     const uint16_t* h = static_cast<const uint16_t*>(data) + start;
     switch (type) {
       case ffi::DataType::F16: {
@@ -238,6 +245,7 @@ struct Params {
     }
   }
   float at(int64_t i) const {
+    i *= stride;
     switch (type) {
       case ffi::DataType::F16: return f16_to_f32(static_cast<const uint16_t*>(data)[i]);
       case ffi::DataType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(data)[i]);
@@ -299,6 +307,19 @@ struct Tensor {
   Params scale, offset;
   bool symmetric;
   int64_t bits, group, rows, slots, dim, table_rows;
+  int64_t table_lanes;  // PackedChannels: table entries per group (make_tensor)
+
+  // PackedChannels: table row `key` (row r's group: r * table_rows + group) as float32 scales
+  // and offsets [dim] each (a symmetric store's offset is -2^(bits-1) x scale).
+  void table_row(int64_t key, float* __restrict sc, float* __restrict off) const {
+    scale.load(key * table_lanes, dim, sc);
+    if (symmetric) {
+      const float half = static_cast<float>(1 << (bits - 1));
+      for (int64_t c = 0; c < dim; ++c) off[c] = -half * sc[c];
+    } else {
+      offset.load(key * table_lanes, dim, off);
+    }
+  }
 
   int64_t slot_bytes() const {
     if (format != kDense) return dim * bits / 8;
@@ -380,12 +401,7 @@ struct Tensor {
       float* sc = table;
       float* off = table + dim;
       if (key != table_key) {
-        scale.load(key * dim, dim, sc);
-        if (symmetric) {
-          for (int64_t c = 0; c < dim; ++c) off[c] = -half * sc[c];
-        } else {
-          offset.load(key * dim, dim, off);
-        }
+        table_row(key, sc, off);
         table_key = key;
       }
 #pragma omp simd
@@ -405,6 +421,17 @@ Tensor make_tensor(int64_t format, ffi::AnyBuffer data, ffi::AnyBuffer ids, ffi:
   t.ids = format == kPackedChannels ? static_cast<const int16_t*>(ids.untyped_data()) : nullptr;
   t.scale = Params{scale.untyped_data(), scale.element_type()};
   t.offset = Params{offset.untyped_data(), offset.element_type()};
+  if (format == kPackedChannels) {
+    // the lane-flat table (kvjax.core.stores.PackedChannels), seen as [R, NG, L] in the
+    // parameters' dtype (offsets, if any, at entries [D, 2D) of a row: float32), or as
+    // [R, NG, D, 2] 16-bit halves (a channel's scale and offset in one word); `offset` unused
+    const bool paired = scale.dimensions().size() == 4;
+    const int64_t entry = scale.element_type() == ffi::DataType::F32 ? 4 : 2;  // bytes
+    t.table_lanes = paired ? dim : scale.dimensions()[2];
+    t.scale.stride = paired ? 2 : 1;
+    t.offset = t.scale;
+    t.offset.data = static_cast<const char*>(scale.untyped_data()) + (paired ? 1 : dim) * entry;
+  }
   t.symmetric = symmetric;
   t.bits = bits;
   t.group = group;
@@ -605,16 +632,10 @@ void channel_tile_scores(const Tensor& k, int64_t Q, int64_t D, int64_t r, int64
                          int64_t key, const float* q, Scratch& w, float* out, int64_t stride) {
   if constexpr (kQ != 0) Q = kQ;  // constant trip counts: the query loops unroll
   if constexpr (kD != 0) D = kD;
-  const float half = static_cast<float>(1 << (kBits - 1));
   if (key != w.q_key) {
     float* sc = w.k_table.data();
     float* off = sc + D;
-    k.scale.load(key * D, D, sc);
-    if (k.symmetric) {
-      for (int64_t c = 0; c < D; ++c) off[c] = -half * sc[c];
-    } else {
-      k.offset.load(key * D, D, off);
-    }
+    k.table_row(key, sc, off);
     w.k_key = -1;  // k_table now holds this row for the scores, not for `decode`
     for (int64_t i = 0; i < Q; ++i) {
       float dot = 0.0f;
