@@ -523,10 +523,10 @@ class PackedTokenRows(_PerTokenCodes):
     are for bfloat16 and float32 (free views on TPU: nothing is copied per
     call), as their bits in uint16 for float16 (Mosaic takes no float16
     arguments; the kernel widens the bits to float32 exactly, `half_to_f32`).
-    XLA:TPU compiles that bitcast as a copy of the parameters, so float16
-    parameters still cost one pass over them per call (docs/DECISIONS.md
-    "Per-token parameters as the kernel reads them"). Decodes exactly as
-    `PackedTokens` does.
+    A store keeps float16 parameters as those bits (`kvjax.core.stores.
+    stored_params`), so they too are read in place; a float16 array's uint16
+    view XLA:TPU compiles as a copy (docs/DECISIONS.md "Float16 parameters
+    stored as their bits"). Decodes exactly as `PackedTokens` does.
     """
 
     def arity(self) -> int:
@@ -569,8 +569,11 @@ class PackedTokenRows(_PerTokenCodes):
     def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array | None):
         """kvjax.core.stores layout [R, C, ...] -> (words [R, W, C], scale [R, NG, C], offset
         [R, NG, C] unless symmetric): slot-last views, free on TPU where the store keeps these
-        arrays slot-minor (`kvjax.core.stores.slot_minor_on_tpu`); float16 as its bits."""
+        arrays slot-minor (`kvjax.core.stores.slot_minor_on_tpu`); float16 as its bits (a
+        uint16 array is taken as those bits already, as the store keeps them)."""
         def carried(x):
+            if x.dtype == jnp.uint16 and self.param_dtype == "float16":
+                return _slots_last(x)
             x = _slots_last(x.astype(self.param_dtype))
             return (jax.lax.bitcast_convert_type(x, jnp.uint16)
                     if self.param_dtype == "float16" else x)

@@ -14,7 +14,7 @@ from kvjax import EMPTY
 from kvjax.core.cache import ResidualCache, init_cache, view, write
 from kvjax.core.layout import compact
 from kvjax.policies.low_rank import LowRankBasis, accumulate_moments, basis_from_moments, low_rank
-from kvjax.core.stores import Latent, PackedChannels, PackedTokens, put, read, take
+from kvjax.core.stores import Latent, PackedChannels, PackedTokens, param_values, put, read, take
 from models.sampler import _compress, generate, prefill_batch
 
 D = 32  # head_dim of the store-level tests
@@ -43,10 +43,35 @@ def test_packed_tokens_round_trip_within_half_a_step(bits, group, symmetric, par
     x = rand(seed, (3, 5, D)) + offset  # a large offset stresses the rounded fp16/bf16 params
     store = put(PackedTokens.empty(3, 5, D, bits, group, symmetric, jnp.dtype(param_dtype)), x, 0)
     back = np.asarray(read(store))
-    step = np.repeat(np.asarray(store.scale, np.float32), group, axis=-1)
+    assert store.param_dtype == param_dtype
+    step = np.repeat(np.asarray(param_values(store.scale), np.float32), group, axis=-1)
     err = np.abs(back - np.asarray(x))
     assert np.all(np.isfinite(back))
     assert np.all(err <= step / 2 + 1e-6 * np.abs(np.asarray(x)) + 1e-6)
+
+
+def test_float16_parameters_are_stored_as_their_bits_and_float16_arrays_still_read():
+    """A per-token store keeps float16 parameters as their uint16 bits (what the TPU kernel
+    reads in place); one holding float16 arrays (a checkpoint saved before) reads, encodes
+    and attends through the CPU kernel exactly as the bits do."""
+    x = rand(3, (2, 8, D)) * 7 + 3
+    bits_store = put(PackedTokens.empty(2, 8, D, 4, 32), x, 0)
+    assert bits_store.scale.dtype == jnp.uint16 and bits_store.param_dtype == "float16"
+    as_f16 = lambda s: s.replace(scale=param_values(s.scale), offset=param_values(s.offset))
+    f16_store = as_f16(PackedTokens.empty(2, 8, D, 4, 32))
+    assert f16_store.scale.dtype == jnp.float16 and f16_store.param_dtype == "float16"
+    f16_store = put(f16_store, x, 0)
+    assert f16_store.scale.dtype == jnp.float16  # new tokens keep the store's dtype
+    np.testing.assert_array_equal(np.asarray(read(f16_store)), np.asarray(read(bits_store)))
+    np.testing.assert_array_equal(np.asarray(f16_store.scale),
+                                  np.asarray(param_values(bits_store.scale)))
+    layer, _, _ = filled_layer(4, n=24, capacity=32)
+    (enc,), _ = kvjax.parse_method("quantize:bits=4").update((layer,), (), None)
+    old = enc.replace(k=as_f16(enc.k), v=as_f16(enc.v))
+    q = rand(5, (2, 1, 4, D))
+    q_pos = jnp.full((2, 1), 24, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(kvjax.attend(q, q_pos, old)),
+                                  np.asarray(kvjax.attend(q, q_pos, enc)))
 
 
 @settings(max_examples=20, deadline=None)

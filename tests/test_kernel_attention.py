@@ -225,8 +225,8 @@ def test_packed_token_cache_codes_are_read_in_place(method):
 @pytest.mark.parametrize("param_dtype", ["float16", "bfloat16"])
 def test_packed_paged_layer_reads_like_the_reference(param_dtype):
     """A PagedLayer of PackedTokens pages goes to the TPU kernel as `PackedTokenRows` page pools
-    (the store's words as [P, W, S]; bfloat16 scales and offsets as the pool keeps them, float16
-    ones as their bits) and gives the reference's attention over its dense view. A param_dtype
+    (the store's words as [P, W, S]; scales and offsets as the pool keeps them: bfloat16, or
+    float16 as its uint16 bits, reach the kernel through views alone) and gives the reference's attention over its dense view. A param_dtype
     no kernel reads is refused when the pool is made."""
     from kvjax.memory.paging import dense_view, init_paged_cache, reserve
     rng = np.random.default_rng(8)
@@ -236,10 +236,15 @@ def test_packed_paged_layer_reads_like_the_reference(param_dtype):
     k = jnp.asarray(rng.normal(size=(2, 2, 40, 64)), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(40), (2, 40)).at[1, 29:].set(-1)
     layer = layer.write(k, -k, pos)
-    assert layer.k.scale.dtype == param_dtype and layer.v.offset.dtype == param_dtype
+    assert layer.k.param_dtype == param_dtype and layer.v.param_dtype == param_dtype
+    stored = jnp.uint16 if param_dtype == "float16" else param_dtype  # float16 as its bits
+    assert layer.k.scale.dtype == stored and layer.v.offset.dtype == stored
     inputs = ka.kernel_inputs(layer, backend="tpu")
     assert isinstance(inputs["k_format"], pf.PackedTokenRows)
     assert inputs["k_format"].param_dtype == param_dtype
+    # the pool's parameters reach the kernel through views alone: no conversion per call
+    params_in = jax.make_jaxpr(lambda l: ka.kernel_inputs(l, backend="tpu")["k_pages"][1])(layer)
+    assert ops_feeding_the_output(params_in.jaxpr) <= {"reshape", "transpose"}
     with pytest.raises(ValueError, match="param_dtype must be float16, bfloat16 or float32, "
                                          "got int8"):
         init_paged_cache(12, 16, 2, 2, 4, 64, num_layers=1, bits=4, param_dtype=jnp.int8)

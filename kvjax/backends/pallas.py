@@ -61,7 +61,8 @@ from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
 from kvjax.memory.paging import PagedLayer, kept_first
 from kvjax.memory.tiers import TieredLayer, stage_misses, tiered_view
-from kvjax.core.stores import PackedChannels, PackedTokens, is_dense, map_slot_leaves
+from kvjax.core.stores import (PackedChannels, PackedTokens, is_dense, map_slot_leaves,
+                               param_values)
 
 KERNEL_LAYOUTS = {TokenCache: "rows", ResidualCache: "parts", PagedKivi: "parts",
                   PagedLayer: "pages", TieredLayer: "tiers"}
@@ -105,7 +106,7 @@ def page_size_for(capacity: int) -> int | None:
 
 
 def _param_dtype(store) -> str:
-    if isinstance(store, PackedChannels):
+    if isinstance(store, (PackedChannels, PackedTokens)):
         return store.param_dtype
     return jnp.dtype(store.scale.dtype).name
 
@@ -145,8 +146,9 @@ def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False,
     if isinstance(store, PackedTokens):
         fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None,
                               param_dtype=_param_dtype(store))
-        offset = None if store.offset is None else as_pages(store.offset)
-        return fmt, fmt.from_store(as_pages(store.words), as_pages(store.scale), offset)
+        offset = None if store.offset is None else as_pages(param_values(store.offset))
+        return fmt, fmt.from_store(as_pages(store.words), as_pages(param_values(store.scale)),
+                                   offset)
     if isinstance(store, ChannelPages) and backend == "tpu":  # paged KIVI keys, as they are
         fmt = pf.PackedChannelPages(store.bits, param_dtype=_param_dtype(store))
         return fmt, fmt.from_store(store.words, store.scale, store.offset)
@@ -301,8 +303,8 @@ def row_pool(store: Any):
     Dense [R, C, D]: slot-last [R, D, C] below 128 lanes (XLA:TPU keeps such an
     array slot-minor, so the view is free), row-major [R, C, D] otherwise.
     `PackedTokens`: words as [R, W, C] (free, as for dense) and the scale and
-    offset as [R, NG, C] (free for bfloat16 and float32; float16 as its bits in
-    uint16, which XLA:TPU copies: Mosaic takes no float16 arguments). KIVI keys:
+    offset as [R, NG, C] (free: float16 is stored as its uint16 bits, which Mosaic
+    takes; it takes no float16 arguments). KIVI keys:
     None here (`channel_rows` reads them, with the page size their table windows need).
     """
     if is_dense(store):

@@ -307,7 +307,7 @@ def _format(store) -> dict | None:
     # kvjax.core.stores marks its packed stores (PackedTokens 1, PackedChannels 2): read by attribute,
     # since the stores call this module's quantization (an import either way would be a cycle)
     kind = getattr(store, "kernel_format", None)
-    if kind == 1 and store.scale.dtype in (jnp.float16, jnp.bfloat16, jnp.float32):
+    if kind == 1 and store.scale.dtype in (jnp.float16, jnp.uint16, jnp.bfloat16, jnp.float32):
         return dict(format=kind, bits=store.bits, group=store.group,
                     symmetric=store.offset is None,
                     arrays=(store.words, None, store.scale, store.offset))

@@ -170,6 +170,27 @@ def _quantize_packed(x: jax.Array, bits: int, group: int, axis: int, symmetric: 
                                       valid=valid)
 
 
+def stored_params(x: jax.Array, like) -> jax.Array:
+    """Parameters `x` in the dtype `like` of the array that stores them: uint16 holds float16
+    as its bits. XLA:TPU compiles the uint16 view of a float16 array (Mosaic takes no float16
+    arguments) as a copy on every kernel call; a uint16 store is read in place (docs/
+    DECISIONS.md, "Float16 parameters stored as their bits")."""
+    if jnp.dtype(like) == jnp.uint16:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.float16), jnp.uint16)
+    return x.astype(like)
+
+
+def param_values(x: jax.Array) -> jax.Array:
+    """Stored parameters as floats of their dtype (uint16: float16 bits; others as they are)."""
+    return jax.lax.bitcast_convert_type(x, jnp.float16) if x.dtype == jnp.uint16 else x
+
+
+def storage_dtype(param_dtype) -> jnp.dtype:
+    """The dtype an array of `param_dtype` parameters is stored in (`stored_params`)."""
+    dtype = jnp.dtype(param_dtype)
+    return jnp.dtype(jnp.uint16) if dtype == jnp.float16 else dtype
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedTokens(Store):
@@ -181,7 +202,7 @@ class PackedTokens(Store):
     """
 
     words: jax.Array  # [R, C, D*bits/32] uint32
-    scale: jax.Array  # [R, C, D/G] param dtype (float16 by default)
+    scale: jax.Array  # [R, C, D/G] `stored_params` (float16, the default, as uint16 bits)
     offset: jax.Array | None  # [R, C, D/G] or None (symmetric)
     bits: int = dataclasses.field(metadata=_static)
     group: int = dataclasses.field(metadata=_static)
@@ -194,21 +215,29 @@ class PackedTokens(Store):
     def empty(cls, rows: int, capacity: int, dim: int, bits: int, group: int,
               symmetric: bool = False, param_dtype=jnp.float16) -> "PackedTokens":
         _check_group(dim, group, bits)
-        params = jnp.zeros((rows, capacity, dim // group), param_dtype)
+        params = jnp.zeros((rows, capacity, dim // group), storage_dtype(param_dtype))
         return cls(words=jnp.zeros((rows, capacity, dim * bits // 32), jnp.uint32),
                    scale=params, offset=None if symmetric else params, bits=bits, group=group,
                    dim=dim)
 
+    @property
+    def param_dtype(self) -> str:
+        """The parameters' float dtype ("float16" for a uint16 store of their bits)."""
+        dtype = jnp.dtype(self.scale.dtype)
+        return "float16" if dtype == jnp.uint16 else dtype.name
+
     def encode(self, x: jax.Array) -> "PackedTokens":
         words, scale, offset = _quantize_packed(x, self.bits, self.group, -1,
-                                                self.offset is None, self.scale.dtype)
-        return self.replace(words=words, scale=scale, offset=offset)
+                                                self.offset is None,
+                                                jnp.dtype(self.param_dtype))
+        keep = lambda p: None if p is None else stored_params(p, self.scale.dtype)
+        return self.replace(words=words, scale=keep(scale), offset=keep(offset))
 
     def read(self) -> jax.Array:
         codes = unpack(self.words, self.bits, self.dim)
-        scale = self.scale.astype(jnp.float32)
+        scale = param_values(self.scale).astype(jnp.float32)
         offset = (-(2 ** (self.bits - 1)) * scale if self.offset is None
-                  else self.offset.astype(jnp.float32))
+                  else param_values(self.offset).astype(jnp.float32))
         return dequantize(Quantized(codes, scale, offset), self.group, axis=-1)
 
 
@@ -292,16 +321,6 @@ class PackedChannels(Store):
                    table=jnp.zeros((rows, table_rows * table_lanes(dim, name, symmetric)), dtype),
                    groups=jnp.zeros((), jnp.int32), bits=bits, group=group, dim=dim,
                    param_dtype=name, symmetric=symmetric)
-
-    @classmethod
-    def from_params(cls, words, group_id, scale, offset, groups, bits: int, group: int,
-                    dim: int) -> "PackedChannels":
-        """A store from its parameters as `[R, NG, D]` arrays (offset None: symmetric)."""
-        name = jnp.dtype(scale.dtype).name
-        table = pack_params(scale, offset, name)
-        return cls(words=words, group_id=group_id, table=table.reshape(table.shape[0], -1),
-                   groups=groups, bits=bits, group=group, dim=dim, param_dtype=name,
-                   symmetric=offset is None)
 
     @property
     def lanes(self) -> int:

@@ -403,7 +403,7 @@ def from_residual(cache: Sequence[ResidualCache], *, max_pages: int, device_page
         pool, plain = init_paged_cache(device_pages, *args, shared_tables=shared_tables)
     key = lambda n: ChannelPages.empty(n, g, d, ks.bits, jnp.dtype(ks.param_dtype))
     value = lambda n: PackedTokens.empty(n, g, d, vs.bits, vs.group, vs.offset is None,
-                                         vs.scale.dtype)
+                                         jnp.dtype(vs.param_dtype))
     stores = {"k": key, "v": value, "host_k": key, "host_v": value, "stage_k": key,
               "stage_v": value}
     if host_pages:

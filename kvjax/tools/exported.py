@@ -38,10 +38,12 @@ from kvjax.core.layer import has_exact_part, is_plain
 from kvjax.core.stats import LayerStats, StatsSpec, init_stats
 from kvjax.core.stores import PackedChannels, resize_rows, is_dense
 
-FORMAT = 3
+FORMAT = 4
 """Version of the artifact layout (`manifest.json["format"]`); another one is refused.
 2: the manifest lists every file's size and SHA-256 (`files`), checked at load.
-3: a sliding-window layer decodes at its window (`bucket_layout` with the `cache_spec`)."""
+3: a sliding-window layer decodes at its window (`bucket_layout` with the `cache_spec`).
+4: a KIVI key store's table is lane-flat (`PackedChannels.table`) and per-token float16
+   parameters are stored as their bits in uint16 (`kvjax.core.stores.stored_params`)."""
 
 KIND = "kvjax-exported-decoder"
 MANIFEST = "manifest.json"

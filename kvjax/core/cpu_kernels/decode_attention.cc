@@ -211,7 +211,8 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Parameters (scale/offset) as float32, whatever their stored dtype. `stride` > 1: element i
+// Parameters (scale/offset) as float32, whatever their stored dtype (U16: float16 bits, as
+// kvjax.core.stores.stored_params keeps them). `stride` > 1: element i
 // is entry i * stride (a PackedChannels table whose 16-bit scale and offset share a word: the
 // scales are every other half, the offsets the halves after them).
 struct Params {
@@ -226,6 +227,7 @@ struct Params {
     }
     const uint16_t* h = static_cast<const uint16_t*>(data) + start;
     switch (type) {
+      case ffi::DataType::U16:
       case ffi::DataType::F16: {
         int64_t i = 0;
 #ifdef __F16C__
@@ -247,6 +249,7 @@ struct Params {
   float at(int64_t i) const {
     i *= stride;
     switch (type) {
+      case ffi::DataType::U16:
       case ffi::DataType::F16: return f16_to_f32(static_cast<const uint16_t*>(data)[i]);
       case ffi::DataType::BF16: return bf16_to_f32(static_cast<const uint16_t*>(data)[i]);
       default: return static_cast<const float*>(data)[i];
