@@ -65,6 +65,28 @@ def test_kernel_equals_the_xla_loop(method, t):
     np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
 
 
+@pytest.mark.parametrize("method", ["kivi:bits=4", "kivi:bits=4,param_dtype=bfloat16",
+                                    "quantize:bits=4"])
+def test_the_kernel_reads_packed_parameters_in_place(method):
+    """The kernel takes a KIVI key table (16-bit scale and offset per uint32 word) and per-token
+    float16 parameters (uint16 bits) as the store holds them: in the compiled decode step no
+    operation but the kernel call (and free bitcasts) reads them, where a dtype view of them was
+    a copy every call; and the result still equals the XLA loop."""
+    b, kvh, h, d, ctx = 1, 2, 6, 64, 700
+    layer = make_layer(method, b, ctx, 16, 0, kv_heads=kvh, head_dim=d)
+    q, q_pos = _queries(b, 1, h, d, ctx)
+    hlo = jax.jit(lambda q, q_pos, l: kvjax.attend(q, q_pos, l)).lower(q, q_pos, layer)
+    lines = hlo.compile().as_text().splitlines()
+    params = [line.split(" = ")[0].split()[-1] for line in lines if " parameter(" in line
+              and any(f in line for f in ("k_table", "scale", "offset"))]
+    assert params, "no parameter arrays found in the program"
+    for name in params:
+        users = [line for line in lines if f"{name})" in line or f"{name}," in line]
+        assert users and all("custom-call" in u or " bitcast(" in u for u in users), users
+    got, want = _both(layer, q, q_pos)
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=TOL)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("d, h", [(64, 9), (128, 4), (48, 5)])  # fixed-size and generic paths
 def test_kernel_dtypes_and_head_shapes(dtype, d, h):

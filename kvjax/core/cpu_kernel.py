@@ -312,19 +312,13 @@ def _format(store) -> dict | None:
                     symmetric=store.offset is None,
                     arrays=(store.words, None, store.scale, store.offset))
     if kind == 2:
+        # the table as [R, NG, L], in place; a uint32 table (a 16-bit scale and offset per word)
+        # names the halves' dtype by an empty array in the unused offset slot (a bitcast to
+        # them XLA:CPU compiled as a copy of the table every call)
+        halves = jnp.zeros((0,), store.param_dtype) if store.table.dtype == jnp.uint32 else None
         return dict(format=kind, bits=store.bits, group=store.group, symmetric=store.symmetric,
-                    arrays=(store.words, store.group_id, _channel_table(store), None))
+                    arrays=(store.words, store.group_id, store.table_by_group(), halves))
     return None
-
-
-def _channel_table(store):
-    """A `PackedChannels` table as the kernel reads it (a free view on the CPU): [R, NG, L] in
-    the parameters' dtype, or [R, NG, D, 2] where a 16-bit scale and offset share a word (scale
-    first: the word's low half, little-endian)."""
-    table = store.table_by_group()
-    if table.dtype != jnp.uint32:
-        return table
-    return jax.lax.bitcast_convert_type(table, jnp.dtype(store.param_dtype))
 
 
 def usable(part) -> bool:

@@ -425,12 +425,14 @@ Tensor make_tensor(int64_t format, ffi::AnyBuffer data, ffi::AnyBuffer ids, ffi:
   t.scale = Params{scale.untyped_data(), scale.element_type()};
   t.offset = Params{offset.untyped_data(), offset.element_type()};
   if (format == kPackedChannels) {
-    // the lane-flat table (kvjax.core.stores.PackedChannels), seen as [R, NG, L] in the
-    // parameters' dtype (offsets, if any, at entries [D, 2D) of a row: float32), or as
-    // [R, NG, D, 2] 16-bit halves (a channel's scale and offset in one word); `offset` unused
-    const bool paired = scale.dimensions().size() == 4;
+    // the lane-flat table (kvjax.core.stores.PackedChannels) as [R, NG, L]: in the parameters'
+    // dtype (offsets, if any, at entries [D, 2D) of a row: float32), or uint32 words each
+    // holding a channel's 16-bit scale (low half) and offset, whose dtype the empty `offset`
+    // array names
+    const bool paired = scale.element_type() == ffi::DataType::U32;
     const int64_t entry = scale.element_type() == ffi::DataType::F32 ? 4 : 2;  // bytes
-    t.table_lanes = paired ? dim : scale.dimensions()[2];
+    t.table_lanes = scale.dimensions()[2];
+    if (paired) t.scale.type = offset.element_type();
     t.scale.stride = paired ? 2 : 1;
     t.offset = t.scale;
     t.offset.data = static_cast<const char*>(scale.untyped_data()) + (paired ? 1 : dim) * entry;
