@@ -221,8 +221,15 @@ struct Params {
   int64_t stride = 1;
   // Elements [start, start + n) to out, one dtype branch for the run.
   void load(int64_t start, int64_t n, float* __restrict out) const {
-    if (stride != 1) {
-      for (int64_t i = 0; i < n; ++i) out[i] = at(start + i);
+    if (stride != 1) {  // 16-bit halves: gathered into a contiguous run, then converted as one
+      constexpr int64_t kRun = 256;
+      uint16_t run[kRun];
+      const uint16_t* h = static_cast<const uint16_t*>(data);
+      for (int64_t i = 0; i < n; i += kRun) {
+        const int64_t m = std::min(kRun, n - i);
+        for (int64_t j = 0; j < m; ++j) run[j] = h[(start + i + j) * stride];
+        Params{run, type}.load(0, m, out + i);
+      }
       return;
     }
     const uint16_t* h = static_cast<const uint16_t*>(data) + start;
