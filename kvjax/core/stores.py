@@ -314,11 +314,11 @@ class PackedChannels(Store):
                              f"{group} tokens holds at most {(2 ** 15 - 1) * group} slots "
                              f"({2 ** 15 - 1} groups), it needs {table_rows}")
         name = jnp.dtype(param_dtype).name
-        zeros = jnp.zeros((rows, 1, dim), param_dtype)
-        dtype = pack_params(zeros, None if symmetric else zeros, name).dtype
+        paired = not symmetric and jnp.dtype(param_dtype).itemsize == 2  # see pack_params
+        table = (rows, table_rows * table_lanes(dim, name, symmetric))
         return cls(words=jnp.zeros((rows, capacity, dim * bits // 32), jnp.uint32),
                    group_id=jnp.zeros((rows, capacity), jnp.int16),
-                   table=jnp.zeros((rows, table_rows * table_lanes(dim, name, symmetric)), dtype),
+                   table=jnp.zeros(table, jnp.uint32 if paired else param_dtype),
                    groups=jnp.zeros((), jnp.int32), bits=bits, group=group, dim=dim,
                    param_dtype=name, symmetric=symmetric)
 
