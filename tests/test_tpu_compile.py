@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
 from typing import NamedTuple
 
@@ -312,6 +313,12 @@ def test_shared_tables_fit_smem_where_per_head_tables_do_not(chip, capsys):
               f"{b * n_table * 4 // 1024} KiB compile")
 
 
+def kernel_splits(hlo: str) -> list[int]:
+    """The flash-decoding splits of each TPU kernel call in a compiled program: the leading dim
+    of its partial-output shape (`f32[splits, B, KVH, rows, D]`)."""
+    return [int(n) for n in re.findall(r"kvjax_paged_attention_tpu[.\d]* = \(f32\[(\d+),", hlo)]
+
+
 def test_shared_table_paged_layer_fits_smem_where_per_head_tables_do_not(capsys):
     """The whole attend(impl="pallas") step over a PagedLayer of batch 64 x 32k tokens x 8 KV
     heads in int4 pages of 64 (v5e): with per-head [B, KVH, NP] tables (1 MiB) Mosaic rejects it
@@ -335,7 +342,10 @@ def test_shared_table_paged_layer_fits_smem_where_per_head_tables_do_not(capsys)
 
     with pytest.raises(Exception, match="(?i)smem"):
         compile_with(False)
-    compile_with(True)
+    hlo = compile_with(True).as_text()
+    # a batch's decode on TPU is one split per row: here 64 splits of 8 pages moved 0.17x
+    # the pool's bytes more in their partial outputs and merges (docs/DECISIONS.md)
+    assert kernel_splits(hlo) == [1]
     with capsys.disabled():
         print(f"\nv5e PagedLayer int4 batch 64 x 32k x 8 KV heads, pages of 64: per-head "
               f"tables {b * kvh * n_table * 4 // 1024} KiB overflow SMEM; shared_tables "
@@ -426,7 +436,7 @@ def _token_cache_step_bytes(chip, store, b, kvh, heads, d, c, hlo=False):
     pos, k, v = jax.eval_shape(lambda p, k, v: rows_as_pages(p, k, v, kf, vf, n),
                                kin["pos_pages"], tup(kin["k_pages"]), tup(kin["v_pages"]))
     qg = jax.ShapeDtypeStruct((b, kvh, heads // kvh, d), BF16)
-    splits = block_sizes(c // n, c // n, 8, None)[2]  # attend_pallas's pages_per_split=8
+    splits = block_sizes(n, c // n, ka.default_pages_per_split("tpu", b, 1), None)[2]
     est = cost_estimate(qg, kf, k, vf, v, pos, kin["block_tables"], splits).bytes_accessed
     out = compiled.cost_analysis()["bytes accessed"], est, layer
     return (*out, compiled.as_text()) if hlo else out

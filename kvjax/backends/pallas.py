@@ -466,6 +466,28 @@ def query_tokens_per_call(group: int, backend: str) -> int:
     return max(1, MAX_QUERY_ROWS[backend] // group)
 
 
+def default_pages_per_split(backend: str, batch: int, query_tokens: int) -> int:
+    """Pages per flash-decoding split when the caller names none.
+
+    GPU: 8 (splits fill the SMs when a batch's rows do not). TPU: one split per row (the
+    whole block table) for a prefill block (T > 1) or a batch of >= 2 sequences, 8 pages for
+    one sequence's decode. A TPU core runs the grid in order, and a megacore chip's two cores
+    share its parallel axes, which a batch fills; each split adds a float32 partial output
+    and its merge: at 64 x 32k on v5e, 0.6 GB of KIVI-4's 6.3 GB decode step and 0.085x the
+    bytes of an int4 pool of 128-slot pages (docs/DECISIONS.md "One split per row on TPU");
+    at 8 x 32k prefill for Llama-3-8B, 1.2 GB per layer.
+
+    Example:
+        >>> default_pages_per_split("tpu", batch=64, query_tokens=1) == ONE_SPLIT
+        True
+        >>> default_pages_per_split("gpu", batch=64, query_tokens=1)
+        8
+    """
+    if backend == "tpu" and (query_tokens > 1 or batch > 1):
+        return ONE_SPLIT
+    return 8
+
+
 def attend_pallas(q: jax.Array, q_pos: jax.Array, layer: Any, *, window: int | None = None,
                   softcap: float | None = None, backend: str | None = None, interpret=False,
                   pages_per_split: int | None = None) -> jax.Array:
@@ -475,15 +497,13 @@ def attend_pallas(q: jax.Array, q_pos: jax.Array, layer: Any, *, window: int | N
     `backend="tpu"` or `"gpu"` with `interpret=True` (tests do). A block of
     more query rows than `MAX_QUERY_ROWS` (a prefill chunk) is attended in
     calls over consecutive query tokens, one kernel launch each.
-    `pages_per_split` (flash-decoding splits) defaults to 8, and on TPU to one split for a
-    prefill block (T > 1: its query rows fill the grid; each split would add a float32
-    partial output as large as the block's, 1.2 GB per layer at 8 x 32k for Llama-3-8B).
+    `pages_per_split` (flash-decoding splits) defaults to `default_pages_per_split`.
     """
     backend = backend or pallas_backend()
     if backend is None:
         raise ValueError("attend_pallas: no TPU or GPU; pass backend= with interpret=True")
     if pages_per_split is None:
-        pages_per_split = ONE_SPLIT if backend == "tpu" and q.shape[1] > 1 else 8
+        pages_per_split = default_pages_per_split(backend, q.shape[0], q.shape[1])
     tokens = query_tokens_per_call(q.shape[2] // layer.kv_heads, backend)
     if q.shape[1] > tokens:  # a prefill chunk: calls over query blocks (queries are independent)
         return jnp.concatenate([
