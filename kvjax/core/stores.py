@@ -247,6 +247,13 @@ def table_lanes(dim: int, param_dtype, symmetric: bool) -> int:
     return 2 * dim if jnp.dtype(param_dtype) == jnp.float32 and not symmetric else dim
 
 
+def table_dtype(param_dtype, symmetric: bool) -> jnp.dtype:
+    """The dtype of a `PackedChannels` table (`pack_params`): uint32 for 16-bit scales and
+    offsets (a pair a word), the parameters' own dtype for float32 or symmetric scales."""
+    dtype = jnp.dtype(param_dtype)
+    return jnp.dtype(jnp.uint32) if not symmetric and dtype.itemsize == 2 else dtype
+
+
 def pack_params(scale: jax.Array, offset: jax.Array | None, param_dtype) -> jax.Array:
     """Per-channel parameters [..., D] -> table rows [..., L] (`table_lanes`) as stored.
 
@@ -314,11 +321,10 @@ class PackedChannels(Store):
                              f"{group} tokens holds at most {(2 ** 15 - 1) * group} slots "
                              f"({2 ** 15 - 1} groups), it needs {table_rows}")
         name = jnp.dtype(param_dtype).name
-        paired = not symmetric and jnp.dtype(param_dtype).itemsize == 2  # see pack_params
         table = (rows, table_rows * table_lanes(dim, name, symmetric))
         return cls(words=jnp.zeros((rows, capacity, dim * bits // 32), jnp.uint32),
                    group_id=jnp.zeros((rows, capacity), jnp.int16),
-                   table=jnp.zeros(table, jnp.uint32 if paired else param_dtype),
+                   table=jnp.zeros(table, table_dtype(name, symmetric)),
                    groups=jnp.zeros((), jnp.int32), bits=bits, group=group, dim=dim,
                    param_dtype=name, symmetric=symmetric)
 
