@@ -28,9 +28,11 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.policies.eviction import knorm_scores
 from kvjax.policies.eviction_merging import merge_values
 from kvjax.policies.methods import parse_method
 from models.sampler import _compress
+from tests.near_ties import near_tie_swaps, scores_by_position
 from tests.test_kvpress_parity import compress_context, prefill_contexts
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
 
@@ -225,16 +227,30 @@ def _kept(cache, row: int):
 @pytest.mark.parametrize("inner", ["snapkv", "knorm", "keydiff"])
 def test_batched_rows_merge_as_alone(tiny_prefilled, inner):
     """Prompts of different lengths in one batch keep the positions and merged values each
-    keeps alone (left padding is never a merge source or target)."""
+    keeps alone (left padding is never a merge source or target). The batch's keys equal the
+    alone run's to float32 rounding only (other matmul shapes), so Knorm may swap two keys of
+    norms within 1e-4 (`tests/near_ties.py`); such a head's merged values are not compared,
+    and at most one head of the model may swap."""
     from models.sampler import compress
     batch, alone = tiny_prefilled
     transform = parse_method(f"merging:inner={inner},ratio=0.5")
     out = compress(batch, transform, keep_input=True, shrink=False)
-    for row in range(len(TINY_PROMPTS)):
+    swapped = 0
+    for row, n in enumerate(TINY_PROMPTS):
         one = compress(alone[row], transform, keep_input=True, shrink=False)
-        for (pos_b, v_b), (pos_a, v_a) in zip(_kept(out.cache, row), _kept(one.cache, 0)):
-            np.testing.assert_array_equal(pos_b, pos_a)
-            np.testing.assert_allclose(v_b, v_a, rtol=1e-5, atol=1e-6)
+        for i, ((pos_b, v_b), (pos_a, v_a)) in enumerate(zip(_kept(out.cache, row),
+                                                             _kept(one.cache, 0))):
+            same = [np.array_equal(b, a) for b, a in zip(pos_b, pos_a)]
+            if inner == "knorm" and not all(same):
+                layer = alone[row].cache[i]
+                keep = [np.stack([np.isin(np.arange(n), h) for h in p]) for p in (pos_b, pos_a)]
+                swapped += near_tie_swaps(*keep, scores_by_position(
+                    layer, knorm_scores(kvjax.view(layer), None, None, None)[0], n))
+            else:
+                np.testing.assert_array_equal(pos_b, pos_a)
+            for h in np.flatnonzero(same):
+                np.testing.assert_allclose(v_b[h], v_a[h], rtol=1e-5, atol=1e-6)
+    assert swapped <= 1
 
 
 def test_compiles_once_per_shape(tiny_prefilled):
