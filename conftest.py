@@ -41,6 +41,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fast: the fast tier (set by conftest.py)")
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest -p no:xdist knows no such hook
+def pytest_xdist_make_scheduler(config, log):
+    """With `-n`, each test file runs whole on one worker (xdist's `--dist loadfile`), so a
+    module's real-model fixtures (a prefill, an exported artifact) are built once, not once per
+    worker (docs/DECISIONS.md "Tests distributed by file"). A `--dist` given on the command
+    line or in `PYTEST_ADDOPTS` is left to xdist."""
+    from xdist.scheduler import LoadFileScheduling
+    given = [*map(str, config.invocation_params.args),
+             *os.environ.get("PYTEST_ADDOPTS", "").split()]
+    if not any(a.startswith(("--dist", "-d")) for a in given):
+        return LoadFileScheduling(config, log)
+    return None
+
+
 def _allowed(reason: str) -> bool:
     return reason.startswith(OPTIONAL) or reason == DOCTEST_SKIP
 

@@ -137,3 +137,22 @@ def test_readme_counts_are_the_suites():
     for quoted, actual in [(suite, len(t)), (fast, sum("fast" in m for m in t.values()))]:
         n = int(quoted.group(1).replace(",", ""))
         assert 0.8 * actual <= n <= 1.2 * actual, (quoted.group(0), actual)
+
+
+def test_with_workers_each_file_runs_on_one_worker():
+    """`-n 2` deals whole files to workers (the root conftest's scheduler), so a module's
+    fixtures are built once; an explicit `--dist load` still splits a file."""
+    def workers(*args):
+        run = subprocess.run([sys.executable, "-m", "pytest", "-v", "-n", "2", "-p",
+                              "no:cacheprovider", *args, "tests/test_bounds.py",
+                              "tests/test_near_ties.py"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        found = re.findall(r"\[(gw\d)\] .*?PASSED (tests/\w+\.py)", run.stdout)
+        per_file = collections.defaultdict(set)
+        for worker, path in found:
+            per_file[path].add(worker)
+        assert len(found) > 20, run.stdout[-3000:]
+        return per_file
+    assert all(len(w) == 1 for w in workers().values())
+    assert len(workers("--dist", "load")["tests/test_bounds.py"]) == 2
