@@ -31,6 +31,12 @@ def scores_by_position(layer, slot_scores, n: int, row: int = 0) -> np.ndarray:
     return out
 
 
+def knorm_scores_by_position(layer, n: int, row: int = 0) -> np.ndarray:
+    """[KVH, n] Knorm's scores (minus the key's norm) of `layer`'s row `row` by position."""
+    from kvjax.policies.eviction import knorm_scores
+    return scores_by_position(layer, knorm_scores(kvjax.view(layer), None, None, None)[0], n, row)
+
+
 def near_tie_swaps(ours: np.ndarray, theirs: np.ndarray, scores: np.ndarray,
                    chunk: int | None = None, rtol: float = SCORE_RTOL) -> int:
     """Asserts two keep masks agree but for swaps at near-ties; returns the rows that swap.

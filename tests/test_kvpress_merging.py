@@ -28,11 +28,10 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.policies.eviction import knorm_scores
 from kvjax.policies.eviction_merging import merge_values
 from kvjax.policies.methods import parse_method
 from models.sampler import _compress
-from tests.near_ties import near_tie_swaps, scores_by_position
+from tests.near_ties import knorm_scores_by_position, near_tie_swaps
 from tests.test_kvpress_parity import compress_context, prefill_contexts
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
 
@@ -242,10 +241,8 @@ def test_batched_rows_merge_as_alone(tiny_prefilled, inner):
                                                              _kept(one.cache, 0))):
             same = [np.array_equal(b, a) for b, a in zip(pos_b, pos_a)]
             if inner == "knorm" and not all(same):
-                layer = alone[row].cache[i]
                 keep = [np.stack([np.isin(np.arange(n), h) for h in p]) for p in (pos_b, pos_a)]
-                swapped += near_tie_swaps(*keep, scores_by_position(
-                    layer, knorm_scores(kvjax.view(layer), None, None, None)[0], n))
+                swapped += near_tie_swaps(*keep, knorm_scores_by_position(alone[row].cache[i], n))
             else:
                 np.testing.assert_array_equal(pos_b, pos_a)
             for h in np.flatnonzero(same):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from tests.near_ties import near_tie_swaps, scores_by_position
+from tests.near_ties import knorm_scores_by_position, near_tie_swaps, scores_by_position
 from tests.test_kvpress_parity import (compress_context, prefill_contexts,
                                       reconstructed_contexts)
 from tests.test_kvpress_zoo_parity import keep_by_position, unpack
@@ -367,7 +367,6 @@ def test_chunk_keeps_kvpress_positions(prefilled, golden, inner, ctx, ratio):
     `max(1, int(n_c (1 - r)))` (KeyDiff's anchor is the chunk's own mean key), but for Knorm's
     swaps at near-ties within a chunk (`tests/near_ties.py`: key norms within 1e-4; a repeated
     token's keys in layer 0 are its embedding alone, rotated, and equal to float32 rounding)."""
-    from kvjax.policies.eviction import knorm_scores
     chunk_length = 128
     out, n = compress_context(prefilled, ctx, f"chunk:inner={inner},ratio={float(ratio)},"
                                               f"chunk_length={chunk_length}")
@@ -381,9 +380,7 @@ def test_chunk_keeps_kvpress_positions(prefilled, golden, inner, ctx, ratio):
     if inner == "keydiff":
         np.testing.assert_array_equal(ours, theirs)
         return
-    cache = prefilled[ctx][0]
-    scores = np.stack([scores_by_position(layer, knorm_scores(kvjax.view(layer), None, None,
-                                                              None)[0], n) for layer in cache])
+    scores = np.stack([knorm_scores_by_position(layer, n) for layer in prefilled[ctx][0]])
     near_tie_swaps(ours, theirs, scores, chunk=chunk_length)
 
 
