@@ -37,6 +37,13 @@ def share_compiled_programs() -> Path | None:
 
 
 share_compiled_programs()
+
+# Hypothesis's stateful pool machines (tests/test_pool_property.py) run a quarter of their
+# operations in the default profile, every one with `pytest --hypothesis-profile thorough`
+# (DECISIONS "Property-test lengths: a profile").
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("thorough")
 # the first-run notices ("kvjax: compiling ...", "kvjax: building the CPU attention kernel ...")
 # would add lines to the stderr that the error tests count; tests/test_first_run.py unsets it
 os.environ.setdefault("KVJAX_QUIET", "1")

@@ -36,7 +36,26 @@ from kvjax.memory.paging import (NULL_PAGE, check_pool, dense_view, evict_pages,
 B, KVH, S, NP, P, D, LAYERS = 3, 2, 4, 4, 19, 4, 2
 PD = 12  # the tiered machine: page ids below PD on the device, the other 7 in host memory
 CAP = NP * S
-MIN_OPERATIONS = 10_000
+MIN_OPERATIONS = 10_000  # the pool machine's, in the thorough profile
+
+
+def thorough() -> bool:
+    """`pytest --hypothesis-profile thorough`: the machines at full length (>= 10,000 pool
+    operations); the default profile runs each a quarter as long (a quarter of the examples,
+    a quarter of the operations asserted)."""
+    return settings.get_current_profile_name() == "thorough"
+
+
+def length(full: int) -> int:
+    """`full` (examples or operations) in the thorough profile, a quarter of it otherwise."""
+    return full if thorough() else full // 4
+
+
+def machine_settings(examples: int, steps: int) -> settings:
+    """Derandomized (the same operations on every run: CI is reproducible), no deadline."""
+    return settings(max_examples=length(examples), stateful_step_count=steps,
+                    derandomize=True, database=None, deadline=None,
+                    suppress_health_check=list(HealthCheck))
 ZERO4 = jnp.zeros((4,), jnp.int32)
 
 reserve_jit, fork_jit = jax.jit(reserve), jax.jit(fork)
@@ -402,12 +421,9 @@ def snapshot(pool, layers):
 
 def test_pool_against_shadow_model():
     Counter.operations = 0
-    # derandomized: the same operations on every run (CI is reproducible)
-    run_state_machine_as_test(PoolMachine, settings=settings(
-        max_examples=260, stateful_step_count=50, derandomize=True, database=None,
-        deadline=None, suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(PoolMachine, settings=machine_settings(260, 50))
     print(f"{Counter.operations} pool operations against the shadow model")
-    assert Counter.operations >= MIN_OPERATIONS, Counter.operations
+    assert Counter.operations >= length(MIN_OPERATIONS), Counter.operations
 
 
 # ---------------------------------------------------------------------------------------------
@@ -565,11 +581,9 @@ def test_tiered_pool_against_shadow_model():
     """A page spilled (and staged, and restored) by one sequence is never readable by another:
     every row reads exactly what it wrote or inherited, through both tiers and the stage."""
     Counter.operations = 0
-    run_state_machine_as_test(TieredPoolMachine, settings=settings(
-        max_examples=30, stateful_step_count=40, derandomize=True, database=None,
-        deadline=None, suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(TieredPoolMachine, settings=machine_settings(30, 40))
     print(f"{Counter.operations} tiered pool operations against the shadow model")
-    assert Counter.operations >= 1000, Counter.operations
+    assert Counter.operations >= length(1000), Counter.operations
 
 
 # ---------------------------------------------------------------------------------------------
@@ -801,8 +815,6 @@ def test_paged_kivi_pool_against_the_unpaged_cache():
     """KIVI pages through write/flush, fork, release, page eviction, spill, restore, prefetch
     and garbage in unread pages: every row reads what the unpaged KIVI cache holds."""
     Counter.operations = 0
-    run_state_machine_as_test(PagedKiviMachine, settings=settings(
-        max_examples=25, stateful_step_count=40, derandomize=True, database=None,
-        deadline=None, suppress_health_check=list(HealthCheck)))
+    run_state_machine_as_test(PagedKiviMachine, settings=machine_settings(25, 40))
     print(f"{Counter.operations} paged KIVI operations against the unpaged cache")
-    assert Counter.operations >= 800, Counter.operations
+    assert Counter.operations >= length(800), Counter.operations
