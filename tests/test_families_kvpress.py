@@ -25,6 +25,7 @@ import pytest
 import kvjax
 from models.loading import build_model, load_hf_dir
 from models.sampler import _compress, for_full_layers, prefill_and_compress
+from tests.test_kvpress_parity import keep_by_position
 
 GOLDEN = Path(__file__).parent / "golden"
 STATS = kvjax.StatsSpec(window=64)
@@ -35,15 +36,6 @@ CASES = [(m, p) for m in ("qwen3", "gemma3") for p in POLICIES]
 @pytest.fixture(scope="module")
 def golden():
     return np.load(GOLDEN / "families_kvpress.npz")
-
-
-def keep_by_position(layer, n):
-    """[KVH, n] bool: which token positions one layer's heads kept."""
-    pos = np.asarray(layer.pos)[0]
-    keep = np.zeros((pos.shape[0], n), bool)
-    for h in range(pos.shape[0]):
-        keep[h, pos[h][pos[h] != kvjax.EMPTY]] = True
-    return keep
 
 
 @pytest.mark.parametrize("model_name, press", CASES)
@@ -59,17 +51,17 @@ def test_kept_positions_equal_kvpress(golden, model_name, press):
         to_kvpress = 1.0 / (cfg.query_scale * cfg.head_dim ** 0.5)
         stats = tuple(s._replace(queries=s.queries * to_kvpress) for s in stats)
         own, _ = _compress(transform.update, pre.cache, transform.init(pre.cache), pre.stats)
-        swapped = (keep_by_position(own[1], len(ids))
+        swapped = (keep_by_position(own, len(ids))[1]
                    != golden[f"{model_name}_{press}_r0.50_keep"][1]).sum() // 2
         assert swapped == (3 if press == "snapkv" else 0)  # knorm reads no queries
     out, _ = _compress(transform.update, pre.cache, transform.init(pre.cache), stats)
     theirs = golden[f"{model_name}_{press}_r0.50_keep"]  # [L, KVH, T]
-    compared = 0
+    kept, compared = keep_by_position(out, len(ids)), 0
     for i, window in enumerate(model.config.layer_windows):
         if window is not None:  # kvjax leaves a sliding layer's window cache as it is
             assert np.asarray(out[i].pos).shape[-1] == window
             continue
-        np.testing.assert_array_equal(keep_by_position(out[i], len(ids)), theirs[i],
+        np.testing.assert_array_equal(kept[i], theirs[i],
                                       err_msg=f"{model_name} {press} layer {i}")
         compared += 1
     assert compared == (2 if model_name == "qwen3" else 1)

@@ -10,7 +10,7 @@ import pytest
 
 import kvjax
 from kvjax.policies.eviction_compose import kvcompose_keep
-from tests.test_kvpress_zoo_parity import keep_by_position
+from tests.test_kvpress_parity import keep_by_position
 
 
 def kvpress_keep(scores: np.ndarray, ratio: float) -> np.ndarray:

@@ -28,7 +28,7 @@ import pytest
 
 import kvjax
 from models.sampler import compress, decode, extend, generate, prefill_and_compress
-from tests.test_kvpress_zoo_parity import keep_by_position
+from tests.test_kvpress_parity import keep_by_position
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_decoding.npz")
 N = 4  # compression_interval of every golden case

@@ -69,7 +69,7 @@ def test_kept_positions_equal_kvpress(smollm2, golden, kvjax_scores, ctx, r):
     KV head, exactly the positions kvpress's DuoAttentionPress leaves unmasked (the 300-token
     text: all of them, as kvpress's `[128:-256]` slice is empty there)."""
     from models.sampler import compress, prefill_batch
-    from tests.test_kvpress_zoo_parity import keep_by_position
+    from tests.test_kvpress_parity import keep_by_position
     _, path = kvjax_scores
     ids = golden[f"{ctx}_ids"].tolist()
     n = len(ids)

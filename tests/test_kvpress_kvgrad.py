@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import kvjax
-from tests.test_kvpress_parity import compress_context, reconstructed_contexts
-from tests.test_kvpress_zoo_parity import keep_by_position, unpack
+from tests.test_kvpress_parity import (compress_context, keep_by_position,
+                                      reconstructed_contexts)
+from tests.test_kvpress_zoo_parity import unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_kvgrad.npz")
 NEAR_TIES: dict[str, set] = {}  # case -> (layer, KV head) rows allowed to differ

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 import kvjax
-from tests.test_kvpress_parity import compress_context
-from tests.test_kvpress_zoo_parity import keep_by_position, unpack
+from tests.test_kvpress_parity import compress_context, keep_by_position
+from tests.test_kvpress_zoo_parity import unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_kvzip.npz")
 # KVzip+ (kvzip_plus_normalization=True): experiments/golden/make_kvpress_kvzip_plus.py

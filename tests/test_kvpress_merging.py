@@ -32,8 +32,8 @@ from kvjax.policies.eviction_merging import merge_values
 from kvjax.policies.methods import parse_method
 from models.sampler import _compress
 from tests.near_ties import knorm_scores_by_position, near_tie_swaps
-from tests.test_kvpress_parity import compress_context, prefill_contexts
-from tests.test_kvpress_zoo_parity import keep_by_position, unpack
+from tests.test_kvpress_parity import compress_context, keep_by_position, prefill_contexts
+from tests.test_kvpress_zoo_parity import unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_merging.npz")
 STATS = kvjax.StatsSpec(window=1024)  # every query of both texts (SnapKV's last 64)

@@ -108,7 +108,7 @@ def prefilled(smollm2, golden):
 
 
 def keep_by_position(cache, n):
-    """[L, KVH, n] bool: which token positions each layer and head kept."""
+    """[L, KVH, n] bool: which token positions each layer and KV head kept (batch row 0)."""
     keep = np.zeros((len(cache), cache[0].kv_heads, n), bool)
     for i, layer in enumerate(cache):
         pos = np.asarray(layer.pos)[0]  # [KVH, C]

@@ -16,8 +16,8 @@ import pytest
 
 import kvjax
 from kvjax import EMPTY
-from tests.test_kvpress_parity import compress_context, prefill_contexts
-from tests.test_kvpress_zoo_parity import keep_by_position, unpack
+from tests.test_kvpress_parity import compress_context, keep_by_position, prefill_contexts
+from tests.test_kvpress_zoo_parity import unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo_more.npz")
 # every query of both texts (SnapKV's last 64, SimLayerKV's last, ThinK's last 32), W_o and

@@ -24,7 +24,7 @@ import kvjax
 from kvjax import EMPTY
 from kvjax.policies.methods import parse_method
 from models.sampler import _compress
-from tests.test_kvpress_parity import prefill_contexts
+from tests.test_kvpress_parity import keep_by_position, prefill_contexts
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo.npz")
 STATS = kvjax.StatsSpec(window=1024)  # every query of both texts (SnapKV's last 64 too)
@@ -78,16 +78,6 @@ def unpack(golden, key: str, n: int) -> np.ndarray:
     """[L, KVH, n] bool from a packbits array of the golden."""
     L, kvh = int(golden["num_layers"]), int(golden["kv_heads"])
     return np.unpackbits(golden[key], count=L * kvh * n).reshape(L, kvh, n).astype(bool)
-
-
-def keep_by_position(cache, n: int) -> np.ndarray:
-    """[L, KVH, n] bool: which token positions each layer and KV head kept (batch row 0)."""
-    keep = np.zeros((len(cache), cache[0].kv_heads, n), bool)
-    for i, layer in enumerate(cache):
-        pos = np.asarray(layer.pos)[0]
-        for h in range(pos.shape[0]):
-            keep[i, h, pos[h][pos[h] != EMPTY]] = True
-    return keep
 
 
 @pytest.fixture(scope="module")

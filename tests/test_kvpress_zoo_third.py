@@ -24,9 +24,9 @@ import pytest
 
 import kvjax
 from tests.near_ties import knorm_scores_by_position, near_tie_swaps, scores_by_position
-from tests.test_kvpress_parity import (compress_context, prefill_contexts,
+from tests.test_kvpress_parity import (compress_context, keep_by_position, prefill_contexts,
                                       reconstructed_contexts)
-from tests.test_kvpress_zoo_parity import keep_by_position, unpack
+from tests.test_kvpress_zoo_parity import unpack
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "kvpress_zoo_third.npz")
 STATS = kvjax.StatsSpec(window=1024)  # every query of both texts (SnapKV's last 64)
