@@ -558,54 +558,6 @@ def _attend_kernel_calls(chip: str, layer, q_shape) -> int:
                                        tc.abstract_like(layer, device)).as_text())
 
 
-@pytest.mark.parametrize("chip", tc.CHIPS)
-@pytest.mark.parametrize("t", [1, 100], ids=["decode", "prefill"])
-def test_tiered_layer_compiles_through_the_kernel(chip, t, capsys):
-    """attend(impl="pallas") over a tiered layer (int4 pages, some in host memory, staged)
-    compiles with Mosaic for the chip: two kernel calls per query block, its device pages and
-    its stage (a 100-token chunk of 4 query heads per KV head is two blocks of <= 256 rows);
-    the prefetch-miss branch (XLA's view of both tiers) has none."""
-    from kvjax.memory import tiers
-    from kvjax.memory.paging import reserve
-
-    b, kvh, heads, d, s, n = 8, 8, 32, 128, 128, 1000
-    pool, layers = tiers.init_tiered_cache(b * kvh * 8 + 1, 64, s, b, kvh, 8, d, num_layers=1,
-                                           bits=4)
-    pool, layers = reserve(pool, layers, jnp.full((b,), n))
-    k = jnp.ones((b, kvh, n, d), jnp.float32)
-    layers = (layers[0].write(k, k, jnp.broadcast_to(jnp.arange(n), (b, n))),)
-    pool, layers = tiers.spill(pool, layers, tiers.coldest_pages(
-        layers[0], tiers.recency_scores(layers[0]), 64))
-    (layer,) = tiers.prefetch(layers, tiers.host_pages_in_use(layers[0]))
-    calls = _attend_kernel_calls(chip, layer, (b, t, heads, d))
-    with capsys.disabled():
-        print(f"\n{chip} tiered int4 layer b{b} x {n} tokens, 64 pages on host, {t} query "
-              f"tokens: {calls} Mosaic calls")
-    assert calls == 2 * -(-t * heads // kvh // MAX_QUERY_ROWS["tpu"])
-
-
-@pytest.mark.parametrize("chip", tc.CHIPS)
-def test_paged_kivi_layer_compiles_through_the_kernel(chip, capsys):
-    """attend(impl="pallas") over a paged KIVI layer (keys one group per page,
-    `PackedChannelPages`; int4 values; the exact part dense) compiles with Mosaic for the chip:
-    two kernel calls, its body's pages and its exact part."""
-    import kvjax
-    from kvjax.memory.paged_kivi import from_residual
-
-    b, kvh, heads, d, n = 8, 8, 32, 128, 2000
-    k = jnp.ones((b, kvh, n, d), jnp.float32)
-    cache = (kvjax.write(kvjax.init_cache(b, kvh, 2048, d), k, k,
-                         jnp.broadcast_to(jnp.arange(n), (b, n))),)
-    t = kvjax.kivi(bits=4, group=32, residual=32)
-    unpaged, _ = t.update(cache, t.init(cache), None)
-    _, (layer,) = from_residual(unpaged, max_pages=64, device_pages=b * kvh * 64)
-    calls = _attend_kernel_calls(chip, layer, (b, 1, heads, d))
-    with capsys.disabled():
-        print(f"\n{chip} paged KIVI-4 layer b{b} x {n} tokens, 8 KV heads, D{d}: {calls} Mosaic "
-              f"calls")
-    assert calls == 2
-
-
 def _cache_kinds() -> dict:
     """One small concrete layer of every cache kind the kernel reads (batch 2, 2 KV heads,
     D 128, 400 tokens written), by name."""
