@@ -1,6 +1,7 @@
 """Batch isolation, for every registered method: a row's tokens do not depend on the other rows.
 
-For each method in `kvjax.METHODS` (new ones are picked up automatically), random prompts of
+For each method in `kvjax.METHODS` (new ones are picked up automatically) and one chain of a
+zoo method, re-rotation and KIVI (`CHAINS`), random prompts of
 random lengths are generated as one batch; then the rows are permuted and every other row's
 content replaced by fresh random tokens of the same length (the batch's shapes, hence its
 compiled programs, stay the same). The kept row must generate exactly the same tokens, and
@@ -48,10 +49,13 @@ SPECIAL = {
     "auto": "auto:budget=0.25",
 }
 """Specs for methods that take no `ratio`; every other method runs as `NAME:ratio=0.5`."""
+CHAINS = {  # a zoo method, re-rotation and a codec whose groups fill on these prompts
+    "lagkv+rerotate+kivi": "lagkv:ratio=0.5,lag=16+rerotate+kivi:bits=4,group=16,residual=16",
+}
 
 
 def spec_for(name: str, basis: str) -> str:
-    return SPECIAL.get(name, f"{name}:ratio=0.5").format(basis=basis)
+    return {**SPECIAL, **CHAINS}.get(name, f"{name}:ratio=0.5").format(basis=basis)
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +75,7 @@ def test_every_registered_method_has_a_spec(basis_file):
         kvjax.parse_method(spec_for(name, basis_file))  # a new method needing more: SPECIAL
 
 
-@pytest.mark.parametrize("name", sorted(kvjax.METHODS))
+@pytest.mark.parametrize("name", sorted(kvjax.METHODS) + list(CHAINS))
 def test_a_rows_tokens_do_not_depend_on_the_other_rows(model, basis_file, name):
     spec = spec_for(name, basis_file)
     transform = kvjax.parse_method(spec)

@@ -147,22 +147,3 @@ def test_rerotation_matches_kvpress(prefilled, golden, case):
         got = np.asarray(moved[layer].logical_k)[0, :, :want.shape[1]]
         scale = np.linalg.norm(want, axis=-1, keepdims=True)
         assert np.max(np.abs(got - want) / scale) < 1e-4, (case, layer)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("method", ["lagkv:ratio=0.5,lag=32+rerotate+kivi:bits=4"])
-def test_ask_batches_like_single_questions(smollm2, method):
-    """`ask_batch` with two contexts of different lengths answers as `ask` does for each
-    alone, on the real model: a zoo method, re-rotation and a codec through the user-facing
-    pipeline (compactor and chunkkv passed too, at 2.5 min each on 2 busy cores)."""
-    from models.pipeline import ask, ask_batch
-    model, tok = smollm2
-    text = open(os.path.join(
-        os.path.dirname(__file__), "..", "experiments", "data", "devils_dictionary.txt"),
-        encoding="utf-8").read()
-    contexts = [text[20000:21200], text[40000:40700]]
-    questions = ["What is the first word defined above?", "Who wrote this?"]
-    batch = ask_batch(model, tok, questions, contexts, method=method, max_new_tokens=6)
-    for question, context, got in zip(questions, contexts, batch):
-        alone = ask(model, tok, question, context=context, method=method, max_new_tokens=6)
-        assert got.text == alone.text, (method, got.text, alone.text)
