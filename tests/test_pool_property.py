@@ -41,21 +41,25 @@ MIN_OPERATIONS = 10_000  # the pool machine's, in the thorough profile
 
 def thorough() -> bool:
     """`pytest --hypothesis-profile thorough`: the machines at full length (>= 10,000 pool
-    operations); the default profile runs each a quarter as long (a quarter of the examples,
-    a quarter of the operations asserted)."""
+    operations); the default profile runs a third of the examples and asserts a quarter of the
+    operations (the count varies from run to run: 237 and 261 for the tiered machine at 7
+    examples)."""
     return settings.get_current_profile_name() == "thorough"
 
 
-def length(full: int) -> int:
-    """`full` (examples or operations) in the thorough profile, a quarter of it otherwise."""
+def fewest_operations(full: int) -> int:
+    """The operations a machine must reach: `full` in the thorough profile, a quarter otherwise."""
     return full if thorough() else full // 4
 
 
 def machine_settings(examples: int, steps: int) -> settings:
-    """Derandomized (the same operations on every run: CI is reproducible), no deadline."""
-    return settings(max_examples=length(examples), stateful_step_count=steps,
-                    derandomize=True, database=None, deadline=None,
+    """`examples` in the thorough profile, a third of them (rounded up) otherwise; derandomized
+    (the same operations on every run: CI is reproducible), no deadline."""
+    return settings(max_examples=examples if thorough() else -(-examples // 3),
+                    stateful_step_count=steps, derandomize=True, database=None, deadline=None,
                     suppress_health_check=list(HealthCheck))
+
+
 ZERO4 = jnp.zeros((4,), jnp.int32)
 
 reserve_jit, fork_jit = jax.jit(reserve), jax.jit(fork)
@@ -423,7 +427,7 @@ def test_pool_against_shadow_model():
     Counter.operations = 0
     run_state_machine_as_test(PoolMachine, settings=machine_settings(260, 50))
     print(f"{Counter.operations} pool operations against the shadow model")
-    assert Counter.operations >= length(MIN_OPERATIONS), Counter.operations
+    assert Counter.operations >= fewest_operations(MIN_OPERATIONS), Counter.operations
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,7 +587,7 @@ def test_tiered_pool_against_shadow_model():
     Counter.operations = 0
     run_state_machine_as_test(TieredPoolMachine, settings=machine_settings(30, 40))
     print(f"{Counter.operations} tiered pool operations against the shadow model")
-    assert Counter.operations >= length(1000), Counter.operations
+    assert Counter.operations >= fewest_operations(1000), Counter.operations
 
 
 # ---------------------------------------------------------------------------------------------
@@ -817,4 +821,4 @@ def test_paged_kivi_pool_against_the_unpaged_cache():
     Counter.operations = 0
     run_state_machine_as_test(PagedKiviMachine, settings=machine_settings(25, 40))
     print(f"{Counter.operations} paged KIVI operations against the unpaged cache")
-    assert Counter.operations >= length(800), Counter.operations
+    assert Counter.operations >= fewest_operations(800), Counter.operations
