@@ -38,8 +38,8 @@ def share_compiled_programs() -> Path | None:
 
 share_compiled_programs()
 
-# Hypothesis's stateful pool machines (tests/test_pool_property.py) run a quarter of their
-# operations in the default profile, every one with `pytest --hypothesis-profile thorough`
+# Hypothesis's stateful pool machines (tests/test_pool_property.py) run a third of their
+# examples in the default profile, all of them with `pytest --hypothesis-profile thorough`
 # (DECISIONS "Property-test lengths: a profile").
 from hypothesis import settings as _hypothesis_settings  # noqa: E402
 
