@@ -110,7 +110,8 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
 
     q [GT, D] in the MXU operand dtype; k/v [S, D], or [D, S] when
     `*_slots_last`, in the same dtype; kpos [1, S] int32, qpos [GT, 1] int32;
-    carry (m [GT, 1], l [GT, 1], acc [GT, D]) float32. Dots accumulate in f32.
+    carry (m [GT, 1], l [GT, 1], acc [GT, Dv]) float32 (Dv: the values' head dim, which may
+    differ from the keys' D). Dots accumulate in f32.
     k_scale [NG, S] float32: per-slot key scales of NG groups of D / NG channels applied to
     the scores (k holds codes); k_offset [NG, S] float32: per-slot key offsets, added as
     offset * sum(q) to the scores. NG > 1 needs slots-last keys: one dot per group, with the
@@ -147,7 +148,7 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
                                                  softcap=softcap)
     pv = jax.lax.dot_general(p.astype(v.dtype), v,
                              (((1,), (1 if v_slots_last else 0,)), ((), ())),
-                             precision=prec(v), preferred_element_type=jnp.float32)  # [GT, D]
+                             precision=prec(v), preferred_element_type=jnp.float32)  # [GT, Dv]
     return m_new, l_new, acc * correction + pv
 
 
@@ -178,9 +179,9 @@ def merge(a: Partial, b: Partial) -> Partial:
 
 
 def finish(p: Partial, q_shape: Sequence[int]) -> jax.Array:
-    """Normalise and ungroup: [B, KVH, G*T, D] -> [B, T, H, D] float32."""
-    b, t, h, d = q_shape
-    kvh = p.acc.shape[1]
+    """Normalise and ungroup: [B, KVH, G*T, Dv] -> [B, T, H, Dv] float32 (q_shape [B, T, H, D])."""
+    b, t, h, _ = q_shape
+    kvh, d = p.acc.shape[1], p.acc.shape[-1]
     out = p.acc / jnp.where(p.l > 0, p.l, 1.0)[..., None]
     out = out[:, :, : (h // kvh) * t]
     return out.reshape(b, kvh, h // kvh, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
@@ -210,14 +211,14 @@ def _math(k_format, v_format, math, compute_dtype):
                 compute_dtype=compute_dtype)
 
 
-def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops, *, head_dim,
-               compute_dtype, **math):
-    if getattr(k_format, "scales_scores", lambda d: False)(head_dim):
+def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops, *, k_dim,
+               v_dim, compute_dtype, **math):
+    if getattr(k_format, "scales_scores", lambda d: False)(k_dim):
         # per-slot key scales on the [GT, S] scores instead of the [D, S] keys (exact)
-        k, k_scale, k_offset = k_format.decode_codes(k_blocks, ops, head_dim, compute_dtype)
+        k, k_scale, k_offset = k_format.decode_codes(k_blocks, ops, k_dim, compute_dtype)
     else:
-        k, k_scale, k_offset = k_format.decode(k_blocks, ops, head_dim, compute_dtype), None, None
-    v = v_format.decode(v_blocks, ops, head_dim, compute_dtype)
+        k, k_scale, k_offset = k_format.decode(k_blocks, ops, k_dim, compute_dtype), None, None
+    v = v_format.decode(v_blocks, ops, v_dim, compute_dtype)
     return _softmax_step(q.astype(compute_dtype), k, v, kpos, qpos, carry, k_scale=k_scale,
                          k_offset=k_offset, **math)
 
@@ -231,7 +232,8 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref
     # windows_ref [ceil(R * row_pages / 2)] int32 (SMEM): row pool page p's first table row
     # (`PackedChannelRows`' windows, slot axis 0) in bits 16 (p % 2) of word p // 2 (`pack_pairs`:
     # half the SMEM), [1] unused otherwise;
-    # qpos_ref [GT, 1], q_ref [GT, D] (VMEM blocks of this (b, h));
+    # qpos_ref [GT, 1], q_ref [GT, D] (VMEM blocks of this (b, h); the values' head dim is
+    # the accumulator's, acc_sc [GT, Dv]);
     # refs: the pools in HBM (pos [P, 1, S], then each format array [P, ...]; or, with
     # `row_pages`, row pools [R, X, C] / [R, C, X] whose page p is row p // row_pages's slots
     # (p % row_pages) * S + [0, S) along `slot_axes`; axis 3: [R / n, n, C], row r one
@@ -316,7 +318,8 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref
         def page(i, carry):
             pos, *blocks = [buf.at[slot, i] for buf in bufs]
             return _page_step(q, k_format, blocks[:nk], v_format, blocks[nk:], pos[...], qpos,
-                              carry, TPU_OPS, head_dim=q_ref.shape[-1], **math)
+                              carry, TPU_OPS, k_dim=q_ref.shape[-1], v_dim=acc_sc.shape[-1],
+                              **math)
 
         in_use = jnp.minimum(count - first(j), pages_per_block)
         m, l, acc = jax.lax.fori_loop(0, in_use, page, (m_sc[...], l_sc[...], acc_sc[...]))
@@ -331,8 +334,9 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref
 
 def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
               v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages,
-              head_stride, rows_=None, table_windows=None):
+              head_stride, value_dim, rows_=None, table_windows=None):
     b, kvh, rows, d = qg.shape
+    dv = value_dim
     pools = (pos_pages, *k_arrays, *v_arrays)
     # rows_: (row pools, row_pages, slot axes): DMA pages straight out of the cache's rows
     page_shapes = [x.shape[1:] for x in pools]
@@ -349,12 +353,12 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
         in_specs=[pl.BlockSpec((None, rows, 1), lambda bi, h, *_: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, *_: (bi, h, 0, 0)),
                   *[hbm] * len(pools)],
-        out_specs=[out_block(d), out_block(1), out_block(1)],
+        out_specs=[out_block(dv), out_block(1), out_block(1)],
         scratch_shapes=[*[pltpu.VMEM((2, pages_per_block, *shape), x.dtype)
                           for shape, x in zip(page_shapes, pools)],
                         pltpu.SemaphoreType.DMA((2,)),
                         pltpu.VMEM((rows, 1), jnp.float32), pltpu.VMEM((rows, 1), jnp.float32),
-                        pltpu.VMEM((rows, d), jnp.float32)])
+                        pltpu.VMEM((rows, dv), jnp.float32)])
     kernel = functools.partial(_tpu_kernel, k_format=k_format, v_format=v_format,
                                kv_heads=kvh, table_len=tables.shape[-1], head_stride=head_stride,
                                pages_per_block=pages_per_block,
@@ -365,8 +369,8 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
     acc, m, l = pl.pallas_call(
         kernel, grid_spec=grid_spec,
         cost_estimate=cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages,
-                                    tables, splits, read_pages),
-        out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, d), jnp.float32), state, state],
+                                    tables, splits, read_pages, dv),
+        out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, dv), jnp.float32), state, state],
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="kvjax_paged_attention_tpu",
@@ -376,24 +380,26 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
 
 
 def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
-                  splits, read_pages: int | None = None) -> pl.CostEstimate:
+                  splits, read_pages: int | None = None,
+                  value_dim: int | None = None) -> pl.CostEstimate:
     """What the kernel does with full block tables, counted from its blocks and grid.
 
     Bytes: `read_pages` pages per row (default: the whole table; with a
     window, `window_pages`) with each format array and the slot positions
     once, the queries once per (row, split), the softmax state out. Flops:
-    both dots (2 * rows * S * D each) and each format's decode. Compiled
+    both dots (2 * rows * S * D, 2 * rows * S * Dv) and each format's decode. Compiled
     programs report this for the custom call (XLA cannot see inside).
     """
     b, kvh, rows, d = qg.shape
+    dv = value_dim or d
     n_table = tables.shape[-1]
     pages = b * kvh * (n_table if read_pages is None else min(read_pages, n_table))
     page_size = pos_pages.shape[-1]
     nbytes = lambda x: x.size // x.shape[0] * x.dtype.itemsize  # one page of a pool array
     per_page = sum(nbytes(x) for x in (pos_pages, *k_arrays, *v_arrays))
-    io = splits * b * kvh * (rows * d * (qg.dtype.itemsize + 4) + rows * 4 * 3)
-    flops = pages * (4 * rows * page_size * d + k_format.decode_flops(d, page_size)
-                     + v_format.decode_flops(d, page_size))
+    io = splits * b * kvh * (rows * (d * qg.dtype.itemsize + dv * 4) + rows * 4 * 3)
+    flops = pages * (2 * rows * page_size * (d + dv) + k_format.decode_flops(d, page_size)
+                     + v_format.decode_flops(dv, page_size))
     return pl.CostEstimate(flops=int(flops), transcendentals=int(pages * rows * page_size),
                            bytes_accessed=int(pages * per_page + io))
 
@@ -404,7 +410,8 @@ def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
 def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format,
                 v_format, pages_per_split, pages_per_step, math, head_stride):
     # tables_ref [B, KVH, NP] or shared [B, NP], counts_ref / starts_ref [B, KVH]: whole arrays;
-    # qpos_ref [GT, 1]; q_ref [GT, D]; pos_ref [P, 1, S] and every format array [P, ...]: whole
+    # qpos_ref [GT, 1]; q_ref [GT, D]; acc_out [GT, Dv]; pos_ref [P, 1, S] and every format
+    # array [P, ...]: whole
     # pools. Each loop step gathers `pages_per_step` pages side by side: L = pages_per_step * S
     # columns, column j being slot j % S of the step's page j // S.
     nk, nv = k_format.arity(), v_format.arity()
@@ -412,6 +419,7 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
     acc_out, m_out, l_out = refs[nk + nv:]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     rows, d = q_ref.shape
+    dv = acc_out.shape[-1]
     qpos = qpos_ref[...]
     first = starts_ref[b, h] + split * pages_per_split
     last = jnp.minimum(first + pages_per_split, counts_ref[b, h])
@@ -434,10 +442,10 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
         kpos = jnp.where(live, pos_ref[page, 0, slot], EMPTY)  # [1, L]
         blocks = lambda fmt_refs: [PageRef(r, page) for r in fmt_refs]
         return _page_step(q, k_format, blocks(k_refs), v_format, blocks(v_refs), kpos, qpos,
-                          carry, GPU_OPS, head_dim=d, **math)
+                          carry, GPU_OPS, k_dim=d, v_dim=dv, **math)
 
     init = (jnp.full((rows, 1), NEG_INF, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
-            jnp.zeros((rows, d), jnp.float32))
+            jnp.zeros((rows, dv), jnp.float32))
     steps = jax.lax.div(jnp.maximum(last - first, 0) + pages_per_step - 1, pages_per_step)
     m, l, acc = jax.lax.fori_loop(0, steps, body, init)
     acc_out[...] = acc
@@ -465,8 +473,9 @@ def gpu_launch(rows: int, head_dim: int, cols: int, k_format, v_format) -> tuple
 
 def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
               v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages,
-              head_stride, launch=None):
+              head_stride, value_dim, launch=None):
     b, kvh, rows, d = qg.shape
+    dv = value_dim
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, s: (s, bi, h, 0, 0))
@@ -482,10 +491,10 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
                   pl.BlockSpec((None, rows, 1), lambda bi, h, s: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, s: (bi, h, 0, 0)),
                   whole(pos_pages), *[whole(x) for x in (*k_arrays, *v_arrays)]],
-        out_specs=[out_block(d), out_block(1), out_block(1)],
-        out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, d), jnp.float32), state, state],
+        out_specs=[out_block(dv), out_block(1), out_block(1)],
+        out_shape=[jax.ShapeDtypeStruct((splits, b, kvh, rows, dv), jnp.float32), state, state],
         cost_estimate=cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages,
-                                    tables, splits, read_pages),
+                                    tables, splits, read_pages, dv),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="kvjax_paged_attention_gpu",
     )(tables, counts, starts, qpos, qg, pos_pages, *k_arrays, *v_arrays)
@@ -500,13 +509,17 @@ def _as_arrays(x) -> tuple[jax.Array, ...]:
 
 
 def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_format, v_format,
-                  pages_per_split, backend, head_stride=None):
+                  pages_per_split, backend, head_stride=None, value_dim=None):
     if backend not in BACKENDS:
         raise ValueError(f"paged_attention: backend must be one of {BACKENDS}, got {backend!r}")
     if q.ndim != 4 or q_pos.shape != q.shape[:2]:
         raise ValueError(f"paged_attention: q must be [B, T, H, D] and q_pos [B, T]; got "
                          f"{q.shape} and {q_pos.shape}")
     b, _, h, d = q.shape
+    if value_dim is not None and not (isinstance(value_dim, int) and value_dim >= 1):
+        raise ValueError(f"paged_attention: value_dim must be a positive int (the values' head "
+                         f"dim), got {value_dim!r}")
+    dims = {"keys": d, "values": value_dim or d}
     if tables.ndim not in (2, 3) or tables.shape[0] != b or tables.dtype != jnp.int32:
         raise ValueError(f"paged_attention: block_tables must be int32 [B={b}, KVH, NP] (per "
                          f"head) or [B={b}, NP] (shared), got {tables.dtype} {tables.shape}")
@@ -533,8 +546,12 @@ def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_for
         if len(arrays) != fmt.arity():
             raise ValueError(f"paged_attention: {name} in format {fmt} take "
                              f"{fmt.arity()} arrays, got {len(arrays)}")
-        fmt.check(arrays, d)
-        if arrays[0].shape[0] != n_pages or fmt.page_size(arrays, d) != page_size:
+        try:
+            fmt.check(arrays, dims[name])
+        except ValueError as e:
+            dim = "value_dim" if name == "values" and value_dim else "head_dim (q.shape[-1])"
+            raise ValueError(f"paged_attention: {name} of {dim} {dims[name]}: {e}") from None
+        if arrays[0].shape[0] != n_pages or fmt.page_size(arrays, dims[name]) != page_size:
             raise ValueError(f"paged_attention: {name} pages {arrays[0].shape} do not match "
                              f"pos_pages ({n_pages} pages of {page_size} slots)")
     if pages_per_split < 1:
@@ -570,15 +587,16 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def check_gpu_shapes(head_dim: int, page_size: int, pages_per_block: int | None) -> None:
+def check_gpu_shapes(head_dim: int, page_size: int, pages_per_block: int | None,
+                     dim_name: str = "head_dim (q.shape[-1])") -> None:
     """Triton loads and dots power-of-two blocks with at least 16 rows on each dot axis.
 
     Raises ValueError naming the argument for a head dim or page size the
     GPU backend cannot take (at trace time, before Triton fails later).
     """
     if not _pow2(head_dim) or head_dim < GPU_MIN_ROWS:
-        raise ValueError(f"paged_attention: backend='gpu' needs a power-of-two head_dim >= "
-                         f"{GPU_MIN_ROWS} (q.shape[-1]), got {head_dim}")
+        raise ValueError(f"paged_attention: backend='gpu' needs a power-of-two {dim_name} >= "
+                         f"{GPU_MIN_ROWS}, got {head_dim}")
     if not _pow2(page_size):
         raise ValueError(f"paged_attention: backend='gpu' needs a power-of-two page size "
                          f"(pos_pages.shape[-1]), got {page_size}")
@@ -651,7 +669,8 @@ def window_pages(window: int | None, q_len: int, page_size: int) -> int | None:
 @functools.partial(jax.jit, static_argnames=("k_format", "v_format", "pages_per_split", "window",
                                              "softcap", "scale", "backend", "interpret",
                                              "compute_dtype", "pages_per_block",
-                                             "head_stride", "row_pages", "launch"))
+                                             "head_stride", "row_pages", "launch",
+                                             "value_dim"))
 def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
                             k_format: Format = DENSE, v_format: Format = DENSE,
                             pages_per_split: int = 8, window: int | None = None,
@@ -661,7 +680,8 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                             head_stride: int | None = None,
                             row_pages: int | None = None,
                             table_windows: jax.Array | None = None,
-                            launch: tuple[int, int] | None = None) -> Partial:
+                            launch: tuple[int, int] | None = None,
+                            value_dim: int | None = None) -> Partial:
     """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     rows_ = None
@@ -673,7 +693,7 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     elif table_windows is not None:
         raise ValueError("paged_attention: table_windows goes with row_pages (row pools) only")
     _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, k_format,
-                  v_format, pages_per_split, backend, head_stride)
+                  v_format, pages_per_split, backend, head_stride, value_dim)
     kvh = num_pages.shape[1]
     if pages_per_block is not None and pages_per_block < 1:
         raise ValueError(f"paged_attention: pages_per_block must be >= 1, got {pages_per_block}")
@@ -683,6 +703,8 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                                                    pages_per_block)
     else:
         check_gpu_shapes(q.shape[-1], pos_pages.shape[-1], pages_per_block)
+        if value_dim is not None:
+            check_gpu_shapes(value_dim, pos_pages.shape[-1], pages_per_block, "value_dim")
         npb, pages_per_split, splits = gpu_block_sizes(n_table, pos_pages.shape[-1],
                                                        pages_per_split, pages_per_block)
     rows = q.shape[1] * q.shape[2] // kvh
@@ -706,7 +728,8 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                      k_format=k_format, v_format=v_format, pages_per_split=pages_per_split,
                      splits=splits, math=math, interpret=interpret,
                      read_pages=window_pages(window, q.shape[1], pos_pages.shape[-1]),
-                     head_stride=head_stride, pages_per_block=npb)
+                     head_stride=head_stride, pages_per_block=npb,
+                     value_dim=value_dim or q.shape[-1])
     out = Partial(acc[0], m[0], l[0])
     for i in range(1, splits):
         out = merge(out, Partial(acc[i], m[i], l[i]))
@@ -828,6 +851,9 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       table_windows: with `PackedChannelRows` row pools, [ceil(R * row_pages / 2)]
         int32: page p's table window starts at table row (table_windows[p // 2] >>
         16 (p % 2)) & 0xFFFF of its row's table (`page_formats.pack_pairs`).
+      value_dim: (static) the values' head dim Dv when it differs from the keys' and
+        queries' D (low-rank latents of different ranks, MLA-style heads); default D.
+        The output is then [B, T, H, Dv].
       window, softcap, scale: as in `kvjax.attend`; scale defaults to D**-0.5.
         With a window, pages wholly before it are skipped
         (`window_start_pages`).
@@ -835,7 +861,7 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       compute_dtype: MXU operand dtype (dots accumulate in float32); default
         bfloat16 for bfloat16 queries, else float32.
     Returns:
-      [B, T, H, D] float32.
+      [B, T, H, Dv] float32 (Dv = value_dim, default D).
     """
     return finish(paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                                           num_pages, **kwargs), q.shape)
@@ -863,7 +889,7 @@ def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_table
                               window: int | None = None, softcap: float | None = None,
                               scale: float | None = None, head_stride: int | None = None,
                               row_pages: int | None = None, table_windows=None,
-                              **_) -> jax.Array:
+                              value_dim: int | None = None, **_) -> jax.Array:
     """Plain-jnp paged attention: gather and decode every page, one masked softmax, float32."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     if row_pages is not None:
@@ -873,8 +899,9 @@ def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_table
     b, t, h, d = q.shape
     kvh, n_table = block_tables.shape[1:]
     page_size = pos_pages.shape[-1]
+    dv = value_dim or d
     k = gather_pages(k_format, k_arrays, block_tables, d)  # [B, KVH, L, D]
-    v = gather_pages(v_format, v_arrays, block_tables, d)
+    v = gather_pages(v_format, v_arrays, block_tables, dv)  # [B, KVH, L, Dv]
     pos = pos_pages[block_tables, 0].reshape(b, kvh, -1)  # [B, KVH, L]
     in_use = jnp.arange(n_table * page_size) < (num_pages * page_size)[..., None]
     pos = jnp.where(in_use, pos, EMPTY)
@@ -889,4 +916,4 @@ def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_table
         visible &= (qp - kp) < window
     p = jax.nn.softmax(jnp.where(visible, s, NEG_INF), axis=-1) * visible.any(-1, keepdims=True)
     out = jnp.einsum("bkgts,bksd->btkgd", p, v, precision="highest")
-    return out.reshape(b, t, h, d)
+    return out.reshape(b, t, h, dv)

@@ -144,6 +144,87 @@ def test_kivi_pages_whose_groups_spread_take_the_xla_loop(backend):
                                np.asarray(finish(kernel, q.shape)), **TOL)
 
 
+def low_rank_layer(layer, key_rank: int, value_rank: int):
+    """`layer` stored as low-rank coordinates on bases calibrated from itself."""
+    from kvjax.policies.low_rank import accumulate_moments, basis_from_moments, low_rank
+    basis = basis_from_moments(accumulate_moments(None, (layer,)))
+    t = low_rank(basis, rank=value_rank, key_rank=key_rank)
+    (out,), _ = t.update((layer,), t.init((layer,)), None)
+    return out
+
+
+def thinned_layer(layer, pruned: int, seed: int):
+    """`layer` as ThinK leaves it: the keys so far on their kept channels (a per-row 0/1
+    basis, `Latent`), in the body of a never-flushing residual layer."""
+    from kvjax.core.stats import LayerStats
+    from kvjax.policies.eviction_think import think_layer
+    b, d = layer.batch, layer.head_dim
+    queries = jnp.asarray(np.random.default_rng(seed).normal(size=(b, 4, 6, d)), jnp.float32)
+    none = jnp.zeros((b, 6, 0))
+    stats = LayerStats(queries, jnp.broadcast_to(jnp.arange(4), (b, 4)), none,
+                       none[..., None], jnp.zeros(b), jnp.zeros(d // 2), jnp.zeros((0, 0)))
+    return think_layer(layer, stats, pruned, window=4)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("key_rank, value_rank", [(32, 32), (32, 16), (16, 64)])
+def test_low_rank_layers_attend_through_the_kernel_over_their_latents(backend, key_rank,
+                                                                      value_rank):
+    """A low-rank layer (`Latent` keys and values) is read by the kernel over its latent
+    coordinates: queries projected on each head's key basis, the kernel's value dim the value
+    rank (different from the key rank in two cases), the accumulator lifted by the value
+    basis. Equal to the reference, which scores and lifts in float32, within float32 rounding;
+    and the kernel's operands are the latents themselves, not reconstructed keys or values.
+    (On 8 devices: `tests/test_sharding.py::test_pallas_kernel_under_shard_map_matches_the_reference_on_8_devices`.)"""
+    layer, q, q_pos = filled(8, 200, capacity=256, d=64)
+    layer = low_rank_layer(layer, key_rank, value_rank)
+    assert ka.kernel_refusal(layer, "tpu") is None and ka.kernel_refusal(layer, "gpu") is None
+    view = ka.latent_view(layer)
+    assert view.k is layer.k.z and view.v is layer.v.z
+    assert ka.value_dim(layer) == value_rank
+    inputs = ka.kernel_inputs(view, backend="tpu")
+    assert inputs["k_pages"][0].shape[-2:] in ((256, key_rank), (key_rank, 256))
+    backend, interpret = mode(backend)
+    got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret,
+                           pages_per_split=1)
+    want = kvjax.attend(q, q_pos, layer, impl="reference")
+    assert got.shape == q.shape
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_thinned_keys_attend_through_the_kernel(backend):
+    """ThinK's layer -- the prompt's keys on their kept channels (a per-row basis), later keys
+    whole in the exact part -- attends through two kernel calls: the body with the queries on
+    each row's kept channels (keys of 32 channels, values of 64: the kernel's value_dim), the
+    exact part as it is. Equal to the reference; a prefill chunk of 3 tokens too."""
+    layer, _, _ = filled(9, 120, capacity=128, d=64)
+    thin = thinned_layer(layer, pruned=32, seed=9)
+    assert isinstance(thin.body.k, kvjax.core.stores.Latent)
+    assert thin.body.k.basis.shape == (2 * 2, 64, 32)  # one basis per storage row
+    k_new = jnp.asarray(np.random.default_rng(10).normal(size=(2, 2, 3, 64)), jnp.float32)
+    thin = thin.write(k_new, -k_new, jnp.broadcast_to(jnp.arange(120, 123), (2, 3)))
+    assert ka.kernel_refusal(thin, backend) is None
+    q = jnp.asarray(np.random.default_rng(11).normal(size=(2, 3, 6, 64)), jnp.float32)
+    q_pos = jnp.broadcast_to(jnp.arange(120, 123), (2, 3))
+    backend, interpret = mode(backend)
+    got = ka.attend_pallas(q, q_pos, thin, backend=backend, interpret=interpret)
+    want = kvjax.attend(q, q_pos, thin, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+def test_low_rank_ranks_the_gpu_kernel_cannot_tile_are_refused_by_name():
+    """The Triton kernel tiles power-of-two dims >= 16: a value rank of 24 is refused for it
+    (named), read by the TPU kernel."""
+    layer, q, q_pos = filled(8, 40, capacity=64, d=64)
+    layer = low_rank_layer(layer, 32, 24)
+    assert ka.kernel_refusal(layer, "tpu") is None
+    assert ka.kernel_refusal(layer, "gpu") == \
+        "the GPU kernel needs a value head dim >= 16 that is a power of two, got 24"
+    with pytest.raises(ValueError, match="value head dim >= 16"):
+        ka.attend_pallas(q, q_pos, layer, backend="gpu", interpret=True)
+
+
 def test_token_cache_pages_use_one_table_per_sequence():
     """A TokenCache's KV heads share their sequence's block table ([B, C/S] with a head stride of
     C/S pages), and the shared table names exactly the pages per-head tables would."""

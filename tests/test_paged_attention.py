@@ -17,7 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernel_mode import mode
 from kernels_pallas import page_formats as pf
-from kernels_pallas.paged_attention import (EMPTY, merge, paged_attention,
+from kernels_pallas.paged_attention import (EMPTY, decode_pages, merge, paged_attention,
                                             paged_attention_partial, paged_attention_reference)
 from kvjax.core.quant import pack, quantize
 
@@ -229,6 +229,40 @@ def test_packed_channel_keys(backend, bits, symmetric):
     np.testing.assert_allclose(got, want, **TOL)
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("value_dim,packed", [(32, False), (128, True)], ids=["dense-v32",
+                                                                               "int4-v128"])
+def test_values_may_have_their_own_head_dim(backend, value_dim, packed):
+    """Keys and queries of 64 channels, values of `value_dim` (low-rank latents of different
+    ranks, MLA-style heads): the output is [B, T, H, value_dim], equal to a plain numpy
+    softmax(q k^T / 8) v over each row's positions (and to the reference)."""
+    rng = np.random.default_rng(value_dim)
+    lengths = [5, 40]
+    k, _, pos, tables, counts = make_pool(rng, batch=2, kv_heads=2, page_size=16, head_dim=64,
+                                          lengths=lengths)
+    v = jnp.asarray(rng.normal(size=(k.shape[0], 16, value_dim)), jnp.float32)
+    q, q_pos = queries(rng, 2, 3, 4, 64, lengths)
+    fmt = dict(v_format=pf.PackedTokens(4, 32)) if packed else {}
+    v_in = packed_tokens(v, 4, 32, False) if packed else v
+    got, want = run_both(q, q_pos, k, v_in, pos, tables, counts, backend, value_dim=value_dim,
+                         **fmt)
+    assert got.shape == (2, 3, 4, value_dim)
+    np.testing.assert_allclose(got, want, **TOL)
+    if packed:  # numpy below weighs the decoded codes
+        v = decode_pages(pf.PackedTokens(4, 32), v_in, value_dim)
+    kn, vn, pn = np.asarray(k), np.asarray(v), np.asarray(pos)
+    for b in range(2):
+        for hq in range(4):
+            pages = np.asarray(tables)[b, hq // 2]
+            keys, vals = kn[pages].reshape(-1, 64), vn[pages].reshape(-1, value_dim)
+            slot_pos = pn[pages, 0].reshape(-1)
+            for t in range(3):
+                s = keys @ np.asarray(q)[b, t, hq] / 8.0
+                s = np.where((slot_pos >= 0) & (slot_pos <= int(q_pos[b, t])), s, -np.inf)
+                p = np.exp(s - s.max())
+                np.testing.assert_allclose(got[b, t, hq], p @ vals / p.sum(), **TOL)
+
+
 def test_tpu_semantics_interpret_quantized():
     """TPU interpret mode over KIVI keys (one-hot table gather) and int4 values."""
     rng = np.random.default_rng(8)
@@ -262,6 +296,13 @@ def test_bad_inputs_raise():
              k_format=pf.PackedTokens(4, 32))
     with pytest.raises(ValueError, match="int32"):
         call(q, q_pos, k, v, pos, tables.astype(jnp.int16), counts)
+    with pytest.raises(ValueError, match="value_dim must be a positive int.*got 0"):
+        call(q, q_pos, k, v, pos, tables, counts, value_dim=0)
+    with pytest.raises(ValueError, match=r"values of value_dim 32: dense pages must be "
+                                         r"\[P, S, 32\], got \(5, 16, 64\)"):
+        call(q, q_pos, k, v, pos, tables, counts, value_dim=32)  # v holds 64 channels
+    with pytest.raises(ValueError, match="power-of-two value_dim >= 16, got 24"):
+        call(q, q_pos, k, v[..., :24], pos, tables, counts, value_dim=24, backend="gpu")
 
 
 FORMATS = {

@@ -185,15 +185,20 @@ PALLAS = textwrap.dedent("""
     import kvjax
     from models.sharding import attend_on_mesh, cache_placer, make_mesh
 
+    from kvjax.policies.low_rank import accumulate_moments, basis_from_moments, low_rank
+
     mesh = make_mesh("data=2,model=4")
     rows = {}
+    b, kvh, h, t, d = 2, 4, 8, 200, 64
+    k, v = jax.random.normal(jax.random.key(0), (2, b, kvh, t, d))
+    dense = (kvjax.write(kvjax.init_cache(b, kvh, 256, d), k, v,
+                         jnp.arange(t)[None].repeat(b, 0)),)
+    basis = basis_from_moments(accumulate_moments(None, dense))
     codecs = {"dense": None, "int4": kvjax.quantize(bits=4, group=32),
-              "kivi": kvjax.kivi(bits=4, group=32, residual=32)}
+              "kivi": kvjax.kivi(bits=4, group=32, residual=32),
+              "low_rank": low_rank(basis, rank=16, key_rank=32)}
     for name, codec in codecs.items():
-        b, kvh, h, t, d = 2, 4, 8, 200, 64
-        k, v = jax.random.normal(jax.random.key(0), (2, b, kvh, t, d))
-        cache = (kvjax.write(kvjax.init_cache(b, kvh, 256, d), k, v,
-                             jnp.arange(t)[None].repeat(b, 0)),)
+        cache = dense
         if codec is not None:
             cache, _ = codec.update(cache, codec.init(cache), None)
         q = jax.random.normal(jax.random.key(1), (b, 1, h, d))
@@ -205,16 +210,21 @@ PALLAS = textwrap.dedent("""
         out = run(q, q_pos, placed)
         rows[name] = {"err": float(jnp.max(jnp.abs(out - ref))),
                       "spec": str(out.sharding.spec), "type": type(placed).__name__}
+        if name == "low_rank":
+            rows[name]["basis_spec"] = str(placed.k.basis.sharding.spec)
     print(json.dumps(rows))
 """)
 
 
 def test_pallas_kernel_under_shard_map_matches_the_reference_on_8_devices():
     """The TPU kernel (interpret mode) under `jax.shard_map` on data=2 x model=4, one sequence
-    per data shard and one KV head (two query heads) per model shard, for a dense, an int4 and
-    a KIVI layer: equal to `attend(impl="reference")` on the whole layer within f32 rounding."""
+    per data shard and one KV head (two query heads) per model shard, for a dense, an int4, a
+    KIVI and a low-rank layer (keys of rank 32, values of 16; each shard holds its own head's
+    bases, split over `model` like `pos`): equal to `attend(impl="reference")` on the whole
+    layer within f32 rounding."""
     rows = run_on_8_devices(PALLAS)
     assert rows["kivi"]["type"] == "ResidualCache"
+    assert rows["low_rank"]["basis_spec"] == "P('model', None, None)"
     for name, row in rows.items():
         assert row["err"] < 1e-5, name
         assert row["spec"] == "P('data', None, 'model')", name  # query heads stay split

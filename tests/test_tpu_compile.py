@@ -561,8 +561,10 @@ def _attend_kernel_calls(chip: str, layer, q_shape) -> int:
 def _cache_kinds() -> dict:
     """One small concrete layer of every cache kind the kernel reads (batch 2, 2 KV heads,
     D 128, 400 tokens written), by name."""
+    import numpy as np
     import kvjax
     from kvjax.memory import tiers
+    from kvjax.policies.low_rank import LowRankBasis, low_rank
     from kvjax.memory.paged_kivi import from_residual
     from kvjax.memory.paging import init_paged_cache, reserve
 
@@ -593,6 +595,11 @@ def _cache_kinds() -> dict:
     kivi = kvjax.kivi(bits=4, group=32, residual=32)
     unpaged, _ = kivi.update((token,), kivi.init((token,)), None)
     kinds["PagedKivi"] = from_residual(unpaged, max_pages=16, device_pages=b * kvh * 16 + 1)[1][0]
+    eye = np.broadcast_to(np.eye(d, dtype=np.float32), (1, kvh, d, d))
+    energy = np.ones((1, kvh, d), np.float32)
+    latent = low_rank(LowRankBasis(eye, eye, energy, energy, tokens=1), rank=64, key_rank=32)
+    kinds["low-rank keys 32, values 64"] = latent.update((token,), latent.init((token,)),
+                                                         None)[0][0]
     return kinds
 
 
@@ -603,12 +610,10 @@ def test_every_cache_kind_compiles_through_the_kernel_for_decode_and_prefill(chi
     layer, a tiered one (host pages staged) and a paged KIVI one -- compiles with Mosaic for
     the chip, for a decode step (1 query token) and a prefill chunk (100 tokens of 4 query
     heads per KV head: two query blocks), with a Mosaic call per part and block and no XLA
-    fallback. The kinds no kernel reads are named by `kernel_refusal`: pooled (head-wise
-    budget) and low-rank layers."""
-    import numpy as np
+    fallback; a low-rank layer too (over its latents: keys of rank 32, values of 64). The
+    kind no kernel reads is named by `kernel_refusal`: pooled (head-wise budget) layers."""
     import kvjax
     from kvjax.backends import pallas as ka
-    from kvjax.policies.low_rank import LowRankBasis, low_rank
 
     for name, layer in _cache_kinds().items():
         assert ka.kernel_refusal(layer, "tpu") is None, name
@@ -620,10 +625,6 @@ def test_every_cache_kind_compiles_through_the_kernel_for_decode_and_prefill(chi
             print(f"\n{chip} {name}: decode and prefill through the kernel")
     small = (kvjax.write(kvjax.init_cache(1, 2, 64, 64), jnp.ones((1, 2, 40, 64)),
                          jnp.ones((1, 2, 40, 64)), jnp.arange(40)[None]),)
-    eye = np.broadcast_to(np.eye(64, dtype=np.float32), (1, 2, 64, 64))
-    energy = np.ones((1, 2, 64), np.float32)
-    for t, why in ((kvjax.parse_method("knorm:ratio=0.5,headwise=true"), "pooled"),
-                   (low_rank(LowRankBasis(eye, eye, energy, energy, tokens=1), rank=16),
-                    "no format for Latent")):
-        (layer,), _ = t.update(small, t.init(small), None)
-        assert why in ka.kernel_refusal(layer, "tpu"), ka.kernel_refusal(layer, "tpu")
+    pooled = kvjax.parse_method("knorm:ratio=0.5,headwise=true")
+    (layer,), _ = pooled.update(small, pooled.init(small), None)
+    assert ka.kernel_refusal(layer, "tpu") == "a pooled (head-wise budget) TokenCache"

@@ -46,8 +46,8 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xl
     `"xla"` (default) is `attend_blockwise`; `"reference"` is
     `attend_reference`, the plain definition tests compare against;
     `"pallas"` runs the paged attention kernel on TPU or GPU
-    (`kvjax.backends.pallas`) and falls back to `"xla"` on CPU and for
-    layouts the kernel does not read (pooled, low-rank; `kernel_refusal`
+    (`kvjax.backends.pallas`; a low-rank layer over its latent coordinates) and falls back
+    to `"xla"` on CPU and for layouts the kernel does not read (pooled; `kernel_refusal`
     says why; `kvjax compile` reports the kernel calls). Every other path is the
     layer's own `attend` (`kvjax.core.layer.CacheLayer`: a `PagedLayer` gathers a dense
     view, a recurrent layer reads its state).

@@ -29,9 +29,15 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
   row's pages in that pool (`tier_views`). A host page read unstaged (a prefetch miss) sends
   the step through XLA's view of both tiers instead, which fetches it (`rare_cond`).
 
+- A low-rank layer (`Latent` stores; ThinK's kept-channel keys are one) is read over its
+  latent coordinates (`latent_view`): the queries are projected on each KV head's key basis,
+  `(P^T q) . z = q . (P z)`, the kernel weights the value coordinates (their rank its
+  `value_dim` when it differs from the keys'), and the accumulator is lifted by the value
+  basis after (linear, so it commutes with the softmax's sums and merges).
+
 Dense (float32/bf16/fp8), `PackedTokens` and `PackedChannels` stores are
-decoded inside the kernel. Pooled (head-wise budget) and low-rank layers are
-not: `kernel_refusal` says why and `attend` uses the XLA path for them.
+decoded inside the kernel. Pooled (head-wise budget) layers are
+not read: `kernel_refusal` says why and `attend` uses the XLA path for them.
 
 Example:
     >>> import kvjax
@@ -61,8 +67,8 @@ from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
 from kvjax.memory.paging import PagedLayer, kept_first
 from kvjax.memory.tiers import TieredLayer, stage_misses, tiered_view
-from kvjax.core.stores import (PackedChannels, PackedTokens, is_dense, map_slot_leaves,
-                               param_values)
+from kvjax.core.stores import (Latent, PackedChannels, PackedTokens, is_dense,
+                               map_slot_leaves, param_values)
 
 KERNEL_LAYOUTS = {TokenCache: "rows", ResidualCache: "parts", PagedKivi: "parts",
                   PagedLayer: "pages", TieredLayer: "tiers"}
@@ -251,6 +257,57 @@ def channel_rows(layer: TokenCache, page: int):
     return fmt, arrays, fits, windows
 
 
+def latent_view(layer: TokenCache) -> TokenCache:
+    """A low-rank layer as the kernel reads it: each `Latent` store replaced by its latent
+    coordinates z `[R, C, r]` as a dense store (a view, no copy); any other layer as it is."""
+    z = lambda store: store.z if isinstance(store, Latent) else store
+    if not (isinstance(layer.k, Latent) or isinstance(layer.v, Latent)):
+        return layer
+    return layer.replace(k=z(layer.k), v=z(layer.v))
+
+
+def value_dim(layer: TokenCache) -> int:
+    """The head dim of the values as the kernel reads them (a low-rank store's rank)."""
+    return latent_view(layer).v.shape[-1]
+
+
+def row_bases(store: Latent, batch: int, kv_heads: int) -> jax.Array:
+    """A `Latent` store's basis per (sequence, KV head), [B, KVH, D, r] float32: its
+    per-head `[KVH, D, r]` broadcast over the batch, or its per-row `[B*KVH, D, r]` (ThinK's
+    kept channels) as it is."""
+    basis = store.basis.astype(jnp.float32)
+    return jnp.broadcast_to(basis.reshape(-1, kv_heads, *basis.shape[1:]),
+                            (batch, kv_heads, *basis.shape[1:]))
+
+
+def project_queries(q: jax.Array, bases: jax.Array) -> jax.Array:
+    """[B, T, H, D] queries on their rows' key bases [B, KVH, D, r] (`row_bases`) ->
+    [B, T, H, r], q's dtype: query head j uses the basis of its KV head j // (H / KVH), on
+    which that head's keys were projected."""
+    b, t, h, d = q.shape
+    kvh = bases.shape[1]
+    qg = q.reshape(b, t, kvh, h // kvh, d).astype(jnp.float32)
+    return jnp.einsum("btkgd,bkdr->btkgr", qg, bases).reshape(b, t, h, -1).astype(q.dtype)
+
+
+def _latent_partial(q, q_pos, layer: TokenCache, **kwargs) -> Partial:
+    """The kernel over a low-rank layer's latent coordinates (`latent_view`): queries projected
+    on the key basis (the scale stays the model's head dim's), the accumulator lifted by the
+    value basis after the kernel (`acc` is linear in the values)."""
+    b, kvh = layer.batch, layer.kv_heads
+    if isinstance(layer.k, Latent):
+        kwargs["scale"] = q.shape[-1] ** -0.5
+        q = project_queries(q, row_bases(layer.k, b, kvh))
+    view = latent_view(layer)
+    if view.v.shape[-1] != q.shape[-1]:
+        kwargs["value_dim"] = view.v.shape[-1]
+    part = attend_partial(q, q_pos, view, **kwargs)
+    if not isinstance(layer.v, Latent):
+        return part
+    bases = row_bases(layer.v, b, kvh)  # [B, KVH, D, r]
+    return part._replace(acc=jnp.einsum("bkgr,bkdr->bkgd", part.acc, bases))
+
+
 def kernel_inputs(layer: Any, wide: bool = False, backend: str = "tpu") -> dict | None:
     """The kernel's keyword arguments for one layer, or None if the kernel cannot read it."""
     if kernel_layout(layer) == "pages":
@@ -337,6 +394,9 @@ def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
         True
         >>> kernel_refusal(kvjax.init_cache(1, 2, 64, 48), "gpu")
         'the GPU kernel needs a head dim >= 16 that is a power of two, got 48'
+
+    A low-rank layer is judged by its latent coordinates (`latent_view`): the GPU kernel
+    needs power-of-two ranks >= 16 there.
     """
     backend = backend or pallas_backend()
     name = type(layer).__name__
@@ -354,16 +414,16 @@ def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
         page = layer.page_size
     elif layer.pooled:
         return "a pooled (head-wise budget) TokenCache"
-    elif (page := page_size_for(tiled_capacity(layer, backend))) is None:
+    elif (page := page_size_for(tiled_capacity(layer := latent_view(layer), backend))) is None:
         return f"capacity {layer.capacity} has no power-of-two page of >= {MIN_PAGE} slots"
     elif not (_decoded_in_kernel(layer.k) and _decoded_in_kernel(layer.v)):
         return f"the kernel has no format for {type(layer.k).__name__} / " \
                f"{type(layer.v).__name__} stores"
     if backend == "gpu":
         pow2 = lambda n: n >= 1 and n & (n - 1) == 0
-        if not (pow2(layer.head_dim) and layer.head_dim >= 16):
-            return f"the GPU kernel needs a head dim >= 16 that is a power of two, got " \
-                   f"{layer.head_dim}"
+        for what, dim in (("head dim", layer.head_dim), ("value head dim", value_dim(layer))):
+            if not (pow2(dim) and dim >= 16):
+                return f"the GPU kernel needs a {what} >= 16 that is a power of two, got {dim}"
         if not pow2(page):
             return f"the GPU kernel needs a page size that is a power of two, got {page}"
     return None
@@ -426,6 +486,8 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
                                          window=kwargs.get("window"),
                                          softcap=kwargs.get("softcap"))
         return rare_cond(jnp.any(stage_misses(layer)), xla, kernel)
+    if kernel_layout(layer) == "rows" and latent_view(layer) is not layer:
+        return _latent_partial(q, q_pos, layer, **kwargs)
     backend = kwargs.get("backend", "tpu")
     layer = padded_to_tile(layer, backend)
     refusal = kernel_refusal(layer, backend)

@@ -559,16 +559,25 @@ def cache_shardings(cache: Cache, mesh: jax.sharding.Mesh, batch_axis: str | Non
 
 def _token_shardings(layer: TokenCache, mesh: jax.sharding.Mesh, batch_axis: str | None,
                      kv_axis: str | None) -> TokenCache:
-    """`TokenCache.shardings`: rows and `pos` by `cache_axes`, the cursor replicated."""
+    """`TokenCache.shardings`: rows and `pos` by `cache_axes`, the cursor replicated; a
+    low-rank store's per-KV-head basis `[KVH, D, r]` split like `pos`'s heads, so each shard
+    holds the bases of its own rows' heads (a per-row basis goes with its rows)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
     row_axes, pos_spec = cache_axes(layer.pos.shape[0], layer.pos.shape[1], layer.pooled,
                                     mesh, batch_axis, kv_axis)
     rows = layer.k.shape[0]
     by_row = lambda x: NamedSharding(mesh, P(row_axes, *[None] * (x.ndim - 1))
                                      if x.ndim and x.shape[0] == rows else P())
+    heads = tuple(pos_spec)[1] if len(tuple(pos_spec)) > 1 else None
+
+    def store(s):
+        out = jax.tree_util.tree_map(by_row, s)
+        if isinstance(s, Latent) and s.basis.shape[0] != rows:  # one basis per KV head
+            out = out.replace(basis=NamedSharding(mesh, P(heads, None, None)))
+        return out
+
     pos = NamedSharding(mesh, pos_spec)
-    return TokenCache(k=jax.tree_util.tree_map(by_row, layer.k),
-                      v=jax.tree_util.tree_map(by_row, layer.v), pos=pos,
+    return TokenCache(k=store(layer.k), v=store(layer.v), pos=pos,
                       length=NamedSharding(mesh, P()),
                       mass=None if layer.mass is None else pos)
 
