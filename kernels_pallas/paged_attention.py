@@ -105,7 +105,7 @@ class Partial(NamedTuple):
 
 
 def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, scale, window,
-                  softcap, k_scale=None, k_offset=None):
+                  softcap, owner_shift=None, k_scale=None, k_offset=None):
     """One page into the online softmax.
 
     q [GT, D] in the MXU operand dtype; k/v [S, D], or [D, S] when
@@ -145,23 +145,27 @@ def _softmax_step(q, k, v, kpos, qpos, carry, *, k_slots_last, v_slots_last, sca
             s = s_g if s is None else s + s_g
         s = s * scale
     m_new, l_new, p, correction = online_softmax(s, kpos, qpos, m, l, window=window,
-                                                 softcap=softcap)
+                                                 softcap=softcap, owner_shift=owner_shift)
     pv = jax.lax.dot_general(p.astype(v.dtype), v,
                              (((1,), (1 if v_slots_last else 0,)), ((), ())),
                              precision=prec(v), preferred_element_type=jnp.float32)  # [GT, Dv]
     return m_new, l_new, acc * correction + pv
 
 
-def online_softmax(s, kpos, qpos, m, l, *, window, softcap):
+def online_softmax(s, kpos, qpos, m, l, *, window, softcap, owner_shift=None):
     """Scaled scores of one step into the running softmax state.
 
     s [GT, L] float32 scaled scores; kpos [1, L], qpos [GT, 1] int32; m, l [GT, 1] float32 ->
     (m_new, l_new, p [GT, L] (0 where a slot is not visible), correction [GT, 1]): the caller
-    adds `p @ v` to its accumulator times `correction`.
+    adds `p @ v` to its accumulator times `correction`. With `owner_shift` (slots owned by
+    heads, `own_positions`) both positions carry their owner above that bit, and a slot is
+    visible only to the rows of its owner: then the positions compare as they are.
     """
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     visible = (kpos != EMPTY) & (qpos >= 0) & (kpos <= qpos)
+    if owner_shift is not None:
+        visible &= jnp.right_shift(kpos ^ qpos, owner_shift) == 0
     if window is not None:
         visible &= (qpos - kpos) < window
     s = jnp.where(visible, s, NEG_INF)
@@ -201,6 +205,38 @@ def group_queries(q: jax.Array, q_pos: jax.Array, kv_heads: int, rows: int | Non
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g * t), (0, 0)))
         pos = jnp.pad(pos, ((0, 0), (0, rows - g * t), (0, 0)), constant_values=-1)
     return qg, pos.astype(jnp.int32)
+
+
+def owner_shift(owners: int) -> int:
+    """The bit above which `own_positions` stores a slot's owner among `owners` heads: positions
+    must stay below 2**owner_shift (2**28 for 8 owners, 2**26 for 32)."""
+    return 31 - max(1, (owners - 1).bit_length())
+
+
+def own_positions(pos: jax.Array) -> jax.Array:
+    """[B, KVH, C] positions of a pooled layout (each slot owned by one KV head, EMPTY for the
+    others) -> [B, 1, C]: the owner's position with its head index above `owner_shift(KVH)`,
+    EMPTY where no head holds the slot.
+
+    Example:
+        >>> pos = jnp.array([[[0, -1, 2], [-1, 1, -1]]])   # head 0 owns slots 0, 2; head 1 slot 1
+        >>> own_positions(pos)[0, 0].tolist() == [0, 1 << owner_shift(2) | 1, 2]
+        True
+    """
+    shift = owner_shift(pos.shape[1])
+    heads = jnp.arange(pos.shape[1], dtype=jnp.int32)[None, :, None]
+    owned = jnp.where(pos != EMPTY, pos | jnp.left_shift(heads, shift), EMPTY)
+    return owned.max(axis=1, keepdims=True).astype(jnp.int32)
+
+
+def owned_query_positions(qpos: jax.Array, tokens: int, heads: int, owners: int) -> jax.Array:
+    """Grouped query positions [B, rows, 1] of one KV row holding every query head (rows in
+    (head, token) order, `group_queries` with one KV head) with each row's owner, the KV head
+    of its query head (`heads / owners` query heads each), above `owner_shift(owners)`;
+    padding rows stay negative."""
+    row = jnp.arange(qpos.shape[1], dtype=jnp.int32)[None, :, None]
+    owner = jnp.minimum(row // tokens, heads - 1) // (heads // owners)
+    return jnp.where(qpos >= 0, qpos | jnp.left_shift(owner, owner_shift(owners)), qpos)
 
 
 # ----------------------------------------------------------------------------- TPU (Mosaic)
@@ -558,6 +594,17 @@ def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_for
         raise ValueError(f"paged_attention: pages_per_split must be >= 1, got {pages_per_split}")
 
 
+def _check_owners(slot_owners, kv_heads: int, heads: int) -> None:
+    if slot_owners is None:
+        return
+    if not (isinstance(slot_owners, int) and 1 <= slot_owners and heads % slot_owners == 0):
+        raise ValueError(f"paged_attention: slot_owners must be a positive int dividing the "
+                         f"{heads} query heads, got {slot_owners!r}")
+    if kv_heads != 1:
+        raise ValueError(f"paged_attention: slot_owners reads one KV row per sequence shared by "
+                         f"its heads; num_pages must be [B, 1], got {kv_heads} KV heads")
+
+
 def _compute_dtype(q_dtype, compute_dtype):
     if compute_dtype is None:
         return jnp.bfloat16 if q_dtype == jnp.bfloat16 else jnp.float32
@@ -670,7 +717,7 @@ def window_pages(window: int | None, q_len: int, page_size: int) -> int | None:
                                              "softcap", "scale", "backend", "interpret",
                                              "compute_dtype", "pages_per_block",
                                              "head_stride", "row_pages", "launch",
-                                             "value_dim"))
+                                             "value_dim", "slot_owners"))
 def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pages, *,
                             k_format: Format = DENSE, v_format: Format = DENSE,
                             pages_per_split: int = 8, window: int | None = None,
@@ -681,7 +728,8 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                             row_pages: int | None = None,
                             table_windows: jax.Array | None = None,
                             launch: tuple[int, int] | None = None,
-                            value_dim: int | None = None) -> Partial:
+                            value_dim: int | None = None,
+                            slot_owners: int | None = None) -> Partial:
     """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     rows_ = None
@@ -695,6 +743,7 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, k_format,
                   v_format, pages_per_split, backend, head_stride, value_dim)
     kvh = num_pages.shape[1]
+    _check_owners(slot_owners, kvh, q.shape[2])
     if pages_per_block is not None and pages_per_block < 1:
         raise ValueError(f"paged_attention: pages_per_block must be >= 1, got {pages_per_block}")
     n_table = block_tables.shape[-1]
@@ -712,8 +761,13 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
         rows = max(GPU_MIN_ROWS, 1 << (rows - 1).bit_length())
     cdt = _compute_dtype(q.dtype, compute_dtype)
     qg, qpos = group_queries(q.astype(cdt), q_pos, kvh, rows)
+    shift = None
+    if slot_owners is not None:
+        qpos, shift = (owned_query_positions(qpos, q.shape[1], q.shape[2], slot_owners),
+                       owner_shift(slot_owners))
     math = _math(k_format, v_format, dict(scale=q.shape[-1] ** -0.5 if scale is None else scale,
-                                          window=window, softcap=softcap), cdt)
+                                          window=window, softcap=softcap, owner_shift=shift),
+                 cdt)
     if launch is not None and (backend != "gpu" or not isinstance(launch, tuple) or
                                len(launch) != 2 or
                                not all(isinstance(n, int) and n >= 1 for n in launch)):
@@ -851,6 +905,10 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       table_windows: with `PackedChannelRows` row pools, [ceil(R * row_pages / 2)]
         int32: page p's table window starts at table row (table_windows[p // 2] >>
         16 (p % 2)) & 0xFFFF of its row's table (`page_formats.pack_pairs`).
+      slot_owners: (static) a pooled layout (head-wise budgets): one KV row per sequence
+        (num_pages [B, 1]) whose slots are each owned by one of `slot_owners` KV heads,
+        positions made by `own_positions`; query head j reads only the slots of owner
+        j // (H / slot_owners). Each page is read once for every query head.
       value_dim: (static) the values' head dim Dv when it differs from the keys' and
         queries' D (low-rank latents of different ranks, MLA-style heads); default D.
         The output is then [B, T, H, Dv].
@@ -889,7 +947,8 @@ def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_table
                               window: int | None = None, softcap: float | None = None,
                               scale: float | None = None, head_stride: int | None = None,
                               row_pages: int | None = None, table_windows=None,
-                              value_dim: int | None = None, **_) -> jax.Array:
+                              value_dim: int | None = None, slot_owners: int | None = None,
+                              **_) -> jax.Array:
     """Plain-jnp paged attention: gather and decode every page, one masked softmax, float32."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     if row_pages is not None:
@@ -911,6 +970,12 @@ def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_table
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     kp, qp = pos[:, :, None, None, :], q_pos[:, None, None, :, None]
+    if slot_owners is not None:  # decode the owner; each query head sees its KV head's slots
+        shift = owner_shift(slot_owners)
+        owner = jnp.where(kp >= 0, jnp.right_shift(kp, shift), -1)
+        kp = jnp.where(kp >= 0, kp & ((1 << shift) - 1), EMPTY)
+        mine = jnp.arange(h // kvh)[None, None, :, None, None] // (h // slot_owners)
+        kp = jnp.where(owner == mine, kp, EMPTY)
     visible = (kp != EMPTY) & (qp >= 0) & (kp <= qp)
     if window is not None:
         visible &= (qp - kp) < window

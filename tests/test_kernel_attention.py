@@ -66,11 +66,12 @@ def test_window_and_softcap_pass_through():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
-def test_odd_capacities_are_padded_and_pooled_layouts_fall_back():
+def test_odd_capacities_are_padded_and_a_pooled_part_falls_back():
     """A capacity no page size >= 8 divides (30 slots) is padded to the tile per call (128 slots
-    on TPU, 64 on GPU; the new slots EMPTY) and read by the kernel like the reference; a pooled
-    (head-wise budget) layer is not read: `kernel_refusal` names why, `attend_pallas` raises
-    with it, and `attend(impl="pallas")` takes the XLA path for it (and on a CPU host)."""
+    on TPU, 64 on GPU; the new slots EMPTY) and read by the kernel like the reference; a
+    residual layer with a pooled and a per-head part (no method makes one) is not read:
+    `kernel_refusal` names why and `attend_pallas` raises with it. On a CPU host
+    `attend(impl="pallas")` is the XLA path."""
     layer, q, q_pos = filled(2, 10, capacity=30)
     assert ka.page_size_for(30) is None and ka.supports_pallas(layer, "tpu")
     assert ka.tiled_capacity(layer, "tpu") == 128 and ka.tiled_capacity(layer, "gpu") == 64
@@ -81,14 +82,17 @@ def test_odd_capacities_are_padded_and_pooled_layouts_fall_back():
         got = ka.attend_pallas(q, q_pos, layer, backend=backend, interpret=interpret)
         want = kvjax.attend(q, q_pos, layer, impl="reference")
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
-    pooled = kvjax.pool_heads(filled(2, 10, capacity=32)[0])
-    assert ka.kernel_refusal(pooled, "tpu") == "a pooled (head-wise budget) TokenCache"
-    with pytest.raises(ValueError, match="does not read this layer .a pooled"):
+    pooled = kvjax.ResidualCache(body=kvjax.pool_heads(filled(2, 10, capacity=32)[0]),
+                                 recent=filled(2, 10, capacity=32)[0], residual=8, block=8)
+    assert ka.kernel_refusal(pooled, "tpu") == \
+        "a ResidualCache with a pooled and a per-head part (their rows do not merge)"
+    with pytest.raises(ValueError, match="does not read this layer .a ResidualCache with a pool"):
         ka.attend_pallas(q, q_pos, pooled, backend="tpu", interpret=True)
     assert ka.pallas_backend() == device_backend()  # None on a CPU host
-    got = kvjax.attend(q, q_pos, pooled, impl="pallas")
-    want = kvjax.attend(q, q_pos, pooled, impl="xla")
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if device_backend() is None:  # no kernel here: impl="pallas" is the XLA path
+        got = kvjax.attend(q, q_pos, layer, impl="pallas")
+        np.testing.assert_array_equal(np.asarray(got),
+                                      np.asarray(kvjax.attend(q, q_pos, layer, impl="xla")))
 
 
 @pytest.mark.parametrize("n, supported", [(12, True), (16, True)])
@@ -142,6 +146,43 @@ def test_kivi_pages_whose_groups_spread_take_the_xla_loop(backend):
     assert xla.acc.shape == kernel.acc.shape and xla.m.shape == kernel.m.shape
     np.testing.assert_allclose(np.asarray(finish(xla, q.shape)),
                                np.asarray(finish(kernel, q.shape)), **TOL)
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+@pytest.mark.parametrize("method", ["knorm:ratio=0.5,headwise=true",
+                                    "quantize:bits=4,group=32+snapkv:ratio=0.4,headwise=true,window=4"])
+def test_pooled_layers_attend_through_the_kernel(backend, method):
+    """Head-wise budgets leave a pooled layer: one row of slots per sequence, each slot owned by
+    one KV head (its positions EMPTY for the others). The kernel reads it as one KV row holding
+    all six query heads, each query row seeing its own KV head's slots (`slot_owners`): equal
+    to the reference for decode, a 3-token chunk and a window, dense and int4 (after SnapKV,
+    whose kept slots differ per head); and every page is listed once per sequence."""
+    layer, _, _ = filled(12, 100, capacity=128)
+    t = kvjax.parse_method(method)
+    stats = None
+    if "snapkv" in method:
+        from kvjax.core.stats import LayerStats
+        rng = np.random.default_rng(13)
+        none = jnp.zeros((2, 6, 0))
+        stats = (LayerStats(jnp.asarray(rng.normal(size=(2, 4, 6, 64)), jnp.float32),
+                            jnp.broadcast_to(jnp.arange(96, 100), (2, 4)), none,
+                            none[..., None], jnp.zeros(2), jnp.zeros(32), jnp.zeros((0, 0))),)
+    (pooled,), _ = t.update((layer,), t.init((layer,)), stats)
+    assert pooled.pooled and ka.row_heads(pooled) == 1
+    held = np.asarray(pooled.pos != -1)  # [B, KVH, C]: each slot owned by at most one head
+    assert held.sum(1).max() == 1 and (held[:, 0] != held[:, 1]).any()
+    assert ka.kernel_refusal(pooled, backend) is None
+    inputs = ka.kernel_inputs(ka.pooled_view(pooled), backend=backend)
+    assert inputs["num_pages"].shape == (2, 1)
+    backend, interpret = mode(backend)
+    rng = np.random.default_rng(14)
+    for t_q, window in ((1, None), (3, None), (1, 30)):
+        q = jnp.asarray(rng.normal(size=(2, t_q, 6, 64)), jnp.float32)
+        q_pos = jnp.broadcast_to(jnp.arange(100 - t_q, 100), (2, t_q))
+        got = ka.attend_pallas(q, q_pos, pooled, backend=backend, interpret=interpret,
+                               window=window)
+        want = kvjax.attend(q, q_pos, pooled, impl="reference", window=window)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
 def low_rank_layer(layer, key_rank: int, value_rank: int):

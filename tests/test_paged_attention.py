@@ -263,6 +263,45 @@ def test_values_may_have_their_own_head_dim(backend, value_dim, packed):
                 np.testing.assert_allclose(got[b, t, hq], p @ vals / p.sum(), **TOL)
 
 
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_slots_owned_by_heads_are_seen_by_their_heads_only(backend):
+    """A pooled pool (head-wise budgets): one KV row per sequence whose slots are each owned by
+    one of 3 KV heads (`own_positions`); 6 query heads, two per owner, in one kernel row
+    (`slot_owners=3`). Each query head attends only to its owner's slots: equal to a numpy
+    softmax over exactly those slots, for 2 query tokens and with a window."""
+    from kernels_pallas.paged_attention import own_positions
+    rng = np.random.default_rng(21)
+    b, kvh, s, n_pages, d = 2, 3, 16, 8, 32
+    owner = rng.integers(0, kvh, size=(b, n_pages * s // b))  # each slot's head
+    real = np.tile(np.arange(n_pages * s // b), (b, 1))  # slot i holds position i
+    pos = np.where(owner[:, None, :] == np.arange(kvh)[None, :, None], real[:, None, :], -1)
+    pos[:, :, -5:] = -1  # free slots at the end
+    owned = own_positions(jnp.asarray(pos, jnp.int32))  # [B, 1, C]
+    pos_pages = owned.reshape(b * n_pages // b, 1, s)  # row b's pages b*4 .. b*4 + 3
+    tables = jnp.arange(n_pages, dtype=jnp.int32).reshape(b, 1, n_pages // b)
+    counts = jnp.full((b, 1), n_pages // b, jnp.int32)
+    k = jnp.asarray(rng.normal(size=(n_pages, s, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(n_pages, s, d)), jnp.float32)
+    q = jnp.asarray(rng.normal(size=(b, 2, 6, d)), jnp.float32)
+    q_pos = jnp.asarray([[40, 41], [50, 58]], jnp.int32)
+    for window in (None, 20):
+        got, want = run_both(q, q_pos, k, v, pos_pages, tables, counts, backend,
+                             slot_owners=kvh, window=window)
+        np.testing.assert_allclose(got, want, **TOL)
+        kn, vn = np.asarray(k).reshape(b, -1, d), np.asarray(v).reshape(b, -1, d)
+        for bi in range(b):
+            for hq in range(6):
+                for t in range(2):
+                    qp = int(q_pos[bi, t])
+                    mine = pos[bi, hq // 2]  # this head's owner's positions, -1 elsewhere
+                    seen = (mine >= 0) & (mine <= qp)
+                    if window is not None:
+                        seen &= qp - mine < window
+                    sc = kn[bi] @ np.asarray(q)[bi, t, hq] / np.sqrt(d)
+                    p = np.where(seen, np.exp(sc - sc[seen].max()), 0.0)
+                    np.testing.assert_allclose(got[bi, t, hq], p @ vn[bi] / p.sum(), **TOL)
+
+
 def test_tpu_semantics_interpret_quantized():
     """TPU interpret mode over KIVI keys (one-hot table gather) and int4 values."""
     rng = np.random.default_rng(8)
@@ -296,6 +335,11 @@ def test_bad_inputs_raise():
              k_format=pf.PackedTokens(4, 32))
     with pytest.raises(ValueError, match="int32"):
         call(q, q_pos, k, v, pos, tables.astype(jnp.int16), counts)
+    with pytest.raises(ValueError, match="slot_owners must be a positive int dividing the 4 "
+                                         "query heads, got 3"):
+        call(q, q_pos, k, v, pos, tables[:, :1], counts[:, :1], slot_owners=3)
+    with pytest.raises(ValueError, match="num_pages must be .B, 1., got 2 KV heads"):
+        call(q, q_pos, k, v, pos, tables, counts, slot_owners=2)
     with pytest.raises(ValueError, match="value_dim must be a positive int.*got 0"):
         call(q, q_pos, k, v, pos, tables, counts, value_dim=0)
     with pytest.raises(ValueError, match=r"values of value_dim 32: dense pages must be "

@@ -196,7 +196,8 @@ PALLAS = textwrap.dedent("""
     basis = basis_from_moments(accumulate_moments(None, dense))
     codecs = {"dense": None, "int4": kvjax.quantize(bits=4, group=32),
               "kivi": kvjax.kivi(bits=4, group=32, residual=32),
-              "low_rank": low_rank(basis, rank=16, key_rank=32)}
+              "low_rank": low_rank(basis, rank=16, key_rank=32),
+              "pooled": kvjax.parse_method("knorm:ratio=0.5,headwise=true")}
     for name, codec in codecs.items():
         cache = dense
         if codec is not None:
@@ -220,14 +221,18 @@ def test_pallas_kernel_under_shard_map_matches_the_reference_on_8_devices():
     """The TPU kernel (interpret mode) under `jax.shard_map` on data=2 x model=4, one sequence
     per data shard and one KV head (two query heads) per model shard, for a dense, an int4, a
     KIVI and a low-rank layer (keys of rank 32, values of 16; each shard holds its own head's
-    bases, split over `model` like `pos`): equal to `attend(impl="reference")` on the whole
+    bases, split over `model` like `pos`), and a pooled one (head-wise budgets: its sequences
+    split over `data`, its heads never): equal to `attend(impl="reference")` on the whole
     layer within f32 rounding."""
     rows = run_on_8_devices(PALLAS)
     assert rows["kivi"]["type"] == "ResidualCache"
     assert rows["low_rank"]["basis_spec"] == "P('model', None, None)"
     for name, row in rows.items():
         assert row["err"] < 1e-5, name
-        assert row["spec"] == "P('data', None, 'model')", name  # query heads stay split
+        if name == "pooled":  # heads share a row: sequences split, heads never
+            assert row["spec"] == "P('data',)", row
+        else:
+            assert row["spec"] == "P('data', None, 'model')", name  # query heads stay split
 
 
 PPL = textwrap.dedent("""

@@ -574,7 +574,8 @@ def _cache_kinds() -> dict:
     token = kvjax.write(kvjax.init_cache(b, kvh, 512, d), k, -k, pos)
 
     def method(m):
-        (out,), _ = kvjax.parse_method(m).update((token,), (), None)
+        t = kvjax.parse_method(m)
+        (out,), _ = t.update((token,), t.init((token,)), None)
         return out
 
     def paged(init, **kw):
@@ -584,7 +585,8 @@ def _cache_kinds() -> dict:
 
     kinds = {m: method(m) for m in ("full", "fp8", "quantize:bits=8", "quantize:bits=4",
                                     "quantize:bits=4,axis=channel", "kivi:bits=4",
-                                    "snapkv:ratio=0.5+kivi:bits=2")}
+                                    "knorm:ratio=0.5+kivi:bits=2",
+                                    "quantize:bits=4+knorm:ratio=0.5,headwise=true")}
     kinds["PagedLayer int4"] = paged(lambda *a, **kw: init_paged_cache(
         b * kvh * 4 + 1, 128, *a, **kw), shared_tables=False)[1][0]
     pool, layers = paged(lambda *a, **kw: tiers.init_tiered_cache(b * kvh * 4 + 1, 4, 128, *a,
@@ -606,25 +608,29 @@ def _cache_kinds() -> dict:
 @pytest.mark.parametrize("chip", tc.CHIPS)
 def test_every_cache_kind_compiles_through_the_kernel_for_decode_and_prefill(chip, capsys):
     """Every layer kind `attend(impl="pallas")` reads -- `TokenCache` with dense, fp8, int8,
-    int4, per-channel int4 and KIVI stores (a residual layer, also after SnapKV), a paged
+    int4, per-channel int4 and KIVI stores (a residual layer, also after Knorm), a paged
     layer, a tiered one (host pages staged) and a paged KIVI one -- compiles with Mosaic for
     the chip, for a decode step (1 query token) and a prefill chunk (100 tokens of 4 query
     heads per KV head: two query blocks), with a Mosaic call per part and block and no XLA
-    fallback; a low-rank layer too (over its latents: keys of rank 32, values of 64). The
-    kind no kernel reads is named by `kernel_refusal`: pooled (head-wise budget) layers."""
-    import kvjax
+    fallback; a low-rank layer too (over its latents: keys of rank 32, values of 64) and a
+    pooled one (head-wise budgets, int4: one row per sequence holding all 8 query heads, so
+    four query blocks for the chunk)."""
     from kvjax.backends import pallas as ka
 
-    for name, layer in _cache_kinds().items():
+    kinds = _cache_kinds()
+    for name in ("kivi:bits=4", "knorm:ratio=0.5+kivi:bits=2"):  # each kind is what it says
+        assert type(kinds[name]).__name__ == "ResidualCache", name
+    assert int((kinds["knorm:ratio=0.5+kivi:bits=2"].body.pos != -1).sum()) < 2 * 2 * 400 // 2
+    assert kinds["quantize:bits=4+knorm:ratio=0.5,headwise=true"].pooled
+    for name, layer in kinds.items():
         assert ka.kernel_refusal(layer, "tpu") is None, name
         parts = 2 if ka.kernel_layout(layer) in ("parts", "tiers") else 1
+        rows_per_token = 8 // ka.row_heads(layer)  # query heads a kernel row holds
+        assert rows_per_token == (8 if "headwise" in name else 4), name
         for t in (1, 100):
             calls = _attend_kernel_calls(chip, layer, (2, t, 8, 128))
-            assert calls == parts * -(-t * 4 // MAX_QUERY_ROWS["tpu"]), (name, t, calls)
+            assert calls == parts * -(-t * rows_per_token // MAX_QUERY_ROWS["tpu"]), \
+                (name, t, calls)
         with capsys.disabled():
             print(f"\n{chip} {name}: decode and prefill through the kernel")
-    small = (kvjax.write(kvjax.init_cache(1, 2, 64, 64), jnp.ones((1, 2, 40, 64)),
-                         jnp.ones((1, 2, 40, 64)), jnp.arange(40)[None]),)
-    pooled = kvjax.parse_method("knorm:ratio=0.5,headwise=true")
-    (layer,), _ = pooled.update(small, pooled.init(small), None)
-    assert ka.kernel_refusal(layer, "tpu") == "a pooled (head-wise budget) TokenCache"
+

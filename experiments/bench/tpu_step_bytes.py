@@ -26,7 +26,7 @@ from experiments.bench.kivi_tpu_temporaries import run_compile
 METHODS = ("full", "fp8", "quantize:bits=8", "quantize:bits=4",
            "quantize:bits=4,param_dtype=bfloat16", "kivi:bits=4",
            "kivi:bits=4,param_dtype=bfloat16", "snapkv:ratio=0.5+kivi:bits=4", "auto:budget=0.25",
-           "think:ratio=0.5")
+           "think:ratio=0.5", "knorm:ratio=0.5,headwise=true")
 
 
 def step_row(method: str, batch: int = 64, context: int = 32256) -> dict:

@@ -46,9 +46,10 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xl
     `"xla"` (default) is `attend_blockwise`; `"reference"` is
     `attend_reference`, the plain definition tests compare against;
     `"pallas"` runs the paged attention kernel on TPU or GPU
-    (`kvjax.backends.pallas`; a low-rank layer over its latent coordinates) and falls back
-    to `"xla"` on CPU and for layouts the kernel does not read (pooled; `kernel_refusal`
-    says why; `kvjax compile` reports the kernel calls). Every other path is the
+    (`kvjax.backends.pallas`: token, encoded, KIVI, paged, tiered, pooled and low-rank layers)
+    and falls back to `"xla"` on CPU and for layers the kernel does not read
+    (`kernel_refusal` says why, e.g. a GPU head dim that is not a power of two;
+    `kvjax compile` reports the kernel calls). Every other path is the
     layer's own `attend` (`kvjax.core.layer.CacheLayer`: a `PagedLayer` gathers a dense
     view, a recurrent layer reads its state).
     `PallasOnMesh(mesh)` (kvjax.backends.sharded) runs that kernel under

@@ -35,9 +35,15 @@ Every layer kind the kernel reads is a pool of pages plus block tables:
   `value_dim` when it differs from the keys'), and the accumulator is lifted by the value
   basis after (linear, so it commutes with the softmax's sums and merges).
 
+- A pooled `TokenCache` (head-wise budgets: a sequence's KV heads share one row of slots, each
+  slot owned by one head) is one KV row per sequence holding all H query heads (`pooled_view`):
+  its positions carry their owner head (`own_positions`, built per call: 4 bytes a slot) and
+  each query row sees its own KV head's slots (the kernel's `slot_owners`). Every page is read
+  once per sequence, for all its heads. Positions must stay below 2**28 (8 KV heads).
+
 Dense (float32/bf16/fp8), `PackedTokens` and `PackedChannels` stores are
-decoded inside the kernel. Pooled (head-wise budget) layers are
-not read: `kernel_refusal` says why and `attend` uses the XLA path for them.
+decoded inside the kernel. A residual layer with a pooled and a per-head part (no method
+makes one) is not read: `kernel_refusal` says why and `attend` uses the XLA path for it.
 
 Example:
     >>> import kvjax
@@ -59,7 +65,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas import page_formats as pf
-from kernels_pallas.paged_attention import (NEG_INF, Partial, finish, merge,
+from kernels_pallas.paged_attention import (NEG_INF, Partial, finish, merge, own_positions,
                                             paged_attention_partial)
 from kvjax.core.branches import rare_cond
 from kvjax.core.attention import blockwise_state
@@ -266,6 +272,20 @@ def latent_view(layer: TokenCache) -> TokenCache:
     return layer.replace(k=z(layer.k), v=z(layer.v))
 
 
+def pooled_view(layer: TokenCache) -> TokenCache:
+    """A pooled layer as the kernel reads it: one KV row per sequence whose positions carry
+    their owner head (`own_positions`, [B, 1, C]); any other layer as it is."""
+    if not layer.pooled:
+        return layer
+    return layer.replace(pos=own_positions(layer.pos), mass=None)
+
+
+def row_heads(layer: Any) -> int:
+    """KV heads per sequence as the kernel's rows hold them: 1 for a pooled layer (its rows
+    hold every head), else the layer's KV heads."""
+    return 1 if kernel_layout(layer) == "rows" and layer.pooled else layer.kv_heads
+
+
 def value_dim(layer: TokenCache) -> int:
     """The head dim of the values as the kernel reads them (a low-rank store's rank)."""
     return latent_view(layer).v.shape[-1]
@@ -401,6 +421,9 @@ def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
     backend = backend or pallas_backend()
     name = type(layer).__name__
     if kernel_layout(layer) == "parts":  # a body of 0 slots (all tokens in the window) is skipped
+        pooled = {kernel_layout(p) == "rows" and p.pooled for p in (layer.body, layer.recent)}
+        if len(pooled) > 1:
+            return f"a {name} with a pooled and a per-head part (their rows do not merge)"
         body = None if layer.body.capacity == 0 else kernel_refusal(layer.body, backend)
         part = body or kernel_refusal(layer.recent, backend)
         return None if part is None else f"a {name}'s part: {part}"
@@ -412,9 +435,8 @@ def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
         if backend == "gpu" and isinstance(layer.k, ChannelPages):
             return "paged KIVI keys are read by the TPU kernel only"
         page = layer.page_size
-    elif layer.pooled:
-        return "a pooled (head-wise budget) TokenCache"
-    elif (page := page_size_for(tiled_capacity(layer := latent_view(layer), backend))) is None:
+    elif (page := page_size_for(tiled_capacity(layer := latent_view(pooled_view(layer)),
+                                                backend))) is None:
         return f"capacity {layer.capacity} has no power-of-two page of >= {MIN_PAGE} slots"
     elif not (_decoded_in_kernel(layer.k) and _decoded_in_kernel(layer.v)):
         return f"the kernel has no format for {type(layer.k).__name__} / " \
@@ -486,6 +508,8 @@ def attend_partial(q, q_pos, layer, **kwargs) -> Partial:
                                          window=kwargs.get("window"),
                                          softcap=kwargs.get("softcap"))
         return rare_cond(jnp.any(stage_misses(layer)), xla, kernel)
+    if kernel_layout(layer) == "rows" and layer.pooled:
+        return attend_partial(q, q_pos, pooled_view(layer), slot_owners=layer.kv_heads, **kwargs)
     if kernel_layout(layer) == "rows" and latent_view(layer) is not layer:
         return _latent_partial(q, q_pos, layer, **kwargs)
     backend = kwargs.get("backend", "tpu")
@@ -564,9 +588,12 @@ def attend_pallas(q: jax.Array, q_pos: jax.Array, layer: Any, *, window: int | N
     backend = backend or pallas_backend()
     if backend is None:
         raise ValueError("attend_pallas: no TPU or GPU; pass backend= with interpret=True")
+    if (refusal := kernel_refusal(layer, backend)) is not None:
+        raise ValueError(f"attend_pallas: the {backend} kernel does not read this layer "
+                         f"({refusal}); use impl='xla'")
     if pages_per_split is None:
         pages_per_split = default_pages_per_split(backend, q.shape[0], q.shape[1])
-    tokens = query_tokens_per_call(q.shape[2] // layer.kv_heads, backend)
+    tokens = query_tokens_per_call(q.shape[2] // row_heads(layer), backend)
     if q.shape[1] > tokens:  # a prefill chunk: calls over query blocks (queries are independent)
         return jnp.concatenate([
             attend_pallas(q[:, i:i + tokens], q_pos[:, i:i + tokens], layer, window=window,

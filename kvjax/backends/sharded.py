@@ -34,8 +34,8 @@ class PallasOnMesh(NamedTuple):
 
     `backend` None means the device's (`pallas_backend()`); where there is none (CPU) and
     `interpret` is False, `attend` falls back to `"xla"` as plain `"pallas"` does, as it
-    does for layouts the kernel does not read (pooled head-wise caches); layers with host pages
-    take `"xla"`.
+    does for layers the kernel does not read (`kvjax.backends.pallas.kernel_refusal`); layers
+    with host pages take `"xla"`.
     `interpret` (True or `pltpu.InterpretParams()`) runs the kernel body in interpret mode.
     The axis names are those the cache was split over (`kvjax.shard_cache`).
     """
