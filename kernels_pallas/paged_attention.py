@@ -1,7 +1,9 @@
 """Paged attention: each sequence's queries over its pages of a key/value pool.
 
 One kernel serves decode (T = 1 query per sequence), chunked prefill
-(T > 1 queries, causal by position) and every page format of
+(T > 1 queries, causal by position), both packed in one call (`ragged_paged_attention`:
+blocks of one sequence's tokens, each reading its sequence's pages through `q_seq`) and
+every page format of
 `page_formats` (dense, bit-packed per token, KIVI per channel): pages are
 decoded to float32 inside the kernel, never in HBM.
 
@@ -259,11 +261,13 @@ def _page_step(q, k_format, k_blocks, v_format, v_blocks, kpos, qpos, carry, ops
                          k_offset=k_offset, **math)
 
 
-def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref, *refs, k_format,
+def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, seq_ref, qpos_ref, q_ref, *refs,
+                k_format,
                 v_format, kv_heads, table_len, head_stride, pages_per_block, blocks_per_split,
                 math, row_pages=None, slot_axes=None, page_size=None):
-    # tables_ref [B*KVH*NP], or shared [B*NP] when head_stride is set, int32 (SMEM);
-    # counts_ref / starts_ref [B*KVH] int32 (SMEM): the
+    # tables_ref [S*KVH*NP], or shared [S*NP] when head_stride is set, int32 (SMEM), S
+    # sequences; seq_ref [B] int32 (SMEM): the sequence query row b reads (its table);
+    # counts_ref / starts_ref [B*KVH] int32 (SMEM), per query row: the
     # row's pages [start, count) of its table are read, from start on in blocks;
     # windows_ref [ceil(R * row_pages / 2)] int32 (SMEM): row pool page p's first table row
     # (`PackedChannelRows`' windows, slot axis 0) in bits 16 (p % 2) of word p // 2 (`pack_pairs`:
@@ -281,8 +285,9 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref
     pools, (acc_out, m_out, l_out), bufs = refs[:n], refs[n:n + 3], refs[n + 3:2 * n + 3]
     sem, m_sc, l_sc, acc_sc = refs[2 * n + 3:]
     b, h, split, j = (pl.program_id(i) for i in range(4))
-    row = b * kv_heads + h
-    table_row, head_offset = (row, 0) if head_stride is None else (b, h * head_stride)
+    row, seq = b * kv_heads + h, seq_ref[b]
+    table_row, head_offset = ((seq * kv_heads + h, 0) if head_stride is None
+                              else (seq, h * head_stride))
     count = counts_ref[row]
     start = starts_ref[row]
     first = lambda blk: start + (split * blocks_per_split + blk) * pages_per_block
@@ -368,9 +373,9 @@ def _tpu_kernel(tables_ref, counts_ref, starts_ref, windows_ref, qpos_ref, q_ref
         l_out[...] = l_sc[...]
 
 
-def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
-              v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages,
-              head_stride, value_dim, rows_=None, table_windows=None):
+def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, q_seq, *,
+              k_format, v_format, pages_per_split, pages_per_block, splits, math, interpret,
+              read_pages, head_stride, value_dim, rows_=None, table_windows=None):
     b, kvh, rows, d = qg.shape
     dv = value_dim
     pools = (pos_pages, *k_arrays, *v_arrays)
@@ -384,7 +389,7 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
     out_block = lambda *tail: pl.BlockSpec((None, None, None, rows, *tail),
                                            lambda bi, h, split, j, *_: (split, bi, h, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=4,
+        num_scalar_prefetch=5,
         grid=(b, kvh, splits, blocks_per_split),
         in_specs=[pl.BlockSpec((None, rows, 1), lambda bi, h, *_: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, *_: (bi, h, 0, 0)),
@@ -411,7 +416,8 @@ def _tpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name="kvjax_paged_attention_tpu",
     )(tables.reshape(-1), counts.reshape(-1), starts.reshape(-1),
-      jnp.zeros((1,), jnp.int32) if table_windows is None else table_windows, qpos, qg, *pools)
+      jnp.zeros((1,), jnp.int32) if table_windows is None else table_windows, q_seq, qpos, qg,
+      *pools)
     return acc, m[..., 0], l[..., 0]
 
 
@@ -443,9 +449,10 @@ def cost_estimate(qg, k_format, k_arrays, v_format, v_arrays, pos_pages, tables,
 # ----------------------------------------------------------------------------- GPU (Triton)
 
 
-def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *refs, k_format,
-                v_format, pages_per_split, pages_per_step, math, head_stride):
-    # tables_ref [B, KVH, NP] or shared [B, NP], counts_ref / starts_ref [B, KVH]: whole arrays;
+def _gpu_kernel(tables_ref, counts_ref, starts_ref, seq_ref, qpos_ref, q_ref, pos_ref, *refs,
+                k_format, v_format, pages_per_split, pages_per_step, math, head_stride):
+    # tables_ref [S, KVH, NP] or shared [S, NP] (S sequences), counts_ref / starts_ref [B, KVH]
+    # per query row, seq_ref [B] the sequence (table) query row b reads: whole arrays;
     # qpos_ref [GT, 1]; q_ref [GT, D]; acc_out [GT, Dv]; pos_ref [P, 1, S] and every format
     # array [P, ...]: whole
     # pools. Each loop step gathers `pages_per_step` pages side by side: L = pages_per_step * S
@@ -467,8 +474,9 @@ def _gpu_kernel(tables_ref, counts_ref, starts_ref, qpos_ref, q_ref, pos_ref, *r
     which = jax.lax.div(col, page_size) if pages_per_step > 1 else 0
     slot = jax.lax.rem(col, page_size)
     q = q_ref[...]
-    lookup = lambda i: (tables_ref[b, h, i] if head_stride is None
-                        else tables_ref[b, i] + h * head_stride)
+    seq = seq_ref[b]
+    lookup = lambda i: (tables_ref[seq, h, i] if head_stride is None
+                        else tables_ref[seq, i] + h * head_stride)
 
     def body(step, carry):
         idx = first + step * pages_per_step + which  # [1, L] table entries (or one)
@@ -507,9 +515,9 @@ def gpu_launch(rows: int, head_dim: int, cols: int, k_format, v_format) -> tuple
     return (8 if big or isinstance(k_format, PackedChannels) else 4), 1
 
 
-def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *, k_format,
-              v_format, pages_per_split, pages_per_block, splits, math, interpret, read_pages,
-              head_stride, value_dim, launch=None):
+def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, q_seq, *,
+              k_format, v_format, pages_per_split, pages_per_block, splits, math, interpret,
+              read_pages, head_stride, value_dim, launch=None):
     b, kvh, rows, d = qg.shape
     dv = value_dim
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
@@ -523,7 +531,7 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
     state = jax.ShapeDtypeStruct((splits, b, kvh, rows, 1), jnp.float32)
     acc, m, l = pl.pallas_call(
         kernel, grid=(b, kvh, splits),
-        in_specs=[whole(tables), whole(counts), whole(starts),
+        in_specs=[whole(tables), whole(counts), whole(starts), whole(q_seq),
                   pl.BlockSpec((None, rows, 1), lambda bi, h, s: (bi, 0, 0)),
                   pl.BlockSpec((None, None, rows, d), lambda bi, h, s: (bi, h, 0, 0)),
                   whole(pos_pages), *[whole(x) for x in (*k_arrays, *v_arrays)]],
@@ -533,7 +541,7 @@ def _gpu_call(qg, qpos, k_arrays, v_arrays, pos_pages, tables, counts, starts, *
                                     tables, splits, read_pages, dv),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="kvjax_paged_attention_gpu",
-    )(tables, counts, starts, qpos, qg, pos_pages, *k_arrays, *v_arrays)
+    )(tables, counts, starts, q_seq, qpos, qg, pos_pages, *k_arrays, *v_arrays)
     return acc, m[..., 0], l[..., 0]
 
 
@@ -545,13 +553,18 @@ def _as_arrays(x) -> tuple[jax.Array, ...]:
 
 
 def _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, tables, counts, k_format, v_format,
-                  pages_per_split, backend, head_stride=None, value_dim=None):
+                  pages_per_split, backend, head_stride=None, value_dim=None, q_seq=None):
     if backend not in BACKENDS:
         raise ValueError(f"paged_attention: backend must be one of {BACKENDS}, got {backend!r}")
     if q.ndim != 4 or q_pos.shape != q.shape[:2]:
         raise ValueError(f"paged_attention: q must be [B, T, H, D] and q_pos [B, T]; got "
                          f"{q.shape} and {q_pos.shape}")
     b, _, h, d = q.shape
+    if q_seq is not None:  # query rows read the tables of sequences q_seq: S table rows
+        if q_seq.shape != (b,) or q_seq.dtype != jnp.int32:
+            raise ValueError(f"paged_attention: q_seq must be int32 [B={b}] (the sequence each "
+                             f"query row reads), got {q_seq.dtype} {q_seq.shape}")
+        b = tables.shape[0] if tables.ndim in (2, 3) else b
     if value_dim is not None and not (isinstance(value_dim, int) and value_dim >= 1):
         raise ValueError(f"paged_attention: value_dim must be a positive int (the values' head "
                          f"dim), got {value_dim!r}")
@@ -635,15 +648,16 @@ def _pow2(n: int) -> bool:
 
 
 def check_gpu_shapes(head_dim: int, page_size: int, pages_per_block: int | None,
-                     dim_name: str = "head_dim (q.shape[-1])") -> None:
+                     dim_name: str = "head_dim") -> None:
     """Triton loads and dots power-of-two blocks with at least 16 rows on each dot axis.
 
     Raises ValueError naming the argument for a head dim or page size the
     GPU backend cannot take (at trace time, before Triton fails later).
     """
     if not _pow2(head_dim) or head_dim < GPU_MIN_ROWS:
+        where = " (q.shape[-1])" if dim_name == "head_dim" else ""
         raise ValueError(f"paged_attention: backend='gpu' needs a power-of-two {dim_name} >= "
-                         f"{GPU_MIN_ROWS}, got {head_dim}")
+                         f"{GPU_MIN_ROWS}{where}, got {head_dim}")
     if not _pow2(page_size):
         raise ValueError(f"paged_attention: backend='gpu' needs a power-of-two page size "
                          f"(pos_pages.shape[-1]), got {page_size}")
@@ -729,7 +743,8 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                             table_windows: jax.Array | None = None,
                             launch: tuple[int, int] | None = None,
                             value_dim: int | None = None,
-                            slot_owners: int | None = None) -> Partial:
+                            slot_owners: int | None = None,
+                            q_seq: jax.Array | None = None) -> Partial:
     """The kernel's softmax state over each row's pages, splits merged; see `paged_attention`."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     rows_ = None
@@ -741,8 +756,13 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     elif table_windows is not None:
         raise ValueError("paged_attention: table_windows goes with row_pages (row pools) only")
     _check_inputs(q, q_pos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, k_format,
-                  v_format, pages_per_split, backend, head_stride, value_dim)
+                  v_format, pages_per_split, backend, head_stride, value_dim, q_seq)
     kvh = num_pages.shape[1]
+    tables = per_head_tables(block_tables, kvh, head_stride)
+    if q_seq is None:
+        q_seq = jnp.arange(q.shape[0], dtype=jnp.int32)
+    else:  # each query row's sequence: its page counts and tables
+        num_pages, tables = num_pages[q_seq], tables[q_seq]
     _check_owners(slot_owners, kvh, q.shape[2])
     if pages_per_block is not None and pages_per_block < 1:
         raise ValueError(f"paged_attention: pages_per_block must be >= 1, got {pages_per_block}")
@@ -776,10 +796,11 @@ def paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
     call = (functools.partial(_tpu_call, rows_=rows_, table_windows=table_windows)
             if backend == "tpu" else
             functools.partial(_gpu_call, launch=launch))
-    starts = window_start_pages(q_pos, pos_pages, per_head_tables(block_tables, kvh, head_stride),
-                                num_pages, window)
+    # a row with no query reads nothing (its state stays empty either way)
+    starts = jnp.where(jnp.any(q_pos >= 0, axis=1)[:, None],
+                       window_start_pages(q_pos, pos_pages, tables, num_pages, window), num_pages)
     acc, m, l = call(qg, qpos, k_arrays, v_arrays, pos_pages, block_tables, num_pages, starts,
-                     k_format=k_format, v_format=v_format, pages_per_split=pages_per_split,
+                     q_seq, k_format=k_format, v_format=v_format, pages_per_split=pages_per_split,
                      splits=splits, math=math, interpret=interpret,
                      read_pages=window_pages(window, q.shape[1], pos_pages.shape[-1]),
                      head_stride=head_stride, pages_per_block=npb,
@@ -905,6 +926,9 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
       table_windows: with `PackedChannelRows` row pools, [ceil(R * row_pages / 2)]
         int32: page p's table window starts at table row (table_windows[p // 2] >>
         16 (p % 2)) & 0xFFFF of its row's table (`page_formats.pack_pairs`).
+      q_seq: [B] int32, the sequence (row of block_tables and num_pages) each query row
+        reads, when query rows are not one per sequence (`ragged_paged_attention`: several
+        blocks of one sequence's queries); default query row b reads sequence b.
       slot_owners: (static) a pooled layout (head-wise budgets): one KV row per sequence
         (num_pages [B, 1]) whose slots are each owned by one of `slot_owners` KV heads,
         positions made by `own_positions`; query head j reads only the slots of owner
@@ -923,6 +947,79 @@ def paged_attention(q, q_pos, k_pages, v_pages, pos_pages, block_tables, num_pag
     """
     return finish(paged_attention_partial(q, q_pos, k_pages, v_pages, pos_pages, block_tables,
                                           num_pages, **kwargs), q.shape)
+
+
+def ragged_blocks(cu_q_lens: jax.Array, n_tokens: int, block_tokens: int):
+    """Packed query tokens cut into blocks of `block_tokens` tokens of one sequence each.
+
+    cu_q_lens [S + 1] int32: sequence s's tokens are `[cu_q_lens[s], cu_q_lens[s + 1])` of
+    the packed `n_tokens` (tokens past `cu_q_lens[S]` are padding). Returns (token [NB, Tq]
+    int32: the packed index each block slot holds, `n_tokens` where none; seq [NB] int32: the
+    block's sequence), NB = ceil(n_tokens / Tq) + S, enough for any lengths (each sequence
+    leaves at most one partial block); blocks past the last hold no token.
+
+    Example:
+        >>> token, seq = ragged_blocks(jnp.array([0, 1, 6, 6]), 8, 4)   # lengths 1, 5, 0
+        >>> token[:3].tolist(), seq[:3].tolist()
+        ([[0, 8, 8, 8], [1, 2, 3, 4], [5, 8, 8, 8]], [0, 1, 1])
+    """
+    n_seq = cu_q_lens.shape[0] - 1
+    n_blocks = -(-n_tokens // block_tokens) + n_seq
+    lens = jnp.diff(cu_q_lens)
+    ends = jnp.cumsum(-(-lens // block_tokens))  # [S] blocks up to and including s
+    block = jnp.arange(n_blocks, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(ends, block, side="right"), n_seq - 1).astype(jnp.int32)
+    local = block - (ends[seq] - -(-lens[seq] // block_tokens))  # the block's index in its seq
+    offset = local[:, None] * block_tokens + jnp.arange(block_tokens, dtype=jnp.int32)
+    held = (block < ends[-1])[:, None] & (offset < lens[seq][:, None])
+    token = jnp.where(held, cu_q_lens[seq][:, None] + offset, n_tokens)
+    return token.astype(jnp.int32), seq
+
+
+def ragged_paged_attention(q, q_pos, cu_q_lens, k_pages, v_pages, pos_pages, block_tables,
+                           num_pages, *, block_tokens: int = 16, **kwargs) -> jax.Array:
+    """Packed queries of many sequences -- prefill chunks and decode tokens alike -- in one call.
+
+    As jax's `ragged_paged_attention`: q [N, H, D] and q_pos [N] are the tokens of S sequences
+    packed back to back, sequence s's at `[cu_q_lens[s], cu_q_lens[s + 1])` (dynamic; tokens
+    past `cu_q_lens[S]` are padding and get zeros). The tokens are cut into blocks of
+    `block_tokens` tokens of one sequence (`ragged_blocks`), each block a query row of one
+    kernel call that reads its sequence's pages (`q_seq`): a decode token costs one block, not
+    a row padded to the longest chunk. Blocks holding no token read no page. `kwargs` as
+    `paged_attention` (pools, formats, window, ...). Returns [N, H, Dv] float32.
+
+    Example:
+        >>> k, v = jax.random.normal(jax.random.key(0), (2, 4, 8, 16))   # [P, S, D]
+        >>> pos = jnp.arange(32).reshape(4, 1, 8)
+        >>> tables = jnp.array([[[0, 1]], [[2, 3]]])   # two sequences, KVH = 1, 16 slots each
+        >>> counts = jnp.array([[2], [2]])
+        >>> q = jax.random.normal(jax.random.key(1), (4, 2, 16))   # 3 tokens of seq 0, 1 of seq 1
+        >>> q_pos, cu = jnp.array([13, 14, 15, 31]), jnp.array([0, 3, 4])
+        >>> out = ragged_paged_attention(q, q_pos, cu, k, v, pos, tables, counts, backend="tpu",
+        ...                              interpret=pltpu.InterpretParams(), block_tokens=2)
+        >>> alone = paged_attention(q[None, 3:], q_pos[None, 3:], k, v, pos, tables[1:],
+        ...                         counts[1:], backend="tpu", interpret=pltpu.InterpretParams())
+        >>> out.shape, bool(jnp.allclose(out[3], alone[0, 0], atol=1e-5))
+        ((4, 2, 16), True)
+    """
+    n = q.shape[0]
+    if q.ndim != 3 or q_pos.shape != (n,) or cu_q_lens.ndim != 1 or cu_q_lens.shape[0] < 2:
+        raise ValueError(f"ragged_paged_attention: q must be [N, H, D], q_pos [N] and "
+                         f"cu_q_lens [S + 1]; got {q.shape}, {q_pos.shape}, {cu_q_lens.shape}")
+    if cu_q_lens.shape[0] - 1 != num_pages.shape[0]:
+        raise ValueError(f"ragged_paged_attention: cu_q_lens has {cu_q_lens.shape[0] - 1} "
+                         f"sequences, num_pages {num_pages.shape[0]}")
+    if not (isinstance(block_tokens, int) and block_tokens >= 1):
+        raise ValueError(f"ragged_paged_attention: block_tokens must be an int >= 1, got "
+                         f"{block_tokens!r}")
+    token, seq = ragged_blocks(cu_q_lens.astype(jnp.int32), n, block_tokens)
+    held = token < n
+    qb = q[jnp.minimum(token, n - 1)]  # [NB, Tq, H, D]
+    qb_pos = jnp.where(held, q_pos[jnp.minimum(token, n - 1)], -1)
+    out = paged_attention(qb, qb_pos.astype(jnp.int32), k_pages, v_pages, pos_pages,
+                          block_tables, num_pages, q_seq=seq, **kwargs)  # [NB, Tq, H, Dv]
+    flat = out.reshape(-1, *out.shape[2:])
+    return jnp.zeros((n, *out.shape[2:]), out.dtype).at[token.reshape(-1)].set(flat, mode="drop")
 
 
 # ----------------------------------------------------------------------------- reference
@@ -948,13 +1045,15 @@ def paged_attention_reference(q, q_pos, k_pages, v_pages, pos_pages, block_table
                               scale: float | None = None, head_stride: int | None = None,
                               row_pages: int | None = None, table_windows=None,
                               value_dim: int | None = None, slot_owners: int | None = None,
-                              **_) -> jax.Array:
+                              q_seq: jax.Array | None = None, **_) -> jax.Array:
     """Plain-jnp paged attention: gather and decode every page, one masked softmax, float32."""
     k_arrays, v_arrays = _as_arrays(k_pages), _as_arrays(v_pages)
     if row_pages is not None:
         pos_pages, k_arrays, v_arrays = rows_as_pages(pos_pages, k_arrays, v_arrays, k_format,
                                                       v_format, row_pages, table_windows)
     block_tables = per_head_tables(block_tables, num_pages.shape[1], head_stride)
+    if q_seq is not None:
+        block_tables, num_pages = block_tables[q_seq], num_pages[q_seq]
     b, t, h, d = q.shape
     kvh, n_table = block_tables.shape[1:]
     page_size = pos_pages.shape[-1]

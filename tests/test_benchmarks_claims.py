@@ -137,3 +137,22 @@ def test_whole_step_verdicts_table_is_its_json_rows():
         assert float(m[9]) == r["floor_ms_per_step"] == round(floor, 3), line
         seen.append(key)
     assert sorted(seen) == sorted(rows), sorted(set(rows) - set(seen))
+
+
+def test_ragged_cost_table_is_its_json_rows():
+    """"One prefill chunk beside 63 decode tokens": every row is its (chunk, form) row of
+    docs/bench/tpu_ragged_cost.json, and the ratios are the rows' own against the padded row."""
+    rows = json.loads((ROOT / "docs" / "bench" / "tpu_ragged_cost.json").read_text())["rows"]
+    by_key = {(str(r["chunk"]), r["form"]): r for r in rows}
+    row = re.compile(r"^\| (\d+) \| (padded|ragged) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| "
+                     r"([\d.]+) \|$")
+    seen = []
+    for m in section_matches("### One prefill chunk beside 63 decode tokens", row):
+        r = by_key[(m[1], m[2])]
+        assert (m[3], m[4]) == (f"{r['flops'] / 1e9:.1f}", f"{r['bytes_accessed'] / 1e9:.2f}")
+        padded = by_key[(m[1], "padded")]
+        assert float(m[5]) == r["flops_vs_padded"] == round(r["flops"] / padded["flops"], 3)
+        assert float(m[6]) == r["bytes_vs_padded"] == round(
+            r["bytes_accessed"] / padded["bytes_accessed"], 3)
+        seen.append((m[1], m[2]))
+    assert sorted(seen) == sorted(by_key), seen

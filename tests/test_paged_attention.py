@@ -340,6 +340,14 @@ def test_bad_inputs_raise():
         call(q, q_pos, k, v, pos, tables[:, :1], counts[:, :1], slot_owners=3)
     with pytest.raises(ValueError, match="num_pages must be .B, 1., got 2 KV heads"):
         call(q, q_pos, k, v, pos, tables, counts, slot_owners=2)
+    with pytest.raises(ValueError, match=r"q_seq must be int32 \[B=1\]"):
+        call(q, q_pos, k, v, pos, tables, counts, q_seq=jnp.zeros((2,), jnp.int32))
+    from kernels_pallas.paged_attention import ragged_paged_attention
+    with pytest.raises(ValueError, match="cu_q_lens has 2 sequences, num_pages 1"):
+        ragged_paged_attention(q[0], q_pos[0], jnp.array([0, 1, 1]), k, v, pos, tables, counts)
+    with pytest.raises(ValueError, match="block_tokens must be an int >= 1, got 0"):
+        ragged_paged_attention(q[0], q_pos[0], jnp.array([0, 1]), k, v, pos, tables, counts,
+                               block_tokens=0)
     with pytest.raises(ValueError, match="value_dim must be a positive int.*got 0"):
         call(q, q_pos, k, v, pos, tables, counts, value_dim=0)
     with pytest.raises(ValueError, match=r"values of value_dim 32: dense pages must be "
@@ -597,6 +605,47 @@ def test_mixed_prefill_and_decode_rows_in_one_call(backend):
                                 interpret=interpret, **kw)
         np.testing.assert_allclose(got[b, :t], np.asarray(alone)[0], **TOL)
         assert np.all(got[b, t:] == 0)  # padding queries attend to nothing
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gpu"])
+def test_ragged_packed_queries_equal_each_sequence_alone(backend):
+    """Packed tokens of four sequences in one call (`ragged_paged_attention`): a decode token,
+    a 7-token prefill chunk, a sequence with no token and a 3-token chunk, then 3 padding
+    tokens, cut into blocks of 4 tokens of one sequence. Every token equals its sequence's
+    own unpadded call (and the reference, with `q_seq`); padding tokens get zeros; int4 keys
+    and a window."""
+    from kernels_pallas.paged_attention import ragged_blocks, ragged_paged_attention
+    rng = np.random.default_rng(60)
+    lengths = [40, 21, 64, 17]
+    k, v, pos, tables, counts = make_pool(rng, batch=4, kv_heads=2, page_size=16, head_dim=64,
+                                          lengths=lengths)
+    kp = packed_tokens(k, 4, 32, False)
+    n_q = [1, 7, 0, 3]
+    cu = np.concatenate([[0], np.cumsum(n_q)]).astype(np.int32)
+    n = int(cu[-1]) + 3  # padding tokens at the end
+    q = jnp.asarray(rng.normal(size=(n, 4, 64)), jnp.float32)
+    q_pos = np.full(n, -1, np.int32)
+    for s_, (length, t) in enumerate(zip(lengths, n_q)):
+        q_pos[cu[s_]:cu[s_ + 1]] = np.arange(length - t, length)
+    token, seq = ragged_blocks(jnp.asarray(cu), n, 4)
+    assert np.asarray(seq)[:4].tolist() == [0, 1, 1, 3]  # 1 + 2 + 0 + 1 blocks of 4 tokens
+    assert sorted(np.asarray(token)[np.asarray(token) < n].tolist()) == list(range(cu[-1]))
+    backend, interpret = mode(backend)
+    kw = dict(k_format=pf.PackedTokens(4, 32), window=30, backend=backend, interpret=interpret)
+    got = np.asarray(ragged_paged_attention(q, jnp.asarray(q_pos), jnp.asarray(cu), kp, v, pos,
+                                            tables, counts, block_tokens=4, **kw))
+    assert got.shape == (n, 4, 64) and np.all(got[cu[-1]:] == 0)
+    for s_, t in enumerate(n_q):
+        if not t:
+            continue
+        span = slice(cu[s_], cu[s_ + 1])
+        alone = paged_attention(q[None, span], jnp.asarray(q_pos)[None, span], kp, v, pos,
+                                tables[s_:s_ + 1], counts[s_:s_ + 1], **kw)
+        np.testing.assert_allclose(got[span], np.asarray(alone)[0], **TOL)
+        want = paged_attention_reference(q[None, span], jnp.asarray(q_pos)[None, span], kp, v,
+                                         pos, tables, counts, q_seq=jnp.array([s_], jnp.int32),
+                                         k_format=pf.PackedTokens(4, 32), window=30)
+        np.testing.assert_allclose(got[span], np.asarray(want)[0], **TOL)
 
 
 def test_row_pools_equal_the_page_pools_they_stand_for():

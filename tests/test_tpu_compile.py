@@ -634,3 +634,30 @@ def test_every_cache_kind_compiles_through_the_kernel_for_decode_and_prefill(chi
         with capsys.disabled():
             print(f"\n{chip} {name}: decode and prefill through the kernel")
 
+
+
+@pytest.mark.parametrize("chip", tc.CHIPS)
+def test_ragged_packed_queries_compile_as_one_kernel_call(chip, capsys):
+    """`ragged_paged_attention` (packed tokens of many sequences: prefill chunks and decode
+    tokens in one call, each block of 16 tokens reading its sequence's pages through `q_seq` in
+    SMEM) compiles with Mosaic: 256 packed tokens of 8 query heads over 16 sequences' int4
+    pages of 128 slots, bf16 queries, one Mosaic call."""
+    from kernels_pallas.paged_attention import ragged_paged_attention
+
+    device = tc.tpu_device(chip)
+    a = lambda shape, dtype: tc.abstract(shape, dtype, device)
+    n, heads, d, seqs, kvh, table, page = 256, 8, 128, 16, 2, 8, 128
+    fmt = PT(4, 32)
+    n_pages = seqs * kvh * table + 1
+    pool = tuple(a(x.shape, x.dtype) for x in fmt.shapes(n_pages, page, d))
+    fn = functools.partial(ragged_paged_attention, k_format=fmt, v_format=fmt, backend="tpu",
+                           block_tokens=16)
+    start = time.time()
+    hlo = tc.compile_for(device, fn, a((n, heads, d), BF16), a((n,), jnp.int32),
+                         a((seqs + 1,), jnp.int32), pool, pool,
+                         a((n_pages, 1, page), jnp.int32), a((seqs, kvh, table), jnp.int32),
+                         a((seqs, kvh), jnp.int32)).as_text()
+    assert kernel_calls(hlo) == 1
+    with capsys.disabled():
+        print(f"\n{chip} ragged {n} tokens x {seqs} sequences: one Mosaic call, compiled in "
+              f"{time.time() - start:.0f} s")
