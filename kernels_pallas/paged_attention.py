@@ -996,9 +996,9 @@ def ragged_paged_attention(q, q_pos, cu_q_lens, k_pages, v_pages, pos_pages, blo
         >>> q = jax.random.normal(jax.random.key(1), (4, 2, 16))   # 3 tokens of seq 0, 1 of seq 1
         >>> q_pos, cu = jnp.array([13, 14, 15, 31]), jnp.array([0, 3, 4])
         >>> out = ragged_paged_attention(q, q_pos, cu, k, v, pos, tables, counts, backend="tpu",
-        ...                              interpret=pltpu.InterpretParams(), block_tokens=2)
+        ...                              interpret=True, block_tokens=2)   # on CPU
         >>> alone = paged_attention(q[None, 3:], q_pos[None, 3:], k, v, pos, tables[1:],
-        ...                         counts[1:], backend="tpu", interpret=pltpu.InterpretParams())
+        ...                         counts[1:], backend="tpu", interpret=True)
         >>> out.shape, bool(jnp.allclose(out[3], alone[0, 0], atol=1e-5))
         ((4, 2, 16), True)
     """
