@@ -219,10 +219,11 @@ def _row_stores(layer: Any) -> bool:
 def tiled_capacity(layer: Any, backend: str) -> int:
     """The capacity the kernel reads a `TokenCache` at: its own, or, where its pages would be
     smaller than `TILE_SLOTS[backend]` (TPU: no row pools below 128 slots; GPU: no power-of-two
-    page at all), the next multiple of the tile (`padded_to_tile`)."""
+    page at all), the next multiple of the tile (`padded_to_tile`). A pooled layer's is its
+    `pooled_view`'s: the same slots."""
     c, tile = layer.capacity, TILE_SLOTS.get(backend, 0)
     page = page_size_for(c) or 0
-    if kernel_layout(layer) != "rows" or layer.pooled or c == 0 or not tile:
+    if kernel_layout(layer) != "rows" or c == 0 or not tile:
         return c
     if backend == "tpu" and (page >= tile or not _row_stores(layer)):
         return c
@@ -416,7 +417,8 @@ def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
         'the GPU kernel needs a head dim >= 16 that is a power of two, got 48'
 
     A low-rank layer is judged by its latent coordinates (`latent_view`): the GPU kernel
-    needs power-of-two ranks >= 16 there.
+    needs power-of-two ranks >= 16 there. A pooled layer by its stores and capacity, which
+    its `pooled_view` shares (the owner positions are built only when it attends).
     """
     backend = backend or pallas_backend()
     name = type(layer).__name__
@@ -435,8 +437,7 @@ def kernel_refusal(layer: Any, backend: str | None = None) -> str | None:
         if backend == "gpu" and isinstance(layer.k, ChannelPages):
             return "paged KIVI keys are read by the TPU kernel only"
         page = layer.page_size
-    elif (page := page_size_for(tiled_capacity(layer := latent_view(pooled_view(layer)),
-                                                backend))) is None:
+    elif (page := page_size_for(tiled_capacity(layer := latent_view(layer), backend))) is None:
         return f"capacity {layer.capacity} has no power-of-two page of >= {MIN_PAGE} slots"
     elif not (_decoded_in_kernel(layer.k) and _decoded_in_kernel(layer.v)):
         return f"the kernel has no format for {type(layer.k).__name__} / " \
