@@ -12,6 +12,7 @@ from kernels_pallas import page_formats as pf
 from kernels_pallas.paged_attention import finish
 from kvjax.backends import pallas as ka
 from kvjax.core.cache import init_cache, write
+from tests.test_planner import window_stats
 
 TOL = dict(rtol=3e-5, atol=3e-5)
 
@@ -161,12 +162,8 @@ def test_pooled_layers_attend_through_the_kernel(backend, method):
     t = kvjax.parse_method(method)
     stats = None
     if "snapkv" in method:
-        from kvjax.core.stats import LayerStats
-        rng = np.random.default_rng(13)
-        none = jnp.zeros((2, 6, 0))
-        stats = (LayerStats(jnp.asarray(rng.normal(size=(2, 4, 6, 64)), jnp.float32),
-                            jnp.broadcast_to(jnp.arange(96, 100), (2, 4)), none,
-                            none[..., None], jnp.zeros(2), jnp.zeros(32), jnp.zeros((0, 0))),)
+        queries = np.random.default_rng(13).normal(size=(2, 4, 6, 64)).astype(np.float32)
+        stats = (window_stats(queries, jnp.broadcast_to(jnp.arange(96, 100), (2, 4))),)
     (pooled,), _ = t.update((layer,), t.init((layer,)), stats)
     assert pooled.pooled and ka.row_heads(pooled) == 1
     held = np.asarray(pooled.pos != -1)  # [B, KVH, C]: each slot owned by at most one head
@@ -197,13 +194,10 @@ def low_rank_layer(layer, key_rank: int, value_rank: int):
 def thinned_layer(layer, pruned: int, seed: int):
     """`layer` as ThinK leaves it: the keys so far on their kept channels (a per-row 0/1
     basis, `Latent`), in the body of a never-flushing residual layer."""
-    from kvjax.core.stats import LayerStats
     from kvjax.policies.eviction_think import think_layer
     b, d = layer.batch, layer.head_dim
-    queries = jnp.asarray(np.random.default_rng(seed).normal(size=(b, 4, 6, d)), jnp.float32)
-    none = jnp.zeros((b, 6, 0))
-    stats = LayerStats(queries, jnp.broadcast_to(jnp.arange(4), (b, 4)), none,
-                       none[..., None], jnp.zeros(b), jnp.zeros(d // 2), jnp.zeros((0, 0)))
+    queries = np.random.default_rng(seed).normal(size=(b, 4, 6, d)).astype(np.float32)
+    stats = window_stats(queries, jnp.broadcast_to(jnp.arange(4), (b, 4)))
     return think_layer(layer, stats, pruned, window=4)
 
 
