@@ -910,11 +910,12 @@ class PackedChannelPages:
     """Per-channel codes, one group per page: a paged KIVI layer's keys
     (`kvjax.memory.paged_kivi.ChannelPages`), read as the store keeps them.
 
-    Arrays: words `[P, W, S]` uint32 (the store's `[P, S, W]` seen slot-last, a free view on
-    TPU) and params `[P, 1, K * D]` uint32: the page's scale and offset (a 16-bit pair per
-    word, K = 1; float32: scale then offset, K = 2), repacked per call (Mosaic takes no
-    float16 arguments; one row per page). Every slot of a page shares its parameters, so
-    decoding is the one-row case of `PackedChannels` (a window of one table row).
+    Arrays: words `[P, 1, W * S]` uint32, lane-flat (word w of slot s at lane `w * S + s`)
+    and params `[P, 1, K * D]` uint32: the page's scale and offset (`pack_params`: a 16-bit
+    pair per word, K = 1; float32: the D scales then the D offsets, K = 2). Both are the
+    store's own arrays, dense in TPU memory at any page size. Every slot of a page shares its
+    parameters, so decoding is the one-row case of `PackedChannels` (a window of one table
+    row).
     """
 
     bits: int
@@ -938,28 +939,38 @@ class PackedChannelPages:
             raise ValueError(f"packed pages hold 2, 4 or 8-bit codes, got bits={self.bits}")
         words, params = arrays
         w = head_dim * self.bits // 32
-        if words.ndim != 3 or words.shape[1] != w or words.dtype != jnp.uint32:
-            raise ValueError(f"per-channel word pages must be uint32 [P, {w}, S], got "
-                             f"{words.dtype} {words.shape}")
+        if (words.ndim != 3 or words.shape[1] != 1 or words.shape[2] % w
+                or words.dtype != jnp.uint32):
+            raise ValueError(f"per-channel word pages must be lane-flat uint32 [P, 1, {w} * S], "
+                             f"got {words.dtype} {words.shape}")
         want = (words.shape[0], 1, self.group_words() * head_dim)
         if params.shape != want or params.dtype != jnp.uint32:
             raise ValueError(f"per-page parameters must be uint32 {want}, got {params.dtype} "
                              f"{params.shape}")
 
     def page_size(self, arrays, head_dim: int) -> int:
-        return arrays[0].shape[2]
+        return arrays[0].shape[2] // (head_dim * self.bits // 32)
 
-    def from_store(self, words: jax.Array, scale: jax.Array, offset: jax.Array):
-        """words [P, S, W] uint32, scale/offset [P, 1, D] -> (words [P, W, S], params
-        [P, 1, K * D] uint32)."""
-        table = PackedChannelRows(self.bits, 1, False, self.param_dtype).pack_table(scale, offset)
-        return _slots_last(words), table
+    def pack_params(self, scale: jax.Array, offset: jax.Array) -> jax.Array:
+        """scale/offset [N, 1, D] (rounded to `param_dtype`) -> [N, 1, K * D] uint32."""
+        return PackedChannelRows(self.bits, 1, False, self.param_dtype).pack_table(scale, offset)
+
+    def unpack_params(self, params: jax.Array, head_dim: int):
+        """Inverse of `pack_params`: [N, 1, K * D] uint32 -> (scale, offset) [N, 1, D] each, in
+        `param_dtype` (exact bits)."""
+        if self.param_dtype == "float32":
+            both = jax.lax.bitcast_convert_type(params, jnp.float32)
+            return both[..., :head_dim], both[..., head_dim:]
+        half = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.uint16),
+                                                      jnp.dtype(self.param_dtype))
+        return half(params & 0xFFFF), half(params >> 16)
 
     def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
-        """blocks: (words [W, S], params [1, K * D]) -> [D, S] in `dtype`."""
+        """blocks: (words [1, W * S], params [1, K * D]) -> [D, S] in `dtype`."""
         if ops.take is not None:
             raise ValueError(f"{self} is read by the TPU kernel and the reference only")
-        codes = unpack_planes(ops.load(blocks[0], True), self.bits)  # [D, S]
+        w = head_dim * self.bits // 32
+        codes = unpack_planes(ops.rows(blocks[0], 0, w, _lanes(blocks[0]) // w), self.bits)
         rows = PackedChannelRows(self.bits, 1, False, self.param_dtype)
         scale, offset = rows._table(ops, blocks[1], head_dim)  # [1, D] each
         one_row = jnp.zeros((1, codes.shape[1]), jnp.int32)  # every slot: the page's row

@@ -250,11 +250,11 @@ def _rewrite_manifest(copy: Path, edit) -> Path:
     return path
 
 
-def _as_first_kivi_layout(serialized: bytes) -> bytes:
-    """An exported pytree as the first KIVI store layout named it (`kvjax.PackedChannels`,
-    before the lane-flat table): the flatbuffer string's length and terminator rewritten."""
+def _as_first_layout(serialized: bytes, name: bytes) -> bytes:
+    """An exported pytree as the first layout of a store named it: `name` (`....v2`) with its
+    version cut off, the flatbuffer string's length and terminator rewritten."""
     import struct
-    data, name = bytearray(serialized), b"kvjax.PackedChannels.v2"
+    data = bytearray(serialized)
     i = data.index(name)
     assert struct.unpack("<I", data[i - 4:i]) == (len(name),)
     data[i - 4:i] = struct.pack("<I", len(name) - 3)
@@ -262,24 +262,44 @@ def _as_first_kivi_layout(serialized: bytes) -> bytes:
     return bytes(data)
 
 
-def test_a_checkpoint_of_the_first_kivi_layout_is_refused_by_name(tmp_path):
-    """A cache saved before KIVI's table became lane-flat (its store serialized as
-    `kvjax.PackedChannels`) is refused naming the layout and what to do, not reported as
-    damaged; this version's KIVI cache round-trips bit for bit."""
-    import base64
+def _kivi_cache():
     k = jax.random.normal(jax.random.key(0), (1, 2, 64, 64))
     pos = jax.numpy.broadcast_to(jax.numpy.arange(64, dtype=jax.numpy.int32), (1, 64))
     cache = (kvjax.write(kvjax.init_cache(1, 2, 64, 64), k, k, pos),)
     t = kvjax.kivi(bits=4, group=32, residual=32)
-    cache, _ = t.update(cache, t.init(cache), None)
+    return t.update(cache, t.init(cache), None)[0]
+
+
+def _paged_kivi_keys():
+    """A paged KIVI layer's key pages (a page pool is not checkpointed, its stores are)."""
+    from kvjax.memory.paged_kivi import from_residual
+    return from_residual(_kivi_cache(), max_pages=4, device_pages=8)[1][0].body.k
+
+
+FIRST_LAYOUTS = {  # cache, its store's serialized name, what the refusal names
+    "kivi": (_kivi_cache, b"kvjax.PackedChannels.v2", r"KIVI \(PackedChannels\) key store"),
+    "paged_kivi": (_paged_kivi_keys, b"kvjax.ChannelPages.v2",
+                   r"paged KIVI \(ChannelPages\) key store"),
+}
+
+
+@pytest.mark.parametrize("kind", FIRST_LAYOUTS)
+def test_a_checkpoint_of_a_first_store_layout_is_refused_by_name(tmp_path, kind):
+    """A cache saved before KIVI's table became lane-flat (its store serialized as
+    `kvjax.PackedChannels`), or before paged KIVI's key pages did (`kvjax.ChannelPages`), is
+    refused naming the store, the layout and what to do, not reported as damaged; this
+    version's cache round-trips bit for bit."""
+    import base64
+    make, name, what = FIRST_LAYOUTS[kind]
+    cache = make()
     checkpoint.save(tmp_path, cache)
     back, _ = checkpoint.restore(tmp_path)
     for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(back)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     _rewrite_manifest(tmp_path, lambda m: m.update(structure=base64.b64encode(
-        _as_first_kivi_layout(base64.b64decode(m["structure"]))).decode()))
-    with pytest.raises(ValueError, match=r"checkpoint .*KIVI \(PackedChannels\) key store in "
-                                         r"the layout kvjax used before .* save it again"):
+        _as_first_layout(base64.b64decode(m["structure"]), name)).decode()))
+    with pytest.raises(ValueError, match=rf"checkpoint .*{what} in the layout kvjax used "
+                                         rf"before .* save it again"):
         checkpoint.restore(tmp_path)
 
 

@@ -340,11 +340,12 @@ def test_packed_token_cache_codes_are_read_in_place(method):
 
 @pytest.mark.parametrize("param_dtype", ["float16", "bfloat16"])
 def test_packed_paged_layer_reads_like_the_reference(param_dtype):
-    """A PagedLayer of PackedTokens pages goes to the TPU kernel as `PackedTokenRows` page pools
-    (the store's words as [P, W, S]; scales and offsets as the pool keeps them: bfloat16, or
-    float16 as its uint16 bits, reach the kernel through views alone) and gives the reference's attention over its dense view. A param_dtype
-    no kernel reads is refused when the pool is made."""
-    from kvjax.memory.paging import dense_view, init_paged_cache, reserve
+    """A PagedLayer's per-token pages are held lane-flat (`TokenPages`), the kernel's own
+    `pf.PackedTokens` layout: the kernel gets the pool's array itself, no view or conversion
+    per call, with bfloat16 or float16 (as its bits) parameters, and gives the reference's
+    attention over its dense view. A param_dtype no kernel reads is refused when the pool is
+    made."""
+    from kvjax.memory.paging import TokenPages, dense_view, init_paged_cache, reserve
     rng = np.random.default_rng(8)
     pool, layers = init_paged_cache(12, 16, 2, 2, 4, 64, num_layers=1, bits=4, group=32,
                                     param_dtype=param_dtype)
@@ -352,15 +353,16 @@ def test_packed_paged_layer_reads_like_the_reference(param_dtype):
     k = jnp.asarray(rng.normal(size=(2, 2, 40, 64)), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(40), (2, 40)).at[1, 29:].set(-1)
     layer = layer.write(k, -k, pos)
+    assert isinstance(layer.k, TokenPages) and isinstance(layer.v, TokenPages)
     assert layer.k.param_dtype == param_dtype and layer.v.param_dtype == param_dtype
     stored = jnp.uint16 if param_dtype == "float16" else param_dtype  # float16 as its bits
-    assert layer.k.scale.dtype == stored and layer.v.offset.dtype == stored
+    assert layer.k.to_packed().scale.dtype == stored
+    assert layer.v.to_packed().offset.dtype == stored
     inputs = ka.kernel_inputs(layer, backend="tpu")
-    assert isinstance(inputs["k_format"], pf.PackedTokenRows)
-    assert inputs["k_format"].param_dtype == param_dtype
-    # the pool's parameters reach the kernel through views alone: no conversion per call
-    params_in = jax.make_jaxpr(lambda l: ka.kernel_inputs(l, backend="tpu")["k_pages"][1])(layer)
-    assert ops_feeding_the_output(params_in.jaxpr) <= {"reshape", "transpose"}
+    assert inputs["k_format"] == pf.PackedTokens(4, 32, False, param_dtype)
+    # the pool reaches the kernel as it is: no op between the store and the kernel's argument
+    pages_in = jax.make_jaxpr(lambda l: ka.kernel_inputs(l, backend="tpu")["k_pages"][0])(layer)
+    assert ops_feeding_the_output(pages_in.jaxpr) == set()
     with pytest.raises(ValueError, match="param_dtype must be float16, bfloat16 or float32, "
                                          "got int8"):
         init_paged_cache(12, 16, 2, 2, 4, 64, num_layers=1, bits=4, param_dtype=jnp.int8)

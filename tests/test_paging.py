@@ -272,6 +272,39 @@ def test_int4_pages_hold_what_the_int4_store_holds():
     np.testing.assert_array_equal(got, np.asarray(read(store)))
 
 
+@pytest.mark.parametrize("bits,group,symmetric,param_dtype", [
+    (4, 32, False, "float16"), (8, 96, True, "bfloat16"), (2, 32, False, "float32"),
+    (4, 32, True, "float16")])
+def test_token_pages_hold_packed_tokens_bit_for_bit(bits, group, symmetric, param_dtype):
+    """`TokenPages` (a pool's lane-flat pages) holds the codes and parameters a `PackedTokens`
+    store encodes, bit for bit, whole pages or one slot at a time (`put_slots`, which leaves
+    every other slot as it was); `read` decodes them as `PackedTokens` does. Head dim 96 with
+    groups of 32: an odd parameter count, so a 16-bit page pads half a word."""
+    from kvjax.memory.paging import TokenPages
+    rng = np.random.default_rng(3)
+    p, s, d = 3, 16, 96
+    x = jnp.asarray(rng.normal(size=(p, s, d)) * 4, jnp.float32)
+    empty = TokenPages.empty(p, s, d, bits, group, symmetric, jnp.dtype(param_dtype))
+    assert empty.shape == (p, s, d) and empty.param_dtype == param_dtype
+    want = PackedTokens.empty(p, s, d, bits, group, symmetric, jnp.dtype(param_dtype)).encode(x)
+    pages = empty.replace(pages=empty.encode_pages(x))
+    for f in ("words", "scale", "offset"):
+        a, b = getattr(pages.to_packed(), f), getattr(want, f)
+        assert (a is None) == (b is None) == (f == "offset" and symmetric)
+        if a is not None:
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(pages.read()), np.asarray(read(want)))
+    # one slot per page written in place: (page 2, slot 5) and (page 0, slot 15)
+    one = empty.put_slots(jnp.array([2, 0, p]), jnp.array([5, 15, 0]), x[jnp.array([2, 0, 0]),
+                                                                       jnp.array([5, 15, 0])])
+    got = np.array(one.read())
+    np.testing.assert_array_equal(got[2, 5], np.asarray(read(want))[2, 5])
+    np.testing.assert_array_equal(got[0, 15], np.asarray(read(want))[0, 15])
+    got[2, 5] = got[0, 15] = 0
+    assert not got.any()  # nothing else written; page p (out of range) dropped
+
+
 def test_generate_with_the_kernel_matches_xla(kernel_on_cpu):
     """generate(impl="pallas") threads the kernel through prefill and the decode loop."""
     from models.sampler import generate

@@ -29,35 +29,37 @@ LAYERS = (("paged", 64, None, F16), ("paged", 64, 4, F16), ("paged", 64, 4, BF16
           ("paged_kivi", 32, 4, F16), ("paged_kivi", 32, 4, BF16))
 
 
-def abstract_layer(kind: str, page: int, bits: int | None, param_dtype: str = F16):
+def abstract_layer(kind: str, page: int, bits: int | None, param_dtype: str = F16,
+                   batch: int = BATCH, context: int = CONTEXT):
     """The layer as `init_paged_cache(shared_tables=True)` (or, for paged KIVI,
     `from_residual(shared_tables=True)`) builds it, abstract (shapes only)."""
     import jax
     import jax.numpy as jnp
     import kvjax
-    from kvjax.core.stores import PackedTokens
     from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
-    from kvjax.memory.paging import init_paged_cache
+    from kvjax.memory.paging import TokenPages, init_paged_cache
 
-    n_table = CONTEXT // page
-    n_pages = (BATCH * n_table + 1) * KV_HEADS
+    n_table = context // page
+    n_pages = (batch * n_table + 1) * KV_HEADS
 
     def build():
-        _, (body,) = init_paged_cache(n_pages, page, BATCH, KV_HEADS, n_table, HEAD_DIM, 1,
+        _, (body,) = init_paged_cache(n_pages, page, batch, KV_HEADS, n_table, HEAD_DIM, 1,
                                       dtype=jnp.bfloat16, bits=bits, group=32,
                                       shared_tables=True, param_dtype=param_dtype)
         if kind == "paged":
             return body
         body = body.replace(k=ChannelPages.empty(n_pages, page, HEAD_DIM, bits, param_dtype),
-                            v=PackedTokens.empty(n_pages, page, HEAD_DIM, bits, 32, False,
-                                                 param_dtype))
-        recent = kvjax.init_cache(BATCH, KV_HEADS, 128 + page, HEAD_DIM, dtype=jnp.bfloat16)
+                            v=TokenPages.empty(n_pages, page, HEAD_DIM, bits, 32, False,
+                                               param_dtype))
+        recent = kvjax.init_cache(batch, KV_HEADS, 128 + page, HEAD_DIM, dtype=jnp.bfloat16)
         return PagedKivi(body=body, recent=recent, residual=128)
 
     return jax.eval_shape(build)
 
 
-def row(kind: str, page: int, bits: int | None, param_dtype: str) -> dict:
+def row(kind: str, page: int, bits: int | None, param_dtype: str, batch: int = BATCH,
+        context: int = CONTEXT) -> dict:
+    """One attention call's compiled bytes against the layer's own (`batch` x `context`)."""
     import jax
     import jax.numpy as jnp
     from experiments.cli.compile_cmd import kernel_calls
@@ -65,16 +67,17 @@ def row(kind: str, page: int, bits: int | None, param_dtype: str) -> dict:
     from kvjax.backends import pallas as ka
 
     device = tc.tpu_device("v5e")
-    layer = tc.abstract_like(abstract_layer(kind, page, bits, param_dtype), device)
+    layer = tc.abstract_like(abstract_layer(kind, page, bits, param_dtype, batch, context),
+                             device)
     own = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(layer))
-    q = tc.abstract((BATCH, 1, HEADS, HEAD_DIM), jnp.bfloat16, device)
-    q_pos = tc.abstract((BATCH, 1), jnp.int32, device)
+    q = tc.abstract((batch, 1, HEADS, HEAD_DIM), jnp.bfloat16, device)
+    q_pos = tc.abstract((batch, 1), jnp.int32, device)
     compiled = tc.compile_for(device, functools.partial(ka.attend_pallas, backend="tpu"), q,
                               q_pos, layer)
     step = int(compiled.cost_analysis()["bytes accessed"])
     return dict(kind=kind, page=page, codes="bf16" if bits is None else f"int{bits}",
                 param_dtype=None if bits is None else param_dtype,
-                batch=BATCH, context=CONTEXT, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                batch=batch, context=context, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
                 layer_bytes=own, step_bytes=step, ratio=round(step / own, 3),
                 kernel_calls=kernel_calls(compiled.as_text()))
 

@@ -71,7 +71,7 @@ from kvjax.core.branches import rare_cond
 from kvjax.core.attention import blockwise_state
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache
 from kvjax.memory.paged_kivi import ChannelPages, PagedKivi
-from kvjax.memory.paging import PagedLayer, kept_first
+from kvjax.memory.paging import PagedLayer, TokenPages, kept_first
 from kvjax.memory.tiers import TieredLayer, stage_misses, tiered_view
 from kvjax.core.stores import (Latent, PackedChannels, PackedTokens, is_dense,
                                map_slot_leaves, param_values)
@@ -117,12 +117,6 @@ def page_size_for(capacity: int) -> int | None:
     return None
 
 
-def _param_dtype(store) -> str:
-    if isinstance(store, (PackedChannels, PackedTokens)):
-        return store.param_dtype
-    return jnp.dtype(store.scale.dtype).name
-
-
 def kernel_table(store: PackedChannels) -> jax.Array:
     """A KIVI key store's lane-flat table as the TPU kernel's uint32 words `[R, NG * L]`
     (`pf.PackedChannelRows.pack_table`): the store's own array, or its free bitcast (float32);
@@ -143,6 +137,8 @@ def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False,
     table windows are placed by them). `wide`: KIVI windows span the whole
     table (always exact; the fallback when a page's groups spread wider).
     """
+    if isinstance(store, TokenPages):  # a page pool's per-token pages: the kernel's layout
+        return store.format, (store.pages,)
     as_pages = lambda x: x.reshape(-1, page, *x.shape[2:])
     if is_dense(store):
         if backend == "tpu" and store.shape[-1] % 128:  # D < 128 lanes: XLA keeps it page-minor
@@ -152,18 +148,17 @@ def _store_pages(store: Any, page: int, valid: jax.Array, wide: bool = False,
         # the store's words as [P, W, S]: free for a page pool (XLA:TPU keeps [P, S, W]
         # slot-minor), a transpose for a TokenCache's [R, C, W] rows cut in pages
         fmt = pf.PackedTokenRows(store.bits, store.group, symmetric=store.offset is None,
-                                 param_dtype=_param_dtype(store))
+                                 param_dtype=store.param_dtype)
         offset = None if store.offset is None else as_pages(store.offset)
         return fmt, fmt.from_store(as_pages(store.words), as_pages(store.scale), offset)
     if isinstance(store, PackedTokens):
         fmt = pf.PackedTokens(store.bits, store.group, symmetric=store.offset is None,
-                              param_dtype=_param_dtype(store))
+                              param_dtype=store.param_dtype)
         offset = None if store.offset is None else as_pages(param_values(store.offset))
         return fmt, fmt.from_store(as_pages(store.words), as_pages(param_values(store.scale)),
                                    offset)
     if isinstance(store, ChannelPages) and backend == "tpu":  # paged KIVI keys, as they are
-        fmt = pf.PackedChannelPages(store.bits, param_dtype=_param_dtype(store))
-        return fmt, fmt.from_store(store.words, store.scale, store.offset)
+        return store.format, (store.words, store.params)
     if isinstance(store, PackedChannels):
         fmt = channel_format(store, page, wide, backend)
         words, ids = as_pages(store.words), as_pages(store.group_id)
@@ -183,7 +178,7 @@ def channel_format(store: PackedChannels, page: int, wide: bool = False,
     window = (pf.window_for(store.table_rows * store.group, store.group, store.table_rows)
               if wide else pf.window_for(page, store.group, store.table_rows))
     return pf.PackedChannels(store.bits, window, symmetric=store.symmetric,
-                             param_dtype=_param_dtype(store))
+                             param_dtype=store.param_dtype)
 
 
 def _windows_fit(layer: Any, page: int, backend: str) -> jax.Array | None:
@@ -391,7 +386,7 @@ def row_pool(store: Any):
         return pf.DENSE, (store,)
     if isinstance(store, PackedTokens):
         fmt = pf.PackedTokenRows(store.bits, store.group, symmetric=store.offset is None,
-                                 param_dtype=_param_dtype(store))
+                                 param_dtype=store.param_dtype)
         return fmt, fmt.from_store(store.words, store.scale, store.offset)
     return None
 

@@ -521,27 +521,32 @@ for _cls in (PackedTokens, Latent):
 register_export(PackedChannels, "kvjax.PackedChannels.v2")
 
 
-@jax.tree_util.register_static
-class _PackedChannelsV1:
-    """The name artifacts and checkpoints written before the lane-flat table gave
-    `PackedChannels`: reading one raises, naming what to do."""
-
-
 class StoreFormatError(ValueError):
     """A serialized store (an exported artifact's or a checkpoint's pytree) in a layout this
     kvjax no longer reads."""
 
 
-def _refuse_v1(_data: bytes):
-    raise StoreFormatError("this artifact or checkpoint holds a KIVI (PackedChannels) key store in the "
-                     "layout kvjax used before 2026-12-06 ([R, NG, D] scale and offset tables); "
-                     "this kvjax stores the table lane-flat. Export or save it again with this "
-                     "version.")
+def refuse_old_layout(name: str, what: str, old: str, new: str) -> None:
+    """Make the serialized name `name` of a store's earlier layout raise `StoreFormatError`
+    when an artifact or checkpoint holding it is read, naming `what` the store is, its `old`
+    layout, the `new` one and what to do."""
+    @jax.tree_util.register_static
+    class _OldLayout:
+        pass
+
+    def refuse(_data: bytes):
+        raise StoreFormatError(f"this artifact or checkpoint holds {what} in {old}; this "
+                               f"kvjax stores {new}. Export or save it again with this "
+                               f"version.")
+
+    jax.export.register_pytree_node_serialization(
+        _OldLayout, serialized_name=name, serialize_auxdata=lambda aux: b"",
+        deserialize_auxdata=refuse)
 
 
-jax.export.register_pytree_node_serialization(
-    _PackedChannelsV1, serialized_name="kvjax.PackedChannels",
-    serialize_auxdata=lambda aux: b"", deserialize_auxdata=_refuse_v1)
+refuse_old_layout("kvjax.PackedChannels", "a KIVI (PackedChannels) key store",
+                  "the layout kvjax used before 2026-12-06 ([R, NG, D] scale and offset "
+                  "tables)", "the table lane-flat")
 
 
 # ----------------------------------------------------------------------------- store ops

@@ -3,9 +3,10 @@
 `PagedKivi` is the paged form of a KIVI `ResidualCache` (`kvjax.policies.codecs.kivi`): one page holds
 one KIVI group of `G` tokens (page size = group), so
 
-- keys are quantized per channel over the page's `G` tokens (`ChannelPages`: codes `[P, G, W]`
-  and one scale/offset row `[P, 1, D]` per page, so a page carries its own parameters), and
-- values per token in groups of channels (`PackedTokens` over pages, as a 4-bit `PagedLayer`),
+- keys are quantized per channel over the page's `G` tokens (`ChannelPages`: codes and one
+  scale/offset row per page, lane-flat as the kernel reads them, so a page carries its own
+  parameters), and
+- values per token in groups of channels (`TokenPages`, as a 4-bit `PagedLayer`),
 
 and the body is a `PagedLayer` or a `kvjax.memory.tiers.TieredLayer`: `reserve`, `spill`,
 `restore`, `prefetch`, `evict_pages` and `check_pool` take the *bodies* (`bodies(layers)`)
@@ -55,10 +56,12 @@ from kvjax.core.branches import rare_cond
 from kvjax.core.cache import EMPTY, ResidualCache, TokenCache, check_sizes, write as cache_write
 from kvjax.core.layer import has_exact_part, register_layer
 from kvjax.memory import paging
-from kvjax.memory.paging import NULL_PAGE, PagedLayer, _error_at, _first_error
+from kvjax.memory.paging import NULL_PAGE, PagedLayer, TokenPages, _error_at, _first_error
 from kvjax.memory.paging import init_paged_cache
 from kvjax.core.quant import pack, quantize, unpack
-from kvjax.core.stores import PackedChannels, PackedTokens, Store, register_export
+from kernels_pallas import page_formats as pf
+from kvjax.core.stores import (PackedChannels, PackedTokens, Store, param_values,
+                               refuse_old_layout, register_export)
 
 _static = dict(static=True)
 
@@ -66,39 +69,88 @@ _static = dict(static=True)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ChannelPages(Store):
-    """KIVI keys in pages: each page's `S` tokens quantized per channel as one group.
+    """KIVI keys in pages: each page's `S` tokens quantized per channel as one group, held as
+    the TPU kernel reads them (`kernels_pallas.page_formats.PackedChannelPages`).
 
-    `words[p, s]` are the bit-packed codes of slot `s` of page `p`; `scale[p, 0]` /
-    `offset[p, 0]` the page's per-channel parameters; `live[p, s]` marks slots that hold a
-    token (an EMPTY slot reads 0, so a page never shows codes its row did not write). Every
-    leaf has the page axis first, so a page moves between tiers as a whole.
+    `words[p, 0]` are page p's code words lane-flat: word w of slot s at lane `w * S + s`
+    (XLA:TPU keeps a `[P, 1, L]` array dense at any page size, where `[P, S, W]` below 128
+    slots is laid out page-minor: docs/DECISIONS.md, "Page pools held lane-flat").
+    `params[p, 0]` is the page's per-channel scale and offset as uint32 words (a 16-bit pair
+    per word, K = 1; float32: the D scales then the D offsets, K = 2); `scale` and `offset`
+    read them back. `live[p, s]` marks slots that hold a token (an EMPTY slot reads 0, so a
+    page never shows codes its row did not write). Every leaf has the page axis first, so a
+    page moves between tiers as a whole.
+
+    Example:
+        >>> s = ChannelPages.empty(pages=2, page_size=32, dim=128, bits=4)
+        >>> s.words.shape, s.params.shape, s.shape   # 16 words x 32 slots; 128 pairs
+        ((2, 1, 512), (2, 1, 128), (2, 32, 128))
     """
 
-    words: jax.Array  # [P, S, D*bits/32] uint32
-    scale: jax.Array  # [P, 1, D] param dtype
-    offset: jax.Array  # [P, 1, D] param dtype
+    words: jax.Array  # [P, 1, W * S] uint32 (W = D*bits/32)
+    params: jax.Array  # [P, 1, K * D] uint32
     live: jax.Array  # [P, S] bool
     bits: int = dataclasses.field(metadata=_static)
     dim: int = dataclasses.field(metadata=_static)
+    param_dtype: str = dataclasses.field(metadata=_static)
 
-    slot_fields = ("words", "scale", "offset", "live")
+    slot_fields = ("words", "params", "live")
 
     @classmethod
     def empty(cls, pages: int, page_size: int, dim: int, bits: int,
               param_dtype=jnp.float16) -> "ChannelPages":
-        params = jnp.zeros((pages, 1, dim), param_dtype)
-        return cls(words=jnp.zeros((pages, page_size, dim * bits // 32), jnp.uint32),
-                   scale=params, offset=params, live=jnp.zeros((pages, page_size), bool),
-                   bits=bits, dim=dim)
+        name = jnp.dtype(param_dtype).name
+        k = pf.PackedChannelPages(bits, param_dtype=name).group_words()
+        return cls(words=jnp.zeros((pages, 1, dim * bits // 32 * page_size), jnp.uint32),
+                   params=jnp.zeros((pages, 1, k * dim), jnp.uint32),
+                   live=jnp.zeros((pages, page_size), bool), bits=bits, dim=dim,
+                   param_dtype=name)
+
+    @property
+    def format(self) -> pf.PackedChannelPages:
+        """The kernel's format of these pages."""
+        return pf.PackedChannelPages(self.bits, param_dtype=self.param_dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Logical `[P, S, D]`."""
+        return (*self.live.shape, self.dim)
+
+    def page_leaves(self, words: jax.Array, scale: jax.Array, offset: jax.Array,
+                    live: jax.Array) -> dict[str, jax.Array]:
+        """Whole pages as this store's leaves: words [N, S, W] uint32, scale/offset [N, 1, D]
+        (any float dtype; kept in `param_dtype`), live [N, S] bool."""
+        return dict(words=pf.lane_flat(jnp.swapaxes(words, 1, 2)),
+                    params=self.format.pack_params(scale, offset), live=live)
+
+    def slot_words(self) -> jax.Array:
+        """[P, S, W] uint32: the code words per slot (`kvjax.core.quant.pack` along D)."""
+        p, s, _ = self.shape
+        return jnp.swapaxes(self.words.reshape(p, -1, s), 1, 2)
+
+    @property
+    def scale(self) -> jax.Array:
+        """[P, 1, D] in `param_dtype`."""
+        return self.format.unpack_params(self.params, self.dim)[0]
+
+    @property
+    def offset(self) -> jax.Array:
+        """[P, 1, D] in `param_dtype`."""
+        return self.format.unpack_params(self.params, self.dim)[1]
 
     def read(self) -> jax.Array:
         """[P, S, D] float32: codes * scale + offset (as `PackedChannels`), 0 where not live."""
-        codes = unpack(self.words, self.bits, self.dim).astype(jnp.float32)
+        codes = unpack(self.slot_words(), self.bits, self.dim).astype(jnp.float32)
         x = codes * self.scale.astype(jnp.float32) + self.offset.astype(jnp.float32)
         return jnp.where(self.live[..., None], x, 0.0)
 
 
-register_export(ChannelPages)
+# version 2: lane-flat words and kernel-packed parameters in place of [P, S, W] words and
+# [P, 1, D] scale / offset arrays; an artifact or checkpoint of the first layout is refused
+register_export(ChannelPages, "kvjax.ChannelPages.v2")
+refuse_old_layout("kvjax.ChannelPages", "a paged KIVI (ChannelPages) key store",
+                  "the layout kvjax used before 2026-12-07 ([P, S, W] words, [P, 1, D] scale "
+                  "and offset arrays)", "its pages lane-flat, as the TPU kernel reads them")
 
 
 @jax.tree_util.register_dataclass
@@ -106,7 +158,7 @@ register_export(ChannelPages)
 class PagedKivi:
     """One layer of a paged KIVI cache: `body` pages (one KIVI group each) + exact `recent`."""
 
-    body: PagedLayer  # page size = group; k: ChannelPages, v: PackedTokens (or TieredLayer)
+    body: PagedLayer  # page size = group; k: ChannelPages, v: TokenPages (or TieredLayer)
     recent: TokenCache  # dense exact part [B*KVH, Cr, D], on the device
     residual: int = dataclasses.field(metadata=_static)
 
@@ -280,16 +332,14 @@ def _encode_groups(body: PagedLayer, k: jax.Array, v: jax.Array, valid: jax.Arra
     r, t, d = k.shape
     g, n = body.page_size, t // body.page_size
     ks, vs = body.k, body.v
-    q = quantize(k, ks.bits, g, axis=1, symmetric=False, param_dtype=ks.scale.dtype,
+    q = quantize(k, ks.bits, g, axis=1, symmetric=False, param_dtype=jnp.dtype(ks.param_dtype),
                  valid=jnp.broadcast_to(valid[..., None], k.shape))
     words = jnp.where(valid[..., None], pack(q.codes, ks.bits), 0)
-    v_piece = vs.encode(jnp.where(valid[..., None], v, 0.0))  # an EMPTY slot's value: 0
-    split = lambda x: x.reshape(r, n, g, *x.shape[2:])
-    keys = dict(words=split(words), scale=q.scale.reshape(r, n, 1, d),
-                offset=q.offset.reshape(r, n, 1, d), live=split(valid))
-    values = {f: split(getattr(v_piece, f)) for f in vs.slot_fields
-              if getattr(v_piece, f) is not None}
-    return keys, values
+    pages = lambda x: x.reshape(r * n, -1, *x.shape[2:])  # [R, n*G or n, ...] -> [R*n, ...]
+    keys = ks.page_leaves(pages(words), pages(q.scale), pages(q.offset), pages(valid))
+    values = dict(pages=vs.encode_pages(pages(jnp.where(valid[..., None], v, 0.0))))
+    by_row = lambda leaves: {f: x.reshape(r, n, *x.shape[1:]) for f, x in leaves.items()}
+    return by_row(keys), by_row(values)  # an EMPTY slot's value: 0
 
 
 def _write_groups(body: PagedLayer, keys: dict, values: dict, pos: jax.Array,
@@ -402,8 +452,8 @@ def from_residual(cache: Sequence[ResidualCache], *, max_pages: int, device_page
     else:
         pool, plain = init_paged_cache(device_pages, *args, shared_tables=shared_tables)
     key = lambda n: ChannelPages.empty(n, g, d, ks.bits, jnp.dtype(ks.param_dtype))
-    value = lambda n: PackedTokens.empty(n, g, d, vs.bits, vs.group, vs.offset is None,
-                                         jnp.dtype(vs.param_dtype))
+    value = lambda n: TokenPages.empty(n, g, d, vs.bits, vs.group, vs.offset is None,
+                                       jnp.dtype(vs.param_dtype))
     stores = {"k": key, "v": value, "host_k": key, "host_v": value, "stage_k": key,
               "stage_v": value}
     if host_pages:
@@ -438,13 +488,15 @@ def _load(body: PagedLayer, layer: ResidualCache) -> PagedKivi:
     valid = pos != EMPTY
     table = lambda t: jax.lax.slice_in_dim(jnp.pad(t, ((0, 0), (0, max(0, nb - t.shape[1])),
                                                        (0, 0))), 0, nb, axis=1)[:, :, None]
-    scale, offset = src.k.scale, src.k.offset  # [R, NG, D] each, in the parameters' dtype
-    keys = dict(words=jnp.where(valid[..., None], split(src.k.words), 0),
-                scale=table(scale), offset=table(offset), live=valid)
-    values = {f: split(getattr(src.v, f)) for f in src.v.slot_fields
-              if getattr(src.v, f) is not None}
-    values = {f: jnp.where(valid.reshape(valid.shape + (1,) * (x.ndim - 3)), x, 0)
-              for f, x in values.items()}
+    live = lambda x: jnp.where(valid[..., None], split(x), 0).reshape(r * nb, g, -1)
+    pages = lambda x: x.reshape(r * nb, *x.shape[2:])  # [R, NB, ...] -> [R * NB, ...]
+    keys = body.k.page_leaves(live(src.k.words), pages(table(src.k.scale)),
+                              pages(table(src.k.offset)), pages(valid))
+    offset = None if src.v.offset is None else param_values(live(src.v.offset))
+    values = dict(pages=body.v.format.from_store(live(src.v.words),
+                                                 param_values(live(src.v.scale)), offset)[0])
+    by_row = lambda leaves: {f: x.reshape(r, nb, *x.shape[1:]) for f, x in leaves.items()}
+    keys, values = by_row(keys), by_row(values)
     body = body.replace(lengths=jnp.zeros_like(body.lengths))
     body = _write_groups(body, keys, values, pos, src.length)
     return PagedKivi(body=body, recent=layer.recent, residual=layer.residual)
@@ -460,15 +512,18 @@ def unpaged_groups(layer: PagedKivi) -> dict[str, jax.Array]:
                                             else getattr(host, f))[tables]
     host_k, host_v = getattr(body, "host_k", None), getattr(body, "host_v", None)
     r, n = tables.shape
-    out = {"k_words": pick(body.k, host_k, "words").reshape(r, -1, body.k.words.shape[-1]),
-           "k_scale": pick(body.k, host_k, "scale")[:, :, 0],
-           "k_offset": pick(body.k, host_k, "offset")[:, :, 0],
-           "k_live": pick(body.k, host_k, "live").reshape(r, -1),
-           "pos": body.pos[tables, 0].reshape(r, -1)}
-    for f in body.v.slot_fields:
-        if getattr(body.v, f) is not None:
-            x = pick(body.v, host_v, f)
-            out["v_" + f] = x.reshape(r, -1, *x.shape[3:])
+    gathered = lambda store, host: store.replace(**{  # the rows' pages in table order
+        f: pick(store, host, f).reshape(r * n, *getattr(store, f).shape[1:])
+        for f in store.slot_fields})
+    keys = gathered(body.k, host_k)  # [R * NP, ...]
+    out = {"k_words": keys.slot_words().reshape(r, -1, keys.slot_words().shape[-1]),
+           "k_scale": keys.scale.reshape(r, n, -1), "k_offset": keys.offset.reshape(r, n, -1),
+           "k_live": keys.live.reshape(r, -1), "pos": body.pos[tables, 0].reshape(r, -1)}
+    values = gathered(body.v, host_v).to_packed()  # [R * NP, G, ...]
+    for f in values.slot_fields:
+        if getattr(values, f) is not None:
+            x = getattr(values, f)
+            out["v_" + f] = x.reshape(r, -1, *x.shape[2:])
     return out
 
 

@@ -65,11 +65,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas import page_formats as pf
 from kvjax.core.branches import rare_cond
 from kvjax.core.cache import EMPTY, TokenCache, check_sizes
 from kvjax.core.layer import register_layer
 from kvjax.core.quant import PARAM_DTYPES
-from kvjax.core.stores import PackedTokens, encode_dense, is_dense, map_slot_leaves, read
+from kvjax.core.stores import (PackedTokens, Store, encode_dense, is_dense, map_slot_leaves,
+                               param_values, read, register_export)
 
 NULL_PAGE = 0
 """Reserved page: never allocated or counted, always empty; unused table entries point to it."""
@@ -109,6 +111,108 @@ class PoolError(ValueError):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class TokenPages(Store):
+    """Per-token codes over pages, each page *lane-flat*: the kernel's layout, held as it is.
+
+    `pages[p, 0]` is page p's `W` rows of code words (W = D*bits/32) then its `NW` rows of
+    packed scales (and offsets), each row `S` lanes long, side by side:
+    `kernels_pallas.page_formats.PackedTokens`. The codes and parameters are those of
+    `kvjax.core.stores.PackedTokens` (same quantizer, same bits); only the layout differs.
+    XLA:TPU keeps a `[P, 1, L]` array row-major and dense at any page size, so the kernel
+    DMAs each page as one contiguous row with no relayout of the pool per call, where a
+    `[P, S, W]` pool of pages below 128 slots is laid out page-minor (docs/DECISIONS.md,
+    "Page pools held lane-flat").
+
+    Example:
+        >>> s = TokenPages.empty(pages=3, page_size=64, dim=128, bits=4, group=32)
+        >>> s.pages.shape, s.shape   # 16 code rows + 4 rows of float16 scale/offset pairs
+        ((3, 1, 1280), (3, 64, 128))
+        >>> x = jnp.ones((2, 128))
+        >>> s = s.put_slots(jnp.array([1, 2]), jnp.array([0, 63]), x)
+        >>> s.read()[jnp.array([1, 2]), jnp.array([0, 63])].tolist() == x.tolist()
+        True
+    """
+
+    pages: jax.Array  # [P, 1, (W + NW) * S] uint32
+    bits: int = dataclasses.field(metadata=_static)
+    group: int = dataclasses.field(metadata=_static)
+    dim: int = dataclasses.field(metadata=_static)
+    symmetric: bool = dataclasses.field(metadata=_static)
+    param_dtype: str = dataclasses.field(metadata=_static)
+
+    slot_fields = ("pages",)
+
+    @classmethod
+    def empty(cls, pages: int, page_size: int, dim: int, bits: int, group: int,
+              symmetric: bool = False, param_dtype=jnp.float16) -> "TokenPages":
+        PackedTokens.empty(0, 0, dim, bits, group)  # checks bits, group and dim
+        store = cls(pages=jnp.zeros((pages, 1, 0), jnp.uint32), bits=bits, group=group,
+                    dim=dim, symmetric=bool(symmetric), param_dtype=_dtype_name(param_dtype))
+        return store.replace(pages=jnp.zeros((pages, 1, store.rows * page_size), jnp.uint32))
+
+    @property
+    def format(self) -> pf.PackedTokens:
+        """The kernel's format of these pages (`kernels_pallas.page_formats`)."""
+        return pf.PackedTokens(self.bits, self.group, self.symmetric, self.param_dtype)
+
+    @property
+    def rows(self) -> int:
+        """Lane rows of S slots a page holds: code words, then packed parameters."""
+        return self.format.rows(self.dim)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Logical `[P, S, D]`."""
+        return (self.pages.shape[0], self.pages.shape[-1] // self.rows, self.dim)
+
+    def encode_pages(self, x: jax.Array) -> jax.Array:
+        """x [N, S', D] -> [N, 1, rows * S'] uint32: each slot quantized on its own, as
+        `kvjax.core.stores.PackedTokens` does (bit for bit), laid out as pages of S' slots."""
+        like = PackedTokens.empty(0, 0, self.dim, self.bits, self.group, self.symmetric,
+                                  jnp.dtype(self.param_dtype))
+        piece = like.encode(x)
+        offset = None if piece.offset is None else param_values(piece.offset)
+        return self.format.from_store(piece.words, param_values(piece.scale), offset)[0]
+
+    def put_slots(self, page: jax.Array, offset: jax.Array, x: jax.Array) -> "TokenPages":
+        """Tokens x [N, D] written at slot `offset` [N] of page `page` [N] (out of range:
+        dropped): one lane in each of the page's rows."""
+        s = self.shape[1]
+        words = self.encode_pages(x[:, None])[:, 0]  # [N, rows]: one lane per row
+        lanes = jnp.arange(self.rows) * s + offset[:, None]  # [N, rows]
+        return self.replace(pages=self.pages.at[page[:, None], 0, lanes].set(words, mode="drop"))
+
+    def to_packed(self) -> PackedTokens:
+        """The same pages as a `kvjax.core.stores.PackedTokens` of `[P, S, ...]` slot leaves
+        (exact bits: the inverse of `encode_pages`' layout)."""
+        p, s, _ = self.shape
+        w, n = self.dim * self.bits // 32, self.format.n_params(self.dim)
+        rows = self.pages.reshape(p, self.rows, s)
+        slots_last = lambda x: jnp.swapaxes(x, 1, 2)
+        packed = rows[:, w:]  # [P, NW, S]
+        if self.param_dtype == "float32":
+            params = jax.lax.bitcast_convert_type(packed, jnp.float32)
+        else:  # 16-bit pairs: row i holds logical rows i (low half) and i + NW (high half)
+            halves = jnp.concatenate([packed & 0xFFFF, packed >> 16], axis=1)[:, :n]
+            params = halves.astype(jnp.uint16)  # float16 is stored as its bits
+            if self.param_dtype == "bfloat16":
+                params = jax.lax.bitcast_convert_type(params, jnp.bfloat16)
+        params = slots_last(params)  # [P, S, n]
+        ng = self.dim // self.group
+        return PackedTokens(words=slots_last(rows[:, :w]), scale=params[..., :ng],
+                            offset=None if self.symmetric else params[..., ng:],
+                            bits=self.bits, group=self.group, dim=self.dim)
+
+    def read(self) -> jax.Array:
+        """[P, S, D] float32: what `kvjax.core.stores.PackedTokens` of the same codes reads."""
+        return self.to_packed().read()
+
+
+register_export(TokenPages)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PagePool:
     """Allocator state shared by the layers of a paged cache."""
 
@@ -130,8 +234,8 @@ class PagePool:
 class PagedLayer:
     """One layer's pages and the block tables that map rows to them.
 
-    `k`/`v` are dense `[P, S, D]` arrays or a `PackedTokens` store over
-    pages (rows = pages, capacity = S). Row `(b, h)`'s slot `i` lives in
+    `k`/`v` are dense `[P, S, D]` arrays or a `TokenPages` store (per-token codes, each
+    page lane-flat as the kernel reads it). Row `(b, h)`'s slot `i` lives in
     page `tables[b, h, i // S]` at offset `i % S`. `shared` mirrors the
     pool's `refcount > 1` (the pool functions keep it), so `write` can refuse
     shared pages without the pool. With `shared_tables` the pool hands out
@@ -141,8 +245,8 @@ class PagedLayer:
     head h's page at `+ h`, `head_stride=1`).
     """
 
-    k: Any  # [P, S, D] or PackedTokens
-    v: Any  # [P, S, D] or PackedTokens
+    k: Any  # [P, S, D] or TokenPages
+    v: Any  # [P, S, D] or TokenPages
     pos: jax.Array  # [P, 1, S] int32 absolute position per slot, EMPTY when free
     tables: jax.Array  # [B, KVH, NP] int32 pages per row in slot order, NULL_PAGE past the end
     lengths: jax.Array  # [B, KVH] int32 slots written per row
@@ -338,6 +442,8 @@ def _scatter(store: Any, page: jax.Array, offset: jax.Array, x: jax.Array) -> An
     """Write tokens x [N, D] at (page, offset) of a page store; out-of-range pages are dropped."""
     if is_dense(store):
         return store.at[page, offset].set(encode_dense(x, store.dtype), mode="drop")
+    if isinstance(store, TokenPages):
+        return store.put_slots(page, offset, x)
     piece = store.encode(x[:, None])  # each token quantized on its own: [N, 1, ...]
     return store.replace(**{f: getattr(store, f).at[page, offset].set(getattr(piece, f)[:, 0],
                                                                      mode="drop")
@@ -407,8 +513,8 @@ def init_paged_cache(num_pages: int, page_size: int, batch: int, kv_heads: int, 
     def pages():
         if bits is None:
             return jnp.zeros((num_pages, page_size, head_dim), dtype)
-        return PackedTokens.empty(num_pages, page_size, head_dim, bits, group,
-                                  param_dtype=param_dtype)
+        return TokenPages.empty(num_pages, page_size, head_dim, bits, group,
+                                param_dtype=param_dtype)
 
     def layer():  # every array its own buffer, so a jitted step may donate the cache
         return PagedLayer(k=pages(), v=pages(),

@@ -121,11 +121,11 @@ class TieredLayer(PagedLayer):
     prefetched copies of host pages; `misses` counts host pages a step read unstaged.
     """
 
-    host_k: Any  # [Ph, S, D] or PackedTokens, in host memory
-    host_v: Any  # [Ph, S, D] or PackedTokens, in host memory
+    host_k: Any  # [Ph, S, D] or TokenPages, in host memory
+    host_v: Any  # [Ph, S, D] or TokenPages, in host memory
     stage_ids: jax.Array  # [M] int32 page id each stage slot holds a copy of, NO_PAGE if none
-    stage_k: Any  # [M, S, D] or PackedTokens, device
-    stage_v: Any  # [M, S, D] or PackedTokens, device
+    stage_k: Any  # [M, S, D] or TokenPages, device
+    stage_v: Any  # [M, S, D] or TokenPages, device
     misses: jax.Array  # [B, KVH] int32 host pages read without a staged copy (cumulative)
 
     @property
