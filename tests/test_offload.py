@@ -95,6 +95,50 @@ def test_attention_over_offloaded_pages_equals_all_on_device(bits, staged):
     np.testing.assert_array_equal(np.asarray(l1[0].misses), expect)
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_shared_tables_spill_restore_and_stage_whole_groups(bits):
+    """`init_tiered_cache(shared_tables=True)`: a spill or restore of one page moves its
+    sequence's whole aligned group of KV heads (head h's entry stays head 0's + h: the audit's
+    `head_aligned` invariant), `prefetch` stages whole groups at aligned slots, and attention
+    -- XLA, and the TPU kernel in interpret mode over one `[B, NP]` table per tier -- equals
+    the all-device pool's. Sizes that are not multiples of kv_heads are refused by name."""
+    from kvjax.backends import pallas as ka
+    args = (S, B, KVH, NP, D)
+    p0, l0 = fill(*init_paged_cache(PD + PH, *args, num_layers=1, bits=bits, group=8,
+                                    shared_tables=True), 17, jax.random.key(0))
+    p1, l1 = fill(*init_tiered_cache(PD, PH, *args, num_layers=1, bits=bits, group=8,
+                                     shared_tables=True), 17, jax.random.key(0))
+    head_1 = int(l1[0].tables[0, 1, 0])  # sequence 0's first page of head 1
+    p1, l1 = spill(p1, l1, jnp.array([head_1]))
+    t = np.asarray(l1[0].tables)
+    assert t[0, 0, 0] >= PD and t[0, 0, 0] % KVH == 0 and t[0, 1, 0] == t[0, 0, 0] + 1
+    assert tier_counts(p1, l1[0])["host"] == KVH  # head 0's page went with it
+    p1, l1 = spill(p1, l1, coldest_pages(l1[0], recency_scores(l1[0]), PH))
+    host = tier_counts(p1, l1[0])["host"]
+    p1, l1 = restore(p1, l1, jnp.array([int(l1[0].tables[1, 1, 0])]))
+    assert host > KVH and tier_counts(p1, l1[0])["host"] == host - KVH
+    l1 = prefetch(l1, host_pages_in_use(l1[0])[::-1])  # any order: staged as whole groups
+    ids = np.asarray(l1[0].stage_ids)
+    staged = np.nonzero(ids >= 0)[0]
+    assert staged.size == host - KVH and (ids[staged] % KVH == staged % KVH).all()
+    check_pool(p0, l0)
+    check_pool(p1, l1)
+    q, qpos = queries()
+    want = kvjax.attend(q, qpos, l0[0], impl="xla")
+    np.testing.assert_array_equal(np.asarray(kvjax.attend(q, qpos, l1[0], impl="xla")),
+                                  np.asarray(want))
+    for view in ka.tier_views(l1[0]):
+        inputs = ka.kernel_inputs(view, backend="tpu")
+        assert inputs["head_stride"] == 1 and inputs["block_tables"].shape == (B, NP)
+    got = ka.attend_pallas(q, qpos, l1[0], backend="tpu", interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=3e-5, atol=3e-5)
+    for name, sizes in (("device_pages", (PD + 1, PH, None)), ("host_pages", (PD, PH + 1, None)),
+                        ("stage_pages", (PD, PH, 3))):
+        with pytest.raises(ValueError, match=f"{name} must be a multiple of kv_heads = {KVH}"):
+            init_tiered_cache(sizes[0], sizes[1], *args, num_layers=1, stage_pages=sizes[2],
+                              shared_tables=True)
+
+
 def test_spilled_plus_resident_equals_allocated():
     _, (pool, layers) = pools()
     pool, layers = fill(pool, layers, 13, jax.random.key(0))

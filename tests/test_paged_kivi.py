@@ -133,14 +133,14 @@ def test_shared_tables_hold_what_per_head_tables_hold_and_the_kernel_reads_one_t
     """`from_residual(shared_tables=True)`: after the same flushes into new pages the pool
     passes its audit (aligned groups of KV heads), the body's groups equal the per-head pool's
     bit for bit, the TPU kernel gets one [B, NP] table (head_stride 1) and its attention equals
-    the per-head pool's and the reference (interpret mode). Host pages refuse shared tables."""
+    the per-head pool's and the reference (interpret mode). A tiered body with shared tables
+    spills and stages whole groups, and the kernel reads both its tiers with one table each."""
     from kvjax.backends import pallas as ka
     t = kvjax.kivi(bits=4, group=G, residual=RES)
     unpaged, _ = t.update(prompt_cache(4), t.init(prompt_cache(4)), None)
-    runs = {}
-    for shared in (False, True):
+    def grown(host_pages, shared):  # two writes, each flushing a group into new pages
         pool, layers = from_residual(unpaged, max_pages=CAP // G, device_pages=40,
-                                     shared_tables=shared)
+                                     host_pages=host_pages, shared_tables=shared)
         for step in range(2):
             pool, b = reserve(pool, bodies(layers), flush_tokens(layers))
             layers = with_bodies(layers, b)
@@ -148,7 +148,9 @@ def test_shared_tables_hold_what_per_head_tables_hold_and_the_kernel_reads_one_t
             layers = (layers[0].write(k, v, jnp.broadcast_to(30 + 12 * step + jnp.arange(12),
                                                              (B, 12))),)
         check_pool(pool, bodies(layers))
-        runs[shared] = layers[0]
+        return pool, layers
+
+    runs = {shared: grown(0, shared)[1][0] for shared in (False, True)}
     per_head, shared = runs[False], runs[True]
     assert shared.body.shared_tables and int(jnp.max(shared.body.lengths)) == 3 * G
     for name, x in groups_of(per_head).items():
@@ -163,8 +165,17 @@ def test_shared_tables_hold_what_per_head_tables_hold_and_the_kernel_reads_one_t
     want = np.asarray(kvjax.attend(q, q_pos, shared, impl="reference"))
     np.testing.assert_allclose(run(shared), want, rtol=3e-5, atol=3e-5)
     np.testing.assert_array_equal(run(shared), run(per_head))
-    with pytest.raises(ValueError, match="shared_tables needs host_pages=0"):
-        from_residual(unpaged, max_pages=8, device_pages=40, host_pages=8, shared_tables=True)
+    pool, layers = grown(8, True)
+    b = tiers.spill(pool, bodies(layers), tiers.coldest_pages(
+        layers[0].body, tiers.recency_scores(layers[0].body), 1))  # one page: its group
+    pool, b = b[0], tiers.prefetch(b[1], tiers.host_pages_in_use(b[1][0]))
+    layers = with_bodies(layers, b)
+    check_pool(pool, bodies(layers))
+    assert tiers.tier_counts(pool, layers[0].body)["host"] == KVH
+    for view in ka.tier_views(layers[0].body):
+        assert ka.kernel_inputs(view, backend="tpu")["head_stride"] == 1
+    want = np.asarray(kvjax.attend(q, q_pos, layers[0], impl="reference"))
+    np.testing.assert_allclose(run(layers[0]), want, rtol=3e-5, atol=3e-5)
 
 
 def test_pages_released_by_one_sequence_are_never_read_by_the_other():

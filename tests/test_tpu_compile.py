@@ -604,11 +604,13 @@ def _cache_kinds() -> dict:
                                     "quantize:bits=4+knorm:ratio=0.5,headwise=true")}
     kinds["PagedLayer int4"] = paged(lambda *a, **kw: init_paged_cache(
         b * kvh * 4 + 1, 128, *a, **kw), shared_tables=False)[1][0]
-    pool, layers = paged(lambda *a, **kw: tiers.init_tiered_cache(b * kvh * 4 + 1, 4, 128, *a,
-                                                                  **kw))
-    pool, layers = tiers.spill(pool, layers, tiers.coldest_pages(
-        layers[0], tiers.recency_scores(layers[0]), 2))
-    kinds["TieredLayer int4"] = tiers.prefetch(layers, tiers.host_pages_in_use(layers[0]))[0]
+    for shared in (False, True):  # per-head tables, and one [B, NP] table per tier
+        pool, layers = paged(lambda *a, **kw: tiers.init_tiered_cache(
+            b * kvh * 4 + 2, 4, 128, *a, **kw), shared_tables=shared)
+        pool, layers = tiers.spill(pool, layers, tiers.coldest_pages(
+            layers[0], tiers.recency_scores(layers[0]), 2))
+        name = "TieredLayer int4" + (", shared tables" if shared else "")
+        kinds[name] = tiers.prefetch(layers, tiers.host_pages_in_use(layers[0]))[0]
     kivi = kvjax.kivi(bits=4, group=32, residual=32)
     unpaged, _ = kivi.update((token,), kivi.init((token,)), None)
     kinds["PagedKivi"] = from_residual(unpaged, max_pages=16, device_pages=b * kvh * 16 + 1)[1][0]
@@ -624,7 +626,7 @@ def _cache_kinds() -> dict:
 def test_every_cache_kind_compiles_through_the_kernel_for_decode_and_prefill(chip, capsys):
     """Every layer kind `attend(impl="pallas")` reads -- `TokenCache` with dense, fp8, int8,
     int4, per-channel int4 and KIVI stores (a residual layer, also after Knorm), a paged
-    layer, a tiered one (host pages staged) and a paged KIVI one -- compiles with Mosaic for
+    layer, a tiered one (host pages staged; per-head and shared tables) and a paged KIVI one -- compiles with Mosaic for
     the chip, for a decode step (1 query token) and a prefill chunk (100 tokens of 4 query
     heads per KV head: two query blocks), with a Mosaic call per part and block and no XLA
     fallback; a low-rank layer too (over its latents: keys of rank 32, values of 64) and a
@@ -637,6 +639,8 @@ def test_every_cache_kind_compiles_through_the_kernel_for_decode_and_prefill(chi
         assert type(kinds[name]).__name__ == "ResidualCache", name
     assert int((kinds["knorm:ratio=0.5+kivi:bits=2"].body.pos != -1).sum()) < 2 * 2 * 400 // 2
     assert kinds["quantize:bits=4+knorm:ratio=0.5,headwise=true"].pooled
+    assert all(view.shared_tables for view in ka.tier_views(kinds["TieredLayer int4, shared "
+                                                                  "tables"]))
     for name, layer in kinds.items():
         assert ka.kernel_refusal(layer, "tpu") is None, name
         parts = 2 if ka.kernel_layout(layer) in ("parts", "tiers") else 1

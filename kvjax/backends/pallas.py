@@ -479,12 +479,13 @@ def tier_views(layer: TieredLayer) -> tuple[PagedLayer, PagedLayer]:
     count = lambda keep: jnp.sum(keep, axis=-1, dtype=jnp.int32)
     held = (layer.stage_ids >= 0)[:, None, None]
     stage_pos = jnp.where(held, layer.pos[jnp.maximum(layer.stage_ids, 0)], EMPTY)  # [M, 1, S]
+    # shared tables stay shared in both views: a sequence's heads move and are staged as one
+    # aligned group (`kvjax.memory.tiers`), so head h's entry is head 0's + h in each
     device = _as_paged(layer, pos=layer.pos[:pd], tables=kept_first(on_device, tables),
-                       lengths=count(on_device) * s, shared=layer.shared[:pd],
-                       shared_tables=False)
+                       lengths=count(on_device) * s, shared=layer.shared[:pd])
     stage = _as_paged(layer, k=layer.stage_k, v=layer.stage_v, pos=stage_pos,
                       tables=kept_first(staged, slot), lengths=count(staged) * s,
-                      shared=jnp.zeros(stage_pos.shape[0], bool), shared_tables=False)
+                      shared=jnp.zeros(stage_pos.shape[0], bool))
     return device, stage
 
 

@@ -432,15 +432,12 @@ def from_residual(cache: Sequence[ResidualCache], *, max_pages: int, device_page
     `max_pages` is the block-table length (body tokens per row / group, with room to grow);
     `device_pages` (null page included) and `host_pages` size the pool: `host_pages=0` gives
     plain `PagedLayer` bodies, else `kvjax.memory.tiers.TieredLayer` bodies with a stage of
-    `stage_pages` (default `host_pages`). `shared_tables` (plain bodies only) allocates a
-    sequence's pages for all its KV heads at once (`init_paged_cache`), so the TPU kernel
-    reads one `[B, NP]` table: pages are one group, 32 tokens by default, and at 64 x 32k x 8
-    KV heads per-head tables would need 2 MiB of SMEM."""
+    `stage_pages` (default `host_pages`). `shared_tables` allocates (and, tiered, spills and
+    stages) a sequence's pages for all its KV heads at once (`init_paged_cache`,
+    `init_tiered_cache`), so the TPU kernel reads one `[B, NP]` table: pages are one group,
+    32 tokens by default, and at 64 x 32k x 8 KV heads per-head tables would need 2 MiB of
+    SMEM."""
     from kvjax.memory.paging import reserve  # the pool functions take the bodies
-    if shared_tables and host_pages:
-        raise ValueError(f"from_residual: shared_tables needs host_pages=0 (a spill moves single "
-                         f"pages, a shared table whole groups of kv_heads), got host_pages="
-                         f"{host_pages}")
     _check_unpaged(cache)
     first = cache[0]
     g, ks, vs = first.block, first.body.k, first.body.v
@@ -448,7 +445,8 @@ def from_residual(cache: Sequence[ResidualCache], *, max_pages: int, device_page
     args = (g, b, kvh, max_pages, d, len(cache))
     if host_pages:
         from kvjax.memory.tiers import init_tiered_cache
-        pool, plain = init_tiered_cache(device_pages, host_pages, *args, stage_pages=stage_pages)
+        pool, plain = init_tiered_cache(device_pages, host_pages, *args, stage_pages=stage_pages,
+                                        shared_tables=shared_tables)
     else:
         pool, plain = init_paged_cache(device_pages, *args, shared_tables=shared_tables)
     key = lambda n: ChannelPages.empty(n, g, d, ks.bits, jnp.dtype(ks.param_dtype))

@@ -16,6 +16,8 @@ unchanged: a spilled page is still a page of its rows, shared or not.
 
 - `spill(pool, layers, pages)` moves device pages to free host pages (a whole-page copy, the
   table entries of every row listing the page renamed); `restore` moves host pages back.
+  With `shared_tables` a page moves, and is staged, with its sequence's aligned group of
+  KV heads, so the kernel reads one `[B, NP]` table per tier.
   Pages a row writes next (each row's last written page, reserved pages) never spill, and
   `reserve` allocates device pages only, so writes always land on the device.
 - `coldest_pages(layer, scores, n)` is the spill policy: the `n` in-use device pages whose
@@ -204,11 +206,16 @@ def tiered_view(layer: TieredLayer) -> TokenCache:
 def init_tiered_cache(device_pages: int, host_pages: int, page_size: int, batch: int,
                       kv_heads: int, max_pages: int, head_dim: int, num_layers: int,
                       stage_pages: int | None = None, dtype=jnp.float32, bits: int | None = None,
-                      group: int = 32, param_dtype=jnp.float16
+                      group: int = 32, param_dtype=jnp.float16, shared_tables: bool = False
                       ) -> tuple[PagePool, tuple[TieredLayer, ...]]:
     """An empty pool of `device_pages` device pages (the null page among them) and
     `host_pages` host pages, and its layers; `stage_pages` (default: `host_pages`) is the
-    size of each layer's prefetch stage. Other arguments as `init_paged_cache`."""
+    size of each layer's prefetch stage. Other arguments as `init_paged_cache`.
+
+    `shared_tables`: pages are allocated, spilled, restored and staged in aligned groups of
+    `kv_heads` ids (a sequence's heads), so the kernel reads one `[B, NP]` table per tier;
+    `device_pages`, `host_pages` and `stage_pages` must then be multiples of `kv_heads`, and
+    `spill`/`restore` of a page move its whole group."""
     for name, value in (("host_pages", host_pages), ("stage_pages", stage_pages)):
         if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
             raise ValueError(f"init_tiered_cache: {name} must be a positive int, got {value!r}")
@@ -216,9 +223,17 @@ def init_tiered_cache(device_pages: int, host_pages: int, page_size: int, batch:
         raise ValueError(f"init_tiered_cache: device_pages must be an int >= 2 (the null page "
                          f"and one more), got {device_pages!r}")
     stage_pages = host_pages if stage_pages is None else stage_pages
+    if shared_tables:
+        for name, value in (("device_pages", device_pages), ("host_pages", host_pages),
+                            ("stage_pages", stage_pages)):
+            if value % kv_heads:
+                raise ValueError(f"init_tiered_cache: with shared_tables, {name} must be a "
+                                 f"multiple of kv_heads = {kv_heads} (pages move in groups of "
+                                 f"a sequence's heads), got {value}")
     total = device_pages + host_pages
     pool, plain = init_paged_cache(total, page_size, batch, kv_heads, max_pages, head_dim,
-                                   num_layers, dtype, bits, group, param_dtype=param_dtype)
+                                   num_layers, dtype, bits, group, param_dtype=param_dtype,
+                                   shared_tables=shared_tables)
     _, small = init_paged_cache(max(host_pages, stage_pages), page_size, 1, 1, 1, head_dim, 1,
                                 dtype, bits, group, param_dtype=param_dtype)
     take = lambda store, n: map_slot_leaves(store, lambda x: x[:n])
@@ -342,13 +357,22 @@ def _move(pool: PagePool, layers: tuple[TieredLayer, ...], pages: jax.Array, to_
         free = (pool.refcount == 0) & (ids < pd) & (ids != NULL_PAGE)
     low, high = (1, pd) if to_host else (pd, n)
     error = _first_error(pool.error, _id_error(pages, low, high, 9 if to_host else 10))
-    src = jnp.where((pages >= 0) & (pages < n), pages, 0)
-    ok = (pages >= 0) & (pages < n) & movable[src]
-    ok = ok & (jnp.cumsum(ok) <= free.sum())  # as many as there are free pages
-    ok = ok & ~jnp.any(jnp.tril(src[:, None] == src[None, :], -1) & ok[None, :], -1)  # once
+    # pages move in units: one page, or with shared tables its aligned group of KVH ids (a
+    # sequence's heads), which moves whole so that head h's page stays head 0's + h
+    u = layer.kv_heads if layer.shared_tables else 1
+    units = n // u
+    whole = lambda mask: mask[:units * u].reshape(units, u).all(-1)  # [units]
+    movable, free = whole(movable), whole(free)
+    listed = (pages >= 0) & (pages < units * u)
+    unit = jnp.where(listed, pages // u, 0)
+    ok = listed & movable[unit]
+    ok = ok & (jnp.cumsum(ok) <= free.sum())  # as many as there are free units
+    ok = ok & ~jnp.any(jnp.tril(unit[:, None] == unit[None, :], -1) & ok[None, :], -1)  # once
     free_list = jnp.nonzero(free, size=pages.shape[0], fill_value=NULL_PAGE)[0]
     dst = free_list[jnp.clip(jnp.cumsum(ok) - 1, 0, pages.shape[0] - 1)]
-    src, dst = jnp.where(ok, src, n), jnp.where(ok, dst, n)  # n: dropped by the scatters
+    head = jnp.arange(u)  # each unit's pages; n: dropped by the scatters
+    src = jnp.where(ok[:, None], unit[:, None] * u + head, n).reshape(-1)
+    dst = jnp.where(ok[:, None], dst[:, None] * u + head, n).reshape(-1)
     rename = jnp.arange(n + 1).at[src].set(dst, mode="drop")[:n]  # [P] old id -> new id
     tables = rename[layer.tables]
     refcount = pool.refcount.at[dst].set(pool.refcount[jnp.minimum(src, n - 1)],
@@ -421,17 +445,36 @@ def prefetch(layers: Sequence[TieredLayer], pages: Any) -> tuple[TieredLayer, ..
     return _prefetch(layers, pages)
 
 
+def whole_groups(pages: jax.Array, group: int) -> jax.Array:
+    """[M] page ids -> [M]: the aligned groups of `group` ids the listed pages belong to, each
+    once, in the order first listed, group j at entries `j * group + h` (NO_PAGE after). How a
+    stage of shared-table layers holds pages: head h's copy at head 0's slot + h.
+
+    Example:
+        >>> whole_groups(jnp.array([9, 4, 8, -1, -1, -1]), 2).tolist()   # groups 4 and 2
+        [8, 9, 4, 5, -1, -1]
+    """
+    m = pages.shape[0]
+    g = jnp.where(pages >= 0, pages // group, NO_PAGE)
+    first = (g >= 0) & ~jnp.any(jnp.tril(g[:, None] == g[None, :], -1), -1)
+    order = jnp.argsort(~first, stable=True)[:m // group]
+    groups = jnp.where(first[order], g[order], NO_PAGE)  # [M / group]
+    ids = jnp.where(groups[:, None] >= 0, groups[:, None] * group + jnp.arange(group), NO_PAGE)
+    return jnp.pad(ids.reshape(-1), (0, m - ids.size), constant_values=NO_PAGE)
+
+
 @jax.jit
 def _prefetch(layers: tuple[TieredLayer, ...], pages: jax.Array) -> tuple[TieredLayer, ...]:
     out = []
     for l in layers:
         pd = l.device_pages
-        ok = (pages >= pd) & (pages < l.pos.shape[0])
-        hid = jnp.where(ok, pages - pd, 0)
+        error = _first_error(l.error, _id_error(pages, 0, l.pos.shape[0], 11))
+        wanted = whole_groups(pages, l.kv_heads) if l.shared_tables else pages
+        ok = (wanted >= pd) & (wanted < l.pos.shape[0])
+        hid = jnp.where(ok, wanted - pd, 0)
         stage_k = _host_take(l.host_k, hid)
         stage_v = _host_take(l.host_v, hid)
-        error = _first_error(l.error, _id_error(pages, 0, l.pos.shape[0], 11))
-        out.append(l.replace(stage_ids=jnp.where(ok, pages, NO_PAGE), stage_k=stage_k,
+        out.append(l.replace(stage_ids=jnp.where(ok, wanted, NO_PAGE), stage_k=stage_k,
                              stage_v=stage_v, error=error))
     return tuple(out)
 
