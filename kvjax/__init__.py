@@ -2,7 +2,7 @@
 
 from kvjax.core.attention import (attend_blockwise, attend_reference, attention_mask,
                                   attention_mass, attention_weights)
-from kvjax.backends.dispatch import attend, tile_slots
+from kvjax.backends.dispatch import KernelFallbackWarning, attend, tile_slots
 from kvjax.core.layer import CacheLayer, layer_kinds, register_layer
 from kvjax.core.cache import (EMPTY, Cache, CacheSpec, ResidualCache, TokenCache, check_cache,
                               free_tokens, init_cache, init_model_cache, nbytes, num_valid,
@@ -29,7 +29,7 @@ from kvjax.core.transforms import CacheTransform, EmptyState, chain, full, on_la
 __all__ = [
     "CacheLayer", "layer_kinds", "register_layer",
     "EMPTY", "Cache", "CacheSpec", "CacheTransform", "LayerStats", "METHODS", "ResidualCache",
-    "StatsSpec", "TokenCache", "fp8", "free_tokens", "kivi", "quantize", "view", "attend", "PallasOnMesh", "attend_blockwise", "attend_reference", "attention_mask",
+    "StatsSpec", "TokenCache", "KernelFallbackWarning", "fp8", "free_tokens", "kivi", "quantize", "view", "attend", "PallasOnMesh", "attend_blockwise", "attend_reference", "attention_mask",
     "attention_mass", "attention_weights", "chain", "check_cache", "compact",
     "expected_attention", "full", "h2o", "init_cache", "init_model_cache", "init_stats",
     "keep_top_k", "knorm", "nbytes", "num_valid", "on_layers", "parse_method", "pool_heads",

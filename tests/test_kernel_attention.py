@@ -96,6 +96,33 @@ def test_odd_capacities_are_padded_and_a_pooled_part_falls_back():
                                       np.asarray(kvjax.attend(q, q_pos, layer, impl="xla")))
 
 
+def test_a_refused_layer_on_a_kernel_backend_warns_with_the_reason(monkeypatch):
+    """On a TPU or GPU, `attend(impl="pallas")` over a key/value layer the kernel refuses
+    (here a head dim of 48 with the backend set to "gpu": its kernel needs a power of two)
+    reads it through XLA and says so: a `KernelFallbackWarning` naming the refusal, an error
+    when the user asks for one. A layer the kernel reads, and a layer with no kernel layout
+    (recurrent state: it attends itself), do not warn."""
+    import warnings
+    from kvjax.backends import dispatch
+    monkeypatch.setattr(dispatch, "pallas_backend", lambda: "gpu")
+    odd, q48, q_pos = filled(2, 10, capacity=32, d=48)
+    want = kvjax.attend(q48, q_pos, odd, impl="xla")
+    with pytest.warns(kvjax.KernelFallbackWarning, match="the gpu kernel does not read this "
+                                                         "layer .the GPU kernel needs a head"):
+        got = kvjax.attend(q48, q_pos, odd, impl="pallas")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    layer, q, q_pos = filled(2, 10, capacity=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kvjax.KernelFallbackWarning)
+        with pytest.raises(kvjax.KernelFallbackWarning, match="power of two, got 48"):
+            kvjax.attend(q48, q_pos, odd, impl="pallas")
+        state = kvjax.init_linear_layer(2, 2, 64, kvjax.elu_map(64))  # no kernel layout
+        assert ka.kernel_layout(state) is None
+        kvjax.attend(q, q_pos, state, impl="pallas")  # attends itself: no warning
+        monkeypatch.setattr(dispatch, "attend_pallas", lambda *a, **kw: "kernel")
+        assert kvjax.attend(q, q_pos, layer, impl="pallas") == "kernel"  # read: no warning
+
+
 @pytest.mark.parametrize("n, supported", [(12, True), (16, True)])
 def test_kivi_layer_with_an_empty_body_reads_its_window_alone(n, supported):
     """A short prompt's KIVI layer keeps every token in its exact window: shrunk, the quantized

@@ -9,12 +9,14 @@ fallback in `kvjax.backends.pallas`) without an import cycle.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 
 from kvjax.core.layer import CacheLayer
-from kvjax.backends.pallas import (TILE_SLOTS, attend_pallas, has_host_tier, pallas_backend,
-                                    supports_pallas)
+from kvjax.backends.pallas import (TILE_SLOTS, attend_pallas, has_host_tier, kernel_layout,
+                                    kernel_refusal, pallas_backend, supports_pallas)
 from kvjax.backends.sharded import PallasOnMesh, attend_on_mesh
 
 IMPLS = ("xla", "reference", "pallas")
@@ -39,6 +41,12 @@ def tile_slots(impl) -> int:
     return TILE_SLOTS.get(backend, 1) if backend else 1
 
 
+class KernelFallbackWarning(UserWarning):
+    """`attend(impl="pallas")` on a TPU or GPU read a key/value layer through XLA because the
+    kernel refused it (the message names `kernel_refusal`'s reason). Make it an error with
+    `warnings.simplefilter("error", KernelFallbackWarning)` to require the kernel."""
+
+
 def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xla",
            window: int | None = None, softcap: float | None = None) -> jax.Array:
     """Attention of queries over a layer cache; dispatches on `impl`.
@@ -47,9 +55,11 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xl
     `attend_reference`, the plain definition tests compare against;
     `"pallas"` runs the paged attention kernel on TPU or GPU
     (`kvjax.backends.pallas`: token, encoded, KIVI, paged, tiered, pooled and low-rank layers)
-    and falls back to `"xla"` on CPU and for layers the kernel does not read
-    (`kernel_refusal` says why, e.g. a GPU head dim that is not a power of two;
-    `kvjax compile` reports the kernel calls). Every other path is the
+    and falls back to `"xla"` on CPU and for layers the kernel does not read: a key/value
+    layer it refuses on a TPU or GPU warns (`KernelFallbackWarning`, naming
+    `kernel_refusal`'s reason, e.g. a GPU head dim that is not a power of two; an error
+    under `warnings.simplefilter("error", KernelFallbackWarning)`), and `kvjax compile`
+    reports the kernel calls and refusals. Every other path is the
     layer's own `attend` (`kvjax.core.layer.CacheLayer`: a `PagedLayer` gathers a dense
     view, a recurrent layer reads its state).
     `PallasOnMesh(mesh)` (kvjax.backends.sharded) runs that kernel under
@@ -79,8 +89,13 @@ def attend(q: jax.Array, q_pos: jax.Array, cache: CacheLayer, *, impl: str = "xl
                          f"kvjax.backends.sharded.PallasOnMesh")
     if impl == "pallas":
         backend = pallas_backend()
-        if backend is not None and supports_pallas(cache):
+        refusal = None if backend is None else kernel_refusal(cache, backend)
+        if backend is not None and refusal is None:
             return attend_pallas(q, q_pos, cache, window=window, softcap=softcap,
                                  backend=backend)
+        if refusal is not None and kernel_layout(cache) is not None:  # a KV layer it refused
+            warnings.warn(f"attend(impl='pallas'): the {backend} kernel does not read this "
+                          f"layer ({refusal}); it attends through XLA", KernelFallbackWarning,
+                          stacklevel=2)
         impl = "xla"
     return cache.attend(q, q_pos, impl=impl, window=window, softcap=softcap)
