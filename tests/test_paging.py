@@ -305,6 +305,21 @@ def test_token_pages_hold_packed_tokens_bit_for_bit(bits, group, symmetric, para
     assert not got.any()  # nothing else written; page p (out of range) dropped
 
 
+def test_a_codec_over_an_encoded_pool_keeps_its_own_pages_and_refuses_others():
+    """A per-token codec applied to a pool it already encodes (int4 pages, groups of 16) leaves
+    the layer as it is; another codec is refused by name, not a KeyError on the page store."""
+    pool, layers = init_paged_cache(8, 4, 1, 1, 4, 32, num_layers=1, bits=4, group=16)
+    pool, layers = reserve(pool, layers, jnp.array([6]))
+    x = jnp.ones((1, 1, 6, 32))
+    layers = (layers[0].write(x, x, jnp.arange(6)[None]),)
+    same = kvjax.parse_method("quantize:bits=4,group=16")
+    (out,), _ = same.update(layers, same.init(layers), None)
+    assert out is layers[0]
+    other = kvjax.parse_method("quantize:bits=8")
+    with pytest.raises(ValueError, match="already encoded by another codec"):
+        other.update(layers, other.init(layers), None)
+
+
 def test_generate_with_the_kernel_matches_xla(kernel_on_cpu):
     """generate(impl="pallas") threads the kernel through prefill and the decode loop."""
     from models.sampler import generate

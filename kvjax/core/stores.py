@@ -135,6 +135,7 @@ class Store:
     """Base class of encoded stores. `slot_fields` name the leaves indexed by slot."""
 
     slot_fields: tuple[str, ...] = ()
+    codec_kind: str | None = None  # the `kvjax.policies.codecs` encoding it holds, if any
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -209,6 +210,7 @@ class PackedTokens(Store):
     dim: int = dataclasses.field(metadata=_static)
 
     slot_fields = ("words", "scale", "offset")
+    codec_kind = "tokens"
     kernel_format = 1  # the CPU attention kernel's name for this layout (kvjax.core.cpu_kernel)
 
     @classmethod
@@ -309,6 +311,7 @@ class PackedChannels(Store):
     symmetric: bool = dataclasses.field(default=False, metadata=_static)
 
     slot_fields = ("words", "group_id")
+    codec_kind = "channels"
     kernel_format = 2  # the CPU attention kernel's name for this layout (kvjax.core.cpu_kernel)
 
     @classmethod
@@ -472,6 +475,7 @@ class Latent(Store):
     basis: jax.Array  # [KVH, D, r] per-head orthonormal basis
 
     slot_fields = ("z",)
+    codec_kind = "latent"
 
     @property
     def dim(self) -> int:

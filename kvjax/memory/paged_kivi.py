@@ -95,6 +95,7 @@ class ChannelPages(Store):
     param_dtype: str = dataclasses.field(metadata=_static)
 
     slot_fields = ("words", "params", "live")
+    codec_kind = "channels"
 
     @classmethod
     def empty(cls, pages: int, page_size: int, dim: int, bits: int,
@@ -115,6 +116,11 @@ class ChannelPages(Store):
     def shape(self) -> tuple[int, int, int]:
         """Logical `[P, S, D]`."""
         return (*self.live.shape, self.dim)
+
+    @property
+    def group(self) -> int:
+        """Tokens one scale/offset row covers: the page."""
+        return self.live.shape[1]
 
     def page_leaves(self, words: jax.Array, scale: jax.Array, offset: jax.Array,
                     live: jax.Array) -> dict[str, jax.Array]:

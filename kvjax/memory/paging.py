@@ -141,6 +141,7 @@ class TokenPages(Store):
     param_dtype: str = dataclasses.field(metadata=_static)
 
     slot_fields = ("pages",)
+    codec_kind = "tokens"
 
     @classmethod
     def empty(cls, pages: int, page_size: int, dim: int, bits: int, group: int,

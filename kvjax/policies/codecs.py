@@ -105,9 +105,8 @@ def _encoded_as(layer: Any, codecs: tuple[Codec, Codec], residual: int) -> bool:
         if layer.residual != residual:
             return False
         layer = layer.body
-    kinds = {PackedTokens: "tokens", PackedChannels: "channels", Latent: "latent"}
     for store, codec in zip((layer.k, layer.v), codecs):
-        kind = "fp8" if is_dense(store) else kinds[type(store)]
+        kind = "fp8" if is_dense(store) else store.codec_kind
         if kind != codec.kind or (kind in ("tokens", "channels")
                                   and (store.bits, store.group) != (codec.bits, codec.group)):
             return False
