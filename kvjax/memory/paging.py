@@ -147,9 +147,10 @@ class TokenPages(Store):
     def empty(cls, pages: int, page_size: int, dim: int, bits: int, group: int,
               symmetric: bool = False, param_dtype=jnp.float16) -> "TokenPages":
         PackedTokens.empty(0, 0, dim, bits, group)  # checks bits, group and dim
-        store = cls(pages=jnp.zeros((pages, 1, 0), jnp.uint32), bits=bits, group=group,
-                    dim=dim, symmetric=bool(symmetric), param_dtype=_dtype_name(param_dtype))
-        return store.replace(pages=jnp.zeros((pages, 1, store.rows * page_size), jnp.uint32))
+        name = _dtype_name(param_dtype)
+        rows = pf.PackedTokens(bits, group, bool(symmetric), name).rows(dim)  # checks the dtype
+        return cls(pages=jnp.zeros((pages, 1, rows * page_size), jnp.uint32), bits=bits,
+                   group=group, dim=dim, symmetric=bool(symmetric), param_dtype=name)
 
     @property
     def format(self) -> pf.PackedTokens:
