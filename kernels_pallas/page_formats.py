@@ -911,8 +911,9 @@ class PackedChannelPages:
     (`kvjax.memory.paged_kivi.ChannelPages`), read as the store keeps them.
 
     Arrays: words `[P, 1, W * S]` uint32, lane-flat (word w of slot s at lane `w * S + s`)
-    and params `[P, 1, K * D]` uint32: the page's scale and offset (`pack_params`: a 16-bit
-    pair per word, K = 1; float32: the D scales then the D offsets, K = 2). Both are the
+    and params `[P, 1, K * D]` uint32: the page's scale and offset as a KIVI table row holds
+    them (`kvjax.core.stores.pack_params`: a 16-bit pair per word, K = 1; float32: the D
+    scales then the D offsets as their bits, K = 2). Both are the
     store's own arrays, dense in TPU memory at any page size. Every slot of a page shares its
     parameters, so decoding is the one-row case of `PackedChannels` (a window of one table
     row).
@@ -950,20 +951,6 @@ class PackedChannelPages:
 
     def page_size(self, arrays, head_dim: int) -> int:
         return arrays[0].shape[2] // (head_dim * self.bits // 32)
-
-    def pack_params(self, scale: jax.Array, offset: jax.Array) -> jax.Array:
-        """scale/offset [N, 1, D] (rounded to `param_dtype`) -> [N, 1, K * D] uint32."""
-        return PackedChannelRows(self.bits, 1, False, self.param_dtype).pack_table(scale, offset)
-
-    def unpack_params(self, params: jax.Array, head_dim: int):
-        """Inverse of `pack_params`: [N, 1, K * D] uint32 -> (scale, offset) [N, 1, D] each, in
-        `param_dtype` (exact bits)."""
-        if self.param_dtype == "float32":
-            both = jax.lax.bitcast_convert_type(params, jnp.float32)
-            return both[..., :head_dim], both[..., head_dim:]
-        half = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.uint16),
-                                                      jnp.dtype(self.param_dtype))
-        return half(params & 0xFFFF), half(params >> 16)
 
     def decode(self, blocks, ops: Ops, head_dim: int, dtype=jnp.float32) -> jax.Array:
         """blocks: (words [1, W * S], params [1, K * D]) -> [D, S] in `dtype`."""

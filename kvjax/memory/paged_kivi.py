@@ -60,8 +60,8 @@ from kvjax.memory.paging import NULL_PAGE, PagedLayer, TokenPages, _error_at, _f
 from kvjax.memory.paging import init_paged_cache
 from kvjax.core.quant import pack, quantize, unpack
 from kernels_pallas import page_formats as pf
-from kvjax.core.stores import (PackedChannels, PackedTokens, Store, param_values,
-                               refuse_old_layout, register_export)
+from kvjax.core.stores import (PackedChannels, PackedTokens, Store, pack_params, param_values,
+                               refuse_old_layout, register_export, unpack_params)
 
 _static = dict(static=True)
 
@@ -76,8 +76,8 @@ class ChannelPages(Store):
     (XLA:TPU keeps a `[P, 1, L]` array dense at any page size, where `[P, S, W]` below 128
     slots is laid out page-minor: docs/DECISIONS.md, "Page pools held lane-flat").
     `params[p, 0]` is the page's per-channel scale and offset as uint32 words (a 16-bit pair
-    per word, K = 1; float32: the D scales then the D offsets, K = 2); `scale` and `offset`
-    read them back. `live[p, s]` marks slots that hold a token (an EMPTY slot reads 0, so a
+    per word, K = 1; float32: the D scales then the D offsets, K = 2: a KIVI table row's
+    `kvjax.core.stores.pack_params`); `page_params` reads them back. `live[p, s]` marks slots that hold a token (an EMPTY slot reads 0, so a
     page never shows codes its row did not write). Every leaf has the page axis first, so a
     page moves between tiers as a whole.
 
@@ -126,28 +126,27 @@ class ChannelPages(Store):
                     live: jax.Array) -> dict[str, jax.Array]:
         """Whole pages as this store's leaves: words [N, S, W] uint32, scale/offset [N, 1, D]
         (any float dtype; kept in `param_dtype`), live [N, S] bool."""
+        params = pack_params(scale, offset, self.param_dtype)  # a KIVI table row's words
         return dict(words=pf.lane_flat(jnp.swapaxes(words, 1, 2)),
-                    params=self.format.pack_params(scale, offset), live=live)
+                    params=jax.lax.bitcast_convert_type(params, jnp.uint32), live=live)
+
+    def page_params(self) -> tuple[jax.Array, jax.Array]:
+        """(scale, offset) [P, 1, D] float32 (exact: widened from `param_dtype`)."""
+        rows = self.params
+        if self.param_dtype == "float32":
+            rows = jax.lax.bitcast_convert_type(rows, jnp.float32)
+        return unpack_params(rows, self.dim, self.param_dtype, symmetric=False)
 
     def slot_words(self) -> jax.Array:
         """[P, S, W] uint32: the code words per slot (`kvjax.core.quant.pack` along D)."""
         p, s, _ = self.shape
         return jnp.swapaxes(self.words.reshape(p, -1, s), 1, 2)
 
-    @property
-    def scale(self) -> jax.Array:
-        """[P, 1, D] in `param_dtype`."""
-        return self.format.unpack_params(self.params, self.dim)[0]
-
-    @property
-    def offset(self) -> jax.Array:
-        """[P, 1, D] in `param_dtype`."""
-        return self.format.unpack_params(self.params, self.dim)[1]
-
     def read(self) -> jax.Array:
         """[P, S, D] float32: codes * scale + offset (as `PackedChannels`), 0 where not live."""
         codes = unpack(self.slot_words(), self.bits, self.dim).astype(jnp.float32)
-        x = codes * self.scale.astype(jnp.float32) + self.offset.astype(jnp.float32)
+        scale, offset = self.page_params()
+        x = codes * scale + offset
         return jnp.where(self.live[..., None], x, 0.0)
 
 
@@ -520,8 +519,9 @@ def unpaged_groups(layer: PagedKivi) -> dict[str, jax.Array]:
         f: pick(store, host, f).reshape(r * n, *getattr(store, f).shape[1:])
         for f in store.slot_fields})
     keys = gathered(body.k, host_k)  # [R * NP, ...]
-    out = {"k_words": keys.slot_words().reshape(r, -1, keys.slot_words().shape[-1]),
-           "k_scale": keys.scale.reshape(r, n, -1), "k_offset": keys.offset.reshape(r, n, -1),
+    words, (scale, offset) = keys.slot_words(), keys.page_params()
+    out = {"k_words": words.reshape(r, -1, words.shape[-1]),
+           "k_scale": scale.reshape(r, n, -1), "k_offset": offset.reshape(r, n, -1),
            "k_live": keys.live.reshape(r, -1), "pos": body.pos[tables, 0].reshape(r, -1)}
     values = gathered(body.v, host_v).to_packed()  # [R * NP, G, ...]
     for f in values.slot_fields:
