@@ -77,6 +77,27 @@ def test_bad_arguments_are_named_at_parse_time(spec, words):
         assert word in str(e.value), (word, str(e.value))
 
 
+def test_damage_tables_come_from_the_calibration_in_order(tmp_path, monkeypatch):
+    """"auto" plans with the end-to-end (KL) table, then the attention-output table, then the
+    prior; each named table is that table or the prior; a file without a KL entry (an older
+    calibration) plans with its attention-output table."""
+    import json
+    cal = json.loads(planner.CALIBRATION.read_text())
+    kl, attention = np.asarray(cal["kl"]["damage"]), np.asarray(cal["damage"])
+    layers = len(attention)
+    assert kl.shape == attention.shape == (layers, len(planner.CONFIGS))
+    assert not np.allclose(kl, attention)
+    for source, want in (("auto", kl), ("kl", kl), ("table", attention)):
+        np.testing.assert_array_equal(planner.damage_table(layers, source)[0], want)
+    assert planner.plan_source(layers).startswith("end-to-end table")
+    assert planner.plan_source(layers + 1, "kl").startswith("prior")
+    older = tmp_path / "calibration.json"
+    older.write_text(json.dumps({k: v for k, v in cal.items() if k != "kl"}))
+    monkeypatch.setattr(planner, "CALIBRATION", older)
+    np.testing.assert_array_equal(planner.damage_table(layers, "auto")[0], attention)
+    assert planner.plan_source(layers, "kl").startswith("prior")
+
+
 def test_bytes_below_the_fixed_overhead_is_an_error(tiny_model):
     from models.sampler import prefill_and_compress
     with pytest.raises(ValueError, match="bytes=3 is below"):
@@ -384,6 +405,35 @@ def test_config_damage_ranks_codecs_and_keep_shares(tiny_model):
     assert err[(1.0, 8)] < 1e-3
     assert err[(1.0, 8)] < err[(1.0, 4)] < err[(1.0, 2)]
     assert err[(1.0, 8)] < err[(0.5, 8)] < err[(0.125, 8)]
+
+
+@pytest.mark.parametrize("keys", planner.KEYS)
+def test_stored_in_place_attends_like_the_stored_layer(tiny_model, keys):
+    """The dense stand-in the KL calibration runs: same shapes and cursor as the prefix, the
+    stored layer's tokens at their own slots, and queries attend over it as over the layer
+    `auto` stores (pooled for per-token keys, KIVI's coding for per-channel)."""
+    from kvjax.core.attention import attend_reference
+    from models.sampler import prefill_batch
+    ids = np.random.default_rng(5).integers(3, 256, 160).tolist()
+    pre = prefill_batch(tiny_model, [ids], stats=StatsSpec(window=48), room=16)
+    layer, stats = pre.cache[1], pre.stats[1]
+    prefix = layer.replace(pos=jnp.where(layer.pos >= 144, kvjax.EMPTY, layer.pos))
+    select = stats._replace(queries=stats.queries[:, :32], query_pos=stats.query_pos[:, :32])
+    q, q_pos = stats.queries[:, 32:], stats.query_pos[:, 32:]
+    choice = planner.LayerChoice(0.5, 4, keys)
+    stored = planner._stored(prefix, select, choice, 32, "attention")
+    dense = planner.stored_in_place(prefix, select, 0.5, 4, keys, 32, "attention")
+    assert jax.tree.map(jnp.shape, dense) == jax.tree.map(jnp.shape, prefix)
+    assert int(dense.length) == int(prefix.length)
+    kept = dense.pos != kvjax.EMPTY
+    assert int(kept.sum()) == int((kvjax.view(stored).pos != kvjax.EMPTY).sum())
+    slots = jnp.broadcast_to(jnp.arange(prefix.capacity), kept.shape)
+    assert bool(jnp.all(jnp.where(kept, dense.pos == slots, True)))  # each at its own slot
+    assert 0.4 < float(kept.mean()) * prefix.capacity / 144 < 0.6
+    want = attend_reference(q, q_pos, stored)
+    got = attend_reference(q, q_pos, dense)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert float(jnp.max(jnp.abs(attend_reference(q, q_pos, prefix) - want))) > 1e-3
 
 
 # ----------------------------------------------------------------------------- explanations

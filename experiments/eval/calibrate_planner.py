@@ -9,8 +9,16 @@ the attention output of the `probe` queries *after* it (the continuation's, neve
 the selection) is compared with the full prefix's (`planner.config_damage`). The table is
 the mean over windows.
 
-    python experiments/eval/calibrate_planner.py --text experiments/data/devils_dictionary.txt \\
-        --windows 2 --prefix 768 --out kvjax/policies/planner_calibration.json
+    python experiments/eval/calibrate_planner.py --target attention   # 2 windows, 768+32
+
+With `--target kl` (the shipped table) a layer's damage is end to end instead: the mean
+KL divergence of the model's next-token distributions over the `probe` continuation tokens
+when that layer alone is stored as `auto` would store it and every other layer is full
+(`planner.stored_in_place`; one whole-model program, run per layer and config). It
+measures what the attention-output error cannot: how much a layer's error matters to the
+model's output. The planner adds the layers' damages (a first-order model).
+
+    python experiments/eval/calibrate_planner.py --target kl   # 4 windows of 768+64 (27 min)
 
 Calibrate on one text and evaluate on another (docs/RESULTS.md uses Genesis for evaluation).
 """
@@ -40,9 +48,7 @@ def damage_table(model, tokenizer, text: Path, windows: int, prefix: int, probe:
     from experiments.eval.ppl import window_ids
     from models.sampler import prefill_batch
 
-    moments = score != "attention"
-    select_spec = StatsSpec(window=window, query_moments=moments,
-                            moments_skip=ExpectedAttentionScorer.sinks if moments else 0)
+    select_spec = _select_spec(score, window)
     total, total_signals = None, None
     for ids in window_ids(tokenizer, text, prefix + probe, windows):
         pre = prefill_batch(model, [ids[:prefix]], stats=select_spec)
@@ -62,33 +68,102 @@ def damage_table(model, tokenizer, text: Path, windows: int, prefix: int, probe:
     return total / windows, total_signals / windows
 
 
+def kl_table(model, tokenizer, text: Path, windows: int, prefix: int, probe: int, window: int,
+             score: str = "mixed") -> np.ndarray:
+    """[L, len(CONFIGS)] mean KL(full || stored) of the next-token distributions over the
+    `probe` tokens after each window's `prefix`, with one layer stored as `auto` would (tokens
+    ranked by `score` from the prefix's own statistics) and the others full; mean over the
+    windows."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from experiments.eval.ppl import window_ids
+    from models.sampler import prefill_batch
+
+    @nnx.jit
+    def log_probs(model, tokens, positions, cache):
+        return jax.nn.log_softmax(model(tokens, positions, cache)[0], axis=-1)  # [1, T, V]
+
+    @nnx.jit
+    def kl(model, tokens, positions, cache, full):
+        return jnp.mean(jnp.sum(jnp.exp(full) * (full - log_probs(model, tokens, positions,
+                                                                    cache)), axis=-1))
+
+    total = 0.0
+    for ids in window_ids(tokenizer, text, prefix + probe, windows):
+        pre = prefill_batch(model, [ids[:prefix]], stats=_select_spec(score, window),
+                            room=probe)
+        tokens = jnp.asarray([ids[prefix:]], jnp.int32)
+        positions = jnp.arange(prefix, prefix + probe, dtype=jnp.int32)[None]
+        full = log_probs(model, tokens, positions, pre.cache)
+        table = np.zeros((len(pre.cache), len(planner.CONFIGS)))
+        for l, (layer, select) in enumerate(zip(pre.cache, pre.stats)):
+            for j, (keep, bits, keys) in enumerate(planner.CONFIGS):
+                stored = planner.stored_in_place(layer, select, keep, bits, keys, window, score)
+                cache = pre.cache[:l] + (stored,) + pre.cache[l + 1:]
+                table[l, j] = max(float(kl(model, tokens, positions, cache, full)), 0.0)
+        total = total + table
+    return total / windows
+
+
+def _select_spec(score: str, window: int) -> StatsSpec:
+    """What the selection reads: the last `window` queries, and for the scores that read
+    them the query moments (ExpectedAttention's, its sinks skipped)."""
+    moments = score != "attention"
+    return StatsSpec(window=window, query_moments=moments,
+                     moments_skip=ExpectedAttentionScorer.sinks if moments else 0)
+
+
+def _rounded(a: np.ndarray) -> list:
+    """Nested lists of `a` to 4 significant digits (small damages keep their size)."""
+    return np.vectorize(lambda x: float(f"{x:.4g}"))(a).tolist()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--text", type=Path, default=Path("experiments/data/devils_dictionary.txt"))
-    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--target", choices=("kl", "attention"), default="kl",
+                    help="a layer's damage: the model's KL end to end (the file's `kl` entry), "
+                         "or its attention output's error (the table, signals and controller)")
+    ap.add_argument("--windows", type=int, help="default 4 for kl, 2 for attention")
     ap.add_argument("--prefix", type=int, default=768)
-    ap.add_argument("--probe", type=int, default=32)
+    ap.add_argument("--probe", type=int, help="default 64 for kl, 32 for attention")
     ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--score", choices=planner.SCORES, default="attention",
-                    help="what ranks the tokens while measuring (auto's `score`)")
+    ap.add_argument("--score", choices=planner.SCORES,
+                    help="what ranks the tokens while measuring (auto's `score`); default "
+                         "mixed for kl, attention for attention")
     ap.add_argument("--out", type=Path, default=planner.CALIBRATION)
     args = ap.parse_args(argv)
+    kl = args.target == "kl"
+    windows = args.windows or (4 if kl else 2)
+    probe = args.probe or (64 if kl else 32)
+    score = args.score or ("mixed" if kl else "attention")
     from models.loading import load_model
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
-    table, signals = damage_table(model, tokenizer, args.text, args.windows, args.prefix,
-                                  args.probe, args.window, args.score)
-    out = {"source": f"{args.model} on {args.text.name}, {args.windows} windows of "
-                     f"{args.prefix}+{args.probe} tokens, tokens ranked by {args.score}",
-           "configs": [list(c) for c in planner.CONFIGS],
-           "damage": np.round(table, 6).tolist(),
-           "signal_names": list(planner.SIGNALS),
-           "signals": np.round(signals, 6).tolist(),
-           "seconds": round(time.perf_counter() - start, 1)}
+    source = (f"{args.model} on {args.text.name}, {windows} windows of {args.prefix}+{probe} "
+              f"tokens, tokens ranked by {score}")
+    out = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    if kl:
+        table = kl_table(model, tokenizer, args.text, windows, args.prefix, probe,
+                         args.window, score)
+        out["kl"] = {"source": source, "damage": _rounded(table),
+                     "seconds": round(time.perf_counter() - start, 1)}
+        out.setdefault("configs", [list(c) for c in planner.CONFIGS])
+    else:  # the attention-output table and the controller's signals; a kl entry stays
+        table, signals = damage_table(model, tokenizer, args.text, windows, args.prefix,
+                                      probe, args.window, score)
+        out = {"source": source, "configs": [list(c) for c in planner.CONFIGS],
+               "damage": _rounded(table), "signal_names": list(planner.SIGNALS),
+               "signals": _rounded(signals), "seconds": round(time.perf_counter() - start, 1),
+               **({"kl": out["kl"]} if "kl" in out else {})}
+    if [tuple(c) for c in out["configs"]] != list(planner.CONFIGS):
+        raise SystemExit(f"{args.out} was made for other configs; write a new file")
     args.out.write_text(json.dumps(out) + "\n")
-    print(f"wrote {args.out}: {table.shape[0]} layers x {table.shape[1]} configs "
-          f"in {out['seconds']} s")
+    print(f"wrote {args.out} ({args.target}): {table.shape[0]} layers x {table.shape[1]} "
+          f"configs in {time.perf_counter() - start:.1f} s")
     return 0
 
 

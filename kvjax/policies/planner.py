@@ -14,11 +14,13 @@ How it decides (`docs/DECISIONS.md`, "auto: the budget planner"):
    context's tokens, the bits (8, 4 or 2; group 32, fp16 scale and offset) and the key
    coding: per-token (keys like values) or per-channel (KIVI's keys: each channel over
    groups of 32 tokens). A multiple-choice knapsack over `CONFIGS` minimises the summed
-   predicted damage under the budget: the shipped calibration table
-   (`planner_calibration.json`: each layer's attention-output error per config, measured on
-   calibration text by `experiments/eval/calibrate_planner.py`) when it matches the model's
-   layer count, else a learned controller's prediction from the calibration's signals, else
-   an analytic prior (`prior_damage`). `plan_source()` says which.
+   predicted damage under the budget: the shipped calibration tables
+   (`planner_calibration.json`, measured on calibration text by
+   `experiments/eval/calibrate_planner.py`): each layer's damage end to end (the KL of the
+   model's next-token distributions with that layer alone stored so) when it matches the
+   model's layer count, else its attention-output error, else a learned controller's
+   prediction from the calibration's signals, else an analytic prior (`prior_damage`).
+   `plan_source()` says which.
 2. **Per layer, traced**: the head-slots from the bytes. With `fixed_l + slot_l x T_l` bytes
    for `T_l` coded head-slots (measured once from shapes with `nbytes`),
    `T_l = floor(share_l x X)` with the largest X that fits; floors make `nbytes <= budget`.
@@ -84,7 +86,7 @@ MIN_FRACTION = KEEPS[-1] * 3 / 16
 """The smallest budget `auto` takes: 1/32 of the tokens as int2 codes plus an fp16 scale and
 offset per 32 channels (2 + 32/32 = 3 bits against bf16's 16)."""
 
-TABLES = ("auto", "learned", "table", "prior")
+TABLES = ("auto", "kl", "table", "learned", "prior")
 
 CALIBRATION = Path(__file__).with_name("planner_calibration.json")
 """Per-layer damage tables measured on calibration text (absent: the analytic prior)."""
@@ -120,16 +122,24 @@ def _calibration(path: str) -> dict | None:
 def damage_table(num_layers: int, source: str = "auto") -> tuple[np.ndarray, str]:
     """([L, len(CONFIGS)] damage, where it came from), for `source`:
 
-    * "auto": the measured calibration table when it exists for `num_layers` layers, else
-      the learned controller's predictions, else the prior (the table planned better than
-      the controller on the calibration text's held-out windows: docs/DECISIONS.md);
-    * "learned" / "table": only that one (else the prior); "prior": the prior.
+    * "auto": the end-to-end table ("kl") when it exists for `num_layers` layers, else the
+      attention-output table ("table"), else the learned controller's predictions, else the
+      prior (each planned better than the next on the calibration text's held-out windows:
+      docs/DECISIONS.md);
+    * "kl": each layer's damage as the KL divergence of the model's next-token
+      distributions when that layer alone is stored so (`calibrate_planner.py --target kl`);
+    * "table": each layer's attention-output error (`calibrate_planner.py --target
+      attention`); "learned": the controller's predictions from that calibration's signals;
+      each only itself (else the prior); "prior": the prior.
     """
     if source not in TABLES:
         raise ValueError(f"auto: table must be one of {TABLES}, got {source!r}")
     cal = _calibration(str(CALIBRATION)) if source != "prior" else None
     fits = cal is not None and len(cal["damage"]) == num_layers and \
         [tuple(c) for c in cal["configs"]] == list(CONFIGS)
+    kl = cal.get("kl") if fits else None
+    if kl is not None and len(kl["damage"]) == num_layers and source in ("auto", "kl"):
+        return np.asarray(kl["damage"], np.float64), f"end-to-end table ({kl['source']})"
     if fits and source in ("auto", "table"):
         return np.asarray(cal["damage"], np.float64), f"calibrated table ({cal['source']})"
     params = load_controller(str(CONTROLLER)) if source in ("auto", "learned") else None
@@ -525,13 +535,48 @@ def config_damage(layer: TokenCache, select_stats, eval_q: jax.Array, eval_pos: 
     `experiments/eval/calibrate_planner.py` measures per layer and config on calibration text.
     """
     from kvjax.core.attention import attend_reference
-    n = jnp.max(jnp.sum(layer.pos != EMPTY, axis=-1))
-    slots = jnp.floor(keep * layer.kv_heads * n).astype(jnp.int32)
-    update = AutoUpdate(1.0, None, window=window, score=score)
-    small, _, _ = update._layer(layer, select_stats, slots, LayerChoice(keep, bits, keys))
+    small = _stored(layer, select_stats, LayerChoice(keep, bits, keys), window, score)
     full_out = attend_reference(eval_q, eval_pos, layer)
     out = attend_reference(eval_q, eval_pos, small)
     return jnp.sum((out - full_out) ** 2) / jnp.maximum(jnp.sum(full_out ** 2), 1e-30)
+
+
+def _stored(layer: TokenCache, select_stats, choice: LayerChoice, window: int, score: str):
+    """A dense `layer` as `auto` stores it with `choice`: `choice.keep` of its written
+    head-slots, ranked by `score` from `select_stats`."""
+    n = jnp.max(jnp.sum(layer.pos != EMPTY, axis=-1))
+    slots = jnp.floor(choice.keep * layer.kv_heads * n).astype(jnp.int32)
+    update = AutoUpdate(1.0, None, window=window, score=score)
+    return update._layer(layer, select_stats, slots, choice)[0]
+
+
+@functools.partial(jax.jit, static_argnames=("keep", "bits", "keys", "window", "score"))
+def stored_in_place(layer: TokenCache, select_stats, keep: float, bits: int,
+                    keys: str = "token", window: int = 32, score: str = "mixed") -> TokenCache:
+    """The dense `layer` [B, KVH, C] holding only what `auto` would store with (`keep`,
+    `bits`, `keys`): each kept token's decoded key and value in its own slot, every other
+    slot EMPTY. Same shapes and cursor as `layer`, so a whole-model program compiled once
+    runs any layer stored any way (what `calibrate_planner.py --target kl` measures).
+    """
+    small = view(_stored(layer, select_stats, LayerChoice(keep, bits, keys), window, score))
+    b, kvh, c = layer.pos.shape
+    s, d = small.pos.shape[-1], layer.head_dim
+    rows = jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, :, None]
+    # slot_of[b, h, p]: the slot of `layer` holding position p (c: none; a dense prefill
+    # holds positions < c)
+    slot_of = jnp.full((b, kvh, c), c, jnp.int32).at[
+        (*rows, jnp.where(layer.pos >= 0, layer.pos, c))].set(
+        jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (b, kvh, c)), mode="drop")
+    target = jnp.where(small.pos >= 0, slot_of[(*rows, jnp.clip(small.pos, 0, c - 1))], c)
+
+    def put(dense, stored):  # stored [B*R, S, D], R = KVH per head or 1 pooled
+        stored = jnp.broadcast_to(stored.reshape(b, -1, s, d), (b, kvh, s, d))
+        out = dense.reshape(b, kvh, c, d).at[(*rows, target)].set(
+            stored.astype(dense.dtype), mode="drop")
+        return out.reshape(dense.shape)
+
+    pos = jnp.full_like(layer.pos, EMPTY).at[(*rows, target)].set(small.pos, mode="drop")
+    return layer.replace(k=put(layer.k, small.k), v=put(layer.v, small.v), pos=pos)
 
 
 SIGNALS = ("keep", "bits/8", "per-channel keys", "attention mass lost", "entropy / log n",
@@ -604,8 +649,9 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
       window: the last `window` queries score the tokens (their attention).
       sinks, recent: the first and the last tokens of every head, kept before the rest.
       alpha: each head keeps at least `alpha` of an equal share of its layer's slots.
-      table: where per-layer damage comes from (`damage_table`): "auto" (the calibration
-        table, else the learned controller, else the prior), "table", "learned", "prior".
+      table: where per-layer damage comes from (`damage_table`): "auto" (the end-to-end
+        table, else the attention-output table, else the learned controller, else the
+        prior), "kl", "table", "learned", "prior".
       keys: the key codings a layer may use: "auto" (each layer chooses), "token" (per-token
         codes, heads sharing the layer's slots unevenly) or "channel" (KIVI's per-channel
         keys, the same count per head).
