@@ -650,6 +650,22 @@ def md_table(heading: str) -> list[list[str]]:
     return rows
 
 
+def test_generated_section_is_the_report_of_its_rows(tmp_path):
+    """The section between the `kvjax eval` markers is what `report.report` makes of
+    `docs/results/eval/cells.jsonl` today (run on a copy of the rows, so the committed
+    plots and tables are not rewritten): a relabelled or rerun row fails it until the
+    section is regenerated."""
+    import shutil
+
+    from experiments.eval import report
+    shutil.copy(ROWS / "eval" / "cells.jsonl", tmp_path / "cells.jsonl")
+    text = RESULTS.read_text()
+    section = text[text.index(BEGIN) + len(BEGIN) + 1:text.index(END) - 1]
+    header, body = section.split("\n\n", 1)
+    assert header.startswith("Generated from `docs/results/eval/cells.jsonl` by `kvjax eval")
+    assert body == report.report(tmp_path, "results/eval/")
+
+
 def test_eviction_passkey_table_is_its_rows():
     header, *rows = md_table("\n### Passkey retrieval\n")
     ratios = [float(h.split("=")[1]) for h in header[2:]]

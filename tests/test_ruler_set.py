@@ -433,7 +433,7 @@ def test_results_mean_scores_are_the_rows_means():
     line = text[text.index("**Over all twelve tasks**"):text.index("![RULER at 4k and 8k]")]
     names = {"the full cache": "full", "KIVI-4": "kivi:bits=4", "TOVA-0.5": "tova:ratio=0.5",
              "H2O-0.5 + KIVI-4": "h2o:ratio=0.5+kivi:bits=4", "SnapKV-0.5": "snapkv:ratio=0.5",
-             "`auto:budget=0.25`": "auto:budget=0.25"}
+             "`auto:budget=0.25,table=table`": "auto:budget=0.25,table=table"}
     for name, method in names.items():
         got = re.search(re.escape(name) + r" (\d\.\d+)(?: at 4k)? and (\d\.\d+)", line)
         assert got, name

@@ -144,12 +144,14 @@ def fraction(row: dict) -> float:
 
 
 VARIANTS = (("", "`auto`"),
-            (",score=expected_attention", "expected-attention scores"),
+            (",table=table", "attention-output table"),
+            (",table=table,score=expected_attention", "expected-attention scores"),
             (",table=learned,score=expected_attention", "learned controller (EA scores)"),
             (",table=prior,score=expected_attention", "prior (EA scores)"),
-            (",score=attention", "window scores"),
+            (",table=table,score=attention", "window scores"),
             (",table=learned,keys=token,score=attention", "per-token keys only"))
-"""`auto` variants of the summary: spec suffix, column name. The second is the default before
+"""`auto` variants of the summary: spec suffix, column name. The second is the default
+before 2026-12-07 (the attention-output table, mixed scores), the third the default before
 2026-12-06 (expected-attention scores alone); the last the planner's choices before that
 (per-token keys, window-attention scores, the controller)."""
 
