@@ -116,8 +116,16 @@ def _select_spec(score: str, window: int) -> StatsSpec:
 
 
 def _rounded(a: np.ndarray) -> list:
-    """Nested lists of `a` to 4 significant digits (small damages keep their size)."""
+    """Nested lists of `a` to 4 significant digits (KLs of 1e-7 keep their size)."""
     return np.vectorize(lambda x: float(f"{x:.4g}"))(a).tolist()
+
+
+def _positive(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
 
 
 def main(argv=None) -> int:
@@ -127,10 +135,10 @@ def main(argv=None) -> int:
     ap.add_argument("--target", choices=("kl", "attention"), default="kl",
                     help="a layer's damage: the model's KL end to end (the file's `kl` entry), "
                          "or its attention output's error (the table, signals and controller)")
-    ap.add_argument("--windows", type=int, help="default 4 for kl, 2 for attention")
-    ap.add_argument("--prefix", type=int, default=768)
-    ap.add_argument("--probe", type=int, help="default 64 for kl, 32 for attention")
-    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--windows", type=_positive, help="default 4 for kl, 2 for attention")
+    ap.add_argument("--prefix", type=_positive, default=768)
+    ap.add_argument("--probe", type=_positive, help="default 64 for kl, 32 for attention")
+    ap.add_argument("--window", type=_positive, default=32)
     ap.add_argument("--score", choices=planner.SCORES,
                     help="what ranks the tokens while measuring (auto's `score`); default "
                          "mixed for kl, attention for attention")
@@ -140,12 +148,14 @@ def main(argv=None) -> int:
     windows = args.windows or (4 if kl else 2)
     probe = args.probe or (64 if kl else 32)
     score = args.score or ("mixed" if kl else "attention")
+    out = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    if kl and [tuple(c) for c in out.get("configs", planner.CONFIGS)] != list(planner.CONFIGS):
+        ap.error(f"--out {args.out} holds a table for other configs; name a new file")
     from models.loading import load_model
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     source = (f"{args.model} on {args.text.name}, {windows} windows of {args.prefix}+{probe} "
               f"tokens, tokens ranked by {score}")
-    out = json.loads(args.out.read_text()) if args.out.is_file() else {}
     if kl:
         table = kl_table(model, tokenizer, args.text, windows, args.prefix, probe,
                          args.window, score)
@@ -156,11 +166,10 @@ def main(argv=None) -> int:
         table, signals = damage_table(model, tokenizer, args.text, windows, args.prefix,
                                       probe, args.window, score)
         out = {"source": source, "configs": [list(c) for c in planner.CONFIGS],
-               "damage": _rounded(table), "signal_names": list(planner.SIGNALS),
-               "signals": _rounded(signals), "seconds": round(time.perf_counter() - start, 1),
+               "damage": np.round(table, 6).tolist(), "signal_names": list(planner.SIGNALS),
+               "signals": np.round(signals, 6).tolist(),
+               "seconds": round(time.perf_counter() - start, 1),
                **({"kl": out["kl"]} if "kl" in out else {})}
-    if [tuple(c) for c in out["configs"]] != list(planner.CONFIGS):
-        raise SystemExit(f"{args.out} was made for other configs; write a new file")
     args.out.write_text(json.dumps(out) + "\n")
     print(f"wrote {args.out} ({args.target}): {table.shape[0]} layers x {table.shape[1]} "
           f"configs in {time.perf_counter() - start:.1f} s")
