@@ -445,4 +445,11 @@ def test_results_mean_scores_are_the_rows_means():
             assert sorted(by_task) == sorted(ruler.RULER_TASKS), (method, length)
             scores = list(by_task.values())
             assert quoted == f"{sum(scores) / len(scores):.3f}", (name, length, quoted)
+    end_to_end = re.search(r"`auto:budget=0.25` with the end-to-end table (\d\.\d+) at 4k", line)
+    assert end_to_end, "auto's 4k mean"
+    scores = [r["score"] for r in rows if r["status"] == "ok" and r["length"] == 3840
+              and r["engine"] == "kvjax" and r["method"] == "auto:budget=0.25"
+              and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]]
+    assert len(scores) == len(ruler.RULER_TASKS)
+    assert end_to_end.group(1) == f"{sum(scores) / len(scores):.3f}"
     assert (ROOT / "docs/results/ruler_long/summary.png").stat().st_size > 10_000
