@@ -139,6 +139,6 @@ def test_generate_monitor_reports_autos_plan(capsys):
     plan = monitor["plan"]
     assert len(plan["bits"]) == len(plan["keys"]) == len(plan["kept"]) == 30
     assert set(plan["keys"]) <= {"token", "channel"} and plan["budget_bytes"] > 0
-    assert plan["source"].startswith("calibrated table")
+    assert plan["source"].startswith("end-to-end table")  # the shipped KL table
     kept = np.asarray(plan["kept"])  # [L, KVH] at the last update (after the prefill)
     assert (kept > 0).all() and kept.sum() <= monitor["tokens"] + 2 * kept.size
