@@ -390,16 +390,23 @@ def test_one_compiled_update_per_budget_and_shape(tiny_model):
     assert planner.auto(budget=0.25).update == a.update
 
 
-def test_config_damage_ranks_codecs_and_keep_shares(tiny_model):
-    """The calibration's measure on the tiny model: fewer bits or fewer tokens never do
-    better than more (for the same queries), and keeping all at 8 bits is almost exact."""
+def prefix_and_probe(model, seed: int, room: int = 0):
+    """(layer 1 of a 160-token prefill cut to its first 144 positions, statistics of 32
+    queries for the selection, the 16 queries after them [B, 16, H, D] and their positions):
+    what the calibration measures with, on a random prompt."""
     from models.sampler import prefill_batch
-    ids = np.random.default_rng(4).integers(3, 256, 160).tolist()
-    pre = prefill_batch(tiny_model, [ids], stats=StatsSpec(window=48))
+    ids = np.random.default_rng(seed).integers(3, 256, 160).tolist()
+    pre = prefill_batch(model, [ids], stats=StatsSpec(window=48), room=room)
     layer, stats = pre.cache[1], pre.stats[1]
     prefix = layer.replace(pos=jnp.where(layer.pos >= 144, kvjax.EMPTY, layer.pos))
     select = stats._replace(queries=stats.queries[:, :32], query_pos=stats.query_pos[:, :32])
-    q, q_pos = stats.queries[:, 32:], stats.query_pos[:, 32:]
+    return prefix, select, stats.queries[:, 32:], stats.query_pos[:, 32:]
+
+
+def test_config_damage_ranks_codecs_and_keep_shares(tiny_model):
+    """The calibration's measure on the tiny model: fewer bits or fewer tokens never do
+    better than more (for the same queries), and keeping all at 8 bits is almost exact."""
+    prefix, select, q, q_pos = prefix_and_probe(tiny_model, seed=4)
     err = {(k, b): float(planner.config_damage(prefix, select, q, q_pos, k, b, window=32))
            for k, b in [(1.0, 8), (1.0, 4), (1.0, 2), (0.5, 8), (0.125, 8)]}
     assert err[(1.0, 8)] < 1e-3
@@ -413,13 +420,7 @@ def test_stored_in_place_attends_like_the_stored_layer(tiny_model, keys):
     stored layer's tokens at their own slots, and queries attend over it as over the layer
     `auto` stores (pooled for per-token keys, KIVI's coding for per-channel)."""
     from kvjax.core.attention import attend_reference
-    from models.sampler import prefill_batch
-    ids = np.random.default_rng(5).integers(3, 256, 160).tolist()
-    pre = prefill_batch(tiny_model, [ids], stats=StatsSpec(window=48), room=16)
-    layer, stats = pre.cache[1], pre.stats[1]
-    prefix = layer.replace(pos=jnp.where(layer.pos >= 144, kvjax.EMPTY, layer.pos))
-    select = stats._replace(queries=stats.queries[:, :32], query_pos=stats.query_pos[:, :32])
-    q, q_pos = stats.queries[:, 32:], stats.query_pos[:, 32:]
+    prefix, select, q, q_pos = prefix_and_probe(tiny_model, seed=5, room=16)
     choice = planner.LayerChoice(0.5, 4, keys)
     stored = planner._stored(prefix, select, choice, 32, "attention")
     dense = planner.stored_in_place(prefix, select, 0.5, 4, keys, 32, "attention")

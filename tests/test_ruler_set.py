@@ -434,22 +434,22 @@ def test_results_mean_scores_are_the_rows_means():
     names = {"the full cache": "full", "KIVI-4": "kivi:bits=4", "TOVA-0.5": "tova:ratio=0.5",
              "H2O-0.5 + KIVI-4": "h2o:ratio=0.5+kivi:bits=4", "SnapKV-0.5": "snapkv:ratio=0.5",
              "`auto:budget=0.25,table=table`": "auto:budget=0.25,table=table"}
+
+    def check_mean(quoted: str, method: str, length: int) -> None:
+        by_task = {r["task"]: r["score"] for r in rows  # a task's cell, as the table shows it
+                   if r["status"] == "ok" and r["length"] == length
+                   and r["engine"] == "kvjax" and r["method"] == method
+                   and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]}
+        assert sorted(by_task) == sorted(ruler.RULER_TASKS), (method, length)
+        scores = list(by_task.values())
+        assert quoted == f"{sum(scores) / len(scores):.3f}", (method, length, quoted)
+
     for name, method in names.items():
         got = re.search(re.escape(name) + r" (\d\.\d+)(?: at 4k)? and (\d\.\d+)", line)
         assert got, name
         for length, quoted in zip((3840, 7936), got.groups()):
-            by_task = {r["task"]: r["score"] for r in rows  # a task's cell, as the table shows it
-                       if r["status"] == "ok" and r["length"] == length
-                       and r["engine"] == "kvjax" and r["method"] == method
-                       and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]}
-            assert sorted(by_task) == sorted(ruler.RULER_TASKS), (method, length)
-            scores = list(by_task.values())
-            assert quoted == f"{sum(scores) / len(scores):.3f}", (name, length, quoted)
+            check_mean(quoted, method, length)
     end_to_end = re.search(r"`auto:budget=0.25` with the end-to-end table (\d\.\d+) at 4k", line)
     assert end_to_end, "auto's 4k mean"
-    scores = [r["score"] for r in rows if r["status"] == "ok" and r["length"] == 3840
-              and r["engine"] == "kvjax" and r["method"] == "auto:budget=0.25"
-              and r["max_new_tokens"] == ruler.TOKENS_TO_GENERATE[r["task"]]]
-    assert len(scores) == len(ruler.RULER_TASKS)
-    assert end_to_end.group(1) == f"{sum(scores) / len(scores):.3f}"
+    check_mean(end_to_end.group(1), "auto:budget=0.25", 3840)
     assert (ROOT / "docs/results/ruler_long/summary.png").stat().st_size > 10_000

@@ -77,9 +77,9 @@ class ChannelPages(Store):
     slots is laid out page-minor: docs/DECISIONS.md, "Page pools held lane-flat").
     `params[p, 0]` is the page's per-channel scale and offset as uint32 words (a 16-bit pair
     per word, K = 1; float32: the D scales then the D offsets, K = 2: a KIVI table row's
-    `kvjax.core.stores.pack_params`); `page_params` reads them back. `live[p, s]` marks slots that hold a token (an EMPTY slot reads 0, so a
-    page never shows codes its row did not write). Every leaf has the page axis first, so a
-    page moves between tiers as a whole.
+    `kvjax.core.stores.pack_params`); `page_params` reads them back. `live[p, s]` marks
+    slots that hold a token (an EMPTY slot reads 0, so a page never shows codes its row did
+    not write). Every leaf has the page axis first, so a page moves between tiers as a whole.
 
     Example:
         >>> s = ChannelPages.empty(pages=2, page_size=32, dim=128, bits=4)
