@@ -2,6 +2,7 @@
 with `kvjax.nbytes`, arguments are checked at parse time, and the plan follows its signals."""
 
 import itertools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from kvjax import parse_method
 from kvjax.core.stats import LayerStats, StatsSpec, init_stats
 from kvjax.policies import planner
 
+README = Path(__file__).resolve().parents[1] / "README.md"  # a file that is no calibration
 
 @pytest.fixture(scope="module")
 def long_tiny():
@@ -69,6 +71,9 @@ def unused(t, model, batch: int = 1) -> int:
     ("auto:budget=0.5,table=mine", ["table='mine'"]),
     ("auto:budget=0.5,keys=rows", ["keys='rows'", "channel"]),
     ("auto:budget=0.5,score=mass", ["score='mass'", "expected_attention"]),
+    ("auto:budget=0.5,calibration=no/such.json", ["calibration='no/such.json'", "not a file"]),
+    (f"auto:budget=0.5,table=prior,calibration={README}", ["calibration=", "not prior"]),
+    (f"auto:budget=0.5,calibration={README}", ["README.md", "not a planner calibration"]),
 ])
 def test_bad_arguments_are_named_at_parse_time(spec, words):
     with pytest.raises(ValueError) as e:
@@ -92,10 +97,95 @@ def test_damage_tables_come_from_the_calibration_in_order(tmp_path, monkeypatch)
     assert planner.plan_source(layers).startswith("end-to-end table")
     assert planner.plan_source(layers + 1, "kl").startswith("prior")
     older = tmp_path / "calibration.json"
-    older.write_text(json.dumps({k: v for k, v in cal.items() if k != "kl"}))
+    older.write_text(json.dumps({k: v for k, v in cal.items() if k not in ("kl", "shape")}))
     monkeypatch.setattr(planner, "CALIBRATION", older)
     np.testing.assert_array_equal(planner.damage_table(layers, "auto")[0], attention)
     assert planner.plan_source(layers, "kl").startswith("prior")
+    # a file without `shape` (older) matches on layers alone; the shipped one on all three
+    assert planner.plan_source(layers, "auto", 4, 128).startswith("calibrated table")
+    monkeypatch.undo()
+    shape = cal["shape"]
+    assert planner.plan_source(layers, "auto", shape["kv_heads"], shape["head_dim"]) \
+        .startswith("end-to-end table")
+    for heads, dim in ((shape["kv_heads"] + 1, shape["head_dim"]),
+                       (shape["kv_heads"], 2 * shape["head_dim"])):
+        assert planner.plan_source(layers, "auto", heads, dim).startswith("prior")
+
+
+def calibration_file(path, layers: int, heads: int, dim: int, damage) -> str:
+    """A calibration file with one end-to-end table `damage` [layers, configs]."""
+    import json
+    path.write_text(json.dumps({
+        "shape": {"layers": layers, "kv_heads": heads, "head_dim": dim},
+        "configs": [list(c) for c in planner.CONFIGS],
+        "kl": {"source": f"a test table for {path.name}", "damage": np.asarray(damage).tolist()}}))
+    return str(path)
+
+
+def test_a_calibration_file_plans_its_model_and_only_its_model(tiny_model, tmp_path):
+    """`calibration=F`: the plan follows F's table (a table where one config costs nothing
+    plans it in every layer; rewritten, the next plan follows the new table), the budget
+    holds, the eval rows name F's table, and a cache of another shape is refused naming the
+    argument and both shapes."""
+    from experiments.eval.planner_view import plan_summary
+    from models.sampler import prefill_and_compress
+    cfg = tiny_model.config
+    shape = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    free = {(0.25, 4, "channel"): "first", (0.125, 8, "token"): "second"}
+    path = tmp_path / "mine.json"
+    ids = np.random.default_rng(5).integers(3, cfg.vocab_size, 300).tolist()
+    for choice in free:
+        damage = np.ones((cfg.num_layers, len(planner.CONFIGS)))
+        damage[:, planner.CONFIGS.index(choice)] = 0.0
+        spec = f"auto:budget=0.125,calibration={calibration_file(path, *shape, damage)}"
+        t = parse_method(spec)
+        assert {(c.keep, c.bits, c.keys) for c in t.update.plan_for(*shape)} == {choice}
+        summary = plan_summary(spec, tiny_model)
+        assert summary["source"] == f"end-to-end table (a test table for {path.name})"
+        pre = prefill_and_compress(tiny_model, [ids], transform=t)
+        assert held_bytes(pre.cache) <= bf16_budget(tiny_model, 1, len(ids), 0.125)
+    other = parse_method(f"auto:budget=0.125,calibration={path}")
+    with pytest.raises(ValueError) as e:
+        other.update.plan_for(cfg.num_layers + 1, *shape[1:])
+    assert f"calibration={str(path)!r}" in str(e.value) and \
+        f"{cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x head dim {cfg.head_dim}" in \
+        str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="has no table for table=table"):
+        parse_method(f"auto:budget=0.125,table=table,calibration={path}").update.plan_for(*shape)
+
+
+def test_calibrating_another_model_measures_its_own_tables(tiny_model, tmp_path):
+    """`calibrate_planner.calibration` on the tiny random model (one window of 64 + 16
+    tokens): both tables are [layers, configs], finite and >= 0, and in every layer storing
+    1/32 of the tokens as int2 codes damages more than keeping all at 8 bits; the file
+    records the model's shape, `auto` plans with it, and extending it with a model of
+    another shape is refused."""
+    import json
+    from flax import nnx
+    from experiments.eval.calibrate_planner import calibration
+    from models.llama import Llama, LlamaConfig
+    cfg = tiny_model.config
+    ids = [np.random.default_rng(6).integers(3, cfg.vocab_size, 80).tolist()]
+    out = calibration(tiny_model, ids, "kl", prefix=64, window=8, source="tiny")
+    out = calibration(tiny_model, ids, "attention", prefix=64, window=8, source="tiny",
+                      existing=out)
+    assert out["shape"] == {"layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads,
+                            "head_dim": cfg.head_dim}
+    best, worst = (planner.CONFIGS.index((k, b, "token")) for k, b in ((1.0, 8), (0.03125, 2)))
+    for table in (np.asarray(out["kl"]["damage"]), np.asarray(out["damage"])):
+        assert table.shape == (cfg.num_layers, len(planner.CONFIGS))
+        assert np.isfinite(table).all() and (table >= 0).all()
+        assert (table[:, worst] > table[:, best]).all(), table[:, [best, worst]]
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(out))
+    t = parse_method(f"auto:budget=0.25,calibration={path}")
+    assert t.update.source(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == \
+        "end-to-end table (tiny)"
+    wider = Llama(LlamaConfig.tiny(num_kv_heads=4, num_heads=4), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="tables of a model of shape"):
+        calibration(wider, ids, "kl", prefix=64, window=8, existing=out)
+    with pytest.raises(ValueError, match="positions"):
+        calibration(tiny_model, [ids[0] * 8], "kl", prefix=64, window=8)
 
 
 def test_bytes_below_the_fixed_overhead_is_an_error(tiny_model):

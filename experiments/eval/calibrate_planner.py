@@ -21,6 +21,11 @@ model's output. The planner adds the layers' damages (a first-order model).
     python experiments/eval/calibrate_planner.py --target kl   # 4 windows of 768+64 (27 min)
 
 Calibrate on one text and evaluate on another (docs/RESULTS.md uses Genesis for evaluation).
+The file records the model's shape (layers, KV heads, head dim). For another model, write
+its own file and name it in the method (`kvjax.policies.planner.auto`'s `calibration`):
+
+    python experiments/eval/calibrate_planner.py --model PATH --out my_model.json
+    kvjax ppl --model PATH --method auto:budget=0.125,calibration=my_model.json
 """
 
 from __future__ import annotations
@@ -37,22 +42,22 @@ from kvjax.policies import planner
 from kvjax.policies.eviction import ExpectedAttentionScorer
 
 
-def damage_table(model, tokenizer, text: Path, windows: int, prefix: int, probe: int,
-                 window: int, score: str = "attention") -> tuple[np.ndarray, np.ndarray]:
+def damage_table(model, windows: list[list[int]], prefix: int, window: int,
+                 score: str = "attention") -> tuple[np.ndarray, np.ndarray]:
     """([L, len(CONFIGS)] mean relative attention-output error per layer and config,
     [L, len(CONFIGS), len(SIGNALS)] the controller's signals, mean over the windows).
 
     The selection sees only the prefix: its cache and statistics come from a prefill of the
     prefix alone (its last `window` queries and, for `score`s that read them, its query
-    moments); the `probe` queries after it come from a prefill of prefix + probe."""
-    from experiments.eval.ppl import window_ids
+    moments); the queries after it (each window's tokens past `prefix`) come from a prefill
+    of the whole window."""
     from models.sampler import prefill_batch
 
     select_spec = _select_spec(score, window)
     total, total_signals = None, None
-    for ids in window_ids(tokenizer, text, prefix + probe, windows):
+    for ids in windows:
         pre = prefill_batch(model, [ids[:prefix]], stats=select_spec)
-        after = prefill_batch(model, [ids], stats=StatsSpec(window=probe))
+        after = prefill_batch(model, [ids], stats=StatsSpec(window=len(ids) - prefix))
         rows, signals = [], []
         for prefix_layer, select, probed in zip(pre.cache, pre.stats, after.stats):
             eval_q, eval_pos = probed.queries, probed.query_pos
@@ -65,20 +70,19 @@ def damage_table(model, tokenizer, text: Path, windows: int, prefix: int, probe:
         table, signals = np.array(rows), np.array(signals)
         total = table if total is None else total + table
         total_signals = signals if total_signals is None else total_signals + signals
-    return total / windows, total_signals / windows
+    return total / len(windows), total_signals / len(windows)
 
 
-def kl_table(model, tokenizer, text: Path, windows: int, prefix: int, probe: int, window: int,
+def kl_table(model, windows: list[list[int]], prefix: int, window: int,
              score: str = "mixed") -> np.ndarray:
-    """[L, len(CONFIGS)] mean KL(full || stored) of the next-token distributions over the
-    `probe` tokens after each window's `prefix`, with one layer stored as `auto` would (tokens
-    ranked by `score` from the prefix's own statistics) and the others full; mean over the
+    """[L, len(CONFIGS)] mean KL(full || stored) of the next-token distributions over each
+    window's tokens after its `prefix`, with one layer stored as `auto` would (tokens ranked
+    by `score` from the prefix's own statistics) and the others full; mean over the
     windows."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from experiments.eval.ppl import window_ids
     from models.sampler import prefill_batch
 
     @nnx.jit
@@ -91,7 +95,8 @@ def kl_table(model, tokenizer, text: Path, windows: int, prefix: int, probe: int
                                                                     cache)), axis=-1))
 
     total = 0.0
-    for ids in window_ids(tokenizer, text, prefix + probe, windows):
+    for ids in windows:
+        probe = len(ids) - prefix
         pre = prefill_batch(model, [ids[:prefix]], stats=_select_spec(score, window),
                             room=probe)
         tokens = jnp.asarray([ids[prefix:]], jnp.int32)
@@ -104,7 +109,7 @@ def kl_table(model, tokenizer, text: Path, windows: int, prefix: int, probe: int
                 cache = pre.cache[:l] + (stored,) + pre.cache[l + 1:]
                 table[l, j] = max(float(kl(model, tokens, positions, cache, full)), 0.0)
         total = total + table
-    return total / windows
+    return total / len(windows)
 
 
 def _select_spec(score: str, window: int) -> StatsSpec:
@@ -128,6 +133,44 @@ def _positive(text: str) -> int:
     return value
 
 
+def calibration(model, windows: list[list[int]], target: str = "kl", prefix: int = 768,
+                window: int = 32, score: str | None = None, source: str = "",
+                existing: dict | None = None) -> dict:
+    """The calibration file's content for `model` from token `windows` (each `prefix`
+    tokens, then the probe): `existing` (a file read before) with the `target` table
+    ("kl" or "attention") measured anew. `auto(calibration=...)` reads what this returns.
+
+    ValueError when `existing` holds tables of another model's shape or other configs, or
+    a window does not fit the model's positions."""
+    cfg = model.config
+    shape = {"layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
+    out = dict(existing or {})
+    if [tuple(c) for c in out.get("configs", planner.CONFIGS)] != list(planner.CONFIGS):
+        raise ValueError(f"the calibration to extend holds tables for other configs "
+                         f"({len(out['configs'])}, not {len(planner.CONFIGS)}): write a new file")
+    if out.get("shape", shape) != shape:
+        raise ValueError(f"the calibration to extend holds tables of a model of shape "
+                         f"{out['shape']}, this model is {shape}: write a new file")
+    longest = max(len(ids) for ids in windows)
+    if longest > cfg.max_position or min(len(ids) for ids in windows) <= prefix:
+        raise ValueError(f"windows of {longest} tokens after a prefix of {prefix} must have a "
+                         f"probe and fit the model's {cfg.max_position} positions")
+    start = time.perf_counter()
+    if target == "kl":
+        table = kl_table(model, windows, prefix, window, score or "mixed")
+        out["kl"] = {"source": source, "damage": _rounded(table),
+                     "seconds": round(time.perf_counter() - start, 1)}
+        out.setdefault("configs", [list(c) for c in planner.CONFIGS])
+        out["shape"] = shape
+        return out
+    table, signals = damage_table(model, windows, prefix, window, score or "attention")
+    return {"source": source, "shape": shape, "configs": [list(c) for c in planner.CONFIGS],
+            "damage": np.round(table, 6).tolist(), "signal_names": list(planner.SIGNALS),
+            "signals": np.round(signals, 6).tolist(),
+            "seconds": round(time.perf_counter() - start, 1),
+            **({"kl": out["kl"]} if "kl" in out else {})}  # a kl entry stays
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -148,30 +191,24 @@ def main(argv=None) -> int:
     windows = args.windows or (4 if kl else 2)
     probe = args.probe or (64 if kl else 32)
     score = args.score or ("mixed" if kl else "attention")
-    out = json.loads(args.out.read_text()) if args.out.is_file() else {}
-    if kl and [tuple(c) for c in out.get("configs", planner.CONFIGS)] != list(planner.CONFIGS):
-        ap.error(f"--out {args.out} holds a table for other configs; name a new file")
+    existing = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    from experiments.eval.ppl import window_ids
     from models.loading import load_model
     start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     source = (f"{args.model} on {args.text.name}, {windows} windows of {args.prefix}+{probe} "
               f"tokens, tokens ranked by {score}")
-    if kl:
-        table = kl_table(model, tokenizer, args.text, windows, args.prefix, probe,
-                         args.window, score)
-        out["kl"] = {"source": source, "damage": _rounded(table),
-                     "seconds": round(time.perf_counter() - start, 1)}
-        out.setdefault("configs", [list(c) for c in planner.CONFIGS])
-    else:  # the attention-output table and the controller's signals; a kl entry stays
-        table, signals = damage_table(model, tokenizer, args.text, windows, args.prefix,
-                                      probe, args.window, score)
-        out = {"source": source, "configs": [list(c) for c in planner.CONFIGS],
-               "damage": np.round(table, 6).tolist(), "signal_names": list(planner.SIGNALS),
-               "signals": np.round(signals, 6).tolist(),
-               "seconds": round(time.perf_counter() - start, 1),
-               **({"kl": out["kl"]} if "kl" in out else {})}
+    if args.prefix + probe > model.config.max_position:
+        ap.error(f"--prefix {args.prefix} + --probe {probe} exceed the model's "
+                 f"{model.config.max_position} positions")
+    try:
+        out = calibration(model, window_ids(tokenizer, args.text, args.prefix + probe, windows),
+                          args.target, args.prefix, args.window, score, source, existing)
+    except ValueError as e:  # refused before anything is measured
+        ap.error(f"{e} (--out {args.out}, --text {args.text})")
     args.out.write_text(json.dumps(out) + "\n")
-    print(f"wrote {args.out} ({args.target}): {table.shape[0]} layers x {table.shape[1]} "
+    layers = len(out["kl"]["damage"] if kl else out["damage"])
+    print(f"wrote {args.out} ({args.target}): {layers} layers x {len(planner.CONFIGS)} "
           f"configs in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -29,11 +29,11 @@ def plan_summary(method, model) -> dict | None:
         return None
     c = model.config
     fraction = update.plan_fraction(c.num_layers, c.num_kv_heads, c.head_dim)
-    plan = planner.static_plan(fraction, c.num_layers, c.num_kv_heads, c.head_dim, update.table,
-                               update.keys)
+    shape = c.num_layers, c.num_kv_heads, c.head_dim
+    plan = update.plan_for(*shape)
     return {"bits": [p.bits for p in plan], "keep": [p.keep for p in plan],
             "keys": [p.keys for p in plan],
-            "plan_fraction": fraction, "source": planner.plan_source(c.num_layers, update.table)}
+            "plan_fraction": fraction, "source": update.source(*shape)}
 
 
 def monitor_plan(method, model, state) -> dict | None:

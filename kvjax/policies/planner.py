@@ -113,16 +113,59 @@ def prior_damage(num_layers: int) -> np.ndarray:
     return np.tile(row, (num_layers, 1))
 
 
-@functools.lru_cache(maxsize=None)
-def _calibration(path: str) -> dict | None:
+def read_calibration(path: str | Path) -> dict | None:
+    """The calibration file at `path` (None when there is none), read again when it changes.
+
+    ValueError, naming the file, when it is not a calibration of `CONFIGS`: JSON with
+    `configs` and a `kl` table or an attention-output `damage` table; `shape` (layers, KV
+    heads, head dim of the model it was measured on) is optional in files older than it."""
     p = Path(path)
-    return json.loads(p.read_text()) if p.is_file() else None
+    if not p.is_file():
+        return None
+    stat = p.stat()
+    return _read_calibration(str(p.absolute()), stat.st_mtime_ns, stat.st_size)
 
 
-def damage_table(num_layers: int, source: str = "auto") -> tuple[np.ndarray, str]:
+@functools.lru_cache(maxsize=8)
+def _read_calibration(path: str, mtime_ns: int, size: int) -> dict:
+    try:
+        cal = json.loads(Path(path).read_text())
+        configs = [tuple(c) for c in cal["configs"]]
+        tables = [cal[k]["damage"] if k == "kl" else cal[k] for k in ("kl", "damage") if k in cal]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise ValueError(f"auto: {path} is not a planner calibration (JSON with `configs` and a "
+                         f"`kl` or `damage` table, written by experiments/eval/"
+                         f"calibrate_planner.py): {type(e).__name__}: {e}") from None
+    if configs != list(CONFIGS):
+        raise ValueError(f"auto: {path} was measured for other configs ({len(configs)} of "
+                         f"them, not this kvjax's {len(CONFIGS)}): run calibrate_planner.py again")
+    if not tables or any(np.shape(t)[1:] != (len(CONFIGS),) for t in tables):
+        raise ValueError(f"auto: {path} holds no [layers, {len(CONFIGS)}] damage table")
+    return cal
+
+
+def _shape_mismatch(cal: dict, num_layers: int, kv_heads: int | None,
+                    head_dim: int | None) -> str | None:
+    """Why `cal` does not describe this cache's model (None when it does). A file without
+    `shape` is matched on its layer count alone."""
+    tables = [cal[k]["damage"] if k == "kl" else cal[k] for k in ("kl", "damage") if k in cal]
+    shape = cal.get("shape", {})
+    want = {"layers": len(tables[0]), "kv_heads": shape.get("kv_heads"),
+            "head_dim": shape.get("head_dim")}
+    have = {"layers": num_layers, "kv_heads": kv_heads, "head_dim": head_dim}
+    if any(w is not None and h is not None and w != h for w, h in zip(want.values(),
+                                                                      have.values())):
+        return (f"measured on {want['layers']} layers x {want['kv_heads']} KV heads x head dim "
+                f"{want['head_dim']}, this cache has {num_layers} x {kv_heads} x {head_dim}")
+    return None
+
+
+def damage_table(num_layers: int, source: str = "auto", kv_heads: int | None = None,
+                 head_dim: int | None = None, calibration: str | None = None
+                 ) -> tuple[np.ndarray, str]:
     """([L, len(CONFIGS)] damage, where it came from), for `source`:
 
-    * "auto": the end-to-end table ("kl") when it exists for `num_layers` layers, else the
+    * "auto": the end-to-end table ("kl") when it exists for this model, else the
       attention-output table ("table"), else the learned controller's predictions, else the
       prior (on the calibration text's held-out windows the KL table planned better than the
       attention table at 1/16-1/4 and worse below, the attention table better than the
@@ -132,16 +175,28 @@ def damage_table(num_layers: int, source: str = "auto") -> tuple[np.ndarray, str
     * "table": each layer's attention-output error (`calibrate_planner.py --target
       attention`); "learned": the controller's predictions from that calibration's signals;
       each only itself (else the prior); "prior": the prior.
+
+    The tables come from `calibration` (a file `calibrate_planner.py --out` wrote for the
+    user's model: ValueError if it was measured on another shape or lacks the asked table),
+    else from the shipped `CALIBRATION` when it was measured on a model of this shape
+    (`num_layers`, and `kv_heads` and `head_dim` when given), else the prior.
     """
     if source not in TABLES:
         raise ValueError(f"auto: table must be one of {TABLES}, got {source!r}")
-    cal = _calibration(str(CALIBRATION)) if source != "prior" else None
-    fits = cal is not None and len(cal["damage"]) == num_layers and \
-        [tuple(c) for c in cal["configs"]] == list(CONFIGS)
+    if calibration is not None and source == "prior":
+        raise ValueError("auto: calibration= needs table=auto, kl, table or learned, not prior")
+    path = CALIBRATION if calibration is None else Path(calibration)
+    cal = read_calibration(path) if source != "prior" else None
+    if calibration is not None and cal is None:
+        raise ValueError(f"auto: calibration={calibration!r} is not a file")
+    mismatch = None if cal is None else _shape_mismatch(cal, num_layers, kv_heads, head_dim)
+    if calibration is not None and mismatch:
+        raise ValueError(f"auto: calibration={calibration!r} was {mismatch}")
+    fits = cal is not None and mismatch is None
     kl = cal.get("kl") if fits else None
-    if kl is not None and len(kl["damage"]) == num_layers and source in ("auto", "kl"):
+    if kl is not None and source in ("auto", "kl"):
         return np.asarray(kl["damage"], np.float64), f"end-to-end table ({kl['source']})"
-    if fits and source in ("auto", "table"):
+    if fits and "damage" in cal and source in ("auto", "table"):
         return np.asarray(cal["damage"], np.float64), f"calibrated table ({cal['source']})"
     params = load_controller(str(CONTROLLER)) if source in ("auto", "learned") else None
     if fits and params is not None and "signals" in cal:
@@ -149,12 +204,26 @@ def damage_table(num_layers: int, source: str = "auto") -> tuple[np.ndarray, str
             predicted = np.exp(np.asarray(controller_apply(params, jnp.asarray(cal["signals"]))))
         return predicted.astype(np.float64), \
             f"learned controller on signals of {cal['source']}"
-    return prior_damage(num_layers), "prior (no calibration for this layer count)"
+    if calibration is not None:
+        raise ValueError(f"auto: calibration={calibration!r} has no table for table={source}")
+    return prior_damage(num_layers), "prior (no calibration for this model's shape)"
 
 
-def plan_source(num_layers: int, table: str = "auto") -> str:
-    """Which damage table `auto` plans with for a model of `num_layers` layers."""
-    return damage_table(num_layers, table)[1]
+def _file_version(calibration: str | None) -> tuple:
+    """What `static_plan`'s cache is keyed on besides its arguments: the calibration file
+    in use and its modification time and size (a rewritten file is planned with anew)."""
+    path = Path(CALIBRATION if calibration is None else calibration)
+    try:
+        stat = path.stat()
+    except OSError:
+        return (str(path), None)
+    return (str(path.absolute()), stat.st_mtime_ns, stat.st_size)
+
+
+def plan_source(num_layers: int, table: str = "auto", kv_heads: int | None = None,
+                head_dim: int | None = None, calibration: str | None = None) -> str:
+    """Which damage table `auto` plans with for a model of this shape."""
+    return damage_table(num_layers, table, kv_heads, head_dim, calibration)[1]
 
 
 # ----------------------------------------------------------------------------- bytes
@@ -303,7 +372,8 @@ def _lower_hull(cost: np.ndarray, damage: np.ndarray) -> list[int]:
 
 @functools.lru_cache(maxsize=None)
 def static_plan(fraction: float, num_layers: int, kv_heads: int, head_dim: int,
-                table: str = "auto", keys: str = "auto") -> tuple[LayerChoice, ...]:
+                table: str = "auto", keys: str = "auto", calibration: str | None = None,
+                _version: tuple | None = None) -> tuple[LayerChoice, ...]:
     """The per-layer (keep share, bits, keys) for a budget of `fraction` of the bf16 full
     cache. `keys`: "auto" lets each layer choose its key coding, else only that one. A
     coding whose fixed bytes (cursors) do not fit the budget of a one-token context is left
@@ -316,7 +386,7 @@ def static_plan(fraction: float, num_layers: int, kv_heads: int, head_dim: int,
         >>> {c.keys for c in static_plan(0.25, 4, 3, 64, "prior", keys="token")}
         {'token'}
     """
-    damage, _ = damage_table(num_layers, table)
+    damage, _ = damage_table(num_layers, table, kv_heads, head_dim, calibration)
     per_token = 4 * head_dim + 4  # a bf16 head-token: k, v and its position
     one_token = fraction * bf16_full_bytes(1, 1, kv_heads, head_dim, 1)
     sizes = [layer_bytes(1, kv_heads, head_dim, "float32", b, a) for _, b, a in CONFIGS]
@@ -419,6 +489,7 @@ class AutoUpdate:
     table: str = "auto"
     keys: str = "auto"
     score: str = "mixed"
+    calibration: str | None = None  # a calibration file for the user's model
 
     def plan_fraction(self, num_layers: int, kv_heads: int, head_dim: int) -> float:
         """The fraction the static (codec) plan is made for: F, or N over the bf16 bytes
@@ -429,10 +500,17 @@ class AutoUpdate:
         return min(1.0, max(MIN_FRACTION, self.per_sequence / full))
 
     def plan(self, cache: Cache) -> tuple[LayerChoice, ...]:
-        first = cache[0]
-        fraction = self.plan_fraction(len(cache), first.kv_heads, first.head_dim)
-        return static_plan(fraction, len(cache), first.kv_heads, first.head_dim, self.table,
-                           self.keys)
+        return self.plan_for(len(cache), cache[0].kv_heads, cache[0].head_dim)
+
+    def plan_for(self, num_layers: int, kv_heads: int, head_dim: int) -> tuple[LayerChoice, ...]:
+        """The static plan for a model of this shape (what `plan` makes for its cache)."""
+        fraction = self.plan_fraction(num_layers, kv_heads, head_dim)
+        return static_plan(fraction, num_layers, kv_heads, head_dim, self.table, self.keys,
+                           self.calibration, _file_version(self.calibration))
+
+    def source(self, num_layers: int, kv_heads: int, head_dim: int) -> str:
+        """Where the plan's damage table comes from (`plan_source`)."""
+        return plan_source(num_layers, self.table, kv_heads, head_dim, self.calibration)
 
     def __call__(self, cache: Cache, state: AutoState, stats=None):
         first = cache[0]
@@ -520,7 +598,7 @@ def channel_keep(scores: jax.Array, valid: jax.Array, allowed: jax.Array, ratio:
 # ----------------------------------------------------------------------------- calibration
 
 
-@functools.partial(jax.jit, static_argnames=("keep", "bits", "keys", "window", "score"))
+@functools.partial(jax.jit, static_argnames=("bits", "keys", "window", "score"))
 def config_damage(layer: TokenCache, select_stats, eval_q: jax.Array, eval_pos: jax.Array,
                   keep: float, bits: int, keys: str = "token", window: int = 32,
                   score: str = "attention") -> jax.Array:
@@ -551,7 +629,7 @@ def _stored(layer: TokenCache, select_stats, choice: LayerChoice, window: int, s
     return update._layer(layer, select_stats, slots, choice)[0]
 
 
-@functools.partial(jax.jit, static_argnames=("keep", "bits", "keys", "window", "score"))
+@functools.partial(jax.jit, static_argnames=("bits", "keys", "window", "score"))
 def stored_in_place(layer: TokenCache, select_stats, keep: float, bits: int,
                     keys: str = "token", window: int = 32, score: str = "mixed") -> TokenCache:
     """The dense `layer` [B, KVH, C] holding only what `auto` would store with (`keep`,
@@ -585,7 +663,7 @@ SIGNALS = ("keep", "bits/8", "per-channel keys", "attention mass lost", "entropy
 """What the learned controller reads per (layer, config), all measured on the prompt."""
 
 
-@functools.partial(jax.jit, static_argnames=("keep", "bits", "keys", "window"))
+@functools.partial(jax.jit, static_argnames=("bits", "keys", "window"))
 def config_signals(layer: TokenCache, select_stats, keep: float, bits: int,
                    keys: str = "token", window: int = 32) -> jax.Array:
     """[len(SIGNALS)] float32 signals of storing a dense `layer` with (`keep`, `bits`,
@@ -638,8 +716,8 @@ def load_controller(path: str) -> dict | None:
 
 def auto(budget: float | None = None, bytes: int | None = None, context: int = 1024,
          window: int = 32, sinks: int = 4, recent: int = 8, alpha: float = 0.2,
-         table: str = "auto", keys: str = "auto",
-         score: str = "mixed") -> CacheTransform:
+         table: str = "auto", keys: str = "auto", score: str = "mixed",
+         calibration: str | None = None) -> CacheTransform:
     """A cache that fits a memory budget: eviction and codes planned per layer and KV head.
 
     Args:
@@ -660,6 +738,10 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
         normalised per head; chosen on calibration text, docs/results/planner/dev),
         "expected_attention" (future queries' expected attention from the prompt's query
         moments; the first 4 tokens kept) or "attention" (the last `window` queries').
+      calibration: a damage-table file measured on the user's own model (`python
+        experiments/eval/calibrate_planner.py --model M --out F`); its layer count, KV heads
+        and head dim must be the cache's. Default: the shipped table where it was measured
+        on a model of the cache's shape (SmolLM2-135M), else the prior.
 
     Example:
         >>> auto(bytes=0)
@@ -694,8 +776,17 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
         raise ValueError(f"auto: keys={keys!r} must be one of auto, {', '.join(KEYS)}")
     if score not in SCORES:
         raise ValueError(f"auto: score={score!r} must be one of {', '.join(SCORES)}")
+    if calibration is not None:
+        if table == "prior":
+            raise ValueError("auto: calibration= needs table=auto, kl, table or learned, not "
+                             "prior")
+        if not isinstance(calibration, (str, Path)) or not Path(calibration).is_file():
+            raise ValueError(f"auto: calibration={calibration!r} is not a file (one "
+                             f"experiments/eval/calibrate_planner.py --out wrote)")
+        read_calibration(calibration)  # a file of the wrong kind fails here, not at trace
+        calibration = str(calibration)
     update = AutoUpdate(None if budget is None else float(budget), bytes, context,
-                        window, sinks, recent, float(alpha), table, keys, score)
+                        window, sinks, recent, float(alpha), table, keys, score, calibration)
     stats = StatsSpec(window=window)
     if score in ("expected_attention", "mixed"):
         stats = stats.merge(StatsSpec(query_moments=True, moments_skip=ExpectedAttentionScorer.sinks))
