@@ -734,3 +734,21 @@ def test_linear_state_passkey_table_is_its_rows():
     for policy in ("streaming_llm", "snapkv"):
         fold = f"{policy}:budget=192+fold:map=docs/results/linear_state_maps"
         assert rows[(1024, fold)]["scores"] == rows[(1024, f"{policy}:budget=224")]["scores"]
+
+
+def test_readme_counts_are_the_projects():
+    """README's counts of the project's own parts: the cache methods `kvjax methods` lists,
+    how many of them name the kvpress press they equal, and the notebooks the suite runs (the
+    test counts: tests/test_tiers.py)."""
+    from kvjax.policies.methods import describe_methods
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    listed = re.search(r"`kvjax methods` lists (\d+) cache methods, (\d+) of which name the "
+                       r"kvpress [\d.]+ press they equal", readme)
+    notebooks = re.search(r"and the (\w+) notebooks of `experiments/notebooks/`", readme)
+    assert listed and notebooks, "README no longer states these counts"
+    methods = describe_methods()
+    assert (int(listed.group(1)), int(listed.group(2))) == \
+        (len(methods), sum(bool(m["kvpress"]) for m in methods))
+    words = ("one two three four five six seven eight nine ten").split()
+    assert words.index(notebooks.group(1)) + 1 == \
+        len(list((ROOT / "experiments" / "notebooks").glob("*.ipynb")))
