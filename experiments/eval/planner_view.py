@@ -23,13 +23,12 @@ def _auto_update(method):
 def plan_summary(method, model) -> dict | None:
     """The static part of an `auto` method's plan for `model` (bits and token share per
     layer, where its damage table came from), or None for another method."""
-    from kvjax.policies import planner
     update = _auto_update(method)
     if update is None:
         return None
     c = model.config
-    fraction = update.plan_fraction(c.num_layers, c.num_kv_heads, c.head_dim)
     shape = c.num_layers, c.num_kv_heads, c.head_dim
+    fraction = update.plan_fraction(*shape)
     plan = update.plan_for(*shape)
     return {"bits": [p.bits for p in plan], "keep": [p.keep for p in plan],
             "keys": [p.keys for p in plan],

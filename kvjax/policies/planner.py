@@ -131,7 +131,7 @@ def _read_calibration(path: str, mtime_ns: int, size: int) -> dict:
     try:
         cal = json.loads(Path(path).read_text())
         configs = [tuple(c) for c in cal["configs"]]
-        tables = [cal[k]["damage"] if k == "kl" else cal[k] for k in ("kl", "damage") if k in cal]
+        tables = _tables(cal)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise ValueError(f"auto: {path} is not a planner calibration (JSON with `configs` and a "
                          f"`kl` or `damage` table, written by experiments/eval/"
@@ -144,13 +144,30 @@ def _read_calibration(path: str, mtime_ns: int, size: int) -> dict:
     return cal
 
 
+def _tables(cal: dict) -> list:
+    """The damage tables a calibration holds: its end-to-end one, its attention-output one."""
+    return [cal["kl"]["damage"] if k == "kl" else cal[k] for k in ("kl", "damage") if k in cal]
+
+
+def _checked_calibration(calibration, table: str) -> str | None:
+    """`auto`'s `calibration` argument as an absolute path (None stays None), or ValueError:
+    it must name a file and go with a table the file can hold (not the prior)."""
+    if calibration is None:
+        return None
+    if table == "prior":
+        raise ValueError("auto: calibration= needs table=auto, kl, table or learned, not prior")
+    if not isinstance(calibration, (str, Path)) or not Path(calibration).is_file():
+        raise ValueError(f"auto: calibration={calibration!r} is not a file (one "
+                         f"experiments/eval/calibrate_planner.py --out wrote)")
+    return str(Path(calibration).absolute())
+
+
 def _shape_mismatch(cal: dict, num_layers: int, kv_heads: int | None,
                     head_dim: int | None) -> str | None:
     """Why `cal` does not describe this cache's model (None when it does). A file without
     `shape` is matched on its layer count alone."""
-    tables = [cal[k]["damage"] if k == "kl" else cal[k] for k in ("kl", "damage") if k in cal]
     shape = cal.get("shape", {})
-    want = {"layers": len(tables[0]), "kv_heads": shape.get("kv_heads"),
+    want = {"layers": len(_tables(cal)[0]), "kv_heads": shape.get("kv_heads"),
             "head_dim": shape.get("head_dim")}
     have = {"layers": num_layers, "kv_heads": kv_heads, "head_dim": head_dim}
     if any(w is not None and h is not None and w != h for w, h in zip(want.values(),
@@ -183,12 +200,8 @@ def damage_table(num_layers: int, source: str = "auto", kv_heads: int | None = N
     """
     if source not in TABLES:
         raise ValueError(f"auto: table must be one of {TABLES}, got {source!r}")
-    if calibration is not None and source == "prior":
-        raise ValueError("auto: calibration= needs table=auto, kl, table or learned, not prior")
-    path = CALIBRATION if calibration is None else Path(calibration)
-    cal = read_calibration(path) if source != "prior" else None
-    if calibration is not None and cal is None:
-        raise ValueError(f"auto: calibration={calibration!r} is not a file")
+    calibration = _checked_calibration(calibration, source)
+    cal = read_calibration(calibration or CALIBRATION) if source != "prior" else None
     mismatch = None if cal is None else _shape_mismatch(cal, num_layers, kv_heads, head_dim)
     if calibration is not None and mismatch:
         raise ValueError(f"auto: calibration={calibration!r} was {mismatch}")
@@ -377,7 +390,9 @@ def static_plan(fraction: float, num_layers: int, kv_heads: int, head_dim: int,
     """The per-layer (keep share, bits, keys) for a budget of `fraction` of the bf16 full
     cache. `keys`: "auto" lets each layer choose its key coding, else only that one. A
     coding whose fixed bytes (cursors) do not fit the budget of a one-token context is left
-    out when another fits, so the budget holds from the first token.
+    out when another fits, so the budget holds from the first token. `calibration`: a file
+    of the user's model (`damage_table`); `_version` keys this cache on the file's version
+    (`_file_version`).
 
     Example:
         >>> plan = static_plan(0.25, 4, 3, 64, "prior")
@@ -776,15 +791,9 @@ def auto(budget: float | None = None, bytes: int | None = None, context: int = 1
         raise ValueError(f"auto: keys={keys!r} must be one of auto, {', '.join(KEYS)}")
     if score not in SCORES:
         raise ValueError(f"auto: score={score!r} must be one of {', '.join(SCORES)}")
+    calibration = _checked_calibration(calibration, table)
     if calibration is not None:
-        if table == "prior":
-            raise ValueError("auto: calibration= needs table=auto, kl, table or learned, not "
-                             "prior")
-        if not isinstance(calibration, (str, Path)) or not Path(calibration).is_file():
-            raise ValueError(f"auto: calibration={calibration!r} is not a file (one "
-                             f"experiments/eval/calibrate_planner.py --out wrote)")
         read_calibration(calibration)  # a file of the wrong kind fails here, not at trace
-        calibration = str(calibration)
     update = AutoUpdate(None if budget is None else float(budget), bytes, context,
                         window, sinks, recent, float(alpha), table, keys, score, calibration)
     stats = StatsSpec(window=window)
