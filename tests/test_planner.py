@@ -186,6 +186,8 @@ def test_calibrating_another_model_measures_its_own_tables(tiny_model, tmp_path)
         calibration(wider, ids, "kl", prefix=64, window=8, existing=out)
     with pytest.raises(ValueError, match="positions"):
         calibration(tiny_model, [ids[0] * 8], "kl", prefix=64, window=8)
+    with pytest.raises(ValueError, match="target must be 'kl' or 'attention', got 'mse'"):
+        calibration(tiny_model, ids, "mse", prefix=64, window=8)
 
 
 def test_bytes_below_the_fixed_overhead_is_an_error(tiny_model):

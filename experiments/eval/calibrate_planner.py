@@ -142,6 +142,8 @@ def calibration(model, windows: list[list[int]], target: str = "kl", prefix: int
 
     ValueError when `existing` holds tables of another model's shape or other configs, or
     a window does not fit the model's positions."""
+    if target not in ("kl", "attention"):
+        raise ValueError(f"target must be 'kl' or 'attention', got {target!r}")
     cfg = model.config
     shape = {"layers": cfg.num_layers, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim}
     out = dict(existing or {})
@@ -198,14 +200,12 @@ def main(argv=None) -> int:
     model, tokenizer = load_model(args.model)
     source = (f"{args.model} on {args.text.name}, {windows} windows of {args.prefix}+{probe} "
               f"tokens, tokens ranked by {score}")
-    if args.prefix + probe > model.config.max_position:
-        ap.error(f"--prefix {args.prefix} + --probe {probe} exceed the model's "
-                 f"{model.config.max_position} positions")
     try:
         out = calibration(model, window_ids(tokenizer, args.text, args.prefix + probe, windows),
                           args.target, args.prefix, args.window, score, source, existing)
     except ValueError as e:  # refused before anything is measured
-        ap.error(f"{e} (--out {args.out}, --text {args.text})")
+        ap.error(f"{e} (--prefix {args.prefix}, --probe {probe}, --out {args.out}, "
+                 f"--text {args.text})")
     args.out.write_text(json.dumps(out) + "\n")
     layers = len(out["kl"]["damage"] if kl else out["damage"])
     print(f"wrote {args.out} ({args.target}): {layers} layers x {len(planner.CONFIGS)} "
