@@ -14,13 +14,13 @@ How it decides (`docs/DECISIONS.md`, "auto: the budget planner"):
    context's tokens, the bits (8, 4 or 2; group 32, fp16 scale and offset) and the key
    coding: per-token (keys like values) or per-channel (KIVI's keys: each channel over
    groups of 32 tokens). A multiple-choice knapsack over `CONFIGS` minimises the summed
-   predicted damage under the budget: the shipped calibration tables
-   (`planner_calibration.json`, measured on calibration text by
-   `experiments/eval/calibrate_planner.py`): each layer's damage end to end (the KL of the
-   model's next-token distributions with that layer alone stored so) when it matches the
-   model's layer count, else its attention-output error, else a learned controller's
-   prediction from the calibration's signals, else an analytic prior (`prior_damage`).
-   `plan_source()` says which.
+   predicted damage under the budget, from calibration tables measured on calibration text
+   by `experiments/eval/calibrate_planner.py`: the shipped ones (`planner_calibration.json`,
+   SmolLM2-135M's) for a model of their shape, or the user's own model's (`calibration=`):
+   each layer's damage end to end (the KL of the model's next-token distributions with that
+   layer alone stored so), else its attention-output error, else a learned controller's
+   prediction from the calibration's signals; without tables, an analytic prior
+   (`prior_damage`). `plan_source()` says which.
 2. **Per layer, traced**: the head-slots from the bytes. With `fixed_l + slot_l x T_l` bytes
    for `T_l` coded head-slots (measured once from shapes with `nbytes`),
    `T_l = floor(share_l x X)` with the largest X that fits; floors make `nbytes <= budget`.
