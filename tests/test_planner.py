@@ -131,7 +131,7 @@ def test_a_calibration_file_plans_its_model_and_only_its_model(tiny_model, tmp_p
     from models.sampler import prefill_and_compress
     cfg = tiny_model.config
     shape = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    free = {(0.25, 4, "channel"): "first", (0.125, 8, "token"): "second"}
+    free = ((0.25, 4, "channel"), (0.125, 8, "token"))  # the config that costs nothing
     path = tmp_path / "mine.json"
     ids = np.random.default_rng(5).integers(3, cfg.vocab_size, 300).tolist()
     for choice in free:
