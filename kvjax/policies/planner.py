@@ -119,11 +119,8 @@ def read_calibration(path: str | Path) -> dict | None:
     ValueError, naming the file, when it is not a calibration of `CONFIGS`: JSON with
     `configs` and a `kl` table or an attention-output `damage` table; `shape` (layers, KV
     heads, head dim of the model it was measured on) is optional in files older than it."""
-    p = Path(path)
-    if not p.is_file():
-        return None
-    stat = p.stat()
-    return _read_calibration(str(p.absolute()), stat.st_mtime_ns, stat.st_size)
+    version = _file_version(path)
+    return _read_calibration(*version) if Path(path).is_file() else None
 
 
 @functools.lru_cache(maxsize=8)
@@ -222,10 +219,10 @@ def damage_table(num_layers: int, source: str = "auto", kv_heads: int | None = N
     return prior_damage(num_layers), "prior (no calibration for this model's shape)"
 
 
-def _file_version(calibration: str | None) -> tuple:
-    """What `static_plan`'s cache is keyed on besides its arguments: the calibration file
-    in use and its modification time and size (a rewritten file is planned with anew)."""
-    path = Path(CALIBRATION if calibration is None else calibration)
+def _file_version(path: str | Path) -> tuple:
+    """(absolute path, modification time, size) of a calibration file: what its parsed
+    contents and `static_plan`'s plans are cached on, so a rewritten file is read anew."""
+    path = Path(path)
     try:
         stat = path.stat()
     except OSError:
@@ -521,7 +518,7 @@ class AutoUpdate:
         """The static plan for a model of this shape (what `plan` makes for its cache)."""
         fraction = self.plan_fraction(num_layers, kv_heads, head_dim)
         return static_plan(fraction, num_layers, kv_heads, head_dim, self.table, self.keys,
-                           self.calibration, _file_version(self.calibration))
+                           self.calibration, _file_version(self.calibration or CALIBRATION))
 
     def source(self, num_layers: int, kv_heads: int, head_dim: int) -> str:
         """Where the plan's damage table comes from (`plan_source`)."""
