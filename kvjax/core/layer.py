@@ -38,7 +38,7 @@ every array leaf of any pytree. Moving pages between memory tiers is the pool's 
 all layers together (`kvjax.memory.tiers.spill`), not a per-layer one.
 
 A new layer kind is one module: a frozen dataclass registered as a pytree, the methods
-above, and `register_layer(cls)` (README "Add a layer kind"; tests/test_layer_protocol.py
+above, and `register_layer(cls)` (docs/guide/layout.md "Adding a layer kind"; tests/test_layer_protocol.py
 builds one). `register_layer` refuses a class that misses a method, and `layer_kinds()`
 lists what is registered (a kind registers when its module is imported). The library
 dispatches on these methods only: no `hasattr` probe on a layer. (Two places still name
