@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -124,7 +125,7 @@ def read_calibration(path: str | Path) -> dict | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _read_calibration(path: str, mtime_ns: int, size: int) -> dict:
+def _read_calibration(path: str, digest: str) -> dict:
     try:
         cal = json.loads(Path(path).read_text())
         configs = [tuple(c) for c in cal["configs"]]
@@ -220,14 +221,15 @@ def damage_table(num_layers: int, source: str = "auto", kv_heads: int | None = N
 
 
 def _file_version(path: str | Path) -> tuple:
-    """(absolute path, modification time, size) of a calibration file: what its parsed
-    contents and `static_plan`'s plans are cached on, so a rewritten file is read anew."""
+    """(absolute path, SHA-256 of its bytes) of a calibration file: what its parsed contents
+    and `static_plan`'s plans are cached on, so a rewritten file is read anew, even one
+    rewritten at the same size within the file system's timestamp resolution."""
     path = Path(path)
     try:
-        stat = path.stat()
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
     except OSError:
         return (str(path), None)
-    return (str(path.absolute()), stat.st_mtime_ns, stat.st_size)
+    return (str(path.absolute()), digest)
 
 
 def plan_source(num_layers: int, table: str = "auto", kv_heads: int | None = None,
