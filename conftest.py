@@ -1,5 +1,6 @@
 """Suite-wide hooks, for every test pytest collects (tests/ and the docstring examples of
-kvjax/, models/ and kernels_pallas/): CI's skip guard, and the `fast` tier.
+kvjax/, models/ and kernels_pallas/): CI's skip guard, the `fast` tier, and quick compiles
+for every test that does not load the real model (`quick_compiles`).
 
 The guard: in CI (`CI` set and not "false"/"0") a skip fails unless its reason starts with
 `[optional]`, wherever it happens: a module that skips at import (`pytest.skip(...,
@@ -53,6 +54,26 @@ def pytest_xdist_make_scheduler(config, log):
     if not any(a.startswith(("--dist", "-d")) for a in given):
         return LoadFileScheduling(config, log)
     return None
+
+
+def quick_compiles(item) -> bool:
+    """Whether `item` compiles with XLA's backend optimizations off
+    (`jax_disable_most_optimizations`: LLVM at -O0 without its expensive passes; XLA's own
+    HLO passes, fusion and layouts among them, run as usual, so a test that reads the compiled
+    HLO sees the same program): every test but those of the real model (`slow`). Tests on tiny
+    random configs compile thousands of small programs and run each for milliseconds, so
+    compiling costs far more than running, and LLVM's optimizations are most of compiling
+    (docs/guide/correctness.md#suite-times). Real-model programs run long enough that the
+    optimizations pay: a 2,048-token prefill of SmolLM2 ran 2.4x slower without them."""
+    return item.get_closest_marker("slow") is None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Set XLA's optimizations for `item` before its fixtures, so a module's shared fixtures
+    compile as the test that first needs them does (`quick_compiles`)."""
+    import jax
+    jax.config.update("jax_disable_most_optimizations", quick_compiles(item))
 
 
 def _allowed(reason: str) -> bool:

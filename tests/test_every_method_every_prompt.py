@@ -254,16 +254,6 @@ def cases(extra: int = 0):
     yield [prompt(n, n) for n in LENGTHS], {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _quick_compiles():
-    """XLA with most optimizations off: the sweep compiles ~150 small programs and runs each
-    a few steps (results differ from optimized XLA only by float32 rounding)."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
-
-
 @pytest.mark.parametrize("every", [0, 2], ids=["prefill_only", "compress_every_2"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_method_generates_on_every_prompt_length(model, basis_file, spec, every):

@@ -33,8 +33,8 @@ from flax import nnx
 import kvjax
 from kvjax.core.stats import NO_STATS, accumulate_mass, observe
 from models.sampler import generate
-from tests.test_every_method_every_prompt import (  # noqa: F401 (_quick_compiles: autouse)
-    BASIS, PROMPT_ONLY, SPECS, _quick_compiles, check_stores, random_basis)
+from tests.test_every_method_every_prompt import (
+    BASIS, PROMPT_ONLY, SPECS, check_stores, random_basis)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,8 @@ import pytest
 import kvjax
 from models.loading import build_model, load_hf_dir
 from models.sampler import generate, windowed_layers
-from tests.test_every_method_every_prompt import (  # noqa: F401 (_quick_compiles: autouse)
-    BASIS, PROMPT_ONLY, SPECS, _quick_compiles, check_stores, is_codec, random_basis,
+from tests.test_every_method_every_prompt import (
+    BASIS, PROMPT_ONLY, SPECS, check_stores, is_codec, random_basis,
     step_equals_decoded_step)
 
 GOLDEN = Path(__file__).parent / "golden" / "families"
