@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("kvjax", "models", "kernels_pallas")
 PACKAGES = LIBRARY + ("experiments",)
@@ -156,3 +158,17 @@ def test_with_workers_each_file_runs_on_one_worker():
         return per_file
     assert all(len(w) == 1 for w in workers().values())
     assert len(workers("--dist", "load")["tests/test_bounds.py"]) == 2
+
+
+def test_a_test_off_the_real_model_compiles_without_llvm_optimizations():
+    """The root conftest's `quick_compiles`: set before this test's fixtures ran."""
+    import jax
+    assert jax.config.read("jax_disable_most_optimizations") is True
+
+
+@pytest.mark.slow
+def test_a_real_model_test_compiles_as_users_do():
+    """A `slow` test (here marked by hand; conftest marks every test that loads SmolLM2)
+    compiles with XLA's optimizations on."""
+    import jax
+    assert jax.config.read("jax_disable_most_optimizations") is False
