@@ -120,8 +120,8 @@ def read_calibration(path: str | Path) -> dict | None:
     ValueError, naming the file, when it is not a calibration of `CONFIGS`: JSON with
     `configs` and a `kl` table or an attention-output `damage` table; `shape` (layers, KV
     heads, head dim of the model it was measured on) is optional in files older than it."""
-    version = _file_version(path)
-    return _read_calibration(*version) if Path(path).is_file() else None
+    path, digest = _file_version(path)
+    return None if digest is None else _read_calibration(path, digest)
 
 
 @functools.lru_cache(maxsize=8)
